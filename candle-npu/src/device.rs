@@ -1,0 +1,156 @@
+//! [`NpuDevice`]: one executor, its statistics, and the fallback to the host when the executor
+//! cannot run a graph.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::executor::{ExecutableGraph, Executor, HostExecutor};
+use crate::graph::{DType, Graph, TensorData};
+
+/// Counters that back the chunk-sharing claim (graphs prepared once, executed per chunk) and
+/// the timing tables.
+#[derive(Debug, Default)]
+struct Counters {
+    prepared: AtomicU64,
+    executions: AtomicU64,
+    fallbacks: AtomicU64,
+    prepare_ns: AtomicU64,
+    execute_ns: AtomicU64,
+}
+
+/// A snapshot of a device's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Graphs prepared (compiled) on this device.
+    pub graphs_prepared: u64,
+    /// Graph executions.
+    pub executions: u64,
+    /// Graphs prepared on the host because the executor could not run one of their ops.
+    pub fallbacks: u64,
+    pub prepare_ns: u64,
+    pub execute_ns: u64,
+}
+
+struct Inner {
+    executor: Box<dyn Executor>,
+    host: HostExecutor,
+    counters: Counters,
+}
+
+/// A processor that runs static graphs: the Hexagon NPU, or the host CPU's INT8 executor.
+/// Cheap to clone; clones share the executor and counters.
+#[derive(Clone)]
+pub struct NpuDevice {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for NpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NpuDevice({})", self.inner.executor.name())
+    }
+}
+
+impl NpuDevice {
+    /// Graphs run on the host CPU with INT8 kernels.
+    pub fn host() -> Self {
+        Self::with_executor(Box::new(HostExecutor))
+    }
+
+    pub fn with_executor(executor: Box<dyn Executor>) -> Self {
+        NpuDevice { inner: Arc::new(Inner { executor, host: HostExecutor, counters: Counters::default() }) }
+    }
+
+    pub fn executor_name(&self) -> &'static str {
+        self.inner.executor.name()
+    }
+
+    pub fn stats(&self) -> DeviceStats {
+        let c = &self.inner.counters;
+        DeviceStats {
+            graphs_prepared: c.prepared.load(Ordering::Relaxed),
+            executions: c.executions.load(Ordering::Relaxed),
+            fallbacks: c.fallbacks.load(Ordering::Relaxed),
+            prepare_ns: c.prepare_ns.load(Ordering::Relaxed),
+            execute_ns: c.execute_ns.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Validate and compile a graph. When the executor cannot run one of its ops, the graph is
+    /// prepared on the host instead and the fallback is logged.
+    pub fn prepare(&self, graph: &Graph) -> Result<PreparedGraph> {
+        graph.validate()?;
+        let t = Instant::now();
+        let ex = &self.inner.executor;
+        let exec: Box<dyn ExecutableGraph> = match graph.ops.iter().find(|op| !ex.supports(graph, op)) {
+            Some(op) => {
+                tracing::warn!(
+                    graph = %graph.name, executor = ex.name(), op = op.name(), shapes = %graph.describe_op(op),
+                    "op not supported by the NPU executor: running this graph on the host CPU"
+                );
+                self.inner.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+                self.inner.host.prepare(graph)?
+            }
+            None => ex.prepare(graph)?,
+        };
+        let c = &self.inner.counters;
+        c.prepared.fetch_add(1, Ordering::Relaxed);
+        c.prepare_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let sig = |ids: &[crate::graph::TensorId]| {
+            ids.iter().map(|&i| (graph.tensor(i).name.clone(), graph.tensor(i).dtype, graph.tensor(i).elem_count())).collect()
+        };
+        Ok(PreparedGraph {
+            name: graph.name.clone(),
+            inputs: sig(&graph.inputs),
+            outputs: sig(&graph.outputs),
+            exec,
+            device: self.clone(),
+        })
+    }
+}
+
+/// A compiled graph bound to its device. Execute it as often as needed with new inputs.
+pub struct PreparedGraph {
+    name: String,
+    inputs: Vec<(String, DType, usize)>,
+    outputs: Vec<(String, DType, usize)>,
+    exec: Box<dyn ExecutableGraph>,
+    device: NpuDevice,
+}
+
+impl PreparedGraph {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Run the graph. Inputs in the graph's input order; every buffer is checked against its
+    /// tensor's type and size first (QNN does not check, and would overrun).
+    pub fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>> {
+        let mismatch = |tensor: &str, expected: String, got: String| Error::BufferMismatch {
+            graph: self.name.clone(),
+            tensor: tensor.to_string(),
+            expected,
+            got,
+        };
+        if inputs.len() != self.inputs.len() {
+            return Err(mismatch("<inputs>", format!("{} inputs", self.inputs.len()), format!("{}", inputs.len())));
+        }
+        for ((name, dtype, n), data) in self.inputs.iter().zip(inputs) {
+            if data.dtype() != *dtype || data.len() != *n {
+                return Err(mismatch(name, format!("{dtype:?} x {n}"), format!("{:?} x {}", data.dtype(), data.len())));
+            }
+        }
+        let t = Instant::now();
+        let out = self.exec.execute(inputs)?;
+        for ((name, dtype, n), data) in self.outputs.iter().zip(&out) {
+            if data.dtype() != *dtype || data.len() != *n {
+                return Err(mismatch(name, format!("{dtype:?} x {n}"), format!("{:?} x {}", data.dtype(), data.len())));
+            }
+        }
+        let c = &self.device.inner.counters;
+        c.executions.fetch_add(1, Ordering::Relaxed);
+        c.execute_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(out)
+    }
+}

@@ -1,0 +1,55 @@
+//! The one error type of candle-npu, sectioned by area. Each variant carries what a person needs
+//! to fix the cause: the path, the op and its shapes, the QNN error code and message.
+
+use std::path::PathBuf;
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // --- library loading (Hexagon executor) ---
+    #[error("QNN library {path}: {reason}")]
+    QnnLibrary { path: PathBuf, reason: String },
+
+    // --- graph construction and preparation ---
+    #[error("graph '{graph}': op {op} ({shapes}): {reason}")]
+    InvalidGraph { graph: String, op: String, shapes: String, reason: String },
+    #[error("graph '{graph}': executor {executor} cannot run op {op} ({shapes})")]
+    Unsupported { graph: String, executor: &'static str, op: String, shapes: String },
+    #[error("graph '{graph}': preparing op {op} ({shapes}) failed: QNN error {code}: {message}")]
+    Prepare { graph: String, op: String, shapes: String, code: u64, message: String },
+
+    // --- execution ---
+    #[error("graph '{graph}': input/output '{tensor}': expected {expected}, got {got}")]
+    BufferMismatch { graph: String, tensor: String, expected: String, got: String },
+    #[error("graph '{graph}': execute failed: QNN error {code}: {message}")]
+    Execute { graph: String, code: u64, message: String },
+
+    // --- quantization / calibration ---
+    #[error("quant profile {path}: {reason}")]
+    Profile { path: PathBuf, reason: String },
+    #[error("no calibrated activation range for '{0}' (re-run calibration)")]
+    MissingRange(String),
+
+    // --- model loading ---
+    #[error("model {path}: {reason}")]
+    Model { path: PathBuf, reason: String },
+    #[error("model {path}: missing tensor '{name}'")]
+    MissingTensor { path: PathBuf, name: String },
+
+    // --- input ---
+    #[error("invalid input: {0}")]
+    Input(String),
+
+    // --- wrapped ---
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+}

@@ -1,0 +1,626 @@
+//! The static graph description every executor compiles.
+//!
+//! NPU graphs are static: every tensor has a fixed shape and fixed quantization parameters, and
+//! weights are baked in. The op set is the small one a decoder block's NPU stages need. The
+//! quantization convention is QNN's, `float = (q + offset) * scale` (so `offset` is the *negated*
+//! zero point), so that the Hexagon executor is a translation of this IR, not a reinterpretation.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// Element type of a graph tensor. Quantized types carry a [`Quant`] in their [`TensorSpec`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum DType {
+    F32,
+    /// Unsigned 8-bit fixed point (QNN UFIXED_POINT_8): activations.
+    U8,
+    /// Signed 8-bit fixed point (QNN SFIXED_POINT_8): symmetric weights.
+    I8,
+    /// Signed 32-bit fixed point (QNN SFIXED_POINT_32): biases and accumulators.
+    I32,
+}
+
+impl DType {
+    pub fn is_quantized(self) -> bool {
+        !matches!(self, DType::F32)
+    }
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::U8 | DType::I8 => 1,
+        }
+    }
+}
+
+/// Per-tensor affine quantization, QNN's convention: `float = (q + offset) * scale`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Quant {
+    pub scale: f32,
+    pub offset: i32,
+}
+
+impl Quant {
+    /// Symmetric quantization (offset 0), as used for weights, biases and accumulators.
+    pub fn symmetric(scale: f32) -> Self {
+        Quant { scale, offset: 0 }
+    }
+
+    /// Asymmetric u8 quantization covering `[min, max]` (widened to include 0 so that zero, and
+    /// hence padding, is exact).
+    pub fn u8_range(min: f32, max: f32) -> Self {
+        let (min, max) = (min.min(0.0), max.max(0.0));
+        let scale = if max > min { (max - min) / 255.0 } else { 1.0 };
+        let zero_point = (-min / scale).round().clamp(0.0, 255.0) as i32;
+        Quant { scale, offset: -zero_point }
+    }
+
+    /// Range of floats this quantization represents for a given storage type.
+    pub fn float_range(&self, dtype: DType) -> (f32, f32) {
+        let (lo, hi) = dtype_int_range(dtype);
+        ((lo as f32 + self.offset as f32) * self.scale, (hi as f32 + self.offset as f32) * self.scale)
+    }
+}
+
+fn dtype_int_range(dtype: DType) -> (i64, i64) {
+    match dtype {
+        DType::U8 => (0, 255),
+        DType::I8 => (-128, 127),
+        DType::I32 => (i32::MIN as i64, i32::MAX as i64),
+        DType::F32 => (0, 0),
+    }
+}
+
+/// How a tensor takes part in a graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorKind {
+    /// Written by the caller before each execution.
+    Input,
+    /// Read by the caller after each execution.
+    Output,
+    /// Produced and consumed inside the graph.
+    Intermediate,
+    /// Constant data baked into the graph (weights, biases).
+    Static,
+}
+
+/// Constant tensor contents.
+#[derive(Debug, Clone)]
+pub enum StaticData {
+    F32(Arc<Vec<f32>>),
+    I8(Arc<Vec<i8>>),
+    I32(Arc<Vec<i32>>),
+}
+
+impl StaticData {
+    pub fn len(&self) -> usize {
+        match self {
+            StaticData::F32(v) => v.len(),
+            StaticData::I8(v) => v.len(),
+            StaticData::I32(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            StaticData::F32(_) => DType::F32,
+            StaticData::I8(_) => DType::I8,
+            StaticData::I32(_) => DType::I32,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub quant: Option<Quant>,
+    pub kind: TensorKind,
+    pub data: Option<StaticData>,
+}
+
+impl TensorSpec {
+    pub fn elem_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn size_in_bytes(&self) -> usize {
+        self.elem_count() * self.dtype.size_in_bytes()
+    }
+}
+
+impl fmt::Display for TensorSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{:?}{:?}", self.name, self.dtype, self.shape)
+    }
+}
+
+/// Index of a tensor in its [`Graph`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TensorId(pub usize);
+
+/// The op set. Elementwise ops on quantized tensors are defined as: dequantize the inputs,
+/// compute in float, quantize to the output's parameters (what QNN's HTP does, up to rounding).
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// `out[m, n] = sum_k in[m, k] * weight[n, k] + bias[n]`; weight is `[N, K]` (QNN layout).
+    /// W8A8: input U8 (or I8), weight I8 symmetric, bias I32 with scale `s_in * s_w`.
+    /// Float passthrough: all F32.
+    FullyConnected { input: TensorId, weight: TensorId, bias: Option<TensorId>, output: TensorId },
+    /// `out = a @ b` or `a @ b^T`, both dynamic.
+    MatMul { a: TensorId, b: TensorId, transpose_b: bool, output: TensorId },
+    /// F32 -> quantized.
+    Quantize { input: TensorId, output: TensorId },
+    /// Quantized -> F32.
+    Dequantize { input: TensorId, output: TensorId },
+    Add { a: TensorId, b: TensorId, output: TensorId },
+    Mul { a: TensorId, b: TensorId, output: TensorId },
+    Sigmoid { input: TensorId, output: TensorId },
+}
+
+impl Op {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::FullyConnected { .. } => "FullyConnected",
+            Op::MatMul { .. } => "MatMul",
+            Op::Quantize { .. } => "Quantize",
+            Op::Dequantize { .. } => "Dequantize",
+            Op::Add { .. } => "ElementWiseAdd",
+            Op::Mul { .. } => "ElementWiseMultiply",
+            Op::Sigmoid { .. } => "Sigmoid",
+        }
+    }
+
+    pub fn inputs(&self) -> Vec<TensorId> {
+        match *self {
+            Op::FullyConnected { input, weight, bias, .. } => {
+                let mut v = vec![input, weight];
+                v.extend(bias);
+                v
+            }
+            Op::MatMul { a, b, .. } | Op::Add { a, b, .. } | Op::Mul { a, b, .. } => vec![a, b],
+            Op::Quantize { input, .. } | Op::Dequantize { input, .. } | Op::Sigmoid { input, .. } => {
+                vec![input]
+            }
+        }
+    }
+
+    pub fn output(&self) -> TensorId {
+        match *self {
+            Op::FullyConnected { output, .. }
+            | Op::MatMul { output, .. }
+            | Op::Quantize { output, .. }
+            | Op::Dequantize { output, .. }
+            | Op::Add { output, .. }
+            | Op::Mul { output, .. }
+            | Op::Sigmoid { output, .. } => output,
+        }
+    }
+}
+
+/// A static graph: tensors, ops in execution order, graph inputs and outputs.
+#[derive(Debug, Clone)]
+pub struct Graph {
+    pub name: String,
+    pub tensors: Vec<TensorSpec>,
+    pub ops: Vec<Op>,
+    pub inputs: Vec<TensorId>,
+    pub outputs: Vec<TensorId>,
+}
+
+impl Graph {
+    pub fn new(name: impl Into<String>) -> Self {
+        Graph { name: name.into(), tensors: vec![], ops: vec![], inputs: vec![], outputs: vec![] }
+    }
+
+    pub fn tensor(&self, id: TensorId) -> &TensorSpec {
+        &self.tensors[id.0]
+    }
+
+    fn push(&mut self, spec: TensorSpec) -> TensorId {
+        self.tensors.push(spec);
+        TensorId(self.tensors.len() - 1)
+    }
+
+    /// A graph input, written before each execution.
+    pub fn input(&mut self, name: &str, shape: &[usize], dtype: DType, quant: Option<Quant>) -> TensorId {
+        let id = self.push(TensorSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype,
+            quant,
+            kind: TensorKind::Input,
+            data: None,
+        });
+        self.inputs.push(id);
+        id
+    }
+
+    /// A constant (weights, bias).
+    pub fn constant(&mut self, name: &str, shape: &[usize], data: StaticData, quant: Option<Quant>) -> TensorId {
+        self.push(TensorSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype: data.dtype(),
+            quant,
+            kind: TensorKind::Static,
+            data: Some(data),
+        })
+    }
+
+    /// An intermediate tensor; see [`Graph::mark_output`] to make it a graph output.
+    pub fn tensor_new(&mut self, name: &str, shape: &[usize], dtype: DType, quant: Option<Quant>) -> TensorId {
+        self.push(TensorSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype,
+            quant,
+            kind: TensorKind::Intermediate,
+            data: None,
+        })
+    }
+
+    /// Make a tensor a graph output (read after each execution).
+    pub fn mark_output(&mut self, id: TensorId) {
+        self.tensors[id.0].kind = TensorKind::Output;
+        if !self.outputs.contains(&id) {
+            self.outputs.push(id);
+        }
+    }
+
+    /// Add an op producing a new tensor `name` with the given type; returns that tensor.
+    pub fn op(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        quant: Option<Quant>,
+        make: impl FnOnce(TensorId) -> Op,
+        shape: &[usize],
+    ) -> TensorId {
+        let out = self.tensor_new(name, shape, dtype, quant);
+        self.ops.push(make(out));
+        out
+    }
+
+    /// FullyConnected with output shape `[M, N]` from input `[M, K]` and weight `[N, K]`.
+    pub fn fully_connected(
+        &mut self,
+        name: &str,
+        input: TensorId,
+        weight: TensorId,
+        bias: Option<TensorId>,
+        out_dtype: DType,
+        out_quant: Option<Quant>,
+    ) -> TensorId {
+        let m = self.tensor(input).shape[0];
+        let n = self.tensor(weight).shape[0];
+        self.op(name, out_dtype, out_quant, |output| Op::FullyConnected { input, weight, bias, output }, &[m, n])
+    }
+
+    /// An elementwise op whose output has the shape of its first input.
+    pub fn unary(&mut self, name: &str, input: TensorId, dtype: DType, quant: Option<Quant>, f: fn(TensorId, TensorId) -> Op) -> TensorId {
+        let shape = self.tensor(input).shape.clone();
+        self.op(name, dtype, quant, |output| f(input, output), &shape)
+    }
+
+    pub fn binary(
+        &mut self,
+        name: &str,
+        a: TensorId,
+        b: TensorId,
+        dtype: DType,
+        quant: Option<Quant>,
+        f: fn(TensorId, TensorId, TensorId) -> Op,
+    ) -> TensorId {
+        let shape = self.tensor(a).shape.clone();
+        self.op(name, dtype, quant, |output| f(a, b, output), &shape)
+    }
+
+    /// Shapes of an op's operands, for error messages: `in:U8[32, 576], w:I8[576, 576] -> ...`.
+    pub fn describe_op(&self, op: &Op) -> String {
+        let ins: Vec<String> = op.inputs().iter().map(|&t| self.tensor(t).to_string()).collect();
+        format!("{} -> {}", ins.join(", "), self.tensor(op.output()))
+    }
+
+    fn invalid(&self, op: &Op, reason: impl Into<String>) -> Error {
+        Error::InvalidGraph {
+            graph: self.name.clone(),
+            op: op.name().to_string(),
+            shapes: self.describe_op(op),
+            reason: reason.into(),
+        }
+    }
+
+    /// Check shapes, types and quantization parameters of every op, and that every tensor an op
+    /// reads is an input, a constant, or produced by an earlier op.
+    pub fn validate(&self) -> Result<()> {
+        if self.outputs.is_empty() {
+            return Err(Error::InvalidGraph {
+                graph: self.name.clone(),
+                op: "-".into(),
+                shapes: String::new(),
+                reason: "graph has no outputs".into(),
+            });
+        }
+        let mut ready: Vec<bool> = self
+            .tensors
+            .iter()
+            .map(|t| matches!(t.kind, TensorKind::Input | TensorKind::Static))
+            .collect();
+        for t in &self.tensors {
+            if t.dtype.is_quantized() && t.quant.is_none() {
+                return Err(Error::InvalidGraph {
+                    graph: self.name.clone(),
+                    op: "-".into(),
+                    shapes: t.to_string(),
+                    reason: "quantized tensor without scale/offset".into(),
+                });
+            }
+            if let Some(q) = t.quant {
+                if !(q.scale.is_finite() && q.scale > 0.0) {
+                    return Err(Error::InvalidGraph {
+                        graph: self.name.clone(),
+                        op: "-".into(),
+                        shapes: t.to_string(),
+                        reason: format!("scale must be finite and > 0, got {}", q.scale),
+                    });
+                }
+            }
+            if let Some(d) = &t.data {
+                if d.len() != t.elem_count() {
+                    return Err(Error::InvalidGraph {
+                        graph: self.name.clone(),
+                        op: "-".into(),
+                        shapes: t.to_string(),
+                        reason: format!("constant has {} elements, shape needs {}", d.len(), t.elem_count()),
+                    });
+                }
+            }
+        }
+        for op in &self.ops {
+            for i in op.inputs() {
+                if !ready[i.0] {
+                    return Err(self.invalid(op, format!("reads '{}' before it is produced", self.tensor(i).name)));
+                }
+            }
+            let out = self.tensor(op.output());
+            match *op {
+                Op::FullyConnected { input, weight, bias, output } => {
+                    let (x, w, o) = (self.tensor(input), self.tensor(weight), self.tensor(output));
+                    if x.shape.len() != 2 || w.shape.len() != 2 || x.shape[1] != w.shape[1] {
+                        return Err(self.invalid(op, "expects input [M, K] and weight [N, K]"));
+                    }
+                    if w.kind != TensorKind::Static {
+                        return Err(self.invalid(op, "weight must be a constant"));
+                    }
+                    if o.shape != [x.shape[0], w.shape[0]] {
+                        return Err(self.invalid(op, "output must be [M, N]"));
+                    }
+                    let float = x.dtype == DType::F32 && w.dtype == DType::F32;
+                    let w8a8 = matches!(x.dtype, DType::U8 | DType::I8) && w.dtype == DType::I8;
+                    if !(float || w8a8) {
+                        return Err(self.invalid(op, "supported: F32 x F32, or U8/I8 x I8 (W8A8)"));
+                    }
+                    if w8a8 && w.quant.is_some_and(|q| q.offset != 0) {
+                        return Err(self.invalid(op, "weights must be symmetric (offset 0)"));
+                    }
+                    if let Some(b) = bias {
+                        let b = self.tensor(b);
+                        if b.shape != [w.shape[0]] {
+                            return Err(self.invalid(op, "bias must be [N]"));
+                        }
+                        if float && b.dtype != DType::F32 {
+                            return Err(self.invalid(op, "float FullyConnected needs an F32 bias"));
+                        }
+                        if w8a8 {
+                            let expect = x.quant.unwrap().scale * w.quant.unwrap().scale;
+                            let ok = b.dtype == DType::I32
+                                && b.quant.is_some_and(|q| q.offset == 0 && ((q.scale - expect) / expect).abs() < 1e-5);
+                            if !ok {
+                                return Err(self.invalid(op, "W8A8 bias must be I32 with scale s_in * s_w, offset 0"));
+                            }
+                        }
+                    }
+                    if float && o.dtype != DType::F32 {
+                        return Err(self.invalid(op, "float FullyConnected has an F32 output"));
+                    }
+                }
+                Op::MatMul { a, b, transpose_b, output } => {
+                    let (a, b, o) = (self.tensor(a), self.tensor(b), self.tensor(output));
+                    if a.shape.len() != 2 || b.shape.len() != 2 {
+                        return Err(self.invalid(op, "expects rank-2 operands"));
+                    }
+                    let (k, n) = if transpose_b { (b.shape[1], b.shape[0]) } else { (b.shape[0], b.shape[1]) };
+                    if a.shape[1] != k || o.shape != [a.shape[0], n] {
+                        return Err(self.invalid(op, "inner dimensions differ"));
+                    }
+                }
+                Op::Quantize { input, .. } => {
+                    if self.tensor(input).dtype != DType::F32 || !out.dtype.is_quantized() {
+                        return Err(self.invalid(op, "Quantize maps F32 to a quantized type"));
+                    }
+                }
+                Op::Dequantize { input, .. } => {
+                    if !self.tensor(input).dtype.is_quantized() || out.dtype != DType::F32 {
+                        return Err(self.invalid(op, "Dequantize maps a quantized type to F32"));
+                    }
+                }
+                Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
+                    if self.tensor(a).shape != self.tensor(b).shape || self.tensor(a).shape != out.shape {
+                        return Err(self.invalid(op, "elementwise operands must have equal shapes"));
+                    }
+                }
+                Op::Sigmoid { input, .. } => {
+                    if self.tensor(input).shape != out.shape {
+                        return Err(self.invalid(op, "output shape must equal input shape"));
+                    }
+                }
+            }
+            ready[op.output().0] = true;
+        }
+        for &o in &self.outputs {
+            if !ready[o.0] {
+                return Err(Error::InvalidGraph {
+                    graph: self.name.clone(),
+                    op: "-".into(),
+                    shapes: self.tensor(o).to_string(),
+                    reason: "output is never produced".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of constant data (weights) held by this graph.
+    pub fn static_bytes(&self) -> usize {
+        self.tensors.iter().filter(|t| t.kind == TensorKind::Static).map(|t| t.size_in_bytes()).sum()
+    }
+}
+
+/// Data for one graph input or output.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorData {
+    F32(Vec<f32>),
+    U8(Vec<u8>),
+    I8(Vec<i8>),
+    I32(Vec<i32>),
+}
+
+impl TensorData {
+    pub fn dtype(&self) -> DType {
+        match self {
+            TensorData::F32(_) => DType::F32,
+            TensorData::U8(_) => DType::U8,
+            TensorData::I8(_) => DType::I8,
+            TensorData::I32(_) => DType::I32,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            TensorData::F32(v) => v.len(),
+            TensorData::U8(v) => v.len(),
+            TensorData::I8(v) => v.len(),
+            TensorData::I32(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn zeros(dtype: DType, n: usize) -> Self {
+        match dtype {
+            DType::F32 => TensorData::F32(vec![0.0; n]),
+            DType::U8 => TensorData::U8(vec![0; n]),
+            DType::I8 => TensorData::I8(vec![0; n]),
+            DType::I32 => TensorData::I32(vec![0; n]),
+        }
+    }
+    /// The float values this data stands for under `quant` (ignored for F32).
+    pub fn to_f32(&self, quant: Option<Quant>) -> Vec<f32> {
+        let q = quant.unwrap_or(Quant { scale: 1.0, offset: 0 });
+        let deq = |v: i32| (v + q.offset) as f32 * q.scale;
+        match self {
+            TensorData::F32(v) => v.clone(),
+            TensorData::U8(v) => v.iter().map(|&x| deq(x as i32)).collect(),
+            TensorData::I8(v) => v.iter().map(|&x| deq(x as i32)).collect(),
+            TensorData::I32(v) => v.iter().map(|&x| (x as i64 + q.offset as i64) as f32 * q.scale).collect(),
+        }
+    }
+    /// Quantize float values to `dtype` under `quant` (round to nearest, saturate).
+    pub fn from_f32(values: &[f32], dtype: DType, quant: Option<Quant>) -> Self {
+        match (dtype, quant) {
+            (DType::F32, _) => TensorData::F32(values.to_vec()),
+            (DType::U8, Some(q)) => TensorData::U8(crate::quant::quantize_u8(values, q)),
+            (DType::I8, Some(q)) => TensorData::I8(values.iter().map(|&v| quantize_one(v, q, -128, 127) as i8).collect()),
+            (DType::I32, Some(q)) => {
+                TensorData::I32(values.iter().map(|&v| quantize_one(v, q, i32::MIN as i64, i32::MAX as i64) as i32).collect())
+            }
+            (_, None) => panic!("from_f32: quantized dtype {dtype:?} without quant params (validated graphs never do this)"),
+        }
+    }
+}
+
+#[inline]
+pub(crate) fn quantize_one(v: f32, q: Quant, lo: i64, hi: i64) -> i64 {
+    let x = (v / q.scale).round() as i64 - q.offset as i64;
+    x.clamp(lo, hi)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fc_graph(x_dtype: DType, w_dtype: DType) -> Graph {
+        let mut g = Graph::new("t");
+        let x = g.input("x", &[2, 4], x_dtype, x_dtype.is_quantized().then_some(Quant::u8_range(-1.0, 1.0)));
+        let data = match w_dtype {
+            DType::I8 => StaticData::I8(Arc::new(vec![1; 12])),
+            _ => StaticData::F32(Arc::new(vec![1.0; 12])),
+        };
+        let w = g.constant("w", &[3, 4], data, w_dtype.is_quantized().then_some(Quant::symmetric(0.1)));
+        let y = g.fully_connected("y", x, w, None, DType::F32, None);
+        g.mark_output(y);
+        g
+    }
+
+    #[test]
+    fn valid_graphs_pass() {
+        fc_graph(DType::F32, DType::F32).validate().unwrap();
+        fc_graph(DType::U8, DType::I8).validate().unwrap();
+    }
+
+    #[test]
+    fn mixed_precision_fc_is_rejected_with_shapes() {
+        let err = fc_graph(DType::F32, DType::I8).validate().unwrap_err().to_string();
+        assert!(err.contains("FullyConnected") && err.contains("[2, 4]") && err.contains("[3, 4]"), "{err}");
+    }
+
+    #[test]
+    fn shape_mismatch_is_rejected() {
+        let mut g = Graph::new("t");
+        let x = g.input("x", &[2, 5], DType::F32, None);
+        let w = g.constant("w", &[3, 4], StaticData::F32(Arc::new(vec![0.0; 12])), None);
+        let y = g.fully_connected("y", x, w, None, DType::F32, None);
+        g.mark_output(y);
+        assert!(g.validate().unwrap_err().to_string().contains("input [M, K]"));
+    }
+
+    #[test]
+    fn wrong_bias_scale_and_missing_quant_are_rejected() {
+        let mut g = fc_graph(DType::U8, DType::I8);
+        let b = g.constant("b", &[3], StaticData::I32(Arc::new(vec![0; 3])), Some(Quant::symmetric(1.0)));
+        if let Op::FullyConnected { bias, .. } = &mut g.ops[0] {
+            *bias = Some(b);
+        }
+        assert!(g.validate().unwrap_err().to_string().contains("s_in * s_w"));
+
+        let mut g = Graph::new("t");
+        let x = g.input("x", &[1, 1], DType::U8, None);
+        g.mark_output(x);
+        assert!(g.validate().unwrap_err().to_string().contains("without scale"));
+    }
+
+    #[test]
+    fn use_before_definition_and_no_output_are_rejected() {
+        let mut g = Graph::new("t");
+        let a = g.input("a", &[4], DType::F32, None);
+        let dangling = g.tensor_new("d", &[4], DType::F32, None);
+        let y = g.binary("y", a, dangling, DType::F32, None, |a, b, output| Op::Add { a, b, output });
+        g.mark_output(y);
+        assert!(g.validate().unwrap_err().to_string().contains("before it is produced"));
+        assert!(Graph::new("empty").validate().unwrap_err().to_string().contains("no outputs"));
+    }
+
+    #[test]
+    fn u8_range_includes_zero_exactly() {
+        for (lo, hi) in [(-3.0, 5.0), (0.5, 7.0), (-9.0, -1.0), (-1e-3, 1e-3)] {
+            let q = Quant::u8_range(lo, hi);
+            let back = TensorData::from_f32(&[0.0], DType::U8, Some(q)).to_f32(Some(q));
+            assert_eq!(back[0], 0.0, "zero not exact for [{lo}, {hi}]: {q:?}");
+            let (flo, fhi) = q.float_range(DType::U8);
+            assert!(flo <= lo.min(0.0) + q.scale && fhi >= hi.max(0.0) - q.scale, "{q:?} does not cover [{lo}, {hi}]");
+        }
+    }
+}

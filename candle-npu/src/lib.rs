@@ -1,0 +1,24 @@
+//! candle-npu: LLM prefill on the Qualcomm Hexagon NPU (or an INT8 host executor), decode on
+//! candle's CPU path. See DESIGN.md in the repository for the architecture.
+//!
+//! - [`graph`]: the static graph IR every executor compiles (QNN's quantization convention).
+//! - [`executor`]: the [`executor::Executor`] boundary, the host executor and (feature `qnn`) Hexagon.
+//! - [`device`]: [`NpuDevice`], one executor with its counters and the logged host fallback.
+//! - [`quant`]: per-tensor W8A8 quantization, calibration and the saved [`QuantProfile`].
+//! - [`chunk`]: the [`ChunkPlan`] that makes graphs shareable across chunks.
+//! - [`kernels`]: INT8 / F32 GEMM for the host.
+
+pub mod chunk;
+pub mod device;
+pub mod error;
+pub mod executor;
+pub mod graph;
+pub mod kernels;
+pub mod quant;
+
+pub use chunk::{Chunk, ChunkPlan};
+pub use device::{DeviceStats, NpuDevice, PreparedGraph};
+pub use error::{Error, Result};
+pub use executor::{ExecutableGraph, Executor, HostExecutor};
+pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
+pub use quant::{Calibrator, QuantProfile};

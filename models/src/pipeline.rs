@@ -1,0 +1,109 @@
+//! Everything a program needs around a [`Model`]: tokenizer, chat template, stop tokens, and the
+//! quant profile (loaded from disk, or calibrated on real text and saved for the next run).
+
+use std::path::{Path, PathBuf};
+
+use candle_npu::{Error, NpuDevice, QuantProfile, Result};
+use tokenizers::Tokenizer;
+
+use crate::chat::ChatTemplate;
+use crate::gguf::Gguf;
+use crate::transformer::{LoadOptions, Model, Precision};
+
+pub struct Pipeline {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    /// Token ids that end generation (EOS and the template's end-of-turn).
+    pub stop_tokens: Vec<u32>,
+    pub model_path: PathBuf,
+}
+
+/// How much real text calibration runs over (Wikipedia leads, see `assets::wiki_calibration`).
+#[derive(Debug, Clone, Copy)]
+pub struct CalibrationSet {
+    pub sequences: usize,
+    pub seq_len: usize,
+}
+
+impl Default for CalibrationSet {
+    fn default() -> Self {
+        CalibrationSet { sequences: 8, seq_len: 256 }
+    }
+}
+
+impl Pipeline {
+    /// Load a GGUF model of a supported family, with its tokenizer (from the GGUF, or `tokenizer`).
+    pub fn load(path: &Path, tokenizer: Option<&Path>, device: &NpuDevice, opts: LoadOptions) -> Result<Self> {
+        let g = Gguf::open(path)?;
+        let arch = g.string("general.architecture")?;
+        let tok = match tokenizer {
+            Some(p) => crate::tokenizer::from_file(p)?,
+            None => crate::tokenizer::from_gguf(&g)?,
+        };
+        let template = ChatTemplate::from_gguf(&g);
+        let mut stop_tokens: Vec<u32> = g.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
+        for s in template.stop_strings() {
+            stop_tokens.extend(tok.token_to_id(s));
+        }
+        drop(g);
+        let model = match arch.as_str() {
+            "llama" => crate::llama::load(path, device, opts)?,
+            other => {
+                return Err(Error::Model { path: path.to_path_buf(), reason: format!("architecture '{other}' is not supported yet (supported: llama)") })
+            }
+        };
+        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: path.to_path_buf() })
+    }
+
+    pub fn encode(&self, text: &str, chat: bool) -> Result<Vec<u32>> {
+        let text = if chat { self.template.apply(text) } else { text.to_string() };
+        let enc = self.tokenizer.encode(text, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer.decode(ids, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))
+    }
+
+    /// For W8A8: load the profile at `path` (default: next to the model), or calibrate on
+    /// Wikipedia text and save it there. A profile made for other weights is an error.
+    pub fn ensure_profile(&mut self, path: Option<&Path>, chunk_len: usize, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<()> {
+        if self.model.precision() != Precision::W8A8 {
+            return Ok(());
+        }
+        let path = path.map(Path::to_path_buf).unwrap_or_else(|| QuantProfile::default_path(&self.model_path));
+        if path.exists() {
+            let p = QuantProfile::load(&path, self.model.model_id())?;
+            tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");
+            return self.model.set_profile(p);
+        }
+        let p = self.calibrate(chunk_len, set, progress)?;
+        p.save(&path)?;
+        tracing::info!(path = %path.display(), tokens = p.tokens, "saved quant profile");
+        self.model.set_profile(p)
+    }
+
+    /// Calibrate activation ranges on `set.sequences` windows of `set.seq_len` tokens of Wikipedia text.
+    pub fn calibrate(&mut self, chunk_len: usize, set: CalibrationSet, mut progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
+        let seqs = self.calibration_sequences(set)?;
+        let n = seqs.len();
+        self.model.calibrate(&seqs, chunk_len, |i| progress(i, n))
+    }
+
+    pub fn calibration_sequences(&self, set: CalibrationSet) -> Result<Vec<Vec<u32>>> {
+        let mut ids = Vec::new();
+        for text in crate::assets::wiki_calibration(set.sequences * set.seq_len / 40 + 8)? {
+            ids.extend(self.encode(&text, false)?);
+            ids.extend(self.encode("\n\n", false)?);
+            if ids.len() >= set.sequences * set.seq_len {
+                break;
+            }
+        }
+        let seqs: Vec<Vec<u32>> = ids.chunks_exact(set.seq_len).take(set.sequences).map(<[u32]>::to_vec).collect();
+        if seqs.is_empty() {
+            return Err(Error::Input("not enough calibration text".into()));
+        }
+        Ok(seqs)
+    }
+}
