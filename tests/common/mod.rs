@@ -1,0 +1,35 @@
+//! Shared by the integration tests: the real SmolLM2 weights and Wikipedia text from
+//! `scripts/setup.sh`. Tests fail (not skip) when they are missing: CI always runs the set-up.
+#![allow(dead_code)]
+
+use candle_npu::NpuDevice;
+use candle_npu_models::{assets, DecodeWeights, LoadOptions, Pipeline, Precision};
+
+pub fn smollm2(device: &NpuDevice, precision: Precision, decode_weights: DecodeWeights) -> Pipeline {
+    let path = assets::smollm2();
+    assert!(path.exists(), "{} missing: run scripts/setup.sh first", path.display());
+    Pipeline::load(&path, None, device, LoadOptions { precision, decode_weights }).expect("load SmolLM2")
+}
+
+/// `n` tokens of held-out Wikipedia text (articles never used for calibration).
+pub fn heldout_tokens(p: &Pipeline, n: usize) -> Vec<u32> {
+    let mut ids = Vec::new();
+    for text in assets::wiki_heldout(200).unwrap() {
+        ids.extend(p.encode(&text, false).unwrap());
+        ids.extend(p.encode("\n\n", false).unwrap());
+        if ids.len() >= n {
+            break;
+        }
+    }
+    assert!(ids.len() >= n, "not enough held-out text");
+    ids.truncate(n);
+    ids
+}
+
+/// max |a - b| / max |b|
+pub fn rel_max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let num = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let den = b.iter().fold(0f32, |m, y| m.max(y.abs()));
+    num / den
+}
