@@ -1,0 +1,122 @@
+//! Prefill throughput, side by side in one run on SmolLM2-135M:
+//! this engine (host executor, W8A8) vs candle-transformers' `quantized_llama` with F32 and Q8_0
+//! weights, at 64, 256 and 1024 prompt tokens; plus the INT8 GEMM's GOPS on the model's shapes.
+//!
+//! ```text
+//! cargo run --release --example bench_prefill
+//! ```
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use candle_npu::kernels::{int8_kernel_info, PackedI8};
+use candle_npu::NpuDevice;
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use candle_transformers::models::quantized_llama::ModelWeights;
+
+const LENS: [usize; 3] = [64, 256, 1024];
+const REPS: usize = 3;
+
+/// Best of `REPS` runs after one warm-up (which also prepares the NPU graphs).
+fn best(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut best = f64::MAX;
+    for _ in 0..REPS {
+        let t = Instant::now();
+        f()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// The SmolLM2 GGUF with every matrix re-encoded as `dtype` (F32 = the dequantized reference).
+fn requantized(dtype: GgmlDType) -> Result<std::path::PathBuf> {
+    let out = assets::dir().join(format!(".bench/smollm2-{dtype:?}.gguf"));
+    if out.exists() {
+        return Ok(out);
+    }
+    std::fs::create_dir_all(out.parent().unwrap())?;
+    let mut f = std::fs::File::open(assets::smollm2())?;
+    let ct = gguf_file::Content::read(&mut f)?;
+    let mut tensors = vec![];
+    for name in ct.tensor_infos.keys() {
+        let q = ct.tensor(&mut f, name, &Device::Cpu)?;
+        let t = q.dequantize(&Device::Cpu)?;
+        let q = if t.rank() == 2 && t.dim(1)? % 32 == 0 { QTensor::quantize(&t, dtype)? } else { QTensor::quantize(&t, GgmlDType::F32)? };
+        tensors.push((name.clone(), q));
+    }
+    let md: Vec<(&str, &gguf_file::Value)> = ct.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tr: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tmp = out.with_extension("tmp");
+    gguf_file::write(&mut std::fs::File::create(&tmp)?, &md, &tr)?;
+    std::fs::rename(&tmp, &out)?;
+    Ok(out)
+}
+
+fn candle_model(dtype: GgmlDType) -> Result<ModelWeights> {
+    let path = requantized(dtype)?;
+    let mut f = std::fs::File::open(path)?;
+    let ct = gguf_file::Content::read(&mut f)?;
+    Ok(ModelWeights::from_gguf(ct, &mut f, &Device::Cpu)?)
+}
+
+fn main() -> Result<()> {
+    let dev = NpuDevice::host();
+    let mut p = Pipeline::load(&assets::smollm2(), None, &dev, LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0 })?;
+    p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {})?;
+    let mut text = vec![];
+    for a in assets::wiki_heldout(400)? {
+        text.extend(p.encode(&a, false)?);
+        if text.len() > 1024 {
+            break;
+        }
+    }
+    let mut rows: Vec<(String, Vec<f64>)> = vec![];
+    for chunk in [256usize, 64] {
+        let mut tps = vec![];
+        for n in LENS {
+            let s = best(|| Ok(p.model.prefill(&text[..n], chunk).map(|_| ())?))?;
+            tps.push(n as f64 / s);
+        }
+        rows.push((format!("candle-npu host W8A8, chunk {chunk}"), tps));
+    }
+    for (label, dtype) in [("candle quantized_llama, F32 weights", GgmlDType::F32), ("candle quantized_llama, Q8_0 weights", GgmlDType::Q8_0)] {
+        let mut m = candle_model(dtype)?;
+        let mut tps = vec![];
+        for n in LENS {
+            let x = Tensor::new(&text[..n], &Device::Cpu)?.unsqueeze(0)?;
+            let s = best(|| {
+                m.clear_kv_cache();
+                m.forward(&x, 0)?;
+                Ok(())
+            })?;
+            tps.push(n as f64 / s);
+        }
+        rows.push((label.to_string(), tps));
+    }
+    println!("\nPrefill, SmolLM2-135M, tokens/s (best of {REPS} after a warm-up), {} threads", std::thread::available_parallelism()?);
+    println!("| {:<40} | {:>8} | {:>8} | {:>8} |", "engine", LENS[0], LENS[1], LENS[2]);
+    println!("|{:-<42}|{:->10}|{:->10}|{:->10}|", "", "", "", "");
+    for (label, tps) in &rows {
+        println!("| {:<40} | {:>8.1} | {:>8.1} | {:>8.1} |", label, tps[0], tps[1], tps[2]);
+    }
+
+    let (kernel, split) = int8_kernel_info();
+    println!("\nINT8 GEMM (rten-gemm kernel '{kernel}'{}), M = 256, GOPS = 2*M*N*K / s", if split { ", exact split: 2 GEMMs" } else { "" });
+    println!("| {:<22} | {:>8} |", "shape K x N", "GOPS");
+    println!("|{:-<24}|{:->10}|", "", "");
+    let c = p.model.config().clone();
+    for (name, k, n) in [("q, o", c.hidden, c.hidden), ("k, v", c.hidden, c.n_kv_head * c.head_dim), ("gate, up", c.hidden, c.ffn), ("down", c.ffn, c.hidden)] {
+        let m = 256;
+        let w: Vec<i8> = (0..n * k).map(|i| ((i * 7919) % 255) as i8).collect();
+        let x: Vec<u8> = (0..m * k).map(|i| ((i * 104729) % 256) as u8).collect();
+        let packed = PackedI8::new(&w, n, k);
+        let s = best(|| {
+            std::hint::black_box(packed.matmul_u8(&x, m, -128));
+            Ok(())
+        })?;
+        println!("| {:<22} | {:>8.1} |", format!("{name} {k} x {n}"), 2.0 * (m * n * k) as f64 / s / 1e9);
+    }
+    Ok(())
+}
