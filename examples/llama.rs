@@ -110,10 +110,19 @@ fn main() -> Result<()> {
     );
 
     let t = Instant::now();
+    p.model.prepare(args.chunk_len)?;
+    eprintln!("prepared NPU graphs for chunk length {} in {:.2}s", args.chunk_len, t.elapsed().as_secs_f32());
+    let before = device.stats();
+    let t = Instant::now();
     let logits = p.model.prefill(&tokens, args.chunk_len)?;
     let prefill_s = t.elapsed().as_secs_f64();
+    let prefill_stats = device.stats();
     let mut next = sampler.sample(&logits)?;
-    print!("{}", args.prompt);
+    if args.no_chat_template {
+        print!("{}", args.prompt);
+    } else {
+        println!("> {}", args.prompt);
+    }
     let mut generated = vec![next];
     let mut printed = 0;
     let t = Instant::now();
@@ -129,15 +138,14 @@ fn main() -> Result<()> {
     let body: Vec<u32> = generated.iter().copied().filter(|t| !p.stop_tokens.contains(t)).collect();
     let text = p.decode_text(&body)?;
     println!("{}", text.get(printed..).unwrap_or(""));
-    let stats = device.stats();
     println!(
         "\n{} prompt tokens processed: {:.2} token/s ({} chunks of {}, {} graphs prepared, {} executed)",
         tokens.len(),
         tokens.len() as f64 / prefill_s,
         tokens.len().div_ceil(args.chunk_len),
         args.chunk_len,
-        stats.graphs_prepared,
-        stats.executions
+        prefill_stats.graphs_prepared - before.graphs_prepared,
+        prefill_stats.executions - before.executions
     );
     let decoded = generated.len().saturating_sub(1);
     println!("{decoded} tokens generated: {:.2} token/s", decoded as f64 / decode_s.max(1e-9));

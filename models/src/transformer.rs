@@ -229,6 +229,17 @@ impl Model {
         Ok(cal.finish(self.model_id.clone()))
     }
 
+    /// Prepare the NPU stage graphs for `chunk_len` now (otherwise the first prefill does it).
+    pub fn prepare(&mut self, chunk_len: usize) -> Result<()> {
+        if chunk_len == 0 {
+            return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
+        }
+        if self.precision == Precision::W8A8 && self.profile.is_none() {
+            return Err(Error::Input("W8A8 prefill needs a quant profile: calibrate or load one first".into()));
+        }
+        self.graphs_for(chunk_len, self.precision).map(|_| ())
+    }
+
     /// Prefill `tokens` (resetting the KV cache) and return the logits of the last token, `[vocab]`.
     pub fn prefill(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
         let logits = self.run_prefill(tokens, chunk_len, self.precision, false, None)?;
