@@ -58,6 +58,13 @@ impl NpuDevice {
         Self::with_executor(Box::new(HostExecutor))
     }
 
+    /// Graphs run on the Hexagon NPU through QNN's HTP backend (on x86: its emulator). Fails with
+    /// [`Error::QnnLibrary`] when the library is absent or unusable.
+    #[cfg(feature = "qnn")]
+    pub fn hexagon(config: crate::executor::htp::HtpConfig) -> Result<Self> {
+        Ok(Self::with_executor(Box::new(crate::executor::htp::HtpExecutor::new(config)?)))
+    }
+
     pub fn with_executor(executor: Box<dyn Executor>) -> Self {
         NpuDevice { inner: Arc::new(Inner { executor, host: HostExecutor, counters: Counters::default() }) }
     }

@@ -20,5 +20,7 @@ pub use chunk::{Chunk, ChunkPlan};
 pub use device::{DeviceStats, NpuDevice, PreparedGraph};
 pub use error::{Error, Result};
 pub use executor::{ExecutableGraph, Executor, HostExecutor};
+#[cfg(feature = "qnn")]
+pub use executor::htp::{HtpConfig, HtpExecutor};
 pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
 pub use quant::{Calibrator, QuantProfile};

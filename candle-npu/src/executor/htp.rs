@@ -1,0 +1,814 @@
+//! The Hexagon executor: runs graphs on the Qualcomm HTP (Hexagon NPU) through QNN's C API, on
+//! top of the hand-written `qnn-sys` bindings. On x86 the same library is an emulator.
+//!
+//! # Lifetimes
+//!
+//! One [`HtpExecutor`] owns a loaded `libQnnHtp.so`, a log, a backend and a device (with the HTP
+//! SoC custom config, written in the layout the library's reported HTP API version expects).
+//! Every prepared graph gets its **own context**: dropping a prepared graph frees its compiled
+//! form (`contextFree`) without touching the others, and graphs can be prepared concurrently. A
+//! prepared graph holds an `Arc` of the runtime, so the device, backend and log are freed (in
+//! that order, after every context) only when the executor and its last graph are gone.
+//! Several executors may live in one process (each has its own backend; checked on the emulator).
+//!
+//! # Translation
+//!
+//! Every [`TensorSpec`] an op touches becomes one QNN graph tensor: graph inputs APP_WRITE,
+//! graph outputs APP_READ (also when a later op reads them), intermediates NATIVE, constants
+//! STATIC with a client buffer (QNN copies constants by `graphFinalize`, so the prepared graph
+//! does not keep the weights alive). `U8` -> UFIXED_POINT_8, `I8` -> SFIXED_POINT_8,
+//! `I32` -> SFIXED_POINT_32, `F32` -> FLOAT_32; quantization is SCALE_OFFSET with the IR's own
+//! scale and offset (both use `float = (q + offset) * scale`). Ops map to `qti.aisw` ops:
+//! FullyConnected (no `keep_dims` param), MatMul (`transpose_in0 = false`,
+//! `transpose_in1 = transpose_b`), Quantize, Dequantize, ElementWiseAdd, ElementWiseMultiply,
+//! Sigmoid.
+//!
+//! # What runs, and the lowering
+//!
+//! Measured on the QNN 2.40 / HTP API 5.51 x86 emulator (`onnxruntime-qnn` 2.7.0, SoC SM8650):
+//!
+//! * **FLOAT_32 compute is FP16 on HTP.** Float elementwise ops, float FullyConnected and float
+//!   MatMul finalize and run, with results rounded to FP16 (relative error about 2^-11 per op;
+//!   values beyond ±65504 overflow). Graphs with F32 tensors get the HTP graph config
+//!   `PRECISION = FLOAT16` so that this is explicit rather than a library default.
+//! * **W8A8 FullyConnected** (`U8`/`I8` input, `I8` symmetric weight, optional `I32` bias with
+//!   scale `s_x * s_w`) with a `U8`/`I8` output is within one output step of the exact result;
+//!   with an `F32` output it is exact up to f32 rounding — except that an F32 output with fewer
+//!   than 32 columns (`N < 32`) fails at execute with QNN error 1100. **Lowering:** such an FC is
+//!   built as FullyConnected -> SFIXED_POINT_32 accumulator (scale `s_x * s_w`, offset 0) ->
+//!   Dequantize -> FLOAT_32, which is bit-exact against the host.
+//! * **FullyConnected with an `I32` (SFIXED_POINT_32) output** is exact only for `N <= 32`; for
+//!   `N > 32`, `M >= 2` and `K` above ~128 the library silently returns wrong values for every
+//!   output column past the 32nd. Only `N <= 32` is supported.
+//! * **MatMul** of two 8-bit inputs with an `F32` output fails at execute (1100) when `N < 32`,
+//!   and with an `I32` output returns wrong values; both are unsupported. Every other dtype
+//!   combination ran correctly.
+//! * **Quantize** F32 -> `I32` fails at finalize (1002, "could not create op"); F32 -> `U8`/`I8`
+//!   works. **Dequantize** from `U8`/`I8`/`I32` works.
+//! * **Add, Mul, Sigmoid**: every combination of `U8`/`I8`/`I32`/`F32` inputs and output ran
+//!   within one output step (quantized outputs) or FP16 rounding (F32 outputs).
+//! * Tensors of rank 1 to 4 (rank 5 ran for Add but is not claimed), every byte size fitting
+//!   QNN's `u32` `dataSize`. (QNN cannot finalize a graph without nodes, error 6022; validated
+//!   IR graphs always have ops, since every output must be produced by one.)
+
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::ptr::{null, null_mut};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use qnn_sys::*;
+
+use super::{ExecutableGraph, Executor};
+use crate::error::{Error, Result};
+use crate::graph::{DType, Graph, Op, StaticData, TensorData, TensorId, TensorKind, TensorSpec};
+
+/// Settings of an [`HtpExecutor`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HtpConfig {
+    /// Folder holding `libQnnHtp.so` (and, for the x86 wheel, its sibling `onnxruntime_qnn.libs`).
+    /// `None`: [`qnn_sys::default_lib_dir`] (`$CANDLE_NPU_QNN_LIB_DIR`, else the project's
+    /// `assets/qnn/onnxruntime_qnn`).
+    pub lib_dir: Option<PathBuf>,
+    /// HTP SoC model given to `deviceCreate` (`QNN_SOC_MODEL_*`): 57 = SM8650 (Snapdragon 8 Gen 3,
+    /// v75, 8 MB VTCM), the default. Without one the library assumes SM8350 / 4 MB VTCM, which is
+    /// much slower for large graphs; 0 means "no SoC config" (library default).
+    pub soc_model: u32,
+    /// HTP finalize optimization level (1 = fastest prepare, 2 = library default, 3 = best graph).
+    pub optimization_level: Option<u32>,
+    /// VTCM size in MB each graph may use (0 = maximum). `None`: the library's default.
+    pub vtcm_mb: Option<u32>,
+}
+
+impl Default for HtpConfig {
+    fn default() -> Self {
+        HtpConfig { lib_dir: None, soc_model: QNN_SOC_MODEL_SM8650, optimization_level: None, vtcm_mb: None }
+    }
+}
+
+impl HtpConfig {
+    /// The `libQnnHtp.so` this config loads.
+    pub fn library_path(&self) -> PathBuf {
+        self.lib_dir.clone().unwrap_or_else(default_lib_dir).join(QNN_HTP_LIBRARY_NAME)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Logging. QNN's log callback carries no user pointer, so its lines go to `tracing` (target
+// `candle_npu::qnn`) and into a small process-wide ring that error paths read back: finalize
+// errors are explained (and the failing node named) only in the log.
+// ------------------------------------------------------------------------------------------------
+
+static LOG_SEQ: AtomicU64 = AtomicU64::new(0);
+static LOG_RING: Mutex<std::collections::VecDeque<(u64, String)>> = Mutex::new(std::collections::VecDeque::new());
+const LOG_RING_LEN: usize = 128;
+
+unsafe extern "C" fn log_callback(fmt: *const c_char, level: u32, _timestamp: u64, args: QnnVaList) {
+    // SAFETY: called by QNN with its own fmt/va_list, formatted exactly once.
+    let msg = unsafe { format_log_message(fmt, args) };
+    if level == QNN_LOG_LEVEL_ERROR {
+        // Errors reach the caller as `Err` values carrying these lines; no need to shout here.
+        tracing::debug!(target: "candle_npu::qnn", "QNN error: {msg}");
+        let seq = LOG_SEQ.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut ring = LOG_RING.lock().unwrap_or_else(|e| e.into_inner());
+        if ring.len() == LOG_RING_LEN {
+            ring.pop_front();
+        }
+        ring.push_back((seq, msg));
+    } else {
+        // Warnings on every graphCreate are harmless noise ("unexpected GraphHtpSettings option").
+        tracing::trace!(target: "candle_npu::qnn", level, "QNN: {msg}");
+    }
+}
+
+fn log_mark() -> u64 {
+    LOG_SEQ.load(Ordering::Relaxed)
+}
+
+/// Error lines QNN logged after `mark`; the last few, joined.
+fn log_errors_since(mark: u64) -> Vec<String> {
+    let ring = LOG_RING.lock().unwrap_or_else(|e| e.into_inner());
+    let lines: Vec<String> = ring.iter().filter(|(seq, _)| *seq > mark).map(|(_, m)| m.clone()).collect();
+    lines[lines.len().saturating_sub(6)..].to_vec()
+}
+
+fn with_log(msg: String, lines: &[String]) -> String {
+    if lines.is_empty() {
+        msg
+    } else {
+        format!("{msg} (QNN log: {})", lines.join(" | "))
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Runtime: library, log, backend, device.
+// ------------------------------------------------------------------------------------------------
+
+struct Runtime {
+    lib: QnnLibrary,
+    log: Qnn_LogHandle_t,
+    backend: Qnn_BackendHandle_t,
+    device: Qnn_DeviceHandle_t,
+    config: HtpConfig,
+}
+
+// SAFETY: the handles are opaque pointers owned by this value; QNN's log, backend and device
+// handles may be used from any thread (graphs are prepared and executed from several).
+unsafe impl Send for Runtime {}
+unsafe impl Sync for Runtime {}
+
+impl Runtime {
+    fn f(&self) -> &QnnInterfaceFunctions_t {
+        self.lib.functions()
+    }
+
+    fn message(&self, rc: Qnn_ErrorHandle_t) -> String {
+        self.lib.error_message(rc)
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        let f = *self.lib.functions();
+        // SAFETY: each handle was created by this runtime and is freed once, in reverse order of
+        // creation; every context is already freed (prepared graphs hold an Arc of the runtime).
+        unsafe {
+            if let (false, Some(free)) = (self.device.is_null(), f.deviceFree) {
+                free(self.device);
+            }
+            if let (false, Some(free)) = (self.backend.is_null(), f.backendFree) {
+                free(self.backend);
+            }
+            if let (false, Some(free)) = (self.log.is_null(), f.logFree) {
+                free(self.log);
+            }
+        }
+    }
+}
+
+/// Runs graphs on the Hexagon NPU through QNN's HTP backend (feature `qnn`).
+///
+/// See the [module documentation](self) for what the backend accepts of the IR (which is what
+/// [`Executor::supports`] answers) and the lowering done where an IR op does not map one to one.
+pub struct HtpExecutor {
+    rt: Arc<Runtime>,
+}
+
+impl std::fmt::Debug for HtpExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HtpExecutor")
+            .field("library", &self.rt.lib.path())
+            .field("api", &self.rt.lib.api_version())
+            .field("config", &self.rt.config)
+            .finish()
+    }
+}
+
+impl HtpExecutor {
+    /// Loads `libQnnHtp.so` from `config.lib_dir` and creates the log, backend and device.
+    ///
+    /// A missing library, a file that is not a QNN backend, a library whose API version this
+    /// crate does not support, or a backend/device the library refuses to create gives
+    /// [`Error::QnnLibrary`] naming the library's path.
+    pub fn new(config: HtpConfig) -> Result<Self> {
+        let path = config.library_path();
+        let lib_err = |reason: String| Error::QnnLibrary { path: path.clone(), reason };
+        let lib = QnnLibrary::load(&path).map_err(|e| lib_err(e.to_string()))?;
+        let f = *lib.functions();
+        let (Some(log_create), Some(backend_create), Some(device_create)) = (f.logCreate, f.backendCreate, f.deviceCreate)
+        else {
+            return Err(lib_err("the library lacks logCreate/backendCreate/deviceCreate".into()));
+        };
+        let mut rt = Runtime { lib, log: null_mut(), backend: null_mut(), device: null_mut(), config };
+        // SAFETY: out-pointers are valid; config lists are NULL-terminated and their pointees live
+        // across each call. On an early return `rt`'s Drop frees what was created.
+        unsafe {
+            let rc = log_create(Some(log_callback), QNN_LOG_LEVEL_WARN, &mut rt.log);
+            if rc != QNN_SUCCESS {
+                return Err(lib_err(format!("logCreate: {}", rt.message(rc))));
+            }
+            let rc = backend_create(rt.log, null(), &mut rt.backend);
+            if rc != QNN_SUCCESS {
+                return Err(lib_err(format!("backendCreate: {}", rt.message(rc))));
+            }
+            let layout = rt.lib.htp_device_config_layout();
+            let mut soc = HtpDeviceCustomConfig::soc(layout, rt.config.soc_model);
+            let cfg = QnnDevice_Config_t::custom(soc.as_mut_ptr());
+            let list: [*const QnnDevice_Config_t; 2] = [if rt.config.soc_model == 0 { null() } else { &cfg }, null()];
+            let rc = device_create(rt.log, list.as_ptr(), &mut rt.device);
+            if rc != QNN_SUCCESS {
+                return Err(lib_err(format!(
+                    "deviceCreate with SoC model {} ({layout:?} device config layout for HTP API {}): {}",
+                    rt.config.soc_model,
+                    rt.lib.api_version().backendApiVersion,
+                    rt.message(rc)
+                )));
+            }
+        }
+        tracing::info!(
+            library = %rt.lib.path().display(),
+            api = %rt.lib.api_version().coreApiVersion,
+            htp_api = %rt.lib.api_version().backendApiVersion,
+            build = rt.lib.backend_build_id().unwrap_or_default(),
+            soc = rt.config.soc_model,
+            "QNN HTP backend ready"
+        );
+        Ok(HtpExecutor { rt: Arc::new(rt) })
+    }
+
+    /// The loaded library's path.
+    pub fn library_path(&self) -> &Path {
+        self.rt.lib.path()
+    }
+
+    /// Core and HTP backend API versions the library reports (e.g. 2.40.0 and 5.51.0).
+    pub fn api_version(&self) -> Qnn_ApiVersion_t {
+        self.rt.lib.api_version()
+    }
+
+    /// The library's build id (e.g. `v2.51.0.260929181845`).
+    pub fn build_id(&self) -> Option<String> {
+        self.rt.lib.backend_build_id()
+    }
+
+    pub fn config(&self) -> &HtpConfig {
+        &self.rt.config
+    }
+
+    /// Like [`Executor::prepare`], but without consulting the support table: the library alone
+    /// decides. For probing what a new library version accepts; a rejected graph gives
+    /// [`Error::Prepare`] naming the op (when the library's log names the node) and its shapes.
+    /// A graph that prepares here may still fail at execute or compute wrong values (see the
+    /// module documentation).
+    pub fn prepare_unchecked(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
+        graph.validate()?;
+        Ok(Box::new(build(&self.rt, graph)?))
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The support table (measured; see the module documentation).
+// ------------------------------------------------------------------------------------------------
+
+fn is8(d: DType) -> bool {
+    matches!(d, DType::U8 | DType::I8)
+}
+
+/// Last dimension of a tensor (columns of an FC/MatMul output).
+fn cols(t: &TensorSpec) -> usize {
+    t.shape.last().copied().unwrap_or(1)
+}
+
+fn op_supported(graph: &Graph, op: &Op) -> bool {
+    let t = |id: TensorId| graph.tensor(id);
+    let shape_ok = |s: &TensorSpec| {
+        (1..=4).contains(&s.shape.len())
+            && s.shape.iter().all(|&d| d > 0 && d <= u32::MAX as usize)
+            && s.size_in_bytes() <= u32::MAX as usize
+    };
+    if !op.inputs().into_iter().chain([op.output()]).all(|i| shape_ok(t(i))) {
+        return false;
+    }
+    match *op {
+        Op::FullyConnected { input, weight, output, .. } => {
+            let (x, w, o) = (t(input), t(weight), t(output));
+            match (x.dtype, w.dtype, o.dtype) {
+                (DType::F32, DType::F32, DType::F32) => true,
+                (xd, DType::I8, DType::U8 | DType::I8 | DType::F32) if is8(xd) => true,
+                // SFIXED_POINT_32 output: wrong values past column 32 (see module docs).
+                (xd, DType::I8, DType::I32) if is8(xd) => cols(o) <= 32,
+                _ => false,
+            }
+        }
+        Op::MatMul { a, b, output, .. } => {
+            let (a, b, o) = (t(a), t(b), t(output));
+            if is8(a.dtype) && is8(b.dtype) {
+                match o.dtype {
+                    DType::U8 | DType::I8 => true,
+                    DType::F32 => cols(o) >= 32,
+                    DType::I32 => false,
+                }
+            } else {
+                true
+            }
+        }
+        Op::Quantize { output, .. } => is8(t(output).dtype),
+        Op::Dequantize { .. } | Op::Add { .. } | Op::Mul { .. } | Op::Sigmoid { .. } => true,
+    }
+}
+
+impl Executor for HtpExecutor {
+    fn name(&self) -> &'static str {
+        "htp"
+    }
+
+    fn supports(&self, graph: &Graph, op: &Op) -> bool {
+        op_supported(graph, op)
+    }
+
+    fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
+        graph.validate()?;
+        if let Some(op) = graph.ops.iter().find(|op| !op_supported(graph, op)) {
+            return Err(Error::Unsupported {
+                graph: graph.name.clone(),
+                executor: "htp",
+                op: op.name().to_string(),
+                shapes: graph.describe_op(op),
+            });
+        }
+        Ok(Box::new(build(&self.rt, graph)?))
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Graph building.
+// ------------------------------------------------------------------------------------------------
+
+fn qnn_dtype(d: DType) -> Qnn_DataType_t {
+    match d {
+        DType::F32 => QNN_DATATYPE_FLOAT_32,
+        DType::U8 => QNN_DATATYPE_UFIXED_POINT_8,
+        DType::I8 => QNN_DATATYPE_SFIXED_POINT_8,
+        DType::I32 => QNN_DATATYPE_SFIXED_POINT_32,
+    }
+}
+
+/// Letters, digits and `_` only: QNN names end up in context binaries and log lines.
+fn sanitize(name: &str) -> String {
+    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect()
+}
+
+/// Owns a context and frees it (with its graph) on drop.
+struct Context {
+    rt: Arc<Runtime>,
+    handle: Qnn_ContextHandle_t,
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        if let Some(free) = self.rt.f().contextFree {
+            // SAFETY: created by contextCreate, freed once; its graph is not used afterwards.
+            unsafe { free(self.handle, null_mut()) };
+        }
+    }
+}
+
+/// A failure while adding nodes: QNN error code (0 when not from QNN) and message.
+type NodeError = (u64, String);
+
+/// Builds one QNN graph; owns every name and dims array a created tensor points at until
+/// finalize.
+struct Builder<'a> {
+    rt: &'a Runtime,
+    graph: &'a Graph,
+    handle: Qnn_GraphHandle_t,
+    names: Vec<CString>,
+    dims: Vec<Box<[u32]>>,
+    /// Created tensors, by IR tensor index.
+    tensors: Vec<Option<Qnn_Tensor_t>>,
+    n_native: usize,
+}
+
+impl Builder<'_> {
+    fn cstr(&mut self, s: String) -> *const c_char {
+        let c = CString::new(s).expect("sanitized names have no NUL");
+        let p = c.as_ptr();
+        self.names.push(c);
+        p
+    }
+
+    fn create(
+        &mut self,
+        name: String,
+        ty: Qnn_TensorType_t,
+        dt: Qnn_DataType_t,
+        q: Qnn_QuantizeParams_t,
+        shape: &[usize],
+        buf: Qnn_ClientBuffer_t,
+    ) -> std::result::Result<Qnn_Tensor_t, NodeError> {
+        let name_ptr = self.cstr(name.clone());
+        let mut dims: Box<[u32]> = shape.iter().map(|&d| d as u32).collect();
+        let dims_ptr = dims.as_mut_ptr();
+        self.dims.push(dims);
+        let mut t = Qnn_Tensor_t::v1(name_ptr, ty, dt, q, shape.len() as u32, dims_ptr, buf);
+        let create = self.rt.f().tensorCreateGraphTensor.ok_or((0, "library lacks tensorCreateGraphTensor".to_string()))?;
+        let mark = log_mark();
+        // SAFETY: `t` and everything it points at (name, dims, static data) are alive.
+        let rc = unsafe { create(self.handle, &mut t) };
+        if rc != QNN_SUCCESS {
+            let msg = format!("tensorCreateGraphTensor '{name}': {}", self.rt.message(rc));
+            return Err((error_code(rc) as u64, with_log(msg, &log_errors_since(mark))));
+        }
+        Ok(t)
+    }
+
+    /// The QNN tensor of IR tensor `id`, created on first use.
+    fn ir(&mut self, id: TensorId) -> std::result::Result<Qnn_Tensor_t, NodeError> {
+        if let Some(t) = self.tensors[id.0] {
+            return Ok(t);
+        }
+        let g = self.graph;
+        let spec = g.tensor(id);
+        let ty = if g.inputs.contains(&id) {
+            QNN_TENSOR_TYPE_APP_WRITE
+        } else if g.outputs.contains(&id) {
+            QNN_TENSOR_TYPE_APP_READ
+        } else {
+            match spec.kind {
+                TensorKind::Input => QNN_TENSOR_TYPE_APP_WRITE,
+                TensorKind::Output => QNN_TENSOR_TYPE_APP_READ,
+                TensorKind::Intermediate => QNN_TENSOR_TYPE_NATIVE,
+                TensorKind::Static => QNN_TENSOR_TYPE_STATIC,
+            }
+        };
+        let q = match spec.quant {
+            Some(q) if spec.dtype.is_quantized() => Qnn_QuantizeParams_t::scale_offset(q.scale, q.offset),
+            _ => Qnn_QuantizeParams_t::undefined(),
+        };
+        // QNN only reads static data, and has copied it by the end of graphFinalize (checked:
+        // overwriting the weights after finalize does not change outputs); `self.graph` is
+        // borrowed until then.
+        let buf = match &spec.data {
+            Some(StaticData::F32(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: (v.len() * 4) as u32 },
+            Some(StaticData::I8(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: v.len() as u32 },
+            Some(StaticData::I32(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: (v.len() * 4) as u32 },
+            None => Qnn_ClientBuffer_t::empty(),
+        };
+        let t = self.create(format!("t{}_{}", id.0, sanitize(&spec.name)), ty, qnn_dtype(spec.dtype), q, &spec.shape, buf)?;
+        self.tensors[id.0] = Some(t);
+        Ok(t)
+    }
+
+    /// A NATIVE tensor the lowering adds.
+    fn native(&mut self, base: &str, dt: Qnn_DataType_t, q: Qnn_QuantizeParams_t, shape: &[usize]) -> std::result::Result<Qnn_Tensor_t, NodeError> {
+        self.n_native += 1;
+        let name = format!("x{}_{}", self.n_native, base);
+        self.create(name, QNN_TENSOR_TYPE_NATIVE, dt, q, shape, Qnn_ClientBuffer_t::empty())
+    }
+
+    /// Adds one node. `name` must start with `op{index}_` (see [`culprit`]).
+    fn node(
+        &mut self,
+        name: String,
+        type_name: &CStr,
+        params: &mut [Qnn_Param_t],
+        inputs: &mut [Qnn_Tensor_t],
+        outputs: &mut [Qnn_Tensor_t],
+    ) -> std::result::Result<(), NodeError> {
+        let name_ptr = self.cstr(name);
+        let op = Qnn_OpConfig_t::v1(name_ptr, QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(), type_name.as_ptr(), params, inputs, outputs);
+        let add = self.rt.f().graphAddNode.ok_or((0, "library lacks graphAddNode".to_string()))?;
+        let mark = log_mark();
+        // SAFETY: every pointer in `op` (names, params, tensors and what they point at) is alive.
+        let rc = unsafe { add(self.handle, op) };
+        if rc != QNN_SUCCESS {
+            let msg = format!("graphAddNode: {}", self.rt.message(rc));
+            return Err((error_code(rc) as u64, with_log(msg, &log_errors_since(mark))));
+        }
+        Ok(())
+    }
+
+    /// Adds the QNN node(s) of IR op number `i`.
+    fn op(&mut self, i: usize, op: &Op) -> std::result::Result<(), NodeError> {
+        let g = self.graph;
+        let out_spec = g.tensor(op.output());
+        let base = format!("op{i}_{}", sanitize(&out_spec.name));
+        let mut out = [self.ir(op.output())?];
+        match *op {
+            Op::FullyConnected { input, weight, bias, .. } => {
+                let mut ins = vec![self.ir(input)?, self.ir(weight)?];
+                if let Some(bias) = bias {
+                    ins.push(self.ir(bias)?);
+                }
+                let (x, w) = (g.tensor(input), g.tensor(weight));
+                if out_spec.dtype == DType::F32 && w.dtype == DType::I8 && cols(out_spec) < 32 {
+                    // Lowering: a FLOAT_32 output narrower than 32 columns fails at execute
+                    // (1100); the SFIXED_POINT_32 accumulator + Dequantize is exact there.
+                    let scale = x.quant.expect("validated").scale * w.quant.expect("validated").scale;
+                    let acc_q = Qnn_QuantizeParams_t::scale_offset(scale, 0);
+                    let mut acc = [self.native(&format!("{base}_acc"), QNN_DATATYPE_SFIXED_POINT_32, acc_q, &out_spec.shape)?];
+                    self.node(base.clone(), QNN_OP_FULLY_CONNECTED, &mut [], &mut ins, &mut acc)?;
+                    self.node(format!("{base}_dequantize"), QNN_OP_DEQUANTIZE, &mut [], &mut acc, &mut out)
+                } else {
+                    self.node(base, QNN_OP_FULLY_CONNECTED, &mut [], &mut ins, &mut out)
+                }
+            }
+            Op::MatMul { a, b, transpose_b, .. } => {
+                let mut ins = [self.ir(a)?, self.ir(b)?];
+                let mut params = [
+                    Qnn_Param_t::scalar(QNN_OP_MAT_MUL_PARAM_TRANSPOSE_IN0.as_ptr(), Qnn_Scalar_t::bool8(false)),
+                    Qnn_Param_t::scalar(QNN_OP_MAT_MUL_PARAM_TRANSPOSE_IN1.as_ptr(), Qnn_Scalar_t::bool8(transpose_b)),
+                ];
+                self.node(base, QNN_OP_MAT_MUL, &mut params, &mut ins, &mut out)
+            }
+            Op::Quantize { input, .. } | Op::Dequantize { input, .. } | Op::Sigmoid { input, .. } => {
+                let ty = match op {
+                    Op::Quantize { .. } => QNN_OP_QUANTIZE,
+                    Op::Dequantize { .. } => QNN_OP_DEQUANTIZE,
+                    _ => QNN_OP_SIGMOID,
+                };
+                let mut ins = [self.ir(input)?];
+                self.node(base, ty, &mut [], &mut ins, &mut out)
+            }
+            Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
+                let ty = if matches!(op, Op::Add { .. }) { QNN_OP_ELEMENT_WISE_ADD } else { QNN_OP_ELEMENT_WISE_MULTIPLY };
+                let mut ins = [self.ir(a)?, self.ir(b)?];
+                self.node(base, ty, &mut [], &mut ins, &mut out)
+            }
+        }
+    }
+}
+
+/// The IR op whose node QNN's log names (`"op{index}_..."`), if any. Best effort: the log ring
+/// is process-wide, so a concurrent failing prepare could contribute lines.
+fn culprit<'g>(graph: &'g Graph, log: &[String]) -> Option<&'g Op> {
+    log.iter().rev().find_map(|line| {
+        line.match_indices("\"op").find_map(|(at, _)| {
+            let digits: String = line[at + 3..].chars().take_while(|c| c.is_ascii_digit()).collect();
+            let i: usize = digits.parse().ok()?;
+            line[at + 3 + digits.len()..].starts_with('_').then(|| graph.ops.get(i)).flatten()
+        })
+    })
+}
+
+/// Translates and finalizes `graph` in a fresh context.
+fn build(rt: &Arc<Runtime>, graph: &Graph) -> Result<HtpGraph> {
+    let io = |ids: &[TensorId]| -> Vec<IoTensor> {
+        ids.iter()
+            .map(|&id| {
+                let s = graph.tensor(id);
+                IoTensor { qnn_id: None, name: s.name.clone(), dtype: s.dtype, len: s.elem_count() }
+            })
+            .collect()
+    };
+    let mut inputs = io(&graph.inputs);
+    let mut outputs = io(&graph.outputs);
+
+    let f = *rt.f();
+    let err = |op: &str, shapes: String, code: u64, message: String| Error::Prepare {
+        graph: graph.name.clone(),
+        op: op.to_string(),
+        shapes,
+        code,
+        message,
+    };
+    let (Some(context_create), Some(graph_create), Some(finalize)) = (f.contextCreate, f.graphCreate, f.graphFinalize) else {
+        return Err(err("-", String::new(), 0, "library lacks contextCreate/graphCreate/graphFinalize".into()));
+    };
+
+    let mut handle: Qnn_ContextHandle_t = null_mut();
+    // SAFETY: valid out-pointer; NULL config list.
+    let rc = unsafe { context_create(rt.backend, rt.device, null(), &mut handle) };
+    if rc != QNN_SUCCESS {
+        return Err(err("-", "contextCreate".into(), error_code(rc) as u64, rt.message(rc)));
+    }
+    let ctx = Context { rt: rt.clone(), handle };
+
+    // HTP graph custom configs.
+    let mut customs: Vec<QnnHtpGraph_CustomConfig_t> = Vec::new();
+    if let Some(level) = rt.config.optimization_level {
+        customs.push(QnnHtpGraph_CustomConfig_t::finalize_optimization(level as f32));
+    }
+    if let Some(mb) = rt.config.vtcm_mb {
+        customs.push(QnnHtpGraph_CustomConfig_t::vtcm_size_in_mb(mb));
+    }
+    if graph.tensors.iter().any(|t| t.dtype == DType::F32) {
+        // Float compute on HTP is FP16; say so instead of relying on the library's default.
+        customs.push(QnnHtpGraph_CustomConfig_t::precision(QNN_PRECISION_FLOAT16));
+    }
+    let configs: Vec<QnnGraph_Config_t> =
+        customs.iter_mut().map(|c| QnnGraph_Config_t::custom((c as *mut QnnHtpGraph_CustomConfig_t).cast())).collect();
+    let config_list: Vec<*const QnnGraph_Config_t> = configs.iter().map(|c| c as *const _).chain([null()]).collect();
+
+    let graph_name = CString::new(sanitize(&graph.name)).expect("sanitized");
+    let mut handle: Qnn_GraphHandle_t = null_mut();
+    let mark = log_mark();
+    // SAFETY: name, configs (and the custom configs they point at) and out-pointer are alive.
+    let rc = unsafe { graph_create(ctx.handle, graph_name.as_ptr(), config_list.as_ptr(), &mut handle) };
+    if rc != QNN_SUCCESS {
+        let msg = with_log(format!("graphCreate: {}", rt.message(rc)), &log_errors_since(mark));
+        return Err(err("-", "graphCreate".into(), error_code(rc) as u64, msg));
+    }
+
+    let mut b = Builder {
+        rt,
+        graph,
+        handle,
+        names: Vec::new(),
+        dims: Vec::new(),
+        tensors: vec![None; graph.tensors.len()],
+        n_native: 0,
+    };
+    for (i, op) in graph.ops.iter().enumerate() {
+        b.op(i, op).map_err(|(code, message)| err(op.name(), graph.describe_op(op), code, message))?;
+    }
+
+    let mark = log_mark();
+    // SAFETY: valid graph handle; NULL profile and signal.
+    let rc = unsafe { finalize(handle, null_mut(), null_mut()) };
+    if rc != QNN_SUCCESS {
+        let log = log_errors_since(mark);
+        let (op, shapes) = match culprit(graph, &log) {
+            Some(op) => (op.name().to_string(), graph.describe_op(op)),
+            // The log did not name a node: name every op.
+            None => (
+                graph.ops.iter().map(Op::name).collect::<Vec<_>>().join("+"),
+                graph.ops.iter().map(|o| format!("[{}]", graph.describe_op(o))).collect::<Vec<_>>().join("; "),
+            ),
+        };
+        let message = with_log(format!("graphFinalize: {}", rt.message(rc)), &log);
+        return Err(err(&op, shapes, error_code(rc) as u64, message));
+    }
+
+    for (t, id) in inputs.iter_mut().zip(&graph.inputs) {
+        // None: an input no op reads; its buffer is checked but not passed.
+        t.qnn_id = b.tensors[id.0].map(|t| t.id());
+    }
+    for (t, id) in outputs.iter_mut().zip(&graph.outputs) {
+        t.qnn_id = b.tensors[id.0].map(|t| t.id());
+        if t.qnn_id.is_none() {
+            return Err(err("-", t.name.clone(), 0, format!("graph output '{}' is not produced by any op", t.name)));
+        }
+    }
+    Ok(HtpGraph { name: graph.name.clone(), handle, exec_lock: Mutex::new(()), ctx, inputs, outputs })
+}
+
+struct IoTensor {
+    /// QNN tensor id; `None` for an input no op reads.
+    qnn_id: Option<u32>,
+    name: String,
+    dtype: DType,
+    len: usize,
+}
+
+/// A finalized graph in its own context.
+struct HtpGraph {
+    name: String,
+    handle: Qnn_GraphHandle_t,
+    /// QNN does not promise that concurrent graphExecute calls on one graph are safe (the
+    /// emulator serializes executions anyway).
+    exec_lock: Mutex<()>,
+    /// Frees the context, and with it the graph.
+    ctx: Context,
+    inputs: Vec<IoTensor>,
+    outputs: Vec<IoTensor>,
+}
+
+// SAFETY: the graph handle belongs to the context owned alongside it; executions are serialized
+// by `exec_lock`; nothing else is mutated after build.
+unsafe impl Send for HtpGraph {}
+unsafe impl Sync for HtpGraph {}
+
+/// A client buffer over input data. QNN only reads APP_WRITE buffers; the `*mut` is what the C
+/// struct wants.
+fn input_buffer(d: &TensorData) -> Qnn_ClientBuffer_t {
+    let (data, bytes) = match d {
+        TensorData::F32(v) => (v.as_ptr() as *mut c_void, v.len() * 4),
+        TensorData::U8(v) => (v.as_ptr() as *mut c_void, v.len()),
+        TensorData::I8(v) => (v.as_ptr() as *mut c_void, v.len()),
+        TensorData::I32(v) => (v.as_ptr() as *mut c_void, v.len() * 4),
+    };
+    Qnn_ClientBuffer_t { data, dataSize: bytes as u32 }
+}
+
+/// A client buffer QNN writes an output into.
+fn output_buffer(d: &mut TensorData) -> Qnn_ClientBuffer_t {
+    match d {
+        TensorData::F32(v) => Qnn_ClientBuffer_t::from_slice(v),
+        TensorData::U8(v) => Qnn_ClientBuffer_t::from_slice(v),
+        TensorData::I8(v) => Qnn_ClientBuffer_t::from_slice(v),
+        TensorData::I32(v) => Qnn_ClientBuffer_t::from_slice(v),
+    }
+}
+
+fn byte_len(d: &TensorData) -> usize {
+    d.len() * d.dtype().size_in_bytes()
+}
+
+impl ExecutableGraph for HtpGraph {
+    fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>> {
+        let mismatch = |tensor: &str, expected: String, got: String| Error::BufferMismatch {
+            graph: self.name.clone(),
+            tensor: tensor.to_string(),
+            expected,
+            got,
+        };
+        if inputs.len() != self.inputs.len() {
+            return Err(mismatch("<inputs>", format!("{} inputs", self.inputs.len()), format!("{} inputs", inputs.len())));
+        }
+        // graphExecute does not check client buffer sizes (it overruns): check every one here.
+        let check = |t: &IoTensor, data: &TensorData| -> Result<()> {
+            let want = t.len * t.dtype.size_in_bytes();
+            if data.dtype() != t.dtype || byte_len(data) != want {
+                return Err(mismatch(
+                    &t.name,
+                    format!("{:?} x {} ({want} bytes)", t.dtype, t.len),
+                    format!("{:?} x {} ({} bytes)", data.dtype(), data.len(), byte_len(data)),
+                ));
+            }
+            Ok(())
+        };
+        let mut exec_in = Vec::with_capacity(inputs.len());
+        for (t, data) in self.inputs.iter().zip(inputs) {
+            check(t, data)?;
+            if let Some(id) = t.qnn_id {
+                exec_in.push(Qnn_Tensor_t::for_execute(id, input_buffer(data)));
+            }
+        }
+        let mut out: Vec<TensorData> = self.outputs.iter().map(|t| TensorData::zeros(t.dtype, t.len)).collect();
+        let mut exec_out = Vec::with_capacity(out.len());
+        for (t, data) in self.outputs.iter().zip(out.iter_mut()) {
+            check(t, data)?;
+            exec_out.push(Qnn_Tensor_t::for_execute(t.qnn_id.expect("checked in build"), output_buffer(data)));
+        }
+        let rt = &self.ctx.rt;
+        let execute = rt.f().graphExecute.ok_or_else(|| Error::Execute {
+            graph: self.name.clone(),
+            code: 0,
+            message: "library lacks graphExecute".into(),
+        })?;
+        let _serial = self.exec_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mark = log_mark();
+        // SAFETY: every buffer was checked against its tensor's size above and outlives the
+        // call; QNN only reads the input buffers and writes the output buffers, whose pointers
+        // come from exclusive borrows of `out`, which is not accessed until the call returns.
+        let rc = unsafe {
+            execute(self.handle, exec_in.as_ptr(), exec_in.len() as u32, exec_out.as_mut_ptr(), exec_out.len() as u32, null_mut(), null_mut())
+        };
+        if rc != QNN_SUCCESS {
+            let message = with_log(rt.message(rc), &log_errors_since(mark));
+            return Err(Error::Execute { graph: self.name.clone(), code: error_code(rc) as u64, message });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn culprit_is_parsed_from_quoted_node_names() {
+        let mut g = Graph::new("t");
+        let x = g.input("x", &[2], DType::F32, None);
+        let y = g.unary("y", x, DType::F32, None, |input, output| Op::Sigmoid { input, output });
+        let _z = g.unary("z", y, DType::F32, None, |input, output| Op::Sigmoid { input, output });
+        let log = vec!["noise \"opx\"".to_string(), "<E> \"op1_z\" generated: could not create op".to_string()];
+        assert!(std::ptr::eq(culprit(&g, &log).unwrap(), &g.ops[1]));
+        assert!(culprit(&g, &["\"op7_q\" failed".to_string()]).is_none());
+        assert!(culprit(&g, &[]).is_none());
+    }
+
+    #[test]
+    fn names_are_sanitized() {
+        assert_eq!(sanitize("blk.0.qkv.m32"), "blk_0_qkv_m32");
+        assert_eq!(sanitize("a b/c"), "a_b_c");
+    }
+
+    #[test]
+    fn library_path_follows_lib_dir() {
+        let c = HtpConfig { lib_dir: Some("/x/y".into()), ..Default::default() };
+        assert_eq!(c.library_path(), PathBuf::from("/x/y/libQnnHtp.so"));
+        assert_eq!(HtpConfig::default().soc_model, 57);
+    }
+}

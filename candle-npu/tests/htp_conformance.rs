@@ -1,0 +1,525 @@
+//! Conformance of the Hexagon executor (QNN HTP; on x86 the emulator from the `onnxruntime-qnn`
+//! wheel) against the host executor, the numerical reference.
+//!
+//! Tests that need the library are skipped, with the reason printed, only when the library file
+//! is absent; a library that is present but fails to load fails the tests.
+//!
+//! Tolerances:
+//! - Quantized outputs (U8/I8): at most **1 quantization step** apart. Both executors round the
+//!   same real value to the output grid, but HTP requantizes with its own fixed-point multiplier
+//!   and rounding rule (and computes float intermediates in FP16, whose error of 2^-11 relative
+//!   is far below one step of an 8-bit grid), so a value near a rounding boundary can land on
+//!   either neighbour; more than one step apart would be a real error.
+//! - FullyConnected W8A8 with an F32 (or I32) output: both compute the exact integer accumulator;
+//!   only the final f32 scaling may round differently: relative **1e-5** of the largest |value|
+//!   (I32: exact).
+//! - Float (F32) compute: HTP computes FLOAT_32 ops in FP16 (unit roundoff 2^-11 = 4.9e-4; a
+//!   product rounds its two inputs and its output): **2e-3** of the largest |value| per op,
+//!   **1e-2** for a multi-op float chain.
+#![cfg(feature = "qnn")]
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use candle_npu::executor::ExecutableGraph;
+use candle_npu::graph::TensorSpec;
+use candle_npu::{DType, Error, Executor, Graph, HostExecutor, HtpConfig, HtpExecutor, NpuDevice, Op, Quant, StaticData, TensorData, TensorId};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The shared executor; `None` (after printing why) when the library file is absent.
+fn htp() -> Option<&'static HtpExecutor> {
+    static EX: OnceLock<Option<HtpExecutor>> = OnceLock::new();
+    let path = HtpConfig::default().library_path();
+    let ex = EX
+        .get_or_init(|| path.is_file().then(|| HtpExecutor::new(HtpConfig::default()).unwrap_or_else(|e| panic!("{e}"))))
+        .as_ref();
+    if ex.is_none() {
+        eprintln!("skipping: QNN HTP library {} is absent (run scripts/setup.sh or set CANDLE_NPU_QNN_LIB_DIR)", path.display());
+    }
+    ex
+}
+
+// ------------------------------------------------------------------------------------------------
+// Graph and data helpers
+// ------------------------------------------------------------------------------------------------
+
+fn quant_for(d: DType, lo: f32, hi: f32) -> Option<Quant> {
+    match d {
+        DType::U8 => Some(Quant::u8_range(lo, hi)),
+        DType::I8 => Some(Quant::symmetric(lo.abs().max(hi.abs()) / 127.0)),
+        DType::I32 => Some(Quant::symmetric(lo.abs().max(hi.abs()) / (1 << 24) as f32)),
+        DType::F32 => None,
+    }
+}
+
+fn random_data(rng: &mut StdRng, spec: &TensorSpec) -> TensorData {
+    let n = spec.elem_count();
+    match spec.dtype {
+        DType::U8 => TensorData::U8((0..n).map(|_| rng.random()).collect()),
+        DType::I8 => TensorData::I8((0..n).map(|_| rng.random()).collect()),
+        DType::I32 => TensorData::I32((0..n).map(|_| rng.random_range(-(1 << 24)..(1 << 24))).collect()),
+        // A little beyond the ±4 that quantized tensors here cover, so saturation is exercised.
+        DType::F32 => TensorData::F32((0..n).map(|_| rng.random_range(-4.5..4.5f32)).collect()),
+    }
+}
+
+/// Symmetric per-tensor I8 weight `[n, k]` with values of about ±0.05.
+fn weight_i8(g: &mut Graph, rng: &mut StdRng, name: &str, n: usize, k: usize) -> TensorId {
+    let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
+    g.constant(name, &[n, k], StaticData::I8(Arc::new(w)), Some(Quant::symmetric(0.05 / 127.0)))
+}
+
+/// I32 bias with scale `s_x * s_w`, as W8A8 FullyConnected requires.
+fn bias_i32(g: &mut Graph, rng: &mut StdRng, x: TensorId, w: TensorId) -> TensorId {
+    let scale = g.tensor(x).quant.unwrap().scale * g.tensor(w).quant.unwrap().scale;
+    let n = g.tensor(w).shape[0];
+    let b: Vec<i32> = (0..n).map(|_| (rng.random_range(-0.5..0.5f32) / scale).round() as i32).collect();
+    g.constant("bias", &[n], StaticData::I32(Arc::new(b)), Some(Quant::symmetric(scale)))
+}
+
+/// W8A8 FullyConnected graph `[m, k] x [n, k]^T`.
+fn fc_graph(x_dtype: DType, out_dtype: DType, bias: bool, m: usize, k: usize, n: usize) -> Graph {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut g = Graph::new(format!("fc_{x_dtype:?}_{out_dtype:?}_{m}x{k}x{n}"));
+    let x = g.input("x", &[m, k], x_dtype, quant_for(x_dtype, -4.0, 4.0));
+    let w = weight_i8(&mut g, &mut rng, "w", n, k);
+    let b = bias.then(|| bias_i32(&mut g, &mut rng, x, w));
+    let out_quant = match out_dtype {
+        // The accumulator itself: scale s_x * s_w.
+        DType::I32 => Some(Quant::symmetric(g.tensor(x).quant.unwrap().scale * g.tensor(w).quant.unwrap().scale)),
+        d => quant_for(d, -2.0, 2.0),
+    };
+    let y = g.fully_connected("y", x, w, b, out_dtype, out_quant);
+    g.mark_output(y);
+    g
+}
+
+fn unary_graph(name: &str, input: DType, output: DType, out_range: (f32, f32), f: fn(TensorId, TensorId) -> Op) -> Graph {
+    let mut g = Graph::new(name);
+    let x = g.input("x", &[16, 96], input, quant_for(input, -4.0, 4.0));
+    let y = g.unary("y", x, output, quant_for(output, out_range.0, out_range.1), f);
+    g.mark_output(y);
+    g
+}
+
+fn binary_graph(name: &str, a: DType, b: DType, out: DType, out_range: (f32, f32), f: fn(TensorId, TensorId, TensorId) -> Op) -> Graph {
+    let mut g = Graph::new(name);
+    // Different scales and zero points on the two inputs.
+    let a = g.input("a", &[16, 96], a, quant_for(a, -4.0, 4.0));
+    let b = g.input("b", &[16, 96], b, quant_for(b, -1.0, 3.0));
+    let y = g.binary("y", a, b, out, quant_for(out, out_range.0, out_range.1), f);
+    g.mark_output(y);
+    g
+}
+
+fn add(a: TensorId, b: TensorId, output: TensorId) -> Op {
+    Op::Add { a, b, output }
+}
+fn mul(a: TensorId, b: TensorId, output: TensorId) -> Op {
+    Op::Mul { a, b, output }
+}
+fn sigmoid(input: TensorId, output: TensorId) -> Op {
+    Op::Sigmoid { input, output }
+}
+
+/// Prepares on both executors (the HTP one through its checked `prepare`, after asserting that
+/// `supports` accepts every op), runs both on the same seeded random inputs and compares.
+fn conform(ex: &HtpExecutor, g: &Graph, f32_tol: f32) {
+    for op in &g.ops {
+        assert!(ex.supports(g, op), "{}: supports() rejects {} ({})", g.name, op.name(), g.describe_op(op));
+    }
+    let mut rng = StdRng::seed_from_u64(42);
+    let inputs: Vec<TensorData> = g.inputs.iter().map(|&i| random_data(&mut rng, g.tensor(i))).collect();
+    let refs: Vec<&TensorData> = inputs.iter().collect();
+    let want = HostExecutor.prepare(g).unwrap().execute(&refs).unwrap();
+    let got = ex.prepare(g).unwrap_or_else(|e| panic!("{e}")).execute(&refs).unwrap_or_else(|e| panic!("{e}"));
+    compare(g, &got, &want, f32_tol);
+}
+
+fn compare(g: &Graph, got: &[TensorData], want: &[TensorData], f32_tol: f32) {
+    assert_eq!(got.len(), want.len());
+    for ((got, want), &id) in got.iter().zip(want).zip(&g.outputs) {
+        let spec = g.tensor(id);
+        let what = format!("graph {} output {spec}", g.name);
+        match (got, want) {
+            (TensorData::U8(a), TensorData::U8(b)) => assert_steps(&what, a.iter().zip(b).map(|(&x, &y)| (x as i64, y as i64)), 1),
+            (TensorData::I8(a), TensorData::I8(b)) => assert_steps(&what, a.iter().zip(b).map(|(&x, &y)| (x as i64, y as i64)), 1),
+            (TensorData::I32(a), TensorData::I32(b)) => assert_steps(&what, a.iter().zip(b).map(|(&x, &y)| (x as i64, y as i64)), 0),
+            (TensorData::F32(a), TensorData::F32(b)) => {
+                assert!(a.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+                let max_ref = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let (i, d) = a.iter().zip(b).map(|(x, y)| (x - y).abs()).enumerate().fold((0, 0f32), |m, (i, d)| if d > m.1 { (i, d) } else { m });
+                assert!(
+                    d <= f32_tol * max_ref.max(1e-6),
+                    "{what}: max |htp - host| = {d:e} at {i} (htp {}, host {}), above {f32_tol:e} x max |host| {max_ref:e}",
+                    a[i],
+                    b[i]
+                );
+            }
+            _ => panic!("{what}: dtype {:?} vs {:?}", got.dtype(), want.dtype()),
+        }
+    }
+}
+
+fn assert_steps(what: &str, pairs: impl Iterator<Item = (i64, i64)>, max_steps: i64) {
+    let (mut worst, mut n, mut off) = ((0i64, 0i64, 0usize), 0usize, 0usize);
+    for (i, (a, b)) in pairs.enumerate() {
+        n += 1;
+        if (a - b).abs() > max_steps {
+            off += 1;
+        }
+        if (a - b).abs() > (worst.0 - worst.1).abs() {
+            worst = (a, b, i);
+        }
+    }
+    assert!(off == 0, "{what}: {off} of {n} values more than {max_steps} step(s) apart, worst htp {} vs host {} at {}", worst.0, worst.1, worst.2);
+}
+
+// ------------------------------------------------------------------------------------------------
+// (a) Op by op
+// ------------------------------------------------------------------------------------------------
+
+#[test]
+fn fully_connected_w8a8_f32_output() {
+    let Some(ex) = htp() else { return };
+    // The engine's shape: [32, 576] x [576, 576], with and without bias.
+    conform(ex, &fc_graph(DType::U8, DType::F32, true, 32, 576, 576), 1e-5);
+    conform(ex, &fc_graph(DType::I8, DType::F32, false, 16, 256, 96), 1e-5);
+    // Fewer than 32 output columns: lowered to an SFIXED_POINT_32 accumulator + Dequantize.
+    conform(ex, &fc_graph(DType::U8, DType::F32, true, 7, 100, 20), 1e-5);
+    conform(ex, &fc_graph(DType::I8, DType::F32, false, 1, 64, 1), 1e-5);
+}
+
+#[test]
+fn fully_connected_w8a8_quantized_outputs() {
+    let Some(ex) = htp() else { return };
+    conform(ex, &fc_graph(DType::U8, DType::U8, true, 32, 576, 576), 0.0);
+    conform(ex, &fc_graph(DType::I8, DType::I8, false, 32, 576, 576), 0.0);
+    conform(ex, &fc_graph(DType::U8, DType::I8, false, 5, 33, 37), 0.0);
+    // The int32 accumulator itself, where the library gets it right (N <= 32).
+    conform(ex, &fc_graph(DType::U8, DType::I32, true, 8, 576, 32), 0.0);
+}
+
+#[test]
+fn fully_connected_float() {
+    let Some(ex) = htp() else { return };
+    let mut rng = StdRng::seed_from_u64(5);
+    let (m, k, n) = (32, 576, 192);
+    let mut g = Graph::new("fc_f32");
+    let x = g.input("x", &[m, k], DType::F32, None);
+    let w = g.constant("w", &[n, k], StaticData::F32(Arc::new((0..n * k).map(|_| rng.random_range(-0.05..0.05)).collect())), None);
+    let b = g.constant("b", &[n], StaticData::F32(Arc::new((0..n).map(|_| rng.random_range(-0.5..0.5)).collect())), None);
+    let y = g.fully_connected("y", x, w, Some(b), DType::F32, None);
+    g.mark_output(y);
+    conform(ex, &g, 2e-3);
+}
+
+#[test]
+fn matmul() {
+    let Some(ex) = htp() else { return };
+    for (a, b, out, tol) in [
+        (DType::U8, DType::U8, DType::U8, 0.0),
+        (DType::I8, DType::I8, DType::I8, 0.0),
+        (DType::U8, DType::I8, DType::U8, 0.0),
+        (DType::U8, DType::U8, DType::F32, 1e-5),
+        (DType::U8, DType::I8, DType::F32, 1e-5),
+        (DType::I8, DType::I8, DType::F32, 1e-5),
+        (DType::F32, DType::F32, DType::F32, 2e-3),
+        (DType::F32, DType::U8, DType::U8, 0.0),
+    ] {
+        for transpose_b in [false, true] {
+            let mut g = Graph::new(format!("matmul_{a:?}_{b:?}_{out:?}_t{}", transpose_b as u8));
+            let (m, k, n) = (24, 64, 40);
+            let a = g.input("a", &[m, k], a, quant_for(a, -4.0, 4.0));
+            let b = g.input("b", &if transpose_b { [n, k] } else { [k, n] }, b, quant_for(b, -1.0, 3.0));
+            let y = g.op("y", out, quant_for(out, -200.0, 200.0), |output| Op::MatMul { a, b, transpose_b, output }, &[m, n]);
+            g.mark_output(y);
+            conform(ex, &g, tol);
+        }
+    }
+}
+
+#[test]
+fn quantize_and_dequantize() {
+    let Some(ex) = htp() else { return };
+    let q = |input, output| Op::Quantize { input, output };
+    let dq = |input, output| Op::Dequantize { input, output };
+    conform(ex, &unary_graph("quantize_u8", DType::F32, DType::U8, (-4.0, 4.0), q), 0.0);
+    conform(ex, &unary_graph("quantize_i8", DType::F32, DType::I8, (-3.0, 3.0), q), 0.0);
+    for d in [DType::U8, DType::I8, DType::I32] {
+        conform(ex, &unary_graph(&format!("dequantize_{d:?}"), d, DType::F32, (0.0, 0.0), dq), 1e-6);
+    }
+}
+
+#[test]
+fn elementwise_quantized() {
+    let Some(ex) = htp() else { return };
+    for d in [DType::U8, DType::I8] {
+        conform(ex, &binary_graph(&format!("add_{d:?}"), d, d, d, (-7.0, 7.0), add), 0.0);
+        conform(ex, &binary_graph(&format!("mul_{d:?}"), d, d, d, (-12.0, 12.0), mul), 0.0);
+        conform(ex, &unary_graph(&format!("sigmoid_{d:?}"), d, DType::U8, (0.0, 1.0), sigmoid), 0.0);
+    }
+    // Mixed: quantized inputs, other-typed outputs and the reverse.
+    conform(ex, &binary_graph("add_u8_i8_to_f32", DType::U8, DType::I8, DType::F32, (0.0, 0.0), add), 1e-5);
+    conform(ex, &binary_graph("mul_f32_to_u8", DType::F32, DType::F32, DType::U8, (-12.0, 12.0), mul), 0.0);
+    conform(ex, &unary_graph("sigmoid_f32_to_u8", DType::F32, DType::U8, (0.0, 1.0), sigmoid), 0.0);
+}
+
+#[test]
+fn elementwise_float() {
+    let Some(ex) = htp() else { return };
+    conform(ex, &binary_graph("add_f32", DType::F32, DType::F32, DType::F32, (0.0, 0.0), add), 2e-3);
+    conform(ex, &binary_graph("mul_f32", DType::F32, DType::F32, DType::F32, (0.0, 0.0), mul), 2e-3);
+    conform(ex, &unary_graph("sigmoid_f32", DType::F32, DType::F32, (0.0, 0.0), sigmoid), 2e-3);
+}
+
+/// The engine's NPU stages (models' `layer_graphs`), at small sizes: QKV (three W8A8 FCs with
+/// biases and F32 outputs) and FFN (gate/up F32, SiLU = Sigmoid * gate, * up, Quantize, down).
+#[test]
+fn engine_stage_graphs() {
+    let Some(ex) = htp() else { return };
+    let mut rng = StdRng::seed_from_u64(9);
+    let (m, hidden, kv, inter) = (16, 128, 64, 256);
+
+    let mut qkv = Graph::new("blk.0.qkv.m16");
+    let x = qkv.input("x", &[m, hidden], DType::U8, quant_for(DType::U8, -3.0, 5.0));
+    for (name, n) in [("q", hidden), ("k", kv), ("v", kv)] {
+        let w = weight_i8(&mut qkv, &mut rng, &format!("{name}.weight"), n, hidden);
+        let b = bias_i32(&mut qkv, &mut rng, x, w);
+        let y = qkv.fully_connected(name, x, w, Some(b), DType::F32, None);
+        qkv.mark_output(y);
+    }
+    conform(ex, &qkv, 1e-5);
+
+    let mut ffn = Graph::new("blk.0.ffn.m16");
+    let x = ffn.input("x", &[m, hidden], DType::U8, quant_for(DType::U8, -3.0, 5.0));
+    let wg = weight_i8(&mut ffn, &mut rng, "gate.weight", inter, hidden);
+    let wu = weight_i8(&mut ffn, &mut rng, "up.weight", inter, hidden);
+    let wd = weight_i8(&mut ffn, &mut rng, "down.weight", hidden, inter);
+    let gate = ffn.fully_connected("gate", x, wg, None, DType::F32, None);
+    let up = ffn.fully_connected("up", x, wu, None, DType::F32, None);
+    let sig = ffn.unary("gate_sigmoid", gate, DType::F32, None, sigmoid);
+    let silu = ffn.binary("gate_silu", gate, sig, DType::F32, None, mul);
+    let hid = ffn.binary("hidden", silu, up, DType::F32, None, mul);
+    let hq = ffn.unary("hidden_q", hid, DType::U8, Some(Quant::u8_range(-0.5, 0.5)), |input, output| Op::Quantize { input, output });
+    let down = ffn.fully_connected("down", hq, wd, None, DType::F32, None);
+    ffn.mark_output(down);
+    // FP16 sigmoid/multiplies can move a `hidden` value across a u8 rounding boundary of
+    // `hidden_q`; one step of that grid, times |down weights|, bounds the effect on `down`.
+    conform(ex, &ffn, 1e-2);
+
+    // The F32 (calibration) variant: float FCs, `hidden` also an output and read by `down`.
+    let mut f = Graph::new("blk.0.ffn.f32");
+    let x = f.input("x", &[m, hidden], DType::F32, None);
+    let mut fw = |g: &mut Graph, name: &str, n: usize, k: usize| {
+        g.constant(name, &[n, k], StaticData::F32(Arc::new((0..n * k).map(|_| rng.random_range(-0.05..0.05)).collect())), None)
+    };
+    let (wg, wu, wd) = (fw(&mut f, "gate.weight", inter, hidden), fw(&mut f, "up.weight", inter, hidden), fw(&mut f, "down.weight", hidden, inter));
+    let gate = f.fully_connected("gate", x, wg, None, DType::F32, None);
+    let up = f.fully_connected("up", x, wu, None, DType::F32, None);
+    let sig = f.unary("gate_sigmoid", gate, DType::F32, None, sigmoid);
+    let silu = f.binary("gate_silu", gate, sig, DType::F32, None, mul);
+    let hid = f.binary("hidden", silu, up, DType::F32, None, mul);
+    let down = f.fully_connected("down", hid, wd, None, DType::F32, None);
+    f.mark_output(down);
+    f.mark_output(hid);
+    conform(ex, &f, 1e-2);
+}
+
+// ------------------------------------------------------------------------------------------------
+// (b) What the library rejects
+// ------------------------------------------------------------------------------------------------
+
+/// Quantize F32 -> SFIXED_POINT_32 passes graphAddNode and fails in graphFinalize (1002). The
+/// checked `prepare` refuses it up front; `prepare_unchecked` lets the library reject it, and the
+/// error names the op (found through the library's log) and its shapes.
+#[test]
+fn rejected_graph_names_op_and_shapes() {
+    let Some(ex) = htp() else { return };
+    let mut g = Graph::new("rejected");
+    let x = g.input("x", &[32, 576], DType::F32, None);
+    let s = g.unary("s", x, DType::F32, None, sigmoid);
+    let q = g.unary("acc", s, DType::I32, Some(Quant::symmetric(1e-6)), |input, output| Op::Quantize { input, output });
+    let y = g.unary("y", q, DType::F32, None, |input, output| Op::Dequantize { input, output });
+    g.mark_output(y);
+
+    assert!(!ex.supports(&g, &g.ops[1]));
+    match ex.prepare(&g).err().expect("supports() says no") {
+        Error::Unsupported { op, shapes, executor, .. } => {
+            assert_eq!((op.as_str(), executor), ("Quantize", "htp"));
+            assert!(shapes.contains("I32[32, 576]"), "{shapes}");
+        }
+        e => panic!("expected Unsupported, got {e}"),
+    }
+
+    let err = ex.prepare_unchecked(&g).err().expect("the library rejects Quantize to I32");
+    let text = err.to_string();
+    eprintln!("{text}");
+    match err {
+        Error::Prepare { graph, op, shapes, code, message } => {
+            assert_eq!(graph, "rejected");
+            assert_eq!(op, "Quantize", "{text}");
+            assert_eq!(shapes, "s:F32[32, 576] -> acc:I32[32, 576]");
+            assert_ne!(code, 0);
+            assert!(message.contains("QNN error") && message.contains("graphFinalize"), "{message}");
+        }
+        e => panic!("expected Prepare, got {e}"),
+    }
+
+    // Through an NpuDevice the graph falls back to the host (logged) and still runs.
+    let dev = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let prepared = dev.prepare(&g).unwrap();
+    assert_eq!(dev.stats().fallbacks, 1);
+    let input = TensorData::F32(vec![0.5; 32 * 576]);
+    let out = prepared.execute(&[&input]).unwrap();
+    let TensorData::F32(v) = &out[0] else { panic!() };
+    assert!((v[0] - 1.0 / (1.0 + (-0.5f32).exp())).abs() < 1e-5);
+}
+
+// ------------------------------------------------------------------------------------------------
+// (c) Library loading errors (need no QNN library)
+// ------------------------------------------------------------------------------------------------
+
+#[test]
+fn missing_library_is_a_qnn_library_error() {
+    let dir = PathBuf::from("/nonexistent/candle-npu-qnn");
+    let err = HtpExecutor::new(HtpConfig { lib_dir: Some(dir.clone()), ..Default::default() }).unwrap_err();
+    match &err {
+        Error::QnnLibrary { path, .. } => assert_eq!(path, &dir.join("libQnnHtp.so")),
+        e => panic!("expected QnnLibrary, got {e}"),
+    }
+    assert!(err.to_string().contains("/nonexistent/candle-npu-qnn/libQnnHtp.so"), "{err}");
+    let err = NpuDevice::hexagon(HtpConfig { lib_dir: Some(dir), ..Default::default() }).unwrap_err();
+    assert!(matches!(err, Error::QnnLibrary { .. }), "{err}");
+}
+
+#[test]
+fn non_qnn_library_is_a_qnn_library_error() {
+    let candidates = ["/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6", "/lib/aarch64-linux-gnu/libm.so.6", "/lib64/libm.so.6"];
+    let Some(libm) = candidates.iter().map(PathBuf::from).find(|p| p.is_file()) else {
+        eprintln!("skipping: no libm.so.6 in {candidates:?}");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("candle-npu-fake-qnn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fake = dir.join("libQnnHtp.so");
+    std::fs::copy(&libm, &fake).unwrap();
+    let result = HtpExecutor::new(HtpConfig { lib_dir: Some(dir.clone()), ..Default::default() });
+    std::fs::remove_dir_all(&dir).ok();
+    match result.unwrap_err() {
+        Error::QnnLibrary { path, reason } => {
+            assert_eq!(path, fake);
+            assert!(reason.contains("QnnInterface_getProviders"), "{reason}");
+        }
+        e => panic!("expected QnnLibrary, got {e}"),
+    }
+}
+
+#[test]
+fn device_refusing_the_soc_is_a_qnn_library_error() {
+    if htp().is_none() {
+        return;
+    }
+    let err = HtpExecutor::new(HtpConfig { soc_model: 9999, ..Default::default() }).unwrap_err();
+    assert!(matches!(&err, Error::QnnLibrary { reason, .. } if reason.contains("deviceCreate") && reason.contains("9999")), "{err}");
+}
+
+// ------------------------------------------------------------------------------------------------
+// (d) Buffer checks, lifetimes, configs, threads
+// ------------------------------------------------------------------------------------------------
+
+#[test]
+fn executor_checks_buffers_itself() {
+    let Some(ex) = htp() else { return };
+    let g = fc_graph(DType::U8, DType::F32, false, 8, 64, 32);
+    // Directly on the ExecutableGraph, bypassing PreparedGraph's own check.
+    let exec: Box<dyn ExecutableGraph> = ex.prepare(&g).unwrap();
+    let short = TensorData::U8(vec![0; 8 * 64 - 1]);
+    let err = exec.execute(&[&short]).unwrap_err();
+    assert!(matches!(&err, Error::BufferMismatch { tensor, .. } if tensor == "x"), "{err}");
+    assert!(err.to_string().contains("512 bytes") && err.to_string().contains("511 bytes"), "{err}");
+    let wrong_type = TensorData::I8(vec![0; 8 * 64]);
+    assert!(matches!(exec.execute(&[&wrong_type]).unwrap_err(), Error::BufferMismatch { .. }));
+    assert!(matches!(exec.execute(&[]).unwrap_err(), Error::BufferMismatch { .. }));
+    let ok = TensorData::U8(vec![128; 8 * 64]);
+    assert_eq!(exec.execute(&[&ok]).unwrap()[0].len(), 8 * 32);
+}
+
+#[test]
+fn graphs_outlive_their_executor_and_configs_apply() {
+    if htp().is_none() {
+        return;
+    }
+    let cfg = HtpConfig { optimization_level: Some(1), vtcm_mb: Some(8), soc_model: 43, ..Default::default() };
+    let ex = HtpExecutor::new(cfg).unwrap();
+    assert_eq!(ex.api_version().coreApiVersion.major, 2);
+    let g = fc_graph(DType::U8, DType::U8, true, 8, 128, 64);
+    let exec = ex.prepare(&g).unwrap();
+    drop(ex);
+    let mut rng = StdRng::seed_from_u64(1);
+    let x = random_data(&mut rng, g.tensor(g.inputs[0]));
+    let want = HostExecutor.prepare(&g).unwrap().execute(&[&x]).unwrap();
+    compare(&g, &exec.execute(&[&x]).unwrap(), &want, 0.0);
+}
+
+#[test]
+fn device_runs_engine_graphs_on_htp_from_several_threads() {
+    if htp().is_none() {
+        return;
+    }
+    let dev = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    assert_eq!(dev.executor_name(), "htp");
+    let g = fc_graph(DType::U8, DType::F32, true, 16, 128, 64);
+    let prepared = dev.prepare(&g).unwrap();
+    assert_eq!(dev.stats().fallbacks, 0);
+    let mut rng = StdRng::seed_from_u64(3);
+    let x = random_data(&mut rng, g.tensor(g.inputs[0]));
+    let want = prepared.execute(&[&x]).unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                for _ in 0..3 {
+                    assert_eq!(prepared.execute(&[&x]).unwrap(), want);
+                }
+            });
+        }
+    });
+    assert_eq!(dev.stats().executions, 10);
+}
+
+#[test]
+fn support_table_matches_the_library_limits() {
+    let Some(ex) = htp() else { return };
+    let fc = |out, n| fc_graph(DType::U8, out, false, 8, 256, n);
+    let g = fc(DType::I32, 64);
+    assert!(!ex.supports(&g, &g.ops[0]), "FC -> I32 with N > 32 returns wrong values");
+    let g = fc(DType::I32, 32);
+    assert!(ex.supports(&g, &g.ops[0]));
+    let g = fc(DType::F32, 8);
+    assert!(ex.supports(&g, &g.ops[0]), "lowered through SFIXED_POINT_32 + Dequantize");
+    let mut g = Graph::new("mm");
+    let a = g.input("a", &[4, 8], DType::U8, quant_for(DType::U8, -1.0, 1.0));
+    let b = g.input("b", &[8, 16], DType::U8, quant_for(DType::U8, -1.0, 1.0));
+    let y = g.op("y", DType::F32, None, |output| Op::MatMul { a, b, transpose_b: false, output }, &[4, 16]);
+    g.mark_output(y);
+    assert!(!ex.supports(&g, &g.ops[0]), "8-bit MatMul -> F32 with N < 32 fails at execute (1100)");
+}
+
+/// A graph with an input no op reads: its buffer is checked, not passed to QNN.
+#[test]
+fn unused_input() {
+    let Some(ex) = htp() else { return };
+    let mut g = Graph::new("unused_input");
+    let a = g.input("a", &[2, 32], DType::F32, None);
+    let _unused = g.input("unused", &[3], DType::U8, quant_for(DType::U8, 0.0, 1.0));
+    let y = g.unary("y", a, DType::F32, None, sigmoid);
+    g.mark_output(y);
+    let exec = ex.prepare(&g).unwrap();
+    let a = TensorData::F32(vec![0.0; 64]);
+    let out = exec.execute(&[&a, &TensorData::U8(vec![0; 3])]).unwrap();
+    let TensorData::F32(v) = &out[0] else { panic!("{:?}", out[0].dtype()) };
+    // FP16 sigmoid: sigmoid(0) comes back as 0.5 + 2^-11.
+    assert!(v.len() == 64 && v.iter().all(|&y| (y - 0.5).abs() < 2e-3), "{v:?}");
+    assert!(matches!(exec.execute(&[&a, &TensorData::U8(vec![0; 2])]).unwrap_err(), Error::BufferMismatch { .. }));
+}
