@@ -72,7 +72,8 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let device = match args.executor {
         ExecutorKind::Host => NpuDevice::host(),
-        ExecutorKind::Hexagon => bail!("the Hexagon executor is not built yet (issue 3): use --executor host"),
+        ExecutorKind::Hexagon => NpuDevice::hexagon(candle_npu::HtpConfig::default())
+            .context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?,
     };
     let path = args.model.clone().unwrap_or_else(|| match args.which {
         Which::Smollm2_135m => candle_npu_models::assets::smollm2(),
