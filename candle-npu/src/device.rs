@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::executor::{ExecutableGraph, Executor, HostExecutor};
-use crate::graph::{DType, Graph, TensorData};
+use crate::graph::{check_buffer, check_input_count, DType, Graph, TensorData};
 
 /// Counters that back the chunk-sharing claim (graphs prepared once, executed per chunk) and
 /// the timing tables.
@@ -134,26 +134,14 @@ impl PreparedGraph {
     /// Run the graph. Inputs in the graph's input order; every buffer is checked against its
     /// tensor's type and size first (QNN does not check, and would overrun).
     pub fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>> {
-        let mismatch = |tensor: &str, expected: String, got: String| Error::BufferMismatch {
-            graph: self.name.clone(),
-            tensor: tensor.to_string(),
-            expected,
-            got,
-        };
-        if inputs.len() != self.inputs.len() {
-            return Err(mismatch("<inputs>", format!("{} inputs", self.inputs.len()), format!("{}", inputs.len())));
-        }
+        check_input_count(&self.name, self.inputs.len(), inputs.len())?;
         for ((name, dtype, n), data) in self.inputs.iter().zip(inputs) {
-            if data.dtype() != *dtype || data.len() != *n {
-                return Err(mismatch(name, format!("{dtype:?} x {n}"), format!("{:?} x {}", data.dtype(), data.len())));
-            }
+            check_buffer(&self.name, name, *dtype, *n, data)?;
         }
         let t = Instant::now();
         let out = self.exec.execute(inputs)?;
         for ((name, dtype, n), data) in self.outputs.iter().zip(&out) {
-            if data.dtype() != *dtype || data.len() != *n {
-                return Err(mismatch(name, format!("{dtype:?} x {n}"), format!("{:?} x {}", data.dtype(), data.len())));
-            }
+            check_buffer(&self.name, name, *dtype, *n, data)?;
         }
         let c = &self.device.inner.counters;
         c.executions.fetch_add(1, Ordering::Relaxed);

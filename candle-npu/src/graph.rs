@@ -542,6 +542,34 @@ impl TensorData {
     }
 }
 
+/// Check a buffer against the tensor it is bound to (type and element count). Every executor
+/// calls this before running: QNN's graphExecute does not check sizes and would overrun.
+pub fn check_buffer(graph: &str, tensor: &str, dtype: DType, len: usize, data: &TensorData) -> Result<()> {
+    if data.dtype() == dtype && data.len() == len {
+        return Ok(());
+    }
+    let bytes = |d: DType, n: usize| n * d.size_in_bytes();
+    Err(Error::BufferMismatch {
+        graph: graph.to_string(),
+        tensor: tensor.to_string(),
+        expected: format!("{dtype:?} x {len} ({} bytes)", bytes(dtype, len)),
+        got: format!("{:?} x {} ({} bytes)", data.dtype(), data.len(), bytes(data.dtype(), data.len())),
+    })
+}
+
+/// Check the number of buffers given for a graph's inputs.
+pub fn check_input_count(graph: &str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        return Ok(());
+    }
+    Err(Error::BufferMismatch {
+        graph: graph.to_string(),
+        tensor: "<inputs>".into(),
+        expected: format!("{expected} inputs"),
+        got: format!("{got} inputs"),
+    })
+}
+
 #[inline]
 pub(crate) fn quantize_one(v: f32, q: Quant, lo: i64, hi: i64) -> i64 {
     let x = (v / q.scale).round() as i64 - q.offset as i64;

@@ -61,7 +61,7 @@ use qnn_sys::*;
 
 use super::{ExecutableGraph, Executor};
 use crate::error::{Error, Result};
-use crate::graph::{DType, Graph, Op, StaticData, TensorData, TensorId, TensorKind, TensorSpec};
+use crate::graph::{check_buffer, check_input_count, DType, Graph, Op, StaticData, TensorData, TensorId, TensorKind, TensorSpec};
 
 /// Settings of an [`HtpExecutor`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -721,33 +721,11 @@ fn output_buffer(d: &mut TensorData) -> Qnn_ClientBuffer_t {
     }
 }
 
-fn byte_len(d: &TensorData) -> usize {
-    d.len() * d.dtype().size_in_bytes()
-}
-
 impl ExecutableGraph for HtpGraph {
     fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>> {
-        let mismatch = |tensor: &str, expected: String, got: String| Error::BufferMismatch {
-            graph: self.name.clone(),
-            tensor: tensor.to_string(),
-            expected,
-            got,
-        };
-        if inputs.len() != self.inputs.len() {
-            return Err(mismatch("<inputs>", format!("{} inputs", self.inputs.len()), format!("{} inputs", inputs.len())));
-        }
+        check_input_count(&self.name, self.inputs.len(), inputs.len())?;
         // graphExecute does not check client buffer sizes (it overruns): check every one here.
-        let check = |t: &IoTensor, data: &TensorData| -> Result<()> {
-            let want = t.len * t.dtype.size_in_bytes();
-            if data.dtype() != t.dtype || byte_len(data) != want {
-                return Err(mismatch(
-                    &t.name,
-                    format!("{:?} x {} ({want} bytes)", t.dtype, t.len),
-                    format!("{:?} x {} ({} bytes)", data.dtype(), data.len(), byte_len(data)),
-                ));
-            }
-            Ok(())
-        };
+        let check = |t: &IoTensor, data: &TensorData| check_buffer(&self.name, &t.name, t.dtype, t.len, data);
         let mut exec_in = Vec::with_capacity(inputs.len());
         for (t, data) in self.inputs.iter().zip(inputs) {
             check(t, data)?;
