@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::Result;
-use crate::executor::{ExecutableGraph, Executor, HostExecutor};
+use crate::executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin};
 use crate::graph::{check_buffer, check_input_count, DType, Graph, TensorData};
 
 /// Counters that back the chunk-sharing claim (graphs prepared once, executed per chunk) and
@@ -14,9 +14,11 @@ use crate::graph::{check_buffer, check_input_count, DType, Graph, TensorData};
 #[derive(Debug, Default)]
 struct Counters {
     prepared: AtomicU64,
+    loaded: AtomicU64,
     executions: AtomicU64,
     fallbacks: AtomicU64,
     prepare_ns: AtomicU64,
+    load_ns: AtomicU64,
     execute_ns: AtomicU64,
 }
 
@@ -25,11 +27,16 @@ struct Counters {
 pub struct DeviceStats {
     /// Graphs prepared (compiled) on this device.
     pub graphs_prepared: u64,
+    /// Graphs loaded from the prepared-graph cache instead of compiled.
+    pub graphs_loaded: u64,
     /// Graph executions.
     pub executions: u64,
     /// Graphs prepared on the host because the executor could not run one of their ops.
     pub fallbacks: u64,
+    /// Wall time spent compiling graphs.
     pub prepare_ns: u64,
+    /// Wall time spent loading graphs from the cache.
+    pub load_ns: u64,
     pub execute_ns: u64,
 }
 
@@ -79,12 +86,19 @@ impl NpuDevice {
             graphs_prepared: c.prepared.load(Ordering::Relaxed),
             executions: c.executions.load(Ordering::Relaxed),
             fallbacks: c.fallbacks.load(Ordering::Relaxed),
+            graphs_loaded: c.loaded.load(Ordering::Relaxed),
             prepare_ns: c.prepare_ns.load(Ordering::Relaxed),
+            load_ns: c.load_ns.load(Ordering::Relaxed),
             execute_ns: c.execute_ns.load(Ordering::Relaxed),
         }
     }
 
-    /// Validate and compile a graph. When the executor cannot run one of its ops, the graph is
+    /// Per-graph profiles, when the executor profiles (see `HtpConfig::profiling`).
+    pub fn graph_profiles(&self) -> Vec<GraphProfile> {
+        self.inner.executor.profiles()
+    }
+
+    /// Validate and compile a graph (or load it from the executor's prepared-graph cache). When the executor cannot run one of its ops, the graph is
     /// prepared on the host instead and the fallback is logged.
     pub fn prepare(&self, graph: &Graph) -> Result<PreparedGraph> {
         graph.validate()?;
@@ -102,8 +116,17 @@ impl NpuDevice {
             None => ex.prepare(graph)?,
         };
         let c = &self.inner.counters;
-        c.prepared.fetch_add(1, Ordering::Relaxed);
-        c.prepare_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let ns = t.elapsed().as_nanos() as u64;
+        match exec.origin() {
+            Origin::Compiled => {
+                c.prepared.fetch_add(1, Ordering::Relaxed);
+                c.prepare_ns.fetch_add(ns, Ordering::Relaxed);
+            }
+            Origin::Loaded => {
+                c.loaded.fetch_add(1, Ordering::Relaxed);
+                c.load_ns.fetch_add(ns, Ordering::Relaxed);
+            }
+        }
         let sig = |ids: &[crate::graph::TensorId]| {
             ids.iter().map(|&i| (graph.tensor(i).name.clone(), graph.tensor(i).dtype, graph.tensor(i).elem_count())).collect()
         };
@@ -129,6 +152,17 @@ pub struct PreparedGraph {
 impl PreparedGraph {
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Compiled now, or loaded from the prepared-graph cache.
+    pub fn origin(&self) -> Origin {
+        self.exec.origin()
+    }
+
+    /// Bytes of the compiled form (QNN context binary, weights included), when the executor can
+    /// serialize graphs.
+    pub fn serialized_size(&self) -> Option<usize> {
+        self.exec.serialized_size()
     }
 
     /// Run the graph. Inputs in the graph's input order; every buffer is checked against its

@@ -325,6 +325,47 @@ impl Graph {
         format!("{} -> {}", ins.join(", "), self.tensor(op.output()))
     }
 
+    /// SHA-256 of everything that determines the compiled graph: names, shapes, types,
+    /// quantization parameters, tensor kinds, ops, inputs, outputs and the constants' bytes. So
+    /// it covers the model weights, the quant profile's scales and the chunk length (the
+    /// shapes) at once, and a prepared-graph cache keyed by it can never serve a stale graph.
+    pub fn fingerprint(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        let field = |h: &mut Sha256, bytes: &[u8]| {
+            h.update((bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        };
+        field(&mut h, self.name.as_bytes());
+        for t in &self.tensors {
+            let desc = format!("{}|{:?}|{:?}|{:?}|", t.name, t.shape, t.dtype, t.kind);
+            field(&mut h, desc.as_bytes());
+            match t.quant {
+                Some(q) => field(&mut h, &[q.scale.to_bits().to_le_bytes(), q.offset.to_le_bytes()].concat()),
+                None => field(&mut h, b"-"),
+            }
+            // Constants are hashed in slices so that a 100 MB weight is never copied whole.
+            fn words<const N: usize, T: Copy>(h: &mut Sha256, v: &[T], le: impl Fn(T) -> [u8; N]) {
+                h.update(((v.len() * N) as u64).to_le_bytes());
+                for part in v.chunks(1 << 14) {
+                    h.update(part.iter().flat_map(|&x| le(x)).collect::<Vec<u8>>());
+                }
+            }
+            match &t.data {
+                Some(StaticData::F32(v)) => words(&mut h, v, f32::to_le_bytes),
+                Some(StaticData::I8(v)) => words(&mut h, v, i8::to_le_bytes),
+                Some(StaticData::I32(v)) => words(&mut h, v, i32::to_le_bytes),
+                None => field(&mut h, b"-"),
+            }
+        }
+        // `Op`'s Debug form names the variant and every operand id (and `transpose_b`).
+        for op in &self.ops {
+            field(&mut h, format!("{op:?}").as_bytes());
+        }
+        field(&mut h, format!("{:?}{:?}", self.inputs, self.outputs).as_bytes());
+        h.finalize().into()
+    }
+
     fn invalid(&self, op: &Op, reason: impl Into<String>) -> Error {
         Error::InvalidGraph {
             graph: self.name.clone(),

@@ -5,9 +5,11 @@
 //! - [`executor`]: the [`executor::Executor`] boundary, the host executor and (feature `qnn`) Hexagon.
 //! - [`device`]: [`NpuDevice`], one executor with its counters and the logged host fallback.
 //! - [`quant`]: per-tensor W8A8 quantization, calibration and the saved [`QuantProfile`].
+//! - [`cache`]: the prepared-graph cache (compiled graphs on disk, validated, atomic writes).
 //! - [`chunk`]: the [`ChunkPlan`] that makes graphs shareable across chunks.
 //! - [`kernels`]: INT8 / F32 GEMM for the host.
 
+pub mod cache;
 pub mod chunk;
 pub mod device;
 pub mod error;
@@ -19,8 +21,8 @@ pub mod quant;
 pub use chunk::{Chunk, ChunkPlan};
 pub use device::{DeviceStats, NpuDevice, PreparedGraph};
 pub use error::{Error, Result};
-pub use executor::{ExecutableGraph, Executor, HostExecutor};
+pub use executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin, ProfileEvent};
 #[cfg(feature = "qnn")]
-pub use executor::htp::{HtpConfig, HtpExecutor};
+pub use executor::htp::{HtpConfig, HtpExecutor, ProfilingLevel};
 pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
 pub use quant::{Calibrator, QuantProfile};

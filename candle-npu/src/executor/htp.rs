@@ -55,11 +55,14 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::ptr::{null, null_mut};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use qnn_sys::*;
 
-use super::{ExecutableGraph, Executor};
+use super::{ExecutableGraph, Executor, GraphProfile, Origin, ProfileEvent};
+use crate::cache::{CacheKey, CachedGraph, GraphCache, Lookup};
 use crate::error::{Error, Result};
 use crate::graph::{check_buffer, check_input_count, DType, Graph, Op, StaticData, TensorData, TensorId, TensorKind, TensorSpec};
 
@@ -78,12 +81,34 @@ pub struct HtpConfig {
     pub optimization_level: Option<u32>,
     /// VTCM size in MB each graph may use (0 = maximum). `None`: the library's default.
     pub vtcm_mb: Option<u32>,
+    /// Folder of the prepared-graph cache (context binaries, see [`crate::cache`]). `None`: every
+    /// graph is finalized in every process.
+    pub cache_dir: Option<PathBuf>,
+    /// QNN profiling of every finalize, load and execute, read back with
+    /// [`Executor::profiles`]. `None`: off (profiling costs a little on every call).
+    pub profiling: Option<ProfilingLevel>,
 }
 
 impl Default for HtpConfig {
     fn default() -> Self {
-        HtpConfig { lib_dir: None, soc_model: QNN_SOC_MODEL_SM8650, optimization_level: None, vtcm_mb: None }
+        HtpConfig {
+            lib_dir: None,
+            soc_model: QNN_SOC_MODEL_SM8650,
+            optimization_level: None,
+            vtcm_mb: None,
+            cache_dir: None,
+            profiling: None,
+        }
     }
+}
+
+/// QNN profiling level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProfilingLevel {
+    /// Per call: QNN's and the accelerator's time.
+    Basic,
+    /// Also per op (node) events.
+    Detailed,
 }
 
 impl HtpConfig {
@@ -192,7 +217,15 @@ impl Drop for Runtime {
 /// [`Executor::supports`] answers) and the lowering done where an IR op does not map one to one.
 pub struct HtpExecutor {
     rt: Arc<Runtime>,
+    cache: Option<GraphCache>,
+    /// What besides the graph determines a compiled graph (see [`crate::cache`]).
+    cache_salt: String,
+    profiles: Option<Profiles>,
 }
+
+/// Bump when the IR -> QNN translation changes what a graph compiles to, so that cached
+/// context binaries of the old translation are not loaded.
+const TRANSLATION_VERSION: u32 = 1;
 
 impl std::fmt::Debug for HtpExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -253,7 +286,21 @@ impl HtpExecutor {
             soc = rt.config.soc_model,
             "QNN HTP backend ready"
         );
-        Ok(HtpExecutor { rt: Arc::new(rt) })
+        let api = rt.lib.api_version();
+        let c = &rt.config;
+        let cache_salt = format!(
+            "candle-npu {} translation {TRANSLATION_VERSION} | QNN build {} core {} htp {} | soc {} opt {:?} vtcm {:?}",
+            env!("CARGO_PKG_VERSION"),
+            rt.lib.backend_build_id().unwrap_or_else(|| format!("unknown ({})", rt.lib.path().display())),
+            api.coreApiVersion,
+            api.backendApiVersion,
+            c.soc_model,
+            c.optimization_level,
+            c.vtcm_mb,
+        );
+        let cache = c.cache_dir.clone().map(GraphCache::new);
+        let profiles = c.profiling.map(|_| Profiles::default());
+        Ok(HtpExecutor { rt: Arc::new(rt), cache, cache_salt, profiles })
     }
 
     /// The loaded library's path.
@@ -282,7 +329,173 @@ impl HtpExecutor {
     /// module documentation).
     pub fn prepare_unchecked(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
         graph.validate()?;
-        Ok(Box::new(build(&self.rt, graph)?))
+        Ok(Box::new(self.compile(graph)?))
+    }
+
+    /// The cache key of `graph` on this executor (library build, SoC and graph configs).
+    pub fn cache_key(&self, graph: &Graph) -> CacheKey {
+        CacheKey::new(&graph.fingerprint(), &self.cache_salt)
+    }
+
+    fn compile(&self, graph: &Graph) -> Result<HtpGraph> {
+        build(&self.rt, graph, self.profiles.clone())
+    }
+
+    /// Loads `graph` from the cache when a valid entry exists; otherwise compiles it and stores
+    /// it. Cache trouble is logged and never fails the prepare.
+    fn prepare_cached(&self, graph: &Graph, cache: &GraphCache) -> Result<HtpGraph> {
+        let key = self.cache_key(graph);
+        match cache.load(&graph.name, &key) {
+            Lookup::Hit(entry) => match load(&self.rt, graph, &entry, self.profiles.clone()) {
+                Ok(g) => return Ok(g),
+                Err(e) => tracing::warn!(graph = %graph.name, error = %e, "cached context binary does not load: rebuilding it"),
+            },
+            Lookup::Invalid(why) => tracing::warn!(graph = %graph.name, %why, "prepared-graph cache file unusable: rebuilding it"),
+            Lookup::Miss => tracing::debug!(graph = %graph.name, ?key, "prepared-graph cache miss"),
+        }
+        let g = self.compile(graph)?;
+        let stored = g.context_binary_bytes().and_then(|bin| {
+            let _ = g.binary_size.set(Some(bin.len()));
+            cache.store(&graph.name, &key, &g.meta(), &bin)
+        });
+        match stored {
+            Ok(path) => tracing::debug!(graph = %graph.name, path = %path.display(), "context binary cached"),
+            Err(e) => tracing::warn!(graph = %graph.name, error = %e, "could not write the prepared-graph cache"),
+        }
+        Ok(g)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Profiling.
+// ------------------------------------------------------------------------------------------------
+
+/// Per-graph profiles, shared by the executor and its graphs, keyed by graph name.
+type Profiles = Arc<Mutex<BTreeMap<String, GraphProfile>>>;
+
+/// A QNN profile handle for one call, freed on drop.
+struct Profile<'a> {
+    rt: &'a Runtime,
+    handle: Qnn_ProfileHandle_t,
+}
+
+impl<'a> Profile<'a> {
+    /// A fresh profile at the configured level; `None` when profiling is off or the library
+    /// refuses (logged: the call then runs unprofiled).
+    fn new(rt: &'a Runtime) -> Option<Self> {
+        let level = match rt.config.profiling? {
+            ProfilingLevel::Basic => QNN_PROFILE_LEVEL_BASIC,
+            ProfilingLevel::Detailed => QNN_PROFILE_LEVEL_DETAILED,
+        };
+        let create = rt.f().profileCreate?;
+        let mut handle = null_mut();
+        // SAFETY: valid backend and out-pointer.
+        let rc = unsafe { create(rt.backend, level, &mut handle) };
+        if rc != QNN_SUCCESS {
+            tracing::warn!(error = %rt.message(rc), "profileCreate failed: running without profiling");
+            return None;
+        }
+        Some(Profile { rt, handle })
+    }
+
+    fn handle(p: &Option<Self>) -> Qnn_ProfileHandle_t {
+        p.as_ref().map_or(null_mut(), |p| p.handle)
+    }
+
+    /// Every event, sub-events included (their names prefixed with the parent's).
+    fn events(&self) -> Vec<(String, u32, u64)> {
+        let f = self.rt.f();
+        let (Some(get_events), Some(get_sub), Some(get_data)) = (f.profileGetEvents, f.profileGetSubEvents, f.profileGetEventData)
+        else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut ids: *const QnnProfile_EventId_t = null();
+        let mut n = 0u32;
+        // SAFETY: valid profile handle and out-pointers; QNN owns the id array until the profile
+        // is freed, which happens after this borrow ends.
+        if unsafe { get_events(self.handle, &mut ids, &mut n) } != QNN_SUCCESS || ids.is_null() {
+            return out;
+        }
+        let mut stack: Vec<(QnnProfile_EventId_t, String)> =
+            unsafe { std::slice::from_raw_parts(ids, n as usize) }.iter().map(|&id| (id, String::new())).collect();
+        stack.reverse();
+        while let Some((id, parent)) = stack.pop() {
+            let mut data = QnnProfile_EventData_t::default();
+            // SAFETY: id comes from this profile; out-pointer valid.
+            if unsafe { get_data(id, &mut data) } != QNN_SUCCESS {
+                continue;
+            }
+            let name = if data.identifier.is_null() {
+                format!("event type {}", data.type_)
+            } else {
+                // SAFETY: a NUL-terminated string owned by the profile.
+                unsafe { CStr::from_ptr(data.identifier) }.to_string_lossy().into_owned()
+            };
+            let name = if parent.is_empty() { name } else { format!("{parent} / {name}") };
+            let (mut sub, mut m) = (null(), 0u32);
+            // SAFETY: as above.
+            if unsafe { get_sub(id, &mut sub, &mut m) } == QNN_SUCCESS && !sub.is_null() {
+                for &s in unsafe { std::slice::from_raw_parts(sub, m as usize) }.iter().rev() {
+                    stack.push((s, name.clone()));
+                }
+            }
+            out.push((name, data.unit, data.value));
+        }
+        out
+    }
+}
+
+impl Drop for Profile<'_> {
+    fn drop(&mut self) {
+        if let Some(free) = self.rt.f().profileFree {
+            // SAFETY: created by profileCreate, freed once, after its last use.
+            unsafe { free(self.handle) };
+        }
+    }
+}
+
+fn unit_name(unit: u32) -> &'static str {
+    match unit {
+        QNN_PROFILE_EVENTUNIT_MICROSEC => "us",
+        QNN_PROFILE_EVENTUNIT_BYTES => "bytes",
+        QNN_PROFILE_EVENTUNIT_CYCLES => "cycles",
+        QNN_PROFILE_EVENTUNIT_COUNT => "count",
+        _ => "?",
+    }
+}
+
+/// Adds one call's events to the graph's profile. The call's time is QNN's own top-level
+/// "QNN (...) time" event when there is one, else `wall_us`.
+fn record(profiles: &Profiles, graph: &str, origin: Origin, phase: &'static str, events: Vec<(String, u32, u64)>, wall_us: u64) {
+    let qnn_us = events
+        .iter()
+        .find(|(n, u, _)| *u == QNN_PROFILE_EVENTUNIT_MICROSEC && n.starts_with("QNN (") && !n.contains(" / "))
+        .map_or(wall_us, |e| e.2);
+    let mut map = profiles.lock().unwrap_or_else(|e| e.into_inner());
+    let p = map.entry(graph.to_string()).or_insert_with(|| GraphProfile {
+        graph: graph.to_string(),
+        origin,
+        prepare_us: 0,
+        executions: 0,
+        execute_us: 0,
+        events: Vec::new(),
+    });
+    if phase == "prepare" {
+        p.origin = origin;
+        p.prepare_us += qnn_us;
+    } else {
+        p.executions += 1;
+        p.execute_us += qnn_us;
+    }
+    for (name, unit, value) in events {
+        match p.events.iter_mut().find(|e| e.phase == phase && e.name == name) {
+            Some(e) => {
+                e.value += value;
+                e.calls += 1;
+            }
+            None => p.events.push(ProfileEvent { phase, name, unit: unit_name(unit), value, calls: 1 }),
+        }
     }
 }
 
@@ -356,7 +569,14 @@ impl Executor for HtpExecutor {
                 shapes: graph.describe_op(op),
             });
         }
-        Ok(Box::new(build(&self.rt, graph)?))
+        Ok(Box::new(match &self.cache {
+            Some(cache) => self.prepare_cached(graph, cache)?,
+            None => self.compile(graph)?,
+        }))
+    }
+
+    fn profiles(&self) -> Vec<GraphProfile> {
+        self.profiles.as_ref().map_or_else(Vec::new, |p| p.lock().unwrap_or_else(|e| e.into_inner()).values().cloned().collect())
     }
 }
 
@@ -572,7 +792,7 @@ fn culprit<'g>(graph: &'g Graph, log: &[String]) -> Option<&'g Op> {
 }
 
 /// Translates and finalizes `graph` in a fresh context.
-fn build(rt: &Arc<Runtime>, graph: &Graph) -> Result<HtpGraph> {
+fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result<HtpGraph> {
     let io = |ids: &[TensorId]| -> Vec<IoTensor> {
         ids.iter()
             .map(|&id| {
@@ -644,8 +864,11 @@ fn build(rt: &Arc<Runtime>, graph: &Graph) -> Result<HtpGraph> {
     }
 
     let mark = log_mark();
-    // SAFETY: valid graph handle; NULL profile and signal.
-    let rc = unsafe { finalize(handle, null_mut(), null_mut()) };
+    let profile = profiles.as_ref().and_then(|_| Profile::new(rt));
+    let t = Instant::now();
+    // SAFETY: valid graph handle and profile (or NULL); NULL signal.
+    let rc = unsafe { finalize(handle, Profile::handle(&profile), null_mut()) };
+    let wall_us = t.elapsed().as_micros() as u64;
     if rc != QNN_SUCCESS {
         let log = log_errors_since(mark);
         let (op, shapes) = match culprit(graph, &log) {
@@ -670,8 +893,104 @@ fn build(rt: &Arc<Runtime>, graph: &Graph) -> Result<HtpGraph> {
             return Err(err("-", t.name.clone(), 0, format!("graph output '{}' is not produced by any op", t.name)));
         }
     }
-    Ok(HtpGraph { name: graph.name.clone(), handle, exec_lock: Mutex::new(()), ctx, inputs, outputs })
+    if let (Some(p), Some(profile)) = (&profiles, &profile) {
+        record(p, &graph.name, Origin::Compiled, "prepare", profile.events(), wall_us);
+    }
+    drop(profile);
+    Ok(HtpGraph {
+        name: graph.name.clone(),
+        handle,
+        exec_lock: Mutex::new(()),
+        ctx,
+        inputs,
+        outputs,
+        origin: Origin::Compiled,
+        binary_size: std::sync::OnceLock::new(),
+        profiles,
+    })
 }
+
+/// Recreates `graph` from a cached context binary: contextCreateFromBinary + graphRetrieve, with
+/// the input/output tensor ids the cache entry recorded.
+fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<Profiles>) -> Result<HtpGraph> {
+    let err = |code: u64, message: String| Error::Prepare {
+        graph: graph.name.clone(),
+        op: "-".into(),
+        shapes: "context binary".into(),
+        code,
+        message,
+    };
+    let (n_in, n_out) = (graph.inputs.len(), graph.outputs.len());
+    if entry.meta.len() != n_in + n_out {
+        return Err(err(0, format!("cache entry has {} tensor ids, the graph has {n_in} inputs + {n_out} outputs", entry.meta.len())));
+    }
+    let f = *rt.f();
+    let (Some(create), Some(retrieve)) = (f.contextCreateFromBinary, f.graphRetrieve) else {
+        return Err(err(0, "library lacks contextCreateFromBinary/graphRetrieve".into()));
+    };
+    let profile = profiles.as_ref().and_then(|_| Profile::new(rt));
+    let t = Instant::now();
+    let mark = log_mark();
+    let mut handle: Qnn_ContextHandle_t = null_mut();
+    // SAFETY: the payload outlives the call (QNN copies what it keeps); valid out-pointer.
+    let rc = unsafe {
+        create(
+            rt.backend,
+            rt.device,
+            null(),
+            entry.payload.as_ptr().cast(),
+            entry.payload.len() as u64,
+            &mut handle,
+            Profile::handle(&profile),
+        )
+    };
+    if rc != QNN_SUCCESS {
+        let msg = with_log(format!("contextCreateFromBinary: {}", rt.message(rc)), &log_errors_since(mark));
+        return Err(err(error_code(rc) as u64, msg));
+    }
+    let ctx = Context { rt: rt.clone(), handle };
+    let name = CString::new(sanitize(&graph.name)).expect("sanitized");
+    let mut handle: Qnn_GraphHandle_t = null_mut();
+    // SAFETY: valid context, name and out-pointer.
+    let rc = unsafe { retrieve(ctx.handle, name.as_ptr(), &mut handle) };
+    if rc != QNN_SUCCESS {
+        let msg = with_log(format!("graphRetrieve '{}': {}", name.to_string_lossy(), rt.message(rc)), &log_errors_since(mark));
+        return Err(err(error_code(rc) as u64, msg));
+    }
+    let wall_us = t.elapsed().as_micros() as u64;
+    if let (Some(p), Some(profile)) = (&profiles, &profile) {
+        record(p, &graph.name, Origin::Loaded, "prepare", profile.events(), wall_us);
+    }
+    drop(profile);
+    let io = |ids: &[TensorId], qnn: &[u32]| -> Vec<IoTensor> {
+        ids.iter()
+            .zip(qnn)
+            .map(|(&id, &q)| {
+                let s = graph.tensor(id);
+                IoTensor { qnn_id: (q != NO_TENSOR).then_some(q), name: s.name.clone(), dtype: s.dtype, len: s.elem_count() }
+            })
+            .collect()
+    };
+    let inputs = io(&graph.inputs, &entry.meta[..n_in]);
+    let outputs = io(&graph.outputs, &entry.meta[n_in..]);
+    if let Some(t) = outputs.iter().find(|t| t.qnn_id.is_none()) {
+        return Err(err(0, format!("cache entry has no tensor id for output '{}'", t.name)));
+    }
+    Ok(HtpGraph {
+        name: graph.name.clone(),
+        handle,
+        exec_lock: Mutex::new(()),
+        ctx,
+        inputs,
+        outputs,
+        origin: Origin::Loaded,
+        binary_size: Some(entry.payload.len()).into(),
+        profiles,
+    })
+}
+
+/// Cache-entry id of an input no op reads (it has no QNN tensor).
+const NO_TENSOR: u32 = u32::MAX;
 
 struct IoTensor {
     /// QNN tensor id; `None` for an input no op reads.
@@ -692,6 +1011,43 @@ struct HtpGraph {
     ctx: Context,
     inputs: Vec<IoTensor>,
     outputs: Vec<IoTensor>,
+    origin: Origin,
+    /// Context binary size, computed on first request.
+    binary_size: std::sync::OnceLock<Option<usize>>,
+    profiles: Option<Profiles>,
+}
+
+impl HtpGraph {
+    /// What the cache stores next to the context binary: QNN ids of the inputs, then outputs.
+    fn meta(&self) -> Vec<u32> {
+        self.inputs.iter().chain(&self.outputs).map(|t| t.qnn_id.unwrap_or(NO_TENSOR)).collect()
+    }
+
+    /// The context binary (contextGetBinarySize + contextGetBinary): the compiled graph with its
+    /// weights.
+    fn context_binary_bytes(&self) -> Result<Vec<u8>> {
+        let rt = &self.ctx.rt;
+        let err = |code: u64, message: String| Error::Execute { graph: self.name.clone(), code, message };
+        let f = rt.f();
+        let (Some(size_of), Some(get)) = (f.contextGetBinarySize, f.contextGetBinary) else {
+            return Err(err(0, "library lacks contextGetBinarySize/contextGetBinary".into()));
+        };
+        let mut size = 0u64;
+        // SAFETY: valid context and out-pointer.
+        let rc = unsafe { size_of(self.ctx.handle, &mut size) };
+        if rc != QNN_SUCCESS {
+            return Err(err(error_code(rc) as u64, format!("contextGetBinarySize: {}", rt.message(rc))));
+        }
+        let mut buf = vec![0u8; size as usize];
+        let mut written = 0u64;
+        // SAFETY: `buf` has `size` writable bytes; valid out-pointer.
+        let rc = unsafe { get(self.ctx.handle, buf.as_mut_ptr().cast(), size, &mut written) };
+        if rc != QNN_SUCCESS {
+            return Err(err(error_code(rc) as u64, format!("contextGetBinary: {}", rt.message(rc))));
+        }
+        buf.truncate(written as usize);
+        Ok(buf)
+    }
 }
 
 // SAFETY: the graph handle belongs to the context owned alongside it; executions are serialized
@@ -747,17 +1103,44 @@ impl ExecutableGraph for HtpGraph {
         })?;
         let _serial = self.exec_lock.lock().unwrap_or_else(|e| e.into_inner());
         let mark = log_mark();
+        let profile = self.profiles.as_ref().and_then(|_| Profile::new(rt));
+        let t = Instant::now();
         // SAFETY: every buffer was checked against its tensor's size above and outlives the
         // call; QNN only reads the input buffers and writes the output buffers, whose pointers
         // come from exclusive borrows of `out`, which is not accessed until the call returns.
         let rc = unsafe {
-            execute(self.handle, exec_in.as_ptr(), exec_in.len() as u32, exec_out.as_mut_ptr(), exec_out.len() as u32, null_mut(), null_mut())
+            execute(
+                self.handle,
+                exec_in.as_ptr(),
+                exec_in.len() as u32,
+                exec_out.as_mut_ptr(),
+                exec_out.len() as u32,
+                Profile::handle(&profile),
+                null_mut(),
+            )
         };
+        let wall_us = t.elapsed().as_micros() as u64;
         if rc != QNN_SUCCESS {
             let message = with_log(rt.message(rc), &log_errors_since(mark));
             return Err(Error::Execute { graph: self.name.clone(), code: error_code(rc) as u64, message });
         }
+        if let (Some(p), Some(profile)) = (&self.profiles, &profile) {
+            record(p, &self.name, self.origin, "execute", profile.events(), wall_us);
+        }
         Ok(out)
+    }
+
+    fn origin(&self) -> Origin {
+        self.origin
+    }
+
+    fn serialized_size(&self) -> Option<usize> {
+        *self.binary_size.get_or_init(|| {
+            self.context_binary_bytes()
+                .map_err(|e| tracing::warn!(graph = %self.name, error = %e, "context binary size unavailable"))
+                .ok()
+                .map(|b| b.len())
+        })
     }
 }
 

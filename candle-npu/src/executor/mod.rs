@@ -22,10 +22,65 @@ pub trait Executor: Send + Sync {
 
     /// Compile a validated graph. Costly on an NPU (QNN finalize); done once per graph shape.
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>>;
+
+    /// Per-graph profiles, when the executor was asked to profile (empty otherwise).
+    fn profiles(&self) -> Vec<GraphProfile> {
+        Vec::new()
+    }
 }
 
 /// A prepared graph. Inputs are given in the order of `Graph::inputs`, outputs come back in the
 /// order of `Graph::outputs`; the caller ([`crate::PreparedGraph`]) has checked their types and sizes.
 pub trait ExecutableGraph: Send + Sync {
     fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>>;
+
+    /// Whether the graph was compiled now or loaded from a prepared-graph cache.
+    fn origin(&self) -> Origin {
+        Origin::Compiled
+    }
+
+    /// Size in bytes of the graph's serialized compiled form (for QNN: its context binary,
+    /// weights included), when the executor has one.
+    fn serialized_size(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// How a prepared graph came to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// Compiled from the IR in this process (for QNN: graphFinalize).
+    Compiled,
+    /// Loaded from the prepared-graph cache (for QNN: contextCreateFromBinary + graphRetrieve).
+    Loaded,
+}
+
+/// One graph's profile, as the executor measured it (see `HtpConfig::profiling`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GraphProfile {
+    pub graph: String,
+    pub origin: Origin,
+    /// Time to compile or load the graph, microseconds: the backend's own figure when it reports
+    /// one (QNN "(finalize)" / "(init)" events), else wall time around the call.
+    pub prepare_us: u64,
+    pub executions: u64,
+    /// Sum over executions, microseconds: the backend's figure when it reports one (QNN
+    /// "QNN (execute) time"), else wall time around the call.
+    pub execute_us: u64,
+    /// Every event the backend reported, summed over calls by (phase, name); detailed profiling
+    /// adds per-op events.
+    pub events: Vec<ProfileEvent>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProfileEvent {
+    /// "prepare" or "execute".
+    pub phase: &'static str,
+    pub name: String,
+    /// "us", "bytes", "cycles" or "count".
+    pub unit: &'static str,
+    /// Sum over calls.
+    pub value: u64,
+    /// Number of calls that reported this event.
+    pub calls: u64,
 }

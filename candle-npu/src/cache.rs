@@ -1,0 +1,267 @@
+//! The prepared-graph cache: compiled graphs (for QNN, context binaries) saved on disk so that
+//! the next run loads them instead of compiling again.
+//!
+//! Preparing an NPU graph is the costly step the chunk-sharing design exists to do once; the
+//! cache makes "once" mean once per machine rather than once per process. This module owns the
+//! files only (naming, format, validation, atomic writes); what the payload is, and how it is
+//! turned back into a graph, is the executor's business.
+//!
+//! # Keys
+//!
+//! A [`CacheKey`] is SHA-256 over the graph's [`fingerprint`](crate::Graph::fingerprint) (which
+//! covers the weights, the quant profile's scales and the chunk length) and the executor's
+//! `salt` (for QNN: the library's build id and API versions, the SoC model, the graph configs,
+//! and this crate's version). The file name carries the key, so a changed model, profile, chunk
+//! length, SoC or library simply misses; old files are left in place (delete the folder to
+//! reclaim the space).
+//!
+//! # File format (little endian)
+//!
+//! ```text
+//! magic "CNPUGRF1" | key [32] | n_meta u32 | meta u32 * n_meta | payload_len u64
+//! | payload_sha256 [32] | payload
+//! ```
+//!
+//! `meta` is the executor's small side table (for QNN: the tensor ids of the graph's inputs and
+//! outputs, which a context binary does not give back without QNN's System library).
+//!
+//! # Failure policy
+//!
+//! A missing file is a miss. A file that is truncated, corrupt (checksum), or holds another
+//! key is [`Lookup::Invalid`]: the caller rebuilds the graph, logs a warning and overwrites the
+//! file. Writes go to a temporary file in the same folder and are renamed into place, so a
+//! crash or a concurrent writer never leaves a half-written file under the final name. A failed
+//! write is a warning, not an error: the cache only saves time.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+const MAGIC: &[u8; 8] = b"CNPUGRF1";
+/// Side tables are a handful of tensor ids; anything larger is a corrupt length field.
+const MAX_META: u32 = 1 << 16;
+
+/// Identifies one compiled graph: see the [module documentation](self).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct CacheKey([u8; 32]);
+
+impl CacheKey {
+    pub fn new(fingerprint: &[u8; 32], salt: &str) -> Self {
+        let mut h = Sha256::new();
+        h.update(fingerprint);
+        h.update(salt.as_bytes());
+        CacheKey(h.finalize().into())
+    }
+
+    fn hex(&self) -> String {
+        self.0[..12].iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl std::fmt::Debug for CacheKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CacheKey({}..)", self.hex())
+    }
+}
+
+/// A cache entry read back from disk.
+#[derive(Debug, PartialEq, Eq)]
+pub struct CachedGraph {
+    pub meta: Vec<u32>,
+    pub payload: Vec<u8>,
+}
+
+/// The outcome of [`GraphCache::load`].
+#[derive(Debug)]
+pub enum Lookup {
+    Hit(CachedGraph),
+    /// No file for this key.
+    Miss,
+    /// A file exists but cannot be used; the reason names the path and what is wrong.
+    Invalid(String),
+}
+
+/// A folder of compiled graphs.
+#[derive(Debug, Clone)]
+pub struct GraphCache {
+    dir: PathBuf,
+}
+
+static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+impl GraphCache {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        GraphCache { dir: dir.into() }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The file of graph `name` under `key`: `<sanitized name>-<key prefix>.bin`.
+    pub fn path(&self, name: &str, key: &CacheKey) -> PathBuf {
+        let name: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == '.' { c } else { '_' }).collect();
+        self.dir.join(format!("{name}-{}.bin", key.hex()))
+    }
+
+    pub fn load(&self, name: &str, key: &CacheKey) -> Lookup {
+        let path = self.path(name, key);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Lookup::Miss,
+            Err(e) => return Lookup::Invalid(format!("{}: {e}", path.display())),
+        };
+        match parse(&bytes, key) {
+            Ok(entry) => Lookup::Hit(entry),
+            Err(why) => Lookup::Invalid(format!("{}: {why}", path.display())),
+        }
+    }
+
+    /// Writes an entry atomically (temporary file + rename) and returns its path.
+    pub fn store(&self, name: &str, key: &CacheKey, meta: &[u32], payload: &[u8]) -> Result<PathBuf> {
+        let path = self.path(name, key);
+        std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+        let tmp = self.dir.join(format!(
+            ".{}.tmp.{}.{}",
+            path.file_name().and_then(|n| n.to_str()).unwrap_or("graph"),
+            std::process::id(),
+            TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let write = || -> std::io::Result<()> {
+            let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+            f.write_all(MAGIC)?;
+            f.write_all(&key.0)?;
+            f.write_all(&(meta.len() as u32).to_le_bytes())?;
+            for m in meta {
+                f.write_all(&m.to_le_bytes())?;
+            }
+            f.write_all(&(payload.len() as u64).to_le_bytes())?;
+            f.write_all(&Sha256::digest(payload))?;
+            f.write_all(payload)?;
+            f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::io(&path, e)
+        })?;
+        Ok(path)
+    }
+}
+
+/// Reads `n` bytes at `*at`, advancing it.
+fn take<'a>(bytes: &'a [u8], at: &mut usize, n: usize, what: &str) -> std::result::Result<&'a [u8], String> {
+    let end = at.checked_add(n).filter(|&e| e <= bytes.len());
+    let Some(end) = end else {
+        return Err(format!("truncated: {} bytes, {what} needs {n} more at offset {at}", bytes.len()));
+    };
+    let s = &bytes[*at..end];
+    *at = end;
+    Ok(s)
+}
+
+fn parse(bytes: &[u8], key: &CacheKey) -> std::result::Result<CachedGraph, String> {
+    let at = &mut 0;
+    if take(bytes, at, 8, "magic")? != MAGIC {
+        return Err("not a candle-npu graph cache file (bad magic)".into());
+    }
+    if take(bytes, at, 32, "key")? != key.0 {
+        return Err(format!("holds another graph's key (expected {key:?})"));
+    }
+    let n_meta = u32::from_le_bytes(take(bytes, at, 4, "meta count")?.try_into().expect("4 bytes"));
+    if n_meta > MAX_META {
+        return Err(format!("corrupt: meta count {n_meta}"));
+    }
+    let meta = take(bytes, at, 4 * n_meta as usize, "meta")?
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    let len = u64::from_le_bytes(take(bytes, at, 8, "payload length")?.try_into().expect("8 bytes"));
+    let sum = take(bytes, at, 32, "checksum")?;
+    let len = usize::try_from(len).map_err(|_| format!("corrupt: payload length {len}"))?;
+    let payload = take(bytes, at, len, "payload")?;
+    if *at != bytes.len() {
+        return Err(format!("corrupt: {} trailing bytes", bytes.len() - *at));
+    }
+    if Sha256::digest(payload).as_slice() != sum {
+        return Err("corrupt: payload checksum mismatch".into());
+    }
+    Ok(CachedGraph { meta, payload: payload.to_vec() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp_dir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("candle-npu-cache-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn round_trip_miss_and_key_separation() {
+        let cache = GraphCache::new(tmp_dir("rt"));
+        let k1 = CacheKey::new(&[1; 32], "soc 57");
+        let k2 = CacheKey::new(&[1; 32], "soc 69");
+        assert_ne!(k1, k2, "the salt is part of the key");
+        assert!(matches!(cache.load("blk.0.qkv", &k1), Lookup::Miss));
+        let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let path = cache.store("blk.0.qkv", &k1, &[3, 1, u32::MAX], &payload).unwrap();
+        assert!(path.file_name().unwrap().to_str().unwrap().starts_with("blk.0.qkv-"));
+        match cache.load("blk.0.qkv", &k1) {
+            Lookup::Hit(e) => assert_eq!(e, CachedGraph { meta: vec![3, 1, u32::MAX], payload }),
+            other => panic!("expected a hit, got {other:?}"),
+        }
+        assert!(matches!(cache.load("blk.0.qkv", &k2), Lookup::Miss));
+        // Only the final file is left: the temporary one was renamed.
+        assert_eq!(std::fs::read_dir(cache.dir()).unwrap().count(), 1);
+        std::fs::remove_dir_all(cache.dir()).unwrap();
+    }
+
+    #[test]
+    fn truncated_corrupt_and_foreign_files_are_invalid() {
+        let cache = GraphCache::new(tmp_dir("bad"));
+        let key = CacheKey::new(&[2; 32], "");
+        let path = cache.store("g", &key, &[7], &[5u8; 4096]).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        let invalid = |bytes: &[u8]| {
+            std::fs::write(&path, bytes).unwrap();
+            match cache.load("g", &key) {
+                Lookup::Invalid(why) => why,
+                other => panic!("expected invalid, got {other:?}"),
+            }
+        };
+        assert!(invalid(&good[..good.len() - 1]).contains("truncated"));
+        assert!(invalid(&good[..20]).contains("truncated"));
+        assert!(invalid(&[]).contains("truncated"));
+        let mut flipped = good.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert!(invalid(&flipped).contains("checksum"));
+        let mut magic = good.clone();
+        magic[0] = b'X';
+        assert!(invalid(&magic).contains("magic"));
+        // Another key's file copied under this name.
+        let other = CacheKey::new(&[3; 32], "");
+        let other_path = cache.store("g", &other, &[7], &[5u8; 4096]).unwrap();
+        let why = invalid(&std::fs::read(other_path).unwrap());
+        assert!(why.contains("another graph's key") && why.contains(&path.display().to_string()), "{why}");
+        let mut long = good.clone();
+        long.push(0);
+        assert!(invalid(&long).contains("trailing"));
+        std::fs::remove_dir_all(cache.dir()).unwrap();
+    }
+
+    #[test]
+    fn unwritable_folder_is_an_error_naming_the_path() {
+        let file = tmp_dir("file");
+        std::fs::write(&file, b"not a folder").unwrap();
+        let err = GraphCache::new(&file).store("g", &CacheKey::new(&[0; 32], ""), &[], &[1]).unwrap_err();
+        assert!(err.to_string().contains(&file.display().to_string()), "{err}");
+        std::fs::remove_file(file).unwrap();
+    }
+}
