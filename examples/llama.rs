@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_npu::NpuDevice;
+use candle_npu::{HtpConfig, NpuDevice, ProfilingLevel};
 use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use clap::{Parser, ValueEnum};
@@ -17,6 +17,12 @@ use clap::{Parser, ValueEnum};
 enum ExecutorKind {
     Host,
     Hexagon,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum QnnProfile {
+    Basic,
+    Detailed,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -62,6 +68,19 @@ struct Args {
     /// Quant profile file (default: next to the model; calibrated and saved when missing).
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// Hexagon SoC model (QNN_SOC_MODEL_*): 57 = SM8650 (default), 43 = SM8550, 69 = SM8750,
+    /// 87 = SM8850. Must match the phone; on x86 it selects what the emulator emulates.
+    #[arg(long, default_value_t = 57)]
+    soc: u32,
+    /// Folder of the prepared-graph cache (QNN context binaries); default: <assets>/graph-cache.
+    #[arg(long)]
+    graph_cache: Option<PathBuf>,
+    /// Finalize every NPU graph, without reading or writing the prepared-graph cache.
+    #[arg(long)]
+    no_graph_cache: bool,
+    /// QNN profiling of every graph; prints the graphs' finalize/load and execute times.
+    #[arg(long, value_enum)]
+    qnn_profile: Option<QnnProfile>,
 }
 
 fn main() -> Result<()> {
@@ -72,8 +91,21 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let device = match args.executor {
         ExecutorKind::Host => NpuDevice::host(),
-        ExecutorKind::Hexagon => NpuDevice::hexagon(candle_npu::HtpConfig::default())
-            .context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?,
+        ExecutorKind::Hexagon => {
+            let cache = (!args.no_graph_cache)
+                .then(|| args.graph_cache.clone().unwrap_or_else(|| candle_npu_models::assets::dir().join("graph-cache")));
+            let config = HtpConfig {
+                soc_model: args.soc,
+                cache_dir: cache,
+                profiling: args.qnn_profile.map(|p| match p {
+                    QnnProfile::Basic => ProfilingLevel::Basic,
+                    QnnProfile::Detailed => ProfilingLevel::Detailed,
+                }),
+                ..Default::default()
+            };
+            NpuDevice::hexagon(config)
+                .context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?
+        }
     };
     let path = args.model.clone().unwrap_or_else(|| match args.which {
         Which::Smollm2_135m => candle_npu_models::assets::smollm2(),
@@ -112,7 +144,14 @@ fn main() -> Result<()> {
 
     let t = Instant::now();
     p.model.prepare(args.chunk_len)?;
-    eprintln!("prepared NPU graphs for chunk length {} in {:.2}s", args.chunk_len, t.elapsed().as_secs_f32());
+    let s = device.stats();
+    eprintln!(
+        "NPU graphs for chunk length {} ready in {:.2}s: {} prepared, {} loaded from the graph cache",
+        args.chunk_len,
+        t.elapsed().as_secs_f32(),
+        s.graphs_prepared,
+        s.graphs_loaded
+    );
     let before = device.stats();
     let t = Instant::now();
     let logits = p.model.prefill(&tokens, args.chunk_len)?;
@@ -150,5 +189,27 @@ fn main() -> Result<()> {
     );
     let decoded = generated.len().saturating_sub(1);
     println!("{decoded} tokens generated: {:.2} token/s", decoded as f64 / decode_s.max(1e-9));
+    print_qnn_profile(&device);
     Ok(())
+}
+
+/// Per-stage totals of the QNN profile (graphs named `blk.<layer>.<stage>.m<rows>`).
+fn print_qnn_profile(device: &NpuDevice) {
+    let profiles = device.graph_profiles();
+    if profiles.is_empty() {
+        return;
+    }
+    let mut stages: std::collections::BTreeMap<String, (usize, u64, u64, u64)> = Default::default();
+    for g in &profiles {
+        let stage = g.graph.split('.').nth(2).unwrap_or(&g.graph).to_string();
+        let e = stages.entry(stage).or_default();
+        *e = (e.0 + 1, e.1 + g.prepare_us, e.2 + g.executions, e.3 + g.execute_us);
+    }
+    println!("
+QNN profile (QNN's own times; on x86 these are emulator times):");
+    println!("| stage | graphs | finalize/load ms | executions | execute ms |");
+    println!("|---|---|---|---|---|");
+    for (stage, (n, prep, execs, exec)) in stages {
+        println!("| {stage} | {n} | {:.1} | {execs} | {:.1} |", prep as f64 / 1e3, exec as f64 / 1e3);
+    }
 }

@@ -1,11 +1,12 @@
 //! SmolLM2 prefill on the real QNN HTP library (x86 emulator from onnxruntime-qnn) vs the host
 //! executor: same weights, same calibrated profile, same greedy continuation.
 //! The emulator runs ~0.3-1 GMAC/s, so this uses 48 tokens in chunks of 32 (two chunks, the
-//! second padded) and costs about a minute.
+//! second padded) and costs about a minute. The prepared-graph cache test only prepares (no
+//! execution) and costs seconds.
 
 mod common;
 
-use candle_npu::{HtpConfig, NpuDevice};
+use candle_npu::{DeviceStats, HtpConfig, NpuDevice, QuantProfile};
 use candle_npu_models::transformer::argmax;
 use candle_npu_models::{CalibrationSet, DecodeWeights, Precision};
 use common::*;
@@ -54,4 +55,51 @@ fn hexagon_prefill_agrees_with_the_host_executor() {
     eprintln!("hexagon vs host top-1 agreement over {} prompt positions: {agree:.3}", want.len());
     assert_eq!(got.last(), want.last(), "next token after the prompt");
     assert!(agree >= 0.55, "top-1 agreement {agree}: hexagon {got:?} vs host {want:?}");
+}
+
+/// Prepares SmolLM2's 90 W8A8 stage graphs for chunk length 32 on a fresh Hexagon executor (its
+/// own QNN backend, as in a new process) with the given graph cache.
+fn prepare_on_fresh_executor(cache: &std::path::Path, profile: &QuantProfile) -> DeviceStats {
+    let htp = NpuDevice::hexagon(HtpConfig { cache_dir: Some(cache.to_path_buf()), ..Default::default() }).unwrap();
+    let mut p = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
+    p.model.set_profile(profile.clone()).unwrap();
+    p.model.prepare(32).unwrap();
+    htp.stats()
+}
+
+#[test]
+fn second_run_loads_every_stage_graph_from_the_cache() {
+    let lib = HtpConfig::default().library_path();
+    if !lib.exists() {
+        eprintln!("skipped: {} absent (run scripts/setup.sh)", lib.display());
+        return;
+    }
+    // Any profile will do: the cache does not care what the scales are, only that they are fixed.
+    let mut h = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    let profile = h.calibrate(32, CalibrationSet { sequences: 1, seq_len: 32 }, |_, _| {}).unwrap();
+    let dir = std::env::temp_dir().join(format!("candle-npu-model-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let files = || std::fs::read_dir(&dir).unwrap().count();
+
+    let first = prepare_on_fresh_executor(&dir, &profile);
+    assert_eq!((first.graphs_prepared, first.graphs_loaded, first.fallbacks), (90, 0, 0));
+    assert_eq!(files(), 90, "one context binary per stage graph");
+
+    let second = prepare_on_fresh_executor(&dir, &profile);
+    eprintln!(
+        "90 stage graphs: finalized in {:.2}s, loaded from the cache in {:.2}s",
+        first.prepare_ns as f64 / 1e9,
+        second.load_ns as f64 / 1e9
+    );
+    assert_eq!((second.graphs_prepared, second.graphs_loaded), (0, 90), "the second run prepares nothing");
+
+    // One damaged file: that graph alone is rebuilt (with a warning), the file rewritten.
+    let victim = std::fs::read_dir(&dir).unwrap().next().unwrap().unwrap().path();
+    let len = std::fs::metadata(&victim).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&victim).unwrap().set_len(len / 3).unwrap();
+    let third = prepare_on_fresh_executor(&dir, &profile);
+    assert_eq!((third.graphs_prepared, third.graphs_loaded), (1, 89));
+    assert!(std::fs::metadata(&victim).unwrap().len() > len / 3, "{} rewritten", victim.display());
+    assert_eq!(files(), 90);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
