@@ -75,6 +75,20 @@ mod tests {
     }
 
     #[test]
+    fn execute_tensors_select_their_memory_arm() {
+        let buf = Qnn_ClientBuffer_t::empty();
+        let raw = Qnn_Tensor_t::for_execute(7, buf);
+        let handle = 0x1234 as Qnn_MemHandle_t;
+        let shared = Qnn_Tensor_t::for_execute_mem_handle(9, handle);
+        // SAFETY: both were built as V1 tensors.
+        unsafe {
+            assert_eq!((raw.id(), raw.u.v1.memType), (7, QNN_TENSORMEMTYPE_RAW));
+            assert_eq!((shared.id(), shared.u.v1.memType), (9, QNN_TENSORMEMTYPE_MEMHANDLE));
+            assert_eq!(shared.u.v1.memory.memHandle, handle);
+        }
+    }
+
+    #[test]
     fn quantize_params_constructors() {
         let q = Qnn_QuantizeParams_t::scale_offset(0.5, -128);
         assert_eq!(q.encodingDefinition, QNN_DEFINITION_DEFINED);

@@ -370,6 +370,15 @@ impl Qnn_Tensor_t {
         t
     }
 
+    /// Like [`Self::for_execute`], for memory registered with `memRegister` (a shared rpcmem
+    /// buffer on a phone): `memType = MEMHANDLE` and the handle in the memory union.
+    pub fn for_execute_mem_handle(id: u32, handle: Qnn_MemHandle_t) -> Self {
+        let mut t = Self::for_execute(id, Qnn_ClientBuffer_t::empty());
+        t.u.v1.memType = QNN_TENSORMEMTYPE_MEMHANDLE;
+        t.u.v1.memory.memHandle = handle;
+        t
+    }
+
     /// An all-zero tensor (version 0: invalid until filled in).
     pub fn zeroed() -> Self {
         // SAFETY: every field is an integer, float or raw pointer, for which all-zero is valid.

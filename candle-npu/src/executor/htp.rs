@@ -11,6 +11,18 @@
 //! that order, after every context) only when the executor and its last graph are gone.
 //! Several executors may live in one process (each has its own backend; checked on the emulator).
 //!
+//! # Prepared-graph cache, profiling, shared buffers
+//!
+//! With [`HtpConfig::cache_dir`], every graph is first looked up in a [`GraphCache`] under a key
+//! made of the graph's fingerprint and this executor's library build, API versions, SoC and
+//! graph configs; a hit is loaded with `contextCreateFromBinary` + `graphRetrieve` (the tensor
+//! ids for execution come from the cache entry); a miss is finalized and its context binary
+//! (`contextGetBinary`) written. An unusable entry (corrupt, or refused by the library) is
+//! rebuilt with a warning. With [`HtpConfig::profiling`], every finalize, load and execute gets
+//! a QNN profile whose events are summed per graph ([`Executor::profiles`]). Where
+//! `libcdsprpc.so` exists (Android), graph inputs and outputs live in rpcmem buffers registered
+//! with `memRegister` ([`super::rpcmem`]); elsewhere, as on x86, in client buffers.
+//!
 //! # Translation
 //!
 //! Every [`TensorSpec`] an op touches becomes one QNN graph tensor: graph inputs APP_WRITE,
@@ -62,6 +74,7 @@ use std::time::Instant;
 use qnn_sys::*;
 
 use super::{ExecutableGraph, Executor, GraphProfile, Origin, ProfileEvent};
+use super::rpcmem::{self, RpcMem, SharedBuffer};
 use crate::cache::{CacheKey, CachedGraph, GraphCache, Lookup};
 use crate::error::{Error, Result};
 use crate::graph::{check_buffer, check_input_count, DType, Graph, Op, StaticData, TensorData, TensorId, TensorKind, TensorSpec};
@@ -797,7 +810,7 @@ fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result
         ids.iter()
             .map(|&id| {
                 let s = graph.tensor(id);
-                IoTensor { qnn_id: None, name: s.name.clone(), dtype: s.dtype, len: s.elem_count() }
+                IoTensor { qnn_id: None, name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone(), len: s.elem_count() }
             })
             .collect()
     };
@@ -897,10 +910,11 @@ fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result
         record(p, &graph.name, Origin::Compiled, "prepare", profile.events(), wall_us);
     }
     drop(profile);
+    let shared = SharedIo::new(rt, ctx.handle, &graph.name, &inputs.iter().chain(&outputs).collect::<Vec<_>>());
     Ok(HtpGraph {
         name: graph.name.clone(),
         handle,
-        exec_lock: Mutex::new(()),
+        exec_lock: Mutex::new(shared),
         ctx,
         inputs,
         outputs,
@@ -967,7 +981,13 @@ fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<
             .zip(qnn)
             .map(|(&id, &q)| {
                 let s = graph.tensor(id);
-                IoTensor { qnn_id: (q != NO_TENSOR).then_some(q), name: s.name.clone(), dtype: s.dtype, len: s.elem_count() }
+                IoTensor {
+                    qnn_id: (q != NO_TENSOR).then_some(q),
+                    name: s.name.clone(),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    len: s.elem_count(),
+                }
             })
             .collect()
     };
@@ -976,10 +996,11 @@ fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<
     if let Some(t) = outputs.iter().find(|t| t.qnn_id.is_none()) {
         return Err(err(0, format!("cache entry has no tensor id for output '{}'", t.name)));
     }
+    let shared = SharedIo::new(rt, ctx.handle, &graph.name, &inputs.iter().chain(&outputs).collect::<Vec<_>>());
     Ok(HtpGraph {
         name: graph.name.clone(),
         handle,
-        exec_lock: Mutex::new(()),
+        exec_lock: Mutex::new(shared),
         ctx,
         inputs,
         outputs,
@@ -997,7 +1018,71 @@ struct IoTensor {
     qnn_id: Option<u32>,
     name: String,
     dtype: DType,
+    shape: Vec<usize>,
     len: usize,
+}
+
+/// Graph inputs and outputs in shared rpcmem buffers registered with the graph's context (on a
+/// phone with `libcdsprpc.so`; see [`super::rpcmem`]): the DSP maps them once instead of FastRPC
+/// copying client buffers on every execute. Indexed like the graph's inputs, then outputs;
+/// `None` for an input no op reads.
+struct SharedIo {
+    rt: Arc<Runtime>,
+    bufs: Vec<Option<(SharedBuffer, Qnn_MemHandle_t)>>,
+}
+
+impl SharedIo {
+    /// `None` (client buffers) when `libcdsprpc.so` is absent, as on x86; a failed allocation
+    /// or registration is logged and also gives `None`.
+    fn new(rt: &Arc<Runtime>, ctx: Qnn_ContextHandle_t, graph: &str, io: &[&IoTensor]) -> Option<Self> {
+        let mem = RpcMem::load()?;
+        let mut shared = SharedIo { rt: rt.clone(), bufs: Vec::with_capacity(io.len()) };
+        for t in io {
+            if t.qnn_id.is_none() {
+                shared.bufs.push(None);
+                continue;
+            }
+            let shape: Vec<u32> = t.shape.iter().map(|&d| d as u32).collect();
+            let registered = SharedBuffer::alloc(mem.clone(), t.len * t.dtype.size_in_bytes())
+                .map_err(|e| (0, e))
+                .and_then(|buf| rpcmem::register(rt.f(), ctx, &buf, qnn_dtype(t.dtype), &shape).map(|h| (buf, h)));
+            match registered {
+                Ok(pair) => shared.bufs.push(Some(pair)),
+                Err((code, msg)) => {
+                    let msg = if code == 0 { msg } else { format!("{msg}: {}", rt.message(code as Qnn_ErrorHandle_t)) };
+                    tracing::warn!(graph, tensor = %t.name, error = %msg, "shared rpcmem buffer unavailable: this graph uses client buffers");
+                    return None; // Drop deregisters what was registered.
+                }
+            }
+        }
+        Some(shared)
+    }
+}
+
+impl Drop for SharedIo {
+    fn drop(&mut self) {
+        for (_, handle) in self.bufs.iter().flatten() {
+            if let Err((_, msg)) = rpcmem::deregister(self.rt.f(), *handle) {
+                tracing::warn!(error = %msg, "memDeRegister failed");
+            }
+        }
+        // The buffers are freed (rpcmem_free) after this, when `bufs` drops.
+    }
+}
+
+/// The bytes of a tensor buffer.
+fn bytes_of(d: &TensorData) -> &[u8] {
+    let b = input_buffer(d);
+    // SAFETY: `input_buffer` describes exactly `d`'s allocation, which is borrowed for the
+    // lifetime of the returned slice; every bit pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(b.data as *const u8, b.dataSize as usize) }
+}
+
+/// The bytes of a tensor buffer, writable.
+fn bytes_of_mut(d: &mut TensorData) -> &mut [u8] {
+    let b = output_buffer(d);
+    // SAFETY: as in `bytes_of`, from an exclusive borrow; any bytes are a valid f32/i32/u8/i8.
+    unsafe { std::slice::from_raw_parts_mut(b.data as *mut u8, b.dataSize as usize) }
 }
 
 /// A finalized graph in its own context.
@@ -1005,8 +1090,9 @@ struct HtpGraph {
     name: String,
     handle: Qnn_GraphHandle_t,
     /// QNN does not promise that concurrent graphExecute calls on one graph are safe (the
-    /// emulator serializes executions anyway).
-    exec_lock: Mutex<()>,
+    /// emulator serializes executions anyway); the lock also guards the shared buffers, which
+    /// every execution reuses. Declared before `ctx`: deregistered before the context is freed.
+    exec_lock: Mutex<Option<SharedIo>>,
     /// Frees the context, and with it the graph.
     ctx: Context,
     inputs: Vec<IoTensor>,
@@ -1050,8 +1136,8 @@ impl HtpGraph {
     }
 }
 
-// SAFETY: the graph handle belongs to the context owned alongside it; executions are serialized
-// by `exec_lock`; nothing else is mutated after build.
+// SAFETY: the graph handle belongs to the context owned alongside it; executions (and the
+// shared buffers they use) are serialized by `exec_lock`; nothing else is mutated after build.
 unsafe impl Send for HtpGraph {}
 unsafe impl Sync for HtpGraph {}
 
@@ -1082,31 +1168,41 @@ impl ExecutableGraph for HtpGraph {
         check_input_count(&self.name, self.inputs.len(), inputs.len())?;
         // graphExecute does not check client buffer sizes (it overruns): check every one here.
         let check = |t: &IoTensor, data: &TensorData| check_buffer(&self.name, &t.name, t.dtype, t.len, data);
-        let mut exec_in = Vec::with_capacity(inputs.len());
-        for (t, data) in self.inputs.iter().zip(inputs) {
-            check(t, data)?;
-            if let Some(id) = t.qnn_id {
-                exec_in.push(Qnn_Tensor_t::for_execute(id, input_buffer(data)));
-            }
-        }
-        let mut out: Vec<TensorData> = self.outputs.iter().map(|t| TensorData::zeros(t.dtype, t.len)).collect();
-        let mut exec_out = Vec::with_capacity(out.len());
-        for (t, data) in self.outputs.iter().zip(out.iter_mut()) {
-            check(t, data)?;
-            exec_out.push(Qnn_Tensor_t::for_execute(t.qnn_id.expect("checked in build"), output_buffer(data)));
-        }
         let rt = &self.ctx.rt;
         let execute = rt.f().graphExecute.ok_or_else(|| Error::Execute {
             graph: self.name.clone(),
             code: 0,
             message: "library lacks graphExecute".into(),
         })?;
-        let _serial = self.exec_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut shared = self.exec_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let n_in = self.inputs.len();
+        let mut exec_in = Vec::with_capacity(inputs.len());
+        for (i, (t, data)) in self.inputs.iter().zip(inputs).enumerate() {
+            check(t, data)?;
+            let Some(id) = t.qnn_id else { continue };
+            match shared.as_mut().and_then(|s| s.bufs[i].as_mut()) {
+                Some((buf, handle)) => {
+                    buf.as_mut_slice().copy_from_slice(bytes_of(data));
+                    exec_in.push(Qnn_Tensor_t::for_execute_mem_handle(id, *handle));
+                }
+                None => exec_in.push(Qnn_Tensor_t::for_execute(id, input_buffer(data))),
+            }
+        }
+        let mut out: Vec<TensorData> = self.outputs.iter().map(|t| TensorData::zeros(t.dtype, t.len)).collect();
+        let mut exec_out = Vec::with_capacity(out.len());
+        for (i, (t, data)) in self.outputs.iter().zip(out.iter_mut()).enumerate() {
+            check(t, data)?;
+            let id = t.qnn_id.expect("checked in build");
+            match shared.as_ref().and_then(|s| s.bufs[n_in + i].as_ref()) {
+                Some((_, handle)) => exec_out.push(Qnn_Tensor_t::for_execute_mem_handle(id, *handle)),
+                None => exec_out.push(Qnn_Tensor_t::for_execute(id, output_buffer(data))),
+            }
+        }
         let mark = log_mark();
         let profile = self.profiles.as_ref().and_then(|_| Profile::new(rt));
         let t = Instant::now();
-        // SAFETY: every buffer was checked against its tensor's size above and outlives the
-        // call; QNN only reads the input buffers and writes the output buffers, whose pointers
+        // SAFETY: every client buffer was checked against its tensor's size above (shared
+        // buffers were allocated at that size) and outlives the call; QNN only reads the input buffers and writes the output buffers, whose pointers
         // come from exclusive borrows of `out`, which is not accessed until the call returns.
         let rc = unsafe {
             execute(
@@ -1123,6 +1219,11 @@ impl ExecutableGraph for HtpGraph {
         if rc != QNN_SUCCESS {
             let message = with_log(rt.message(rc), &log_errors_since(mark));
             return Err(Error::Execute { graph: self.name.clone(), code: error_code(rc) as u64, message });
+        }
+        if let Some(shared) = shared.as_ref() {
+            for (data, (buf, _)) in out.iter_mut().zip(&shared.bufs[n_in..]).filter_map(|(d, b)| Some((d, b.as_ref()?))) {
+                bytes_of_mut(data).copy_from_slice(buf.as_slice());
+            }
         }
         if let (Some(p), Some(profile)) = (&self.profiles, &profile) {
             record(p, &self.name, self.origin, "execute", profile.events(), wall_us);

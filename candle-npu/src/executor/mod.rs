@@ -7,6 +7,8 @@
 pub mod host;
 #[cfg(feature = "qnn")]
 pub mod htp;
+#[cfg(feature = "qnn")]
+pub(crate) mod rpcmem;
 
 use crate::error::Result;
 use crate::graph::{Graph, Op, TensorData};
