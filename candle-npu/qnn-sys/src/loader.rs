@@ -311,15 +311,16 @@ unsafe fn c_str_lossy(p: *const std::ffi::c_char) -> Option<String> {
 /// dlopen with `RTLD_NOW | RTLD_LOCAL`, as QNN's own tools do: missing dependencies show up
 /// here rather than as a crash at the first call, and QNN's symbols do not leak into the
 /// global namespace (two backends could otherwise clash).
+/// Also what candle-npu uses for `libcdsprpc.so`, for the same reasons.
 #[cfg(unix)]
-fn open(path: &Path) -> Result<libloading::Library, libloading::Error> {
+pub fn open(path: &Path) -> Result<libloading::Library, libloading::Error> {
     use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
     // SAFETY: running the library's initializers is the point of loading it.
     unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map(Into::into)
 }
 
 #[cfg(not(unix))]
-fn open(path: &Path) -> Result<libloading::Library, libloading::Error> {
+pub fn open(path: &Path) -> Result<libloading::Library, libloading::Error> {
     // SAFETY: as above.
     unsafe { libloading::Library::new(path) }
 }

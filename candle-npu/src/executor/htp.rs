@@ -910,18 +910,7 @@ fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result
         record(p, &graph.name, Origin::Compiled, "prepare", profile.events(), wall_us);
     }
     drop(profile);
-    let shared = SharedIo::new(rt, ctx.handle, &graph.name, &inputs.iter().chain(&outputs).collect::<Vec<_>>());
-    Ok(HtpGraph {
-        name: graph.name.clone(),
-        handle,
-        exec_lock: Mutex::new(shared),
-        ctx,
-        inputs,
-        outputs,
-        origin: Origin::Compiled,
-        binary_size: std::sync::OnceLock::new(),
-        profiles,
-    })
+    Ok(HtpGraph::new(&graph.name, handle, ctx, inputs, outputs, Origin::Compiled, None, profiles))
 }
 
 /// Recreates `graph` from a cached context binary: contextCreateFromBinary + graphRetrieve, with
@@ -996,18 +985,7 @@ fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<
     if let Some(t) = outputs.iter().find(|t| t.qnn_id.is_none()) {
         return Err(err(0, format!("cache entry has no tensor id for output '{}'", t.name)));
     }
-    let shared = SharedIo::new(rt, ctx.handle, &graph.name, &inputs.iter().chain(&outputs).collect::<Vec<_>>());
-    Ok(HtpGraph {
-        name: graph.name.clone(),
-        handle,
-        exec_lock: Mutex::new(shared),
-        ctx,
-        inputs,
-        outputs,
-        origin: Origin::Loaded,
-        binary_size: Some(entry.payload.len()).into(),
-        profiles,
-    })
+    Ok(HtpGraph::new(&graph.name, handle, ctx, inputs, outputs, Origin::Loaded, Some(entry.payload.len()), profiles))
 }
 
 /// Cache-entry id of an input no op reads (it has no QNN tensor).
@@ -1104,6 +1082,36 @@ struct HtpGraph {
 }
 
 impl HtpGraph {
+    /// Binds a finalized or loaded graph; sets up shared buffers where the platform has them.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        name: &str,
+        handle: Qnn_GraphHandle_t,
+        ctx: Context,
+        inputs: Vec<IoTensor>,
+        outputs: Vec<IoTensor>,
+        origin: Origin,
+        binary_size: Option<usize>,
+        profiles: Option<Profiles>,
+    ) -> Self {
+        let shared = SharedIo::new(&ctx.rt, ctx.handle, name, &inputs.iter().chain(&outputs).collect::<Vec<_>>());
+        let size = std::sync::OnceLock::new();
+        if let Some(n) = binary_size {
+            let _ = size.set(Some(n));
+        }
+        HtpGraph {
+            name: name.to_string(),
+            handle,
+            exec_lock: Mutex::new(shared),
+            ctx,
+            inputs,
+            outputs,
+            origin,
+            binary_size: size,
+            profiles,
+        }
+    }
+
     /// What the cache stores next to the context binary: QNN ids of the inputs, then outputs.
     fn meta(&self) -> Vec<u32> {
         self.inputs.iter().chain(&self.outputs).map(|t| t.qnn_id.unwrap_or(NO_TENSOR)).collect()

@@ -110,7 +110,7 @@ impl RpcMem {
     /// called; other QNN/FastRPC clients call them when present, as here. [`RpcMem::load`] does
     /// this once per process.
     pub(crate) fn load_from(path: &Path) -> Result<RpcMem, LoadError> {
-        let lib = open(path).map_err(|e| LoadError::Open { path: path.to_path_buf(), reason: e.to_string() })?;
+        let lib = qnn_sys::loader::open(path).map_err(|e| LoadError::Open { path: path.to_path_buf(), reason: e.to_string() })?;
         let missing = |symbol| LoadError::MissingSymbol { path: path.to_path_buf(), symbol };
         // SAFETY: each type is the C declaration of that symbol in rpcmem.h; the pointers are
         // copied out but stay valid because `lib` is stored next to them (and dropped last).
@@ -145,20 +145,6 @@ impl Drop for RpcMem {
     }
 }
 
-/// dlopen with `RTLD_NOW | RTLD_LOCAL`, as `qnn-sys` loads QNN: unresolved dependencies fail
-/// here, and the library's symbols stay out of the global namespace.
-#[cfg(unix)]
-fn open(path: &Path) -> Result<libloading::Library, libloading::Error> {
-    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
-    // SAFETY: running the library's initializers is the point of loading it.
-    unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map(Into::into)
-}
-
-#[cfg(not(unix))]
-fn open(path: &Path) -> Result<libloading::Library, libloading::Error> {
-    // SAFETY: as above.
-    unsafe { libloading::Library::new(path) }
-}
 
 /// One rpcmem buffer of `len` bytes, freed (`rpcmem_free`) on drop. Deregister it from QNN
 /// ([`deregister`]) before dropping it.
