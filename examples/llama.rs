@@ -54,9 +54,11 @@ struct Args {
     top_p: Option<f64>,
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
-    /// Rows of the static NPU graphs; the prompt is cut into chunks of this length.
-    #[arg(long, default_value_t = 256)]
-    chunk_len: usize,
+    /// Rows of the static NPU graphs; the prompt is cut into chunks of this length. Default:
+    /// 256, except 32 for `--executor hexagon` on x86, where the HTP is an emulator (~0.3-1
+    /// GMAC/s: one 256-row chunk of SmolLM2 takes about 10 minutes there, a 32-row one 30 s).
+    #[arg(long)]
+    chunk_len: Option<usize>,
     #[arg(long, value_enum, default_value = "host")]
     executor: ExecutorKind,
     /// Use the prompt as is, without the model's chat template.
@@ -107,6 +109,10 @@ fn main() -> Result<()> {
                 .context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?
         }
     };
+    let chunk_len = args.chunk_len.unwrap_or(match args.executor {
+        ExecutorKind::Hexagon if cfg!(target_arch = "x86_64") => 32,
+        _ => 256,
+    });
     let path = args.model.clone().unwrap_or_else(|| match args.which {
         Which::Smollm2_135m => candle_npu_models::assets::smollm2(),
     });
@@ -122,7 +128,7 @@ fn main() -> Result<()> {
     eprintln!("loaded {} in {:.1}s ({} executor)", path.display(), t.elapsed().as_secs_f32(), device.executor_name());
 
     let bar = indicatif::ProgressBar::hidden();
-    p.ensure_profile(args.profile.as_deref(), args.chunk_len, CalibrationSet::default(), |i, n| {
+    p.ensure_profile(args.profile.as_deref(), chunk_len, CalibrationSet::default(), |i, n| {
         if bar.is_hidden() {
             bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
             bar.set_length(n as u64);
@@ -143,18 +149,30 @@ fn main() -> Result<()> {
     );
 
     let t = Instant::now();
-    p.model.prepare(args.chunk_len)?;
+    p.model.prepare(chunk_len)?;
     let s = device.stats();
     eprintln!(
         "NPU graphs for chunk length {} ready in {:.2}s: {} prepared, {} loaded from the graph cache",
-        args.chunk_len,
+        chunk_len,
         t.elapsed().as_secs_f32(),
         s.graphs_prepared,
         s.graphs_loaded
     );
+    if device.executor_name() == "htp" {
+        // On x86 the HTP is an emulator (~0.3-1 GMAC/s): a 256-row chunk takes minutes.
+        let bar = indicatif::ProgressBar::new(0).with_message(format!("prefill of {} tokens on the HTP", tokens.len()));
+        bar.set_style(indicatif::ProgressStyle::with_template("{msg}: {bar:30} {pos}/{len} layers ({elapsed})").expect("template"));
+        p.model.set_prefill_progress(Some(Box::new(move |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            if done == total {
+                bar.finish_and_clear();
+            }
+        })));
+    }
     let before = device.stats();
     let t = Instant::now();
-    let logits = p.model.prefill(&tokens, args.chunk_len)?;
+    let logits = p.model.prefill(&tokens, chunk_len)?;
     let prefill_s = t.elapsed().as_secs_f64();
     let prefill_stats = device.stats();
     let mut next = sampler.sample(&logits)?;
@@ -182,8 +200,8 @@ fn main() -> Result<()> {
         "\n{} prompt tokens processed: {:.2} token/s ({} chunks of {}, {} graphs prepared, {} executed)",
         tokens.len(),
         tokens.len() as f64 / prefill_s,
-        tokens.len().div_ceil(args.chunk_len),
-        args.chunk_len,
+        tokens.len().div_ceil(chunk_len),
+        chunk_len,
         prefill_stats.graphs_prepared - before.graphs_prepared,
         prefill_stats.executions - before.executions
     );

@@ -75,8 +75,11 @@ fn second_run_loads_every_stage_graph_from_the_cache() {
         return;
     }
     // Any profile will do: the cache does not care what the scales are, only that they are fixed.
-    let mut h = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    // Calibration is the host's job even on a Hexagon model: it must not touch the HTP.
+    let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let mut h = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     let profile = h.calibrate(32, CalibrationSet { sequences: 1, seq_len: 32 }, |_, _| {}).unwrap();
+    assert_eq!(htp.stats(), DeviceStats::default(), "calibration ran on the host executor");
     let dir = std::env::temp_dir().join(format!("candle-npu-model-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let files = || std::fs::read_dir(&dir).unwrap().count();

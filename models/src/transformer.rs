@@ -125,7 +125,11 @@ pub struct Model {
     graphs: HashMap<(usize, Precision), Arc<Vec<LayerGraphs>>>,
     kv: Vec<Option<(Tensor, Tensor)>>,
     pos: usize,
+    progress: Option<Progress>,
 }
+
+/// Called after every (chunk, layer) of a prefill with (done, total).
+pub type Progress = Box<dyn FnMut(usize, usize) + Send>;
 
 /// Name of an activation quantization point.
 pub fn point(layer: usize, which: &str) -> String {
@@ -171,6 +175,7 @@ impl Model {
             graphs: HashMap::new(),
             kv: vec![None; n],
             pos: 0,
+            progress: None,
         })
     }
 
@@ -215,18 +220,29 @@ impl Model {
 
     /// Calibrate activation ranges by running float prefill over `sequences`.
     /// `progress` is called after each sequence.
+    ///
+    /// Calibration always runs on the host executor, whatever the model's device: it is the
+    /// offline float reference pass (an HTP computes float graphs in FP16, and its x86 emulator
+    /// would take hours for it). Its float graphs are dropped afterwards.
     pub fn calibrate(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize)) -> Result<QuantProfile> {
         let mut cal = Calibrator::default();
-        for (i, seq) in sequences.iter().enumerate() {
+        let device = std::mem::replace(&mut self.device, NpuDevice::host());
+        let run = sequences.iter().enumerate().try_for_each(|(i, seq)| {
             self.run_prefill(seq, chunk_len, Precision::F32, false, Some(&mut cal))?;
             cal.tokens_seen += seq.len();
             progress(i + 1);
-        }
-        if self.precision != Precision::F32 {
-            self.graphs.retain(|k, _| k.1 != Precision::F32);
-        }
+            Ok::<_, Error>(())
+        });
+        self.device = device;
+        self.graphs.retain(|k, _| k.1 != Precision::F32);
         self.clear();
+        run?;
         Ok(cal.finish(self.model_id.clone()))
+    }
+
+    /// Report prefill progress (e.g. to a progress bar: an emulated NPU takes minutes).
+    pub fn set_prefill_progress(&mut self, progress: Option<Progress>) {
+        self.progress = progress;
     }
 
     /// Prepare the NPU stage graphs for `chunk_len` now (otherwise the first prefill does it).
@@ -334,6 +350,9 @@ impl Model {
                     cal.observe(&point(l, "ffn_down_in"), &hidden[..n_valid * cfg.ffn]);
                 }
                 x = (x + to_tensor(&ffn[0], m)?)?;
+                if let Some(report) = self.progress.as_mut() {
+                    report(chunk.index * graphs.len() + l + 1, plan.chunks.len() * graphs.len());
+                }
             }
             if all_logits {
                 out_rows.push(x.narrow(0, 0, n_valid)?);
