@@ -132,3 +132,19 @@ fn unusable_cache_files_are_rebuilt() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn detailed_profiling_reports_per_op_events() {
+    if !library_present() {
+        return;
+    }
+    let cfg = HtpConfig { profiling: Some(ProfilingLevel::Detailed), ..Default::default() };
+    let (_, _, d) = prepare_and_run(&cfg, &graph(4));
+    let [p] = d.graph_profiles().try_into().unwrap();
+    let names: Vec<&str> = p.events.iter().map(|e| e.name.as_str()).collect();
+    // Sub-events are named "<parent> / <child>"; per-node ones carry the node name QNN was given
+    // ("op<index>_<output>", see executor::htp), here the FullyConnected producing `y`.
+    assert!(names.iter().any(|n| n.starts_with("QNN (finalize) time / ")), "{names:?}");
+    assert!(p.events.iter().any(|e| e.phase == "execute" && e.name.contains(" / op0_y")), "{names:?}");
+    assert_eq!((p.origin, p.executions), (Origin::Compiled, 1));
+}
