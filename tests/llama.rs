@@ -80,6 +80,22 @@ fn npu_graphs_are_prepared_once_and_shared_by_all_chunks() {
 }
 
 #[test]
+fn calibration_runs_on_its_own_host_device_and_keeps_the_models_graphs() {
+    // A float model whose graphs are already prepared on its device: calibration must neither
+    // run on that device (on an NPU: FP16, slow) nor drop its prepared graphs.
+    let dev = NpuDevice::host();
+    let mut p = smollm2(&dev, Precision::F32, DecodeWeights::Q8_0);
+    p.model.prepare(32).unwrap();
+    let before = dev.stats();
+    assert_eq!(before.graphs_prepared, 90);
+    let profile = p.calibrate(32, CalibrationSet { sequences: 1, seq_len: 32 }, |_, _| {}).unwrap();
+    assert_eq!(profile.tokens, 32);
+    assert_eq!(dev.stats(), before, "calibration used the model's device");
+    p.model.prepare(32).unwrap();
+    assert_eq!(dev.stats().graphs_prepared, 90, "the model's prepared graphs were kept");
+}
+
+#[test]
 fn greedy_capital_of_france_is_paris() {
     let dev = NpuDevice::host();
     let mut p = smollm2(&dev, Precision::W8A8, DecodeWeights::Q8_0);

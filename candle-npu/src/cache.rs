@@ -125,14 +125,18 @@ impl GraphCache {
     pub fn store(&self, name: &str, key: &CacheKey, meta: &[u32], payload: &[u8]) -> Result<PathBuf> {
         let path = self.path(name, key);
         std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+        // Unique per process, writer and moment (two containers sharing the folder can have the
+        // same pid); `create_new` refuses to reuse a name rather than truncate another writer's.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let tmp = self.dir.join(format!(
-            ".{}.tmp.{}.{}",
+            ".{}.tmp.{}.{}.{nanos}",
             path.file_name().and_then(|n| n.to_str()).unwrap_or("graph"),
             std::process::id(),
             TMP_SEQ.fetch_add(1, Ordering::Relaxed)
         ));
         let write = || -> std::io::Result<()> {
-            let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+            let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+            let mut f = std::io::BufWriter::new(file);
             f.write_all(MAGIC)?;
             f.write_all(&key.0)?;
             f.write_all(&(meta.len() as u32).to_le_bytes())?;
@@ -146,7 +150,9 @@ impl GraphCache {
             std::fs::rename(&tmp, &path)
         };
         write().map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
+            if e.kind() != std::io::ErrorKind::AlreadyExists {
+                let _ = std::fs::remove_file(&tmp);
+            }
             Error::io(&path, e)
         })?;
         Ok(path)

@@ -223,10 +223,13 @@ impl Model {
     ///
     /// Calibration always runs on the host executor, whatever the model's device: it is the
     /// offline float reference pass (an HTP computes float graphs in FP16, and its x86 emulator
-    /// would take hours for it). Its float graphs are dropped afterwards.
+    /// would take hours for it). Its host graphs are dropped afterwards.
     pub fn calibrate(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize)) -> Result<QuantProfile> {
         let mut cal = Calibrator::default();
+        // Host device and host graphs for the pass; the model's own device and graphs (which
+        // may include float graphs prepared on the NPU) are put back afterwards.
         let device = std::mem::replace(&mut self.device, NpuDevice::host());
+        let graphs = std::mem::take(&mut self.graphs);
         let run = sequences.iter().enumerate().try_for_each(|(i, seq)| {
             self.run_prefill(seq, chunk_len, Precision::F32, false, Some(&mut cal))?;
             cal.tokens_seen += seq.len();
@@ -234,7 +237,7 @@ impl Model {
             Ok::<_, Error>(())
         });
         self.device = device;
-        self.graphs.retain(|k, _| k.1 != Precision::F32);
+        self.graphs = graphs;
         self.clear();
         run?;
         Ok(cal.finish(self.model_id.clone()))

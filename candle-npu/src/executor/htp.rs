@@ -961,10 +961,6 @@ fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<
         return Err(err(error_code(rc) as u64, msg));
     }
     let wall_us = t.elapsed().as_micros() as u64;
-    if let (Some(p), Some(profile)) = (&profiles, &profile) {
-        record(p, &graph.name, Origin::Loaded, "prepare", profile.events(), wall_us);
-    }
-    drop(profile);
     let io = |ids: &[TensorId], qnn: &[u32]| -> Vec<IoTensor> {
         ids.iter()
             .zip(qnn)
@@ -985,6 +981,11 @@ fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<
     if let Some(t) = outputs.iter().find(|t| t.qnn_id.is_none()) {
         return Err(err(0, format!("cache entry has no tensor id for output '{}'", t.name)));
     }
+    // Recorded only for a load that succeeded (a failed one is rebuilt and recorded as such).
+    if let (Some(p), Some(profile)) = (&profiles, &profile) {
+        record(p, &graph.name, Origin::Loaded, "prepare", profile.events(), wall_us);
+    }
+    drop(profile);
     Ok(HtpGraph::new(&graph.name, handle, ctx, inputs, outputs, Origin::Loaded, Some(entry.payload.len()), profiles))
 }
 
@@ -1245,6 +1246,8 @@ impl ExecutableGraph for HtpGraph {
 
     fn serialized_size(&self) -> Option<usize> {
         *self.binary_size.get_or_init(|| {
+            // Not while an execution is running on this context.
+            let _serial = self.exec_lock.lock().unwrap_or_else(|e| e.into_inner());
             self.context_binary_bytes()
                 .map_err(|e| tracing::warn!(graph = %self.name, error = %e, "context binary size unavailable"))
                 .ok()
