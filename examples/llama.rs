@@ -56,7 +56,7 @@ struct Args {
     seed: u64,
     /// Rows of the static NPU graphs; the prompt is cut into chunks of this length. Default:
     /// 256, except 32 for `--executor hexagon` on x86, where the HTP is an emulator (~0.3-1
-    /// GMAC/s: one 256-row chunk of SmolLM2 takes about 10 minutes there, a 32-row one 30 s).
+    /// GMAC/s: one 256-row chunk of SmolLM2 took about 4 minutes there, a 32-row one 30 s).
     #[arg(long)]
     chunk_len: Option<usize>,
     #[arg(long, value_enum, default_value = "host")]

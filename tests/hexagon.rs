@@ -11,6 +11,15 @@ use candle_npu_models::transformer::argmax;
 use candle_npu_models::{CalibrationSet, DecodeWeights, Precision};
 use common::*;
 
+/// Whether the QNN HTP library is there; prints why the test is skipped when it is not.
+fn library_present() -> bool {
+    let lib = HtpConfig::default().library_path();
+    if !lib.exists() {
+        eprintln!("skipped: {} absent (run scripts/setup.sh)", lib.display());
+    }
+    lib.exists()
+}
+
 /// Top-1 token at every prompt position.
 fn top1(p: &mut candle_npu_models::Pipeline, prompt: &[u32]) -> Vec<u32> {
     let logits = p.model.prefill_all_logits(prompt, 32).unwrap();
@@ -19,9 +28,7 @@ fn top1(p: &mut candle_npu_models::Pipeline, prompt: &[u32]) -> Vec<u32> {
 
 #[test]
 fn hexagon_prefill_agrees_with_the_host_executor() {
-    let lib = HtpConfig::default().library_path();
-    if !lib.exists() {
-        eprintln!("skipped: {} absent (run scripts/setup.sh)", lib.display());
+    if !library_present() {
         return;
     }
     let host = NpuDevice::host();
@@ -69,9 +76,7 @@ fn prepare_on_fresh_executor(cache: &std::path::Path, profile: &QuantProfile) ->
 
 #[test]
 fn second_run_loads_every_stage_graph_from_the_cache() {
-    let lib = HtpConfig::default().library_path();
-    if !lib.exists() {
-        eprintln!("skipped: {} absent (run scripts/setup.sh)", lib.display());
+    if !library_present() {
         return;
     }
     // Any profile will do: the cache does not care what the scales are, only that they are fixed.

@@ -98,8 +98,9 @@ impl NpuDevice {
         self.inner.executor.profiles()
     }
 
-    /// Validate and compile a graph (or load it from the executor's prepared-graph cache). When the executor cannot run one of its ops, the graph is
-    /// prepared on the host instead and the fallback is logged.
+    /// Validate and compile a graph (or load it from the executor's prepared-graph cache). When
+    /// the executor cannot run one of its ops, the graph is prepared on the host instead and the
+    /// fallback is logged.
     pub fn prepare(&self, graph: &Graph) -> Result<PreparedGraph> {
         graph.validate()?;
         let t = Instant::now();

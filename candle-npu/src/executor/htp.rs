@@ -877,7 +877,7 @@ fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result
     }
 
     let mark = log_mark();
-    let profile = profiles.as_ref().and_then(|_| Profile::new(rt));
+    let profile = Profile::new(rt);
     let t = Instant::now();
     // SAFETY: valid graph handle and profile (or NULL); NULL signal.
     let rc = unsafe { finalize(handle, Profile::handle(&profile), null_mut()) };
@@ -931,7 +931,7 @@ fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<
     let (Some(create), Some(retrieve)) = (f.contextCreateFromBinary, f.graphRetrieve) else {
         return Err(err(0, "library lacks contextCreateFromBinary/graphRetrieve".into()));
     };
-    let profile = profiles.as_ref().and_then(|_| Profile::new(rt));
+    let profile = Profile::new(rt);
     let t = Instant::now();
     let mark = log_mark();
     let mut handle: Qnn_ContextHandle_t = null_mut();
@@ -1208,7 +1208,7 @@ impl ExecutableGraph for HtpGraph {
             }
         }
         let mark = log_mark();
-        let profile = self.profiles.as_ref().and_then(|_| Profile::new(rt));
+        let profile = Profile::new(rt);
         let t = Instant::now();
         // SAFETY: every client buffer was checked against its tensor's size above (shared
         // buffers were allocated at that size) and outlives the call; QNN only reads the input buffers and writes the output buffers, whose pointers
