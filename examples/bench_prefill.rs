@@ -63,7 +63,7 @@ fn candle_model(dtype: GgmlDType) -> Result<ModelWeights> {
 
 fn main() -> Result<()> {
     let dev = NpuDevice::host();
-    let mut p = Pipeline::load(&assets::smollm2(), None, &dev, LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0 })?;
+    let mut p = Pipeline::load(&assets::smollm2(), None, &dev, LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() })?;
     p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {})?;
     let mut text = vec![];
     for a in assets::wiki_heldout(400)? {

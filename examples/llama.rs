@@ -122,6 +122,7 @@ fn main() -> Result<()> {
     let opts = LoadOptions {
         precision: if args.f32_prefill { Precision::F32 } else { Precision::W8A8 },
         decode_weights: DecodeWeights::Q8_0,
+        ..Default::default()
     };
     let t = Instant::now();
     let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts).with_context(|| format!("loading {}", path.display()))?;

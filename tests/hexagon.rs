@@ -33,7 +33,7 @@ fn hexagon_prefill_agrees_with_the_host_executor() {
     }
     let host = NpuDevice::host();
     let mut h = smollm2(&host, Precision::W8A8, DecodeWeights::Q8_0);
-    let profile = h.calibrate(32, CalibrationSet { sequences: 4, seq_len: 128 }, |_, _| {}).unwrap();
+    let profile = h.calibrate(32, CalibrationSet { sequences: 4, seq_len: 128, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
     h.model.set_profile(profile.clone()).unwrap();
     let prompt = heldout_tokens(&h, 48);
     let want = top1(&mut h, &prompt);
@@ -83,7 +83,7 @@ fn second_run_loads_every_stage_graph_from_the_cache() {
     // Calibration is the host's job even on a Hexagon model: it must not touch the HTP.
     let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
     let mut h = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
-    let profile = h.calibrate(32, CalibrationSet { sequences: 1, seq_len: 32 }, |_, _| {}).unwrap();
+    let profile = h.calibrate(32, CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
     assert_eq!(htp.stats(), DeviceStats::default(), "calibration ran on the host executor");
     let dir = std::env::temp_dir().join(format!("candle-npu-model-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

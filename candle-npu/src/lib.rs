@@ -4,7 +4,9 @@
 //! - [`graph`]: the static graph IR every executor compiles (QNN's quantization convention).
 //! - [`executor`]: the [`executor::Executor`] boundary, the host executor and (feature `qnn`) Hexagon.
 //! - [`device`]: [`NpuDevice`], one executor with its counters and the logged host fallback.
-//! - [`quant`]: per-tensor W8A8 quantization, calibration and the saved [`QuantProfile`].
+//! - [`quant`]: INT8 quantization, calibration (clip ranges, hot channels) and the saved [`QuantProfile`].
+//! - [`linear`]: [`ShadowLinear`], the one object per linear layer (NPU weight, shadow path, decode).
+//! - [`outlier`]: the shadow path's CPU half: clipping, outlier extraction, cold columns.
 //! - [`cache`]: the prepared-graph cache (compiled graphs on disk, validated, atomic writes).
 //! - [`chunk`]: the [`ChunkPlan`] that makes graphs shareable across chunks.
 //! - [`kernels`]: INT8 / F32 GEMM for the host.
@@ -16,6 +18,8 @@ pub mod error;
 pub mod executor;
 pub mod graph;
 pub mod kernels;
+pub mod linear;
+pub mod outlier;
 pub mod quant;
 
 pub use chunk::{Chunk, ChunkPlan};
@@ -25,4 +29,6 @@ pub use executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin
 #[cfg(feature = "qnn")]
 pub use executor::htp::{HtpConfig, HtpExecutor, ProfilingLevel};
 pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
-pub use quant::{Calibrator, QuantProfile};
+pub use linear::{DecodeWeights, ShadowLinear, WeightQuant};
+pub use outlier::{ColumnSource, InputPoint, Outliers, PointStats};
+pub use quant::{Calibrator, ClipMethod, QuantProfile};

@@ -1,10 +1,11 @@
-//! Per-tensor W8A8 quantization: symmetric INT8 weights, asymmetric u8 activations whose ranges
-//! come from a calibration pass over real text, and the saved [`QuantProfile`] that lets later
-//! runs skip calibration.
+//! INT8 quantization: symmetric INT8 weights (per output channel, or per tensor), asymmetric u8
+//! activations per tensor over a *clip range* chosen from a calibration pass over real text, and
+//! the saved [`QuantProfile`] that lets later runs skip calibration.
 //!
-//! Activations are clipped to their calibrated per-tensor range (the naive baseline). The shadow
-//! outlier path attaches at [`QuantProfile::activation_quant`]: whatever lies beyond the range
-//! returned there is what `outlier` will extract and run in float on the CPU.
+//! The clip range is chosen, not observed ([`ClipMethod`]): what lies beyond it at run time is
+//! extracted by [`crate::outlier`] and computed in float on the CPU (the shadow path), so a tight
+//! range costs CPU work, not accuracy. The profile also records each point's hot channels (those
+//! with values beyond the range in calibration) and each layer's measured importance.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,49 +28,189 @@ pub fn quantize_weight_i8(w: &[f32]) -> (Vec<i8>, Quant) {
     (q, Quant::symmetric(scale))
 }
 
-/// Observed range of one activation tensor.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ActRange {
-    pub min: f32,
-    pub max: f32,
+/// Per-output-channel symmetric INT8 quantization of a weight `[N, K]`: `w[n, k] ~= q[n, k] *
+/// scales[n]`. Each row keeps its own range, so a row of small weights is not crushed by the
+/// tensor's largest one.
+pub fn quantize_weight_i8_per_channel(w: &[f32], n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
+    assert_eq!(w.len(), n * k, "weight is not [N, K]");
+    let mut q = Vec::with_capacity(n * k);
+    let mut scales = Vec::with_capacity(n);
+    for row in w.chunks_exact(k) {
+        let (qr, s) = quantize_weight_i8(row);
+        q.extend(qr);
+        scales.push(s.scale);
+    }
+    (q, scales)
 }
 
-impl ActRange {
-    pub fn observe(&mut self, values: &[f32]) {
-        for &v in values {
-            self.min = self.min.min(v);
-            self.max = self.max.max(v);
+/// How a point's clip range is chosen from calibration.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum ClipMethod {
+    /// The observed minimum and maximum: nothing is clipped in calibration (the naive baseline;
+    /// a few huge channels stretch the range and every ordinary value loses resolution).
+    MinMax,
+    /// The narrowest range with at most `fraction` of the calibration values beyond it. With the
+    /// shadow path, values beyond the range are computed in float, so a narrower range only
+    /// costs CPU work: this is the range minimizing the in-range rounding error under an
+    /// outlier budget.
+    Budget { fraction: f64 },
+}
+
+/// Log-spaced histogram resolution: 32 bins per octave (2.2% relative width) over 2^-24..2^24.
+const BINS_PER_OCTAVE: f64 = 32.0;
+const MIN_EXP: f64 = -24.0;
+const N_BINS: usize = 48 * 32;
+
+fn bin_of(v: f32) -> usize {
+    let a = v.abs() as f64;
+    if a <= 0.0 {
+        return 0;
+    }
+    (((a.log2() - MIN_EXP) * BINS_PER_OCTAVE).floor().max(0.0) as usize).min(N_BINS - 1)
+}
+
+/// Upper edge of a histogram bin.
+fn bin_edge(b: usize) -> f32 {
+    ((b + 1) as f64 / BINS_PER_OCTAVE + MIN_EXP).exp2() as f32
+}
+
+/// What calibration saw at one quantization point.
+#[derive(Debug, Clone)]
+struct PointObs {
+    count: u64,
+    min: f32,
+    max: f32,
+    ch_min: Vec<f32>,
+    ch_max: Vec<f32>,
+    /// Histograms of |v| for positive and negative values.
+    pos: Vec<u64>,
+    neg: Vec<u64>,
+}
+
+impl PointObs {
+    fn new(channels: usize) -> Self {
+        PointObs {
+            count: 0,
+            min: f32::INFINITY,
+            max: f32::NEG_INFINITY,
+            ch_min: vec![f32::INFINITY; channels],
+            ch_max: vec![f32::NEG_INFINITY; channels],
+            pos: vec![0; N_BINS],
+            neg: vec![0; N_BINS],
         }
     }
-}
 
-impl Default for ActRange {
-    fn default() -> Self {
-        ActRange { min: f32::INFINITY, max: f32::NEG_INFINITY }
+    fn observe(&mut self, values: &[f32]) {
+        let k = self.ch_min.len();
+        for row in values.chunks_exact(k) {
+            for (c, &v) in row.iter().enumerate() {
+                self.ch_min[c] = self.ch_min[c].min(v);
+                self.ch_max[c] = self.ch_max[c].max(v);
+                if v > 0.0 {
+                    self.pos[bin_of(v)] += 1;
+                } else if v < 0.0 {
+                    self.neg[bin_of(v)] += 1;
+                }
+            }
+        }
+        self.count += values.len() as u64;
+        self.min = self.ch_min.iter().fold(self.min, |m, &v| m.min(v));
+        self.max = self.ch_max.iter().fold(self.max, |m, &v| m.max(v));
+    }
+
+    /// The clip range of `method` and the share of calibration values beyond it.
+    fn clip(&self, method: ClipMethod) -> (f32, f32, f64) {
+        let fraction = match method {
+            ClipMethod::MinMax => return (self.min, self.max, 0.0),
+            ClipMethod::Budget { fraction } => fraction,
+        };
+        let allowed = (fraction * self.count as f64).floor() as u64;
+        // beyond[b] = values in bins above b.
+        let beyond = |h: &[u64]| {
+            let mut out = vec![0u64; N_BINS];
+            for b in (0..N_BINS - 1).rev() {
+                out[b] = out[b + 1] + h[b + 1];
+            }
+            out
+        };
+        let (pb, nb) = (beyond(&self.pos), beyond(&self.neg));
+        // Narrowest hi + |lo| with pb[hi] + nb[lo] <= allowed (two pointers: as hi grows, the
+        // budget left for the negative tail grows and lo can shrink).
+        let mut best = (f32::INFINITY, 0usize, 0usize);
+        let mut lo = N_BINS - 1;
+        for hi in 0..N_BINS {
+            if pb[hi] > allowed {
+                continue;
+            }
+            while lo > 0 && nb[lo - 1] <= allowed - pb[hi] {
+                lo -= 1;
+            }
+            if nb[lo] > allowed - pb[hi] {
+                continue;
+            }
+            let width = bin_edge(hi) + bin_edge(lo);
+            if width < best.0 {
+                best = (width, hi, lo);
+            }
+        }
+        let (hi, lo) = (bin_edge(best.1).min(self.max.max(0.0)), (-bin_edge(best.2)).max(self.min.min(0.0)));
+        let out = pb[best.1] + nb[best.2];
+        (lo, hi, out as f64 / self.count.max(1) as f64)
     }
 }
 
-/// Collects activation ranges during a float calibration pass.
-#[derive(Debug, Default)]
+/// Collects activation statistics during a float calibration pass: per quantization point a
+/// histogram of values (for the clip range), and each channel's minimum and maximum (for the hot
+/// channels: those with values beyond the range).
+#[derive(Debug, Default, Clone)]
 pub struct Calibrator {
-    ranges: BTreeMap<String, ActRange>,
+    points: BTreeMap<String, PointObs>,
     pub tokens_seen: usize,
 }
 
 impl Calibrator {
-    pub fn observe(&mut self, point: &str, values: &[f32]) {
-        self.ranges.entry(point.to_string()).or_default().observe(values);
+    /// Observe rows of `channels` values at `point`.
+    pub fn observe(&mut self, point: &str, values: &[f32], channels: usize) {
+        self.points.entry(point.to_string()).or_insert_with(|| PointObs::new(channels)).observe(values);
     }
 
-    pub fn finish(self, model_id: String) -> QuantProfile {
-        QuantProfile { format: PROFILE_FORMAT, model_id, tokens: self.tokens_seen, ranges: self.ranges }
+    /// The profile whose clip ranges `method` chooses.
+    pub fn finish(&self, model_id: String, method: ClipMethod) -> QuantProfile {
+        let points = self
+            .points
+            .iter()
+            .map(|(name, o)| {
+                let (lo, hi, beyond) = o.clip(method);
+                let hot = (0..o.ch_min.len()).filter(|&c| o.ch_min[c] < lo || o.ch_max[c] > hi).map(|c| c as u32).collect();
+                (name.clone(), PointProfile { lo, hi, min: o.min, max: o.max, beyond, channels: o.ch_min.len(), hot })
+            })
+            .collect();
+        QuantProfile { format: PROFILE_FORMAT, model_id, tokens: self.tokens_seen, clip: method, points, importance: vec![] }
     }
 }
 
-const PROFILE_FORMAT: u32 = 1;
+/// Version 2: clip ranges, hot channels and layer importance (version 1 held min/max only).
+pub const PROFILE_FORMAT: u32 = 2;
 
-/// Calibrated activation ranges for one model, keyed by quantization point
-/// (e.g. `blk.3.ffn_in`). Saved as JSON next to the model.
+/// Calibration result for one activation quantization point.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PointProfile {
+    /// The clip range: the NPU's u8 grid covers it; the rest is the shadow path's.
+    pub lo: f32,
+    pub hi: f32,
+    /// Observed extremes.
+    pub min: f32,
+    pub max: f32,
+    /// Share of calibration values beyond the clip range.
+    pub beyond: f64,
+    /// Input channels.
+    pub channels: usize,
+    /// Channels with calibration values beyond the clip range (their float columns stay resident).
+    pub hot: Vec<u32>,
+}
+
+/// Calibrated activation quantization for one model, keyed by quantization point (e.g.
+/// `blk.3.ffn_in`). Saved as JSON next to the model.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct QuantProfile {
     pub format: u32,
@@ -77,31 +218,44 @@ pub struct QuantProfile {
     pub model_id: String,
     /// Calibration tokens seen.
     pub tokens: usize,
-    pub ranges: BTreeMap<String, ActRange>,
+    pub clip: ClipMethod,
+    pub points: BTreeMap<String, PointProfile>,
+    /// Per layer: the loss increase on calibration text when that layer's shadow path is
+    /// removed (nats/token). Empty until measured; pruning needs it.
+    #[serde(default)]
+    pub importance: Vec<f32>,
 }
 
 impl QuantProfile {
-    /// u8 quantization parameters for an activation point.
-    pub fn activation_quant(&self, point: &str) -> Result<Quant> {
-        let r = self.ranges.get(point).ok_or_else(|| Error::MissingRange(point.to_string()))?;
-        Ok(Quant::u8_range(r.min, r.max))
+    pub fn point(&self, point: &str) -> Result<&PointProfile> {
+        self.points.get(point).ok_or_else(|| Error::MissingRange(point.to_string()))
     }
 
+    /// u8 quantization parameters for an activation point (over its clip range).
+    pub fn activation_quant(&self, point: &str) -> Result<Quant> {
+        let p = self.point(point)?;
+        Ok(Quant::u8_range(p.lo, p.hi))
+    }
+
+    /// Writes atomically (temporary file, then rename): a crash never leaves half a profile.
     pub fn save(&self, path: &Path) -> Result<()> {
         let json = serde_json::to_vec_pretty(self).expect("profile serializes");
-        let tmp = path.with_extension("json.tmp");
+        let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
         std::fs::write(&tmp, json).map_err(|e| Error::io(&tmp, e))?;
         std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
     }
 
-    /// Load a profile and check it was made for `model_id`.
+    /// Load a profile and check it was made for `model_id` by a build that reads its format.
     pub fn load(path: &Path, model_id: &str) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
         let bad = |reason: String| Error::Profile { path: path.to_path_buf(), reason };
-        let p: QuantProfile = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a quant profile: {e}")))?;
-        if p.format != PROFILE_FORMAT {
-            return Err(bad(format!("format {} (this build reads {PROFILE_FORMAT}); delete it to recalibrate", p.format)));
+        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a quant profile: {e}")))?;
+        match v.get("format").and_then(|f| f.as_u64()) {
+            Some(f) if f == PROFILE_FORMAT as u64 => {}
+            Some(f) => return Err(bad(format!("format {f} (this build reads {PROFILE_FORMAT}); delete it to recalibrate"))),
+            None => return Err(bad("not a quant profile: no format field".into())),
         }
+        let p: QuantProfile = serde_json::from_value(v).map_err(|e| bad(format!("not a quant profile: {e}")))?;
         if p.model_id != model_id {
             return Err(bad(format!(
                 "calibrated for model {}, not this model ({model_id}); delete it or pass the right --profile",
@@ -174,21 +328,60 @@ mod tests {
     }
 
     #[test]
+    fn per_channel_weights_keep_each_rows_range() {
+        let w = [1.0, -0.5, 0.005, 0.02, 0.0, 0.0];
+        let (q, s) = quantize_weight_i8_per_channel(&w, 3, 2);
+        assert_eq!(q, vec![127, -64, 32, 127, 0, 0]);
+        assert_eq!(s, vec![1.0 / 127.0, 0.02 / 127.0, 1.0]);
+    }
+
+    #[test]
+    fn budget_clip_is_the_narrowest_range_with_few_values_beyond() {
+        // 10,000 values in [-1, 1] and 10 outliers at +-50 in channel 3.
+        let mut c = Calibrator::default();
+        let mut rows = vec![];
+        for i in 0..2500 {
+            let mut row: Vec<f32> = (0..4).map(|j| (((i * 4 + j) % 200) as f32 / 100.0) - 1.0).collect();
+            if i % 250 == 0 {
+                row[3] = if i % 500 == 0 { 50.0 } else { -50.0 };
+            }
+            rows.extend(row);
+        }
+        c.observe("p", &rows, 4);
+        let naive = c.finish("m".into(), ClipMethod::MinMax);
+        assert_eq!((naive.points["p"].lo, naive.points["p"].hi), (-50.0, 50.0));
+        let p = c.finish("m".into(), ClipMethod::Budget { fraction: 0.002 });
+        let pt = &p.points["p"];
+        assert!(pt.hi >= 0.99 && pt.hi < 1.1 && pt.lo <= -1.0 && pt.lo > -1.1, "{pt:?}");
+        assert!(pt.beyond <= 0.002 && pt.beyond > 0.0, "{pt:?}");
+        assert_eq!(pt.hot, vec![3]);
+    }
+
+    #[test]
     fn profile_round_trip_and_model_mismatch() {
         let dir = std::env::temp_dir().join(format!("npu-profile-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("p.json");
         let mut c = Calibrator::default();
-        c.observe("blk.0.attn_in", &[-1.0, 3.0]);
-        c.observe("blk.0.attn_in", &[-2.0, 0.5]);
-        c.finish("abc".into()).save(&path).unwrap();
+        c.observe("blk.0.attn_in", &[-1.0, 3.0], 2);
+        c.observe("blk.0.attn_in", &[-2.0, 0.5], 2);
+        c.finish("abc".into(), ClipMethod::MinMax).save(&path).unwrap();
         let p = QuantProfile::load(&path, "abc").unwrap();
-        assert_eq!(p.ranges["blk.0.attn_in"], ActRange { min: -2.0, max: 3.0 });
+        let pt = p.point("blk.0.attn_in").unwrap();
+        assert_eq!((pt.lo, pt.hi, pt.min, pt.max), (-2.0, 3.0, -2.0, 3.0));
+        assert!(pt.hot.is_empty());
         assert!(matches!(p.activation_quant("nope"), Err(Error::MissingRange(_))));
         let err = QuantProfile::load(&path, "def").unwrap_err().to_string();
         assert!(err.contains("calibrated for model abc"), "{err}");
         std::fs::write(&path, b"{ not json").unwrap();
         assert!(QuantProfile::load(&path, "abc").unwrap_err().to_string().contains("not a quant profile"));
+        // A version-1 profile (min/max ranges only) says what to do.
+        std::fs::write(&path, br#"{"format":1,"model_id":"abc","tokens":8,"ranges":{"blk.0.attn_in":{"min":-1,"max":1}}}"#).unwrap();
+        let e = QuantProfile::load(&path, "abc").unwrap_err().to_string();
+        assert!(e.contains("format 1") && e.contains("delete it to recalibrate") && e.contains("p.json"), "{e}");
+        // A foreign JSON file.
+        std::fs::write(&path, br#"{"name":"something else"}"#).unwrap();
+        assert!(QuantProfile::load(&path, "abc").unwrap_err().to_string().contains("no format field"));
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -201,6 +201,36 @@ fn fully_connected_w8a8_quantized_outputs() {
     conform(ex, &fc_graph(DType::U8, DType::I32, true, 8, 576, 32), 0.0);
 }
 
+/// Per-channel weights (AXIS_SCALE_OFFSET along axis 0): row scales spanning two decades, as in
+/// a real model, where a per-tensor scale would crush the small rows.
+fn fc_per_channel_graph(x_dtype: DType, out_dtype: DType, m: usize, k: usize, n: usize) -> Graph {
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut g = Graph::new(format!("fc_pc_{x_dtype:?}_{out_dtype:?}_{m}x{k}x{n}"));
+    let x = g.input("x", &[m, k], x_dtype, quant_for(x_dtype, -4.0, 4.0));
+    let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
+    let scales: Vec<f32> = (0..n).map(|r| 0.001 * 10f32.powf(2.0 * r as f32 / n as f32) / 127.0).collect();
+    let w = g.constant_per_channel("w", &[n, k], Arc::new(w), Arc::new(scales));
+    let y = g.fully_connected("y", x, w, None, out_dtype, quant_for(out_dtype, -2.0, 2.0));
+    g.mark_output(y);
+    g
+}
+
+#[test]
+fn fully_connected_per_channel_weights() {
+    let Some(ex) = htp() else { return };
+    // The engine's shapes, F32 outputs (the shadow path adds to them on the CPU). Lowered to a
+    // per-tensor FullyConnected and one FP16 multiply by the channel scales: one FP16 op's 2e-3.
+    conform(ex, &fc_per_channel_graph(DType::U8, DType::F32, 32, 576, 576), 2e-3);
+    conform(ex, &fc_per_channel_graph(DType::U8, DType::F32, 32, 1536, 576), 2e-3);
+    conform(ex, &fc_per_channel_graph(DType::I8, DType::F32, 8, 64, 40), 2e-3);
+    conform(ex, &fc_per_channel_graph(DType::U8, DType::U8, 16, 256, 96), 0.0);
+    // Fewer than 32 F32 columns would need the accumulator lowering, which has no single scale
+    // with per-channel weights: unsupported, and said so.
+    let g = fc_per_channel_graph(DType::U8, DType::F32, 4, 64, 16);
+    assert!(!ex.supports(&g, &g.ops[0]));
+    assert!(matches!(ex.prepare(&g), Err(Error::Unsupported { .. })));
+}
+
 #[test]
 fn fully_connected_float() {
     let Some(ex) = htp() else { return };

@@ -12,7 +12,8 @@ use candle_npu::{Error, Result};
 pub struct Gguf {
     pub path: PathBuf,
     pub content: gguf_file::Content,
-    reader: BufReader<File>,
+    /// One open file serves tensor loading and the shadow path's cold-column reads.
+    reader: std::sync::Mutex<BufReader<File>>,
 }
 
 impl Gguf {
@@ -34,7 +35,7 @@ impl Gguf {
                 )));
             }
         }
-        Ok(Gguf { path: path.to_path_buf(), content, reader })
+        Ok(Gguf { path: path.to_path_buf(), content, reader: std::sync::Mutex::new(reader) })
     }
 
     fn md(&self, key: &str) -> Result<&gguf_file::Value> {
@@ -64,22 +65,88 @@ impl Gguf {
         self.content.tensor_infos.contains_key(name)
     }
 
-    pub fn qtensor(&mut self, name: &str) -> Result<QTensor> {
+    pub fn qtensor(&self, name: &str) -> Result<QTensor> {
         if !self.has_tensor(name) {
             return Err(Error::MissingTensor { path: self.path.clone(), name: name.to_string() });
         }
-        self.content.tensor(&mut self.reader, name, &Device::Cpu).map_err(|e| Error::Model {
+        let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
+        self.content.tensor(&mut *reader, name, &Device::Cpu).map_err(|e| Error::Model {
             path: self.path.clone(),
             reason: format!("reading tensor '{name}': {e}"),
         })
     }
 
     /// A tensor dequantized to F32 (weights as `[out, in]`).
-    pub fn f32_tensor(&mut self, name: &str) -> Result<Tensor> {
+    pub fn f32_tensor(&self, name: &str) -> Result<Tensor> {
         Ok(self.qtensor(name)?.dequantize(&Device::Cpu)?)
     }
 
     pub fn metadata(&self) -> &std::collections::HashMap<String, gguf_file::Value> {
         &self.content.metadata
+    }
+}
+
+/// Reads single input-channel columns of a GGUF weight `[N, K]` from the model file: for every
+/// output row, the one quantized block holding column `c`, dequantized with candle's own routines
+/// (so a column read here is bit-identical to the same column of the dequantized tensor). This is
+/// the shadow path's source for cold channels. The file is memory-mapped, so a read touches `N`
+/// blocks through the page cache (from flash on first use) and no float copy stays resident.
+pub struct GgufColumns {
+    map: std::sync::Arc<memmap2::Mmap>,
+    path: PathBuf,
+    name: String,
+    /// Byte offset of the tensor's data in the file.
+    offset: usize,
+    dtype: candle_core::quantized::GgmlDType,
+    n: usize,
+    k: usize,
+}
+
+impl GgufColumns {
+    /// Map `g`'s file once; [`GgufColumns::new`] shares the map between tensors.
+    pub fn map(g: &Gguf) -> Result<std::sync::Arc<memmap2::Mmap>> {
+        let f = File::open(&g.path).map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot open: {e}") })?;
+        // SAFETY: the model file is opened read-only and not modified while the model is loaded
+        // (as for candle's own mmaped safetensors); a truncated file was rejected by Gguf::open.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot map: {e}") })?;
+        Ok(std::sync::Arc::new(map))
+    }
+
+    pub fn new(g: &Gguf, map: std::sync::Arc<memmap2::Mmap>, tensor: &str) -> Result<Self> {
+        let info = g.content.tensor_infos.get(tensor).ok_or_else(|| Error::MissingTensor { path: g.path.clone(), name: tensor.to_string() })?;
+        let dims = info.shape.dims();
+        let bad = |reason: String| Error::Model { path: g.path.clone(), reason: format!("tensor '{tensor}': {reason}") };
+        let &[n, k] = dims else { return Err(bad(format!("expected a matrix, shape {dims:?}"))) };
+        let dtype = info.ggml_dtype;
+        if k % dtype.block_size() != 0 {
+            return Err(bad(format!("rows of {k} are not whole blocks of {dtype:?}")));
+        }
+        let offset = (g.content.tensor_data_offset + info.offset) as usize;
+        if offset + n * (k / dtype.block_size()) * dtype.type_size() > map.len() {
+            return Err(bad(format!("data beyond the end of the file ({} bytes)", map.len())));
+        }
+        Ok(GgufColumns { map, path: g.path.clone(), name: tensor.to_string(), offset, dtype, n, k })
+    }
+}
+
+impl candle_npu::ColumnSource for GgufColumns {
+    fn column(&self, c: usize) -> Result<Vec<f32>> {
+        let (bs, ts) = (self.dtype.block_size(), self.dtype.type_size());
+        if c >= self.k {
+            return Err(Error::Model { path: self.path.clone(), reason: format!("tensor '{}': column {c} of {}", self.name, self.k) });
+        }
+        let row_bytes = self.k / bs * ts;
+        let mut blocks = Vec::with_capacity(self.n * ts);
+        for r in 0..self.n {
+            let at = self.offset + r * row_bytes + c / bs * ts;
+            blocks.extend_from_slice(&self.map[at..at + ts]); // in bounds: checked in `new`
+        }
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.dtype, &blocks, vec![self.n, bs], &Device::Cpu)?;
+        let t = t.dequantize(&Device::Cpu)?.narrow(1, c % bs, 1)?.flatten_all()?;
+        Ok(t.to_vec1::<f32>()?)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} in {}", self.name, self.path.display())
     }
 }

@@ -14,4 +14,5 @@ pub mod tokenizer;
 pub mod transformer;
 
 pub use pipeline::{CalibrationSet, Pipeline};
-pub use transformer::{Config, DecodeWeights, LoadOptions, Model, Precision};
+pub use candle_npu::{DecodeWeights, WeightQuant};
+pub use transformer::{Config, LoadOptions, Model, Precision};

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use candle_npu::{NpuDevice, Result};
 
-use crate::gguf::Gguf;
+use crate::gguf::{Gguf, GgufColumns};
 use crate::transformer::{Config, LayerWeights, LoadOptions, Model, Weights};
 
 pub fn config(g: &Gguf) -> Result<Config> {
@@ -33,7 +33,7 @@ pub fn config(g: &Gguf) -> Result<Config> {
 
 /// Load a Llama GGUF: NPU prefill on `device`, CPU decode.
 pub fn load(path: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model> {
-    let mut g = Gguf::open(path)?;
+    let g = Gguf::open(path)?;
     let arch = g.string("general.architecture")?;
     if arch != "llama" {
         return Err(candle_npu::Error::Model { path: path.to_path_buf(), reason: format!("architecture '{arch}', expected 'llama'") });
@@ -43,7 +43,7 @@ pub fn load(path: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model>
     let lm_head = if g.has_tensor("output.weight") { g.f32_tensor("output.weight")? } else { embed.clone() };
     let layers = (0..cfg.n_layer)
         .map(|i| {
-            let mut t = |n: &str| g.f32_tensor(&format!("blk.{i}.{n}.weight"));
+            let t = |n: &str| g.f32_tensor(&format!("blk.{i}.{n}.weight"));
             Ok(LayerWeights {
                 attn_norm: t("attn_norm")?,
                 ffn_norm: t("ffn_norm")?,
@@ -60,7 +60,12 @@ pub fn load(path: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model>
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let weights = Weights { final_norm: g.f32_tensor("output_norm.weight")?, embed, lm_head, layers };
+    let final_norm = g.f32_tensor("output_norm.weight")?;
+    // Cold shadow channels read their float columns from this file (see `gguf::GgufColumns`).
+    let map = GgufColumns::map(&g)?;
+    let columns: crate::transformer::ColumnSources =
+        std::sync::Arc::new(move |linear: &str| Ok(std::sync::Arc::new(GgufColumns::new(&g, map.clone(), &format!("{linear}.weight"))?) as _));
+    let weights = Weights { final_norm, embed, lm_head, layers, columns: Some(columns) };
     let id = candle_npu::quant::model_id(path)?;
     Model::new(cfg, weights, id, device.clone(), opts)
 }

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_npu::{Error, NpuDevice, QuantProfile, Result};
+use candle_npu::{ClipMethod, Error, NpuDevice, QuantProfile, Result};
 use tokenizers::Tokenizer;
 
 use crate::chat::ChatTemplate;
@@ -19,16 +19,28 @@ pub struct Pipeline {
     pub model_path: PathBuf,
 }
 
-/// How much real text calibration runs over (Wikipedia leads, see `assets::wiki_calibration`).
+/// How calibration runs: over how much real text (Wikipedia leads, see
+/// `assets::wiki_calibration`), how clip ranges are chosen, and on how many of those sequences
+/// layer importance is measured (0: not measured, so no pruning).
 #[derive(Debug, Clone, Copy)]
 pub struct CalibrationSet {
     pub sequences: usize,
     pub seq_len: usize,
+    pub clip: ClipMethod,
+    pub importance_sequences: usize,
 }
+
+/// The outlier budget of the default clip ranges: at most this share of calibration values lies
+/// beyond a point's range (see README, "Shadow outliers", for the measured choice).
+pub const DEFAULT_OUTLIER_BUDGET: f64 = 1e-2;
+
+/// The share of layers whose shadow path is pruned by default, chosen from the measured
+/// perplexity / shadow-time curve (README, "Shadow outliers").
+pub const DEFAULT_PRUNE_RATE: f64 = 0.0;
 
 impl Default for CalibrationSet {
     fn default() -> Self {
-        CalibrationSet { sequences: 8, seq_len: 256 }
+        CalibrationSet { sequences: 8, seq_len: 256, clip: ClipMethod::Budget { fraction: DEFAULT_OUTLIER_BUDGET }, importance_sequences: 2 }
     }
 }
 
@@ -67,7 +79,8 @@ impl Pipeline {
     }
 
     /// For W8A8: load the profile at `path` (default: next to the model), or calibrate on
-    /// Wikipedia text and save it there. A profile made for other weights is an error.
+    /// Wikipedia text and save it there; then prune the shadow path at [`DEFAULT_PRUNE_RATE`].
+    /// A profile made for other weights, or by an older build, is an error that says what to do.
     pub fn ensure_profile(&mut self, path: Option<&Path>, chunk_len: usize, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<()> {
         if self.model.precision() != Precision::W8A8 {
             return Ok(());
@@ -76,19 +89,36 @@ impl Pipeline {
         if path.exists() {
             let p = QuantProfile::load(&path, self.model.model_id())?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");
-            return self.model.set_profile(p);
+            self.model.set_profile(p)?;
+        } else {
+            let p = self.calibrate(chunk_len, set, progress)?;
+            p.save(&path)?;
+            tracing::info!(path = %path.display(), tokens = p.tokens, "saved quant profile");
         }
-        let p = self.calibrate(chunk_len, set, progress)?;
-        p.save(&path)?;
-        tracing::info!(path = %path.display(), tokens = p.tokens, "saved quant profile");
-        self.model.set_profile(p)
+        if DEFAULT_PRUNE_RATE > 0.0 && !self.model.profile().is_some_and(|p| p.importance.is_empty()) {
+            self.model.prune_shadow(DEFAULT_PRUNE_RATE)?;
+        }
+        Ok(())
     }
 
-    /// Calibrate activation ranges on `set.sequences` windows of `set.seq_len` tokens of Wikipedia text.
+    /// Calibrate on `set.sequences` windows of `set.seq_len` tokens of Wikipedia text: clip
+    /// ranges and hot channels, then (if `set.importance_sequences > 0`) each layer's shadow
+    /// importance on the first of those windows. The model uses the profile afterwards.
+    /// `progress(done, total)` counts sequences, then importance passes.
     pub fn calibrate(&mut self, chunk_len: usize, set: CalibrationSet, mut progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
         let seqs = self.calibration_sequences(set)?;
-        let n = seqs.len();
-        self.model.calibrate(&seqs, chunk_len, |i| progress(i, n))
+        let n_imp = set.importance_sequences.min(seqs.len());
+        let passes = if n_imp > 0 { self.model.config().n_layer + 1 } else { 0 };
+        let total = seqs.len() + passes;
+        let cal = self.model.calibrate(&seqs, chunk_len, |i| progress(i, total))?;
+        let mut profile = cal.finish(self.model.model_id().to_string(), set.clip);
+        self.model.set_profile(profile.clone())?;
+        if n_imp > 0 {
+            let done = seqs.len();
+            profile.importance = self.model.measure_importance(&seqs[..n_imp], chunk_len, |i, _| progress(done + i, total))?;
+            self.model.set_profile(profile.clone())?;
+        }
+        Ok(profile)
     }
 
     pub fn calibration_sequences(&self, set: CalibrationSet) -> Result<Vec<Vec<u32>>> {

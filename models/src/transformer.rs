@@ -2,27 +2,40 @@
 //! an [`NpuDevice`], attention on the CPU, and token-by-token decode on candle CPU ops over the KV
 //! cache that prefill filled. A family file only turns its checkpoint into [`Config`] + [`Weights`].
 //!
-//! One layer of prefill, per chunk, as stages (NPU stages are static graphs, prepared once per
-//! chunk length and shared by every chunk):
+//! One layer of prefill, per chunk, as stages. Every NPU stage is one static graph of the
+//! linears that share an input (prepared once per chunk length, shared by every chunk); every
+//! NPU output returns to the CPU, where its shadow outliers are added:
 //!
 //! ```text
-//! CPU  rmsnorm + quantize          (point blk.L.attn_in)
-//! NPU  Q, K, V FullyConnected       graph blk.L.qkv
-//! CPU  RoPE, append KV, attention over chunks 0..=i, quantize (point blk.L.attn_out)
-//! NPU  O FullyConnected             graph blk.L.o
-//! CPU  residual, rmsnorm, quantize (point blk.L.ffn_in)
-//! NPU  gate, up, SiLU = Sigmoid*Mul, *up, quantize (point blk.L.ffn_down_in), down   graph blk.L.ffn
-//! CPU  residual
+//! CPU  rmsnorm; quantize + extract outliers   (point blk.L.attn_in)
+//! NPU  Q, K, V                                graph blk.L.qkv
+//! CPU  shadow + bias; RoPE, append KV, attention over chunks 0..=i;
+//!      quantize + extract                     (point blk.L.attn_out)
+//! NPU  O                                      graph blk.L.o
+//! CPU  shadow; residual, rmsnorm; quantize + extract (point blk.L.ffn_in)
+//! NPU  gate, up                               graph blk.L.gate_up
+//! CPU  shadow; SiLU(gate) * up; quantize + extract (point blk.L.ffn_down_in)
+//! NPU  down                                   graph blk.L.down
+//! CPU  shadow; residual
 //! ```
+//!
+//! Every linear is a [`ShadowLinear`]: the NPU runs it on its input clipped to the point's
+//! calibrated range; the part beyond, in a few channels, is multiplied in float on the CPU and
+//! added to the NPU's output. The FFN is two graphs because the shadow of gate and up must be
+//! added *before* the SiLU: one FFN graph with SiLU inside would apply the nonlinearity to the
+//! clipped products. (Recomputing the down input's hot channels on the CPU from the FFN input
+//! would keep one graph but cannot see outliers in channels that were cold in calibration, and
+//! still leaves gate/up without a shadow.) The CPU half of the FFN is one elementwise pass.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
-use candle_npu::graph::TensorKind;
-use candle_npu::quant::{quantize_u8, quantize_weight_i8};
-use candle_npu::{Calibrator, ChunkPlan, DType, Error, Graph, NpuDevice, Op, PreparedGraph, Quant, QuantProfile, Result, StaticData, TensorData, TensorId};
+use candle_npu::{
+    Calibrator, ChunkPlan, ColumnSource, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph,
+    QuantProfile, Result, ShadowLinear, TensorData, TensorId, WeightQuant,
+};
 
 /// Shape and numerics of a decoder-only transformer.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,17 +57,8 @@ pub struct Config {
 pub enum Precision {
     /// F32 FullyConnected, no quantization: proves chunking exact, and drives calibration.
     F32,
-    /// Per-tensor INT8 weights and u8 activations (calibrated ranges).
+    /// INT8 weights, u8 activations per tensor over calibrated clip ranges, shadow outliers.
     W8A8,
-}
-
-/// Weight format of the CPU decode path. Measured on the 2-core x86 build machine with candle's
-/// CPU kernels for SmolLM2-135M (issue 2): Q4_1 24 tok/s (scalar path), F32 32 tok/s, Q8_0
-/// 67 tok/s, so Q8_0 is the default; F32 exists to compare bit-for-bit with a float reference.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeWeights {
-    F32,
-    Q8_0,
 }
 
 /// Float weights of one decoder layer; matrices are `[out, in]`.
@@ -74,12 +78,17 @@ pub struct LayerWeights {
     pub bv: Option<Tensor>,
 }
 
+/// Reads the float columns of a linear (by its name, e.g. `blk.3.ffn_down`) from the checkpoint:
+/// the shadow path's source for cold channels.
+pub type ColumnSources = Arc<dyn Fn(&str) -> Result<Arc<dyn ColumnSource>> + Send + Sync>;
+
 pub struct Weights {
     pub embed: Tensor,
     pub final_norm: Tensor,
     /// `[vocab, hidden]`; the embedding itself for tied models.
     pub lm_head: Tensor,
     pub layers: Vec<LayerWeights>,
+    pub columns: Option<ColumnSources>,
 }
 
 /// How to load a model.
@@ -87,28 +96,35 @@ pub struct Weights {
 pub struct LoadOptions {
     pub precision: Precision,
     pub decode_weights: DecodeWeights,
+    pub weights: WeightQuant,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0 }
+        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerChannel }
     }
 }
 
-struct LayerGraphs {
-    qkv: PreparedGraph,
-    o: PreparedGraph,
-    ffn: PreparedGraph,
+/// The quantization points of a layer (each the input of one NPU stage), in stage order.
+pub const POINTS: [&str; 4] = ["attn_in", "attn_out", "ffn_in", "ffn_down_in"];
+
+/// Name of an activation quantization point.
+pub fn point(layer: usize, which: &str) -> String {
+    format!("blk.{layer}.{which}")
 }
 
-struct DecodeLayer {
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
+/// One decoder layer: norms and the seven linears, grouped by the NPU stage that runs them.
+struct Layer {
+    attn_norm: Tensor,
+    ffn_norm: Tensor,
+    /// q, k, v | o | gate, up | down: the linears of stage `s` read point `POINTS[s]`.
+    stages: [Vec<ShadowLinear>; 4],
+}
+
+impl Layer {
+    fn linears(&self) -> impl Iterator<Item = &ShadowLinear> {
+        self.stages.iter().flatten()
+    }
 }
 
 /// A loaded model: NPU prefill + CPU decode.
@@ -118,11 +134,14 @@ pub struct Model {
     model_id: String,
     device: NpuDevice,
     precision: Precision,
-    w: Weights,
-    decode: Vec<DecodeLayer>,
+    embed: Tensor,
+    final_norm: Tensor,
     lm_head: QMatMul,
+    layers: Vec<Layer>,
     profile: Option<QuantProfile>,
-    graphs: HashMap<(usize, Precision), Arc<Vec<LayerGraphs>>>,
+    /// Per layer, per stage: the input point (from the profile).
+    points: Vec<[InputPoint; 4]>,
+    graphs: HashMap<(usize, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
     kv: Vec<Option<(Tensor, Tensor)>>,
     pos: usize,
     progress: Option<Progress>,
@@ -131,47 +150,53 @@ pub struct Model {
 /// Called after every (chunk, layer) of a prefill with (done, total).
 pub type Progress = Box<dyn FnMut(usize, usize) + Send>;
 
-/// Name of an activation quantization point.
-pub fn point(layer: usize, which: &str) -> String {
-    format!("blk.{layer}.{which}")
-}
-
-fn qmatmul(w: &Tensor, format: DecodeWeights) -> Result<QMatMul> {
-    Ok(match format {
-        DecodeWeights::F32 => QMatMul::Tensor(w.clone()),
-        DecodeWeights::Q8_0 => QMatMul::from_qtensor(QTensor::quantize(w, GgmlDType::Q8_0)?)?,
-    })
-}
+const STAGE_NAMES: [&str; 4] = ["qkv", "o", "gate_up", "down"];
 
 impl Model {
     pub fn new(cfg: Config, w: Weights, model_id: String, device: NpuDevice, opts: LoadOptions) -> Result<Self> {
-        let decode = w
+        let columns = w.columns.clone();
+        let lin = |l: usize, name: &str, t: &Tensor, b: Option<&Tensor>| -> Result<ShadowLinear> {
+            let name = format!("blk.{l}.{name}");
+            let cold = columns.as_ref().map(|f| f(&name)).transpose()?;
+            ShadowLinear::new(name, t.clone(), b, opts.weights, opts.decode_weights, cold)
+        };
+        let layers = w
             .layers
             .iter()
-            .map(|l| {
-                let f = |t: &Tensor| qmatmul(t, opts.decode_weights);
-                Ok(DecodeLayer {
-                    wq: f(&l.wq)?,
-                    wk: f(&l.wk)?,
-                    wv: f(&l.wv)?,
-                    wo: f(&l.wo)?,
-                    w_gate: f(&l.w_gate)?,
-                    w_up: f(&l.w_up)?,
-                    w_down: f(&l.w_down)?,
+            .enumerate()
+            .map(|(l, lw)| {
+                Ok(Layer {
+                    attn_norm: lw.attn_norm.clone(),
+                    ffn_norm: lw.ffn_norm.clone(),
+                    stages: [
+                        vec![
+                            lin(l, "attn_q", &lw.wq, lw.bq.as_ref())?,
+                            lin(l, "attn_k", &lw.wk, lw.bk.as_ref())?,
+                            lin(l, "attn_v", &lw.wv, lw.bv.as_ref())?,
+                        ],
+                        vec![lin(l, "attn_output", &lw.wo, None)?],
+                        vec![lin(l, "ffn_gate", &lw.w_gate, None)?, lin(l, "ffn_up", &lw.w_up, None)?],
+                        vec![lin(l, "ffn_down", &lw.w_down, None)?],
+                    ],
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let lm_head = qmatmul(&w.lm_head, opts.decode_weights)?;
+        let lm_head = match opts.decode_weights {
+            DecodeWeights::F32 => QMatMul::Tensor(w.lm_head.clone()),
+            DecodeWeights::Q8_0 => QMatMul::from_qtensor(QTensor::quantize(&w.lm_head, GgmlDType::Q8_0)?)?,
+        };
         let n = cfg.n_layer;
         Ok(Model {
             cfg,
             model_id,
             device,
             precision: opts.precision,
-            w,
-            decode,
+            embed: w.embed,
+            final_norm: w.final_norm,
             lm_head,
+            layers,
             profile: None,
+            points: vec![],
             graphs: HashMap::new(),
             kv: vec![None; n],
             pos: 0,
@@ -198,8 +223,14 @@ impl Model {
     pub fn profile(&self) -> Option<&QuantProfile> {
         self.profile.as_ref()
     }
+    /// Every linear layer, in layer and stage order.
+    pub fn linears(&self) -> impl Iterator<Item = &ShadowLinear> {
+        self.layers.iter().flat_map(Layer::linears)
+    }
 
-    /// Use a calibrated profile for W8A8 prefill (it must belong to this model's weights).
+    /// Use a calibrated profile for W8A8 prefill (it must belong to this model's weights): its
+    /// clip ranges become the NPU inputs' quantization, its hot channels the float columns each
+    /// linear keeps. Every shadow path is on; see [`Model::prune_shadow`].
     pub fn set_profile(&mut self, profile: QuantProfile) -> Result<()> {
         if profile.model_id != self.model_id {
             return Err(Error::Input(format!(
@@ -207,9 +238,68 @@ impl Model {
                 profile.model_id, self.model_id
             )));
         }
+        let mut points = Vec::with_capacity(self.layers.len());
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let mut row = Vec::with_capacity(4);
+            for (s, lins) in layer.stages.iter_mut().enumerate() {
+                let name = point(l, POINTS[s]);
+                let p = profile.point(&name)?;
+                let k = lins[0].dims().1;
+                if p.channels != k {
+                    return Err(Error::Input(format!("quant profile point {name} has {} channels, the model {k}", p.channels)));
+                }
+                for lin in lins.iter_mut() {
+                    lin.set_hot(&p.hot)?;
+                    lin.set_shadow(true);
+                }
+                row.push(InputPoint::new(name, p.lo, p.hi, k, &p.hot));
+            }
+            points.push(row.try_into().expect("four points"));
+        }
         self.graphs.retain(|k, _| k.1 != Precision::W8A8);
+        self.points = points;
         self.profile = Some(profile);
         Ok(())
+    }
+
+    /// Run the shadow path of the layers where `on[l]` and prune it elsewhere.
+    pub fn set_shadow_layers(&mut self, on: &[bool]) -> Result<()> {
+        if on.len() != self.layers.len() {
+            return Err(Error::Input(format!("shadow mask of {} layers for a model of {}", on.len(), self.layers.len())));
+        }
+        for (layer, &on) in self.layers.iter_mut().zip(on) {
+            layer.stages.iter_mut().flatten().for_each(|lin| lin.set_shadow(on));
+        }
+        Ok(())
+    }
+
+    /// Prune the shadow path of the `rate` share (0..=1) of layers with the lowest measured
+    /// importance (from the profile); returns the layers kept.
+    pub fn prune_shadow(&mut self, rate: f64) -> Result<Vec<bool>> {
+        if !(0.0..=1.0).contains(&rate) {
+            return Err(Error::Input(format!("pruning rate {rate} is not within 0..=1")));
+        }
+        let n = self.layers.len();
+        let imp = match &self.profile {
+            Some(p) if p.importance.len() == n => p.importance.clone(),
+            _ if rate == 0.0 => vec![0.0; n],
+            _ => return Err(Error::Input("pruning needs layer importance in the quant profile: measure it (Pipeline::ensure_profile does)".into())),
+        };
+        let pruned = (rate * n as f64).round() as usize;
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| imp[a].total_cmp(&imp[b]));
+        let mut on = vec![true; n];
+        order.iter().take(pruned).for_each(|&l| on[l] = false);
+        self.set_shadow_layers(&on)?;
+        Ok(on)
+    }
+
+    /// Outlier statistics of every quantization point since the profile was set (or reset).
+    pub fn point_stats(&self) -> Vec<(String, PointStats)> {
+        self.points.iter().flatten().map(|p| (p.name.clone(), p.stats())).collect()
+    }
+    pub fn reset_point_stats(&self) {
+        self.points.iter().flatten().for_each(InputPoint::reset_stats);
     }
 
     /// Forget the KV cache.
@@ -218,29 +308,62 @@ impl Model {
         self.pos = 0;
     }
 
-    /// Calibrate activation ranges by running float prefill over `sequences`.
-    /// `progress` is called after each sequence.
-    ///
-    /// Calibration always runs on the host executor, whatever the model's device: it is the
-    /// offline float reference pass (an HTP computes float graphs in FP16, and its x86 emulator
-    /// would take hours for it). Its host graphs are dropped afterwards.
-    pub fn calibrate(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize)) -> Result<QuantProfile> {
-        let mut cal = Calibrator::default();
-        // Host device and host graphs for the pass; the model's own device and graphs (which
-        // may include float graphs prepared on the NPU) are put back afterwards.
+    /// Run `f` with the host executor as this model's device and fresh graphs, then restore both.
+    /// Offline passes (calibration, importance) always run here: an HTP computes float graphs
+    /// in FP16, and its x86 emulator would take hours for them.
+    fn on_host<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         let device = std::mem::replace(&mut self.device, NpuDevice::host());
         let graphs = std::mem::take(&mut self.graphs);
-        let run = sequences.iter().enumerate().try_for_each(|(i, seq)| {
-            self.run_prefill(seq, chunk_len, Precision::F32, false, Some(&mut cal))?;
-            cal.tokens_seen += seq.len();
-            progress(i + 1);
-            Ok::<_, Error>(())
-        });
+        let r = f(self);
         self.device = device;
         self.graphs = graphs;
         self.clear();
-        run?;
-        Ok(cal.finish(self.model_id.clone()))
+        r
+    }
+
+    /// Collect activation statistics by running float prefill over `sequences` (on the host
+    /// executor, whatever the model's device). `progress` is called after each sequence.
+    pub fn calibrate(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize)) -> Result<Calibrator> {
+        self.on_host(|m| {
+            let mut cal = Calibrator::default();
+            for (i, seq) in sequences.iter().enumerate() {
+                m.run_prefill(seq, chunk_len, Precision::F32, false, Some(&mut cal))?;
+                cal.tokens_seen += seq.len();
+                progress(i + 1);
+            }
+            Ok(cal)
+        })
+    }
+
+    /// Per layer, the increase of the mean negative log-likelihood (nats/token) over `sequences`
+    /// when that layer's shadow path is removed, all others on: what pruning it costs. Runs W8A8
+    /// prefill on the host executor (1 + layers passes); needs a profile.
+    pub fn measure_importance(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize, usize)) -> Result<Vec<f32>> {
+        let n = self.layers.len();
+        let kept: Vec<bool> = self.layers.iter().map(|l| l.stages[0][0].shadow_enabled()).collect();
+        let r = self.on_host(|m| {
+            let loss = |m: &mut Model, on: &[bool]| -> Result<f64> {
+                m.set_shadow_layers(on)?;
+                let mut total = 0.0;
+                for seq in sequences {
+                    let logits = m.run_prefill(seq, chunk_len, Precision::W8A8, true, None)?;
+                    total += mean_nll(&logits, seq)?;
+                }
+                Ok(total / sequences.len() as f64)
+            };
+            let base = loss(m, &vec![true; n])?;
+            progress(1, n + 1);
+            let mut imp = Vec::with_capacity(n);
+            for l in 0..n {
+                let mut on = vec![true; n];
+                on[l] = false;
+                imp.push((loss(m, &on)? - base) as f32);
+                progress(l + 2, n + 1);
+            }
+            Ok(imp)
+        });
+        self.set_shadow_layers(&kept)?;
+        r
     }
 
     /// Report prefill progress (e.g. to a progress bar: an emulated NPU takes minutes).
@@ -253,10 +376,15 @@ impl Model {
         if chunk_len == 0 {
             return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
         }
-        if self.precision == Precision::W8A8 && self.profile.is_none() {
+        self.check_profile(self.precision)?;
+        self.graphs_for(chunk_len, self.precision).map(|_| ())
+    }
+
+    fn check_profile(&self, precision: Precision) -> Result<()> {
+        if precision == Precision::W8A8 && self.profile.is_none() {
             return Err(Error::Input("W8A8 prefill needs a quant profile: calibrate or load one first".into()));
         }
-        self.graphs_for(chunk_len, self.precision).map(|_| ())
+        Ok(())
     }
 
     /// Prefill `tokens` (resetting the KV cache) and return the logits of the last token, `[vocab]`.
@@ -277,26 +405,24 @@ impl Model {
             return Err(Error::Input(format!("context of {} tokens is full", self.cfg.context_len)));
         }
         let cfg = &self.cfg;
-        let mut x = self.w.embed.index_select(&Tensor::new(&[token], &Device::Cpu)?, 0)?;
+        let mut x = self.embed.index_select(&Tensor::new(&[token], &Device::Cpu)?, 0)?;
         let (cos, sin) = rope_tables(cfg, self.pos, 1)?;
-        for l in 0..cfg.n_layer {
-            let (lw, d) = (&self.w.layers[l], &self.decode[l]);
-            let h = candle_nn::ops::rms_norm(&x, &lw.attn_norm, cfg.rms_eps as f32)?;
-            let q = add_bias(d.wq.forward(&h)?, &lw.bq)?;
-            let k = add_bias(d.wk.forward(&h)?, &lw.bk)?;
-            let v = add_bias(d.wv.forward(&h)?, &lw.bv)?;
+        for (l, layer) in self.layers.iter().enumerate() {
+            let [qkv, o, gate_up, down] = &layer.stages;
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
+            let (q, k, v) = (qkv[0].forward(&h)?, qkv[1].forward(&h)?, qkv[2].forward(&h)?);
             let attn = attend(cfg, &mut self.kv[l], &q, &k, &v, 1, 1, self.pos, &cos, &sin)?;
-            x = (x + d.wo.forward(&attn)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &lw.ffn_norm, cfg.rms_eps as f32)?;
-            let ff = (candle_nn::ops::silu(&d.w_gate.forward(&h)?)? * d.w_up.forward(&h)?)?;
-            x = (x + d.w_down.forward(&ff)?)?;
+            x = (x + o[0].forward(&attn)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
+            let ff = (candle_nn::ops::silu(&gate_up[0].forward(&h)?)? * gate_up[1].forward(&h)?)?;
+            x = (x + down[0].forward(&ff)?)?;
         }
         self.pos += 1;
         Ok(self.logits(&x)?.squeeze(0)?)
     }
 
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
-        let h = candle_nn::ops::rms_norm(rows, &self.w.final_norm, self.cfg.rms_eps as f32)?;
+        let h = candle_nn::ops::rms_norm(rows, &self.final_norm, self.cfg.rms_eps as f32)?;
         Ok(self.lm_head.forward(&h)?)
     }
 
@@ -317,9 +443,7 @@ impl Model {
     ) -> Result<Tensor> {
         let plan = ChunkPlan::new(tokens.len(), chunk_len, self.cfg.context_len)?;
         self.check_tokens(tokens)?;
-        if precision == Precision::W8A8 && self.profile.is_none() {
-            return Err(Error::Input("W8A8 prefill needs a quant profile: calibrate or load one first".into()));
-        }
+        self.check_profile(precision)?;
         self.clear();
         let graphs = self.graphs_for(chunk_len, precision)?;
         let cfg = self.cfg.clone();
@@ -328,31 +452,18 @@ impl Model {
             let (m, n_valid) = (chunk.padded_len, chunk.len);
             let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
             ids.resize(m, 0);
-            let mut x = self.w.embed.index_select(&Tensor::new(ids.as_slice(), &Device::Cpu)?, 0)?;
+            let mut x = self.embed.index_select(&Tensor::new(ids.as_slice(), &Device::Cpu)?, 0)?;
             let (cos, sin) = rope_tables(&cfg, chunk.start, m)?;
             for (l, g) in graphs.iter().enumerate() {
-                let lw = &self.w.layers[l];
-                // CPU: rmsnorm + quantize; NPU: Q, K, V.
-                let h = candle_nn::ops::rms_norm(&x, &lw.attn_norm, cfg.rms_eps as f32)?;
-                let input = self.stage_input(&h, &point(l, "attn_in"), n_valid, precision, calib.as_deref_mut())?;
-                let qkv = g.qkv.execute(&[&input])?;
-                let q = to_tensor(&qkv[0], m)?;
-                let k = to_tensor(&qkv[1], m)?;
-                let v = to_tensor(&qkv[2], m)?;
-                // CPU: RoPE, KV append, attention over every chunk so far.
-                let attn = attend(&cfg, &mut self.kv[l], &q, &k, &v, m, n_valid, chunk.start, &cos, &sin)?;
-                let input = self.stage_input(&attn, &point(l, "attn_out"), n_valid, precision, calib.as_deref_mut())?;
-                // NPU: O.
-                let o = to_tensor(&g.o.execute(&[&input])?[0], m)?;
-                x = (x + o)?;
-                // CPU: rmsnorm + quantize; NPU: FFN; CPU: residual.
-                let h = candle_nn::ops::rms_norm(&x, &lw.ffn_norm, cfg.rms_eps as f32)?;
-                let input = self.stage_input(&h, &point(l, "ffn_in"), n_valid, precision, calib.as_deref_mut())?;
-                let ffn = g.ffn.execute(&[&input])?;
-                if let (Some(cal), Some(TensorData::F32(hidden))) = (calib.as_deref_mut(), ffn.get(1)) {
-                    cal.observe(&point(l, "ffn_down_in"), &hidden[..n_valid * cfg.ffn]);
-                }
-                x = (x + to_tensor(&ffn[0], m)?)?;
+                let mut stage = Stage { model: self, l, n_valid, m, precision, calib: calib.as_deref_mut() };
+                let h = candle_nn::ops::rms_norm(&x, &stage.model.layers[l].attn_norm, cfg.rms_eps as f32)?;
+                let [q, k, v]: [Tensor; 3] = stage.run(0, &g[0], &h)?.try_into().expect("three linears");
+                let attn = attend(&cfg, &mut stage.model.kv[l], &q, &k, &v, m, n_valid, chunk.start, &cos, &sin)?;
+                x = (x + &stage.run(1, &g[1], &attn)?[0])?;
+                let h = candle_nn::ops::rms_norm(&x, &stage.model.layers[l].ffn_norm, cfg.rms_eps as f32)?;
+                let [gate, up]: [Tensor; 2] = stage.run(2, &g[2], &h)?.try_into().expect("two linears");
+                let hidden = (candle_nn::ops::silu(&gate)? * up)?;
+                x = (x + &stage.run(3, &g[3], &hidden)?[0])?;
                 if let Some(report) = self.progress.as_mut() {
                     report(chunk.index * graphs.len() + l + 1, plan.chunks.len() * graphs.len());
                 }
@@ -368,81 +479,98 @@ impl Model {
         self.logits(&rows)
     }
 
-    /// Turn a CPU activation into the input of an NPU graph: F32 as is, or quantized to u8 with
-    /// the calibrated range of `point`. In calibration, the valid rows' range is recorded.
-    /// (The shadow-outlier path attaches here: what the range clips is what it would extract.)
-    fn stage_input(&self, h: &Tensor, point: &str, n_valid: usize, precision: Precision, calib: Option<&mut Calibrator>) -> Result<TensorData> {
-        let vals = h.flatten_all()?.to_vec1::<f32>()?;
-        if let Some(cal) = calib {
-            let cols = h.dim(1)?;
-            cal.observe(point, &vals[..n_valid * cols]);
-        }
-        Ok(match precision {
-            Precision::F32 => TensorData::F32(vals),
-            Precision::W8A8 => {
-                let q = self.profile.as_ref().expect("checked in run_prefill").activation_quant(point)?;
-                TensorData::U8(quantize_u8(&vals, q))
-            }
-        })
-    }
-
-    fn graphs_for(&mut self, chunk_len: usize, precision: Precision) -> Result<Arc<Vec<LayerGraphs>>> {
+    fn graphs_for(&mut self, chunk_len: usize, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
         if let Some(g) = self.graphs.get(&(chunk_len, precision)) {
             return Ok(g.clone());
         }
         let t = std::time::Instant::now();
-        let graphs = (0..self.cfg.n_layer).map(|l| self.build_layer(l, chunk_len, precision)).collect::<Result<Vec<_>>>()?;
+        let graphs = (0..self.cfg.n_layer)
+            .map(|l| self.layer_graphs(l, chunk_len, precision)?.iter().map(|g| self.device.prepare(g)).collect::<Result<Vec<_>>>())
+            .collect::<Result<Vec<_>>>()?;
         tracing::info!(chunk_len, ?precision, layers = graphs.len(), secs = t.elapsed().as_secs_f32(), executor = self.device.executor_name(), "prepared NPU stage graphs");
         let graphs = Arc::new(graphs);
         self.graphs.insert((chunk_len, precision), graphs.clone());
         Ok(graphs)
     }
 
-    /// Describe the three static NPU graphs of one layer for chunks of `m` rows.
-    pub fn layer_graphs(&self, l: usize, m: usize, precision: Precision) -> Result<[Graph; 3]> {
-        let (c, lw) = (&self.cfg, &self.w.layers[l]);
-        let b = GraphBuilder { precision, profile: self.profile.as_ref() };
-        let mut qkv = Graph::new(format!("blk.{l}.qkv.m{m}"));
-        let x = b.input(&mut qkv, m, c.hidden, &point(l, "attn_in"))?;
-        for (name, w, bias) in [("q", &lw.wq, &lw.bq), ("k", &lw.wk, &lw.bk), ("v", &lw.wv, &lw.bv)] {
-            let y = b.linear(&mut qkv, name, x, w, bias.as_ref())?;
-            qkv.mark_output(y);
-        }
-        let mut o = Graph::new(format!("blk.{l}.o.m{m}"));
-        let x = b.input(&mut o, m, c.n_head * c.head_dim, &point(l, "attn_out"))?;
-        let y = b.linear(&mut o, "o", x, &lw.wo, None)?;
-        o.mark_output(y);
-
-        let mut ffn = Graph::new(format!("blk.{l}.ffn.m{m}"));
-        let x = b.input(&mut ffn, m, c.hidden, &point(l, "ffn_in"))?;
-        let gate = b.linear(&mut ffn, "gate", x, &lw.w_gate, None)?;
-        let up = b.linear(&mut ffn, "up", x, &lw.w_up, None)?;
-        let sig = ffn.unary("gate_sigmoid", gate, DType::F32, None, |input, output| Op::Sigmoid { input, output });
-        let silu = ffn.binary("gate_silu", gate, sig, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
-        let hidden = ffn.binary("hidden", silu, up, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
-        let down_in = match precision {
-            Precision::F32 => hidden,
-            Precision::W8A8 => {
-                let q = b.profile.expect("W8A8 needs a profile").activation_quant(&point(l, "ffn_down_in"))?;
-                ffn.unary("hidden_q", hidden, DType::U8, Some(q), |input, output| Op::Quantize { input, output })
-            }
-        };
-        let down = b.linear(&mut ffn, "down", down_in, &lw.w_down, None)?;
-        ffn.mark_output(down);
-        if precision == Precision::F32 {
-            // Exposed so that calibration sees the input of the down projection.
-            ffn.mark_output(hidden);
-        }
-        Ok([qkv, o, ffn])
-    }
-
-    fn build_layer(&self, l: usize, m: usize, precision: Precision) -> Result<LayerGraphs> {
-        let [qkv, o, ffn] = self.layer_graphs(l, m, precision)?;
-        Ok(LayerGraphs { qkv: self.device.prepare(&qkv)?, o: self.device.prepare(&o)?, ffn: self.device.prepare(&ffn)? })
+    /// Describe the static NPU graphs of one layer for chunks of `m` rows: per stage, one input
+    /// (F32, or u8 over the point's clip range) and one F32 output per linear.
+    pub fn layer_graphs(&self, l: usize, m: usize, precision: Precision) -> Result<Vec<Graph>> {
+        self.check_profile(precision)?;
+        let layer = &self.layers[l];
+        (0..4)
+            .map(|s| {
+                let lins = &layer.stages[s];
+                let k = lins[0].dims().1;
+                let mut g = Graph::new(format!("blk.{l}.{}.m{m}", STAGE_NAMES[s]));
+                let x: TensorId = match precision {
+                    Precision::F32 => g.input("x", &[m, k], DType::F32, None),
+                    Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
+                };
+                for lin in lins {
+                    let y = lin.add_to_graph(&mut g, "", x)?;
+                    g.mark_output(y);
+                }
+                Ok(g)
+            })
+            .collect()
     }
 
     /// NPU stage graphs per layer (the static, chunk-shared subgraphs).
-    pub const NPU_STAGES_PER_LAYER: usize = 3;
+    pub const NPU_STAGES_PER_LAYER: usize = 4;
+}
+
+/// One NPU stage of one layer of one chunk: its input goes to the NPU (quantized, outliers
+/// extracted), its outputs come back with their shadow added.
+struct Stage<'a, 'c> {
+    model: &'a mut Model,
+    l: usize,
+    n_valid: usize,
+    m: usize,
+    precision: Precision,
+    calib: Option<&'c mut Calibrator>,
+}
+
+impl Stage<'_, '_> {
+    /// Run stage `s` on the CPU activation `h` (`[m, K]`); returns one `[m, N]` per linear.
+    fn run(&mut self, s: usize, graph: &PreparedGraph, h: &Tensor) -> Result<Vec<Tensor>> {
+        let vals = h.flatten_all()?.to_vec1::<f32>()?;
+        let k = h.dim(1)?;
+        if let Some(cal) = self.calib.as_deref_mut() {
+            cal.observe(&point(self.l, POINTS[s]), &vals[..self.n_valid * k], k);
+        }
+        let (input, outliers) = match self.precision {
+            Precision::F32 => (TensorData::F32(vals), Outliers::default()),
+            Precision::W8A8 => {
+                let (q, o) = self.model.points[self.l][s].quantize(&vals, self.n_valid);
+                (TensorData::U8(q), o)
+            }
+        };
+        let outs = graph.execute(&[&input])?;
+        self.model.layers[self.l].stages[s]
+            .iter()
+            .zip(outs)
+            .map(|(lin, out)| {
+                let TensorData::F32(mut y) = out else {
+                    return Err(Error::Input(format!("NPU stage of {} returned {:?}, expected F32", lin.name(), out.dtype())));
+                };
+                lin.finish(&outliers, &mut y)?;
+                Ok(Tensor::from_vec(y, (self.m, lin.dims().0), &Device::Cpu)?)
+            })
+            .collect()
+    }
+}
+
+/// Mean negative log-likelihood (nats/token) of `tokens` under row-aligned logits
+/// (`logits[i]` predicts `tokens[i + 1]`); `exp` of it is the perplexity.
+pub fn mean_nll(logits: &Tensor, tokens: &[u32]) -> Result<f64> {
+    let lp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let lp: Vec<Vec<f32>> = lp.to_vec2()?;
+    if tokens.len() < 2 || lp.len() < tokens.len() - 1 {
+        return Err(Error::Input(format!("need at least 2 tokens and one logit row per token, got {} and {}", tokens.len(), lp.len())));
+    }
+    let nll: f64 = (0..tokens.len() - 1).map(|i| -lp[i][tokens[i + 1] as usize] as f64).sum();
+    Ok(nll / (tokens.len() - 1) as f64)
 }
 
 /// RoPE on `q`/`k` (`[m, heads*head_dim]`), append the first `n_valid` rows of k, v to the
@@ -475,64 +603,6 @@ fn attend(c: &Config, cache: &mut Option<(Tensor, Tensor)>, q: &Tensor, k: &Tens
     let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
     let y = p.matmul(&v)?; // [nkv, groups*m, hd]
     Ok(y.reshape((nh, m, hd))?.transpose(0, 1)?.reshape((m, nh * hd))?)
-}
-
-struct GraphBuilder<'a> {
-    precision: Precision,
-    profile: Option<&'a QuantProfile>,
-}
-
-impl GraphBuilder<'_> {
-    fn input(&self, g: &mut Graph, m: usize, k: usize, point: &str) -> Result<TensorId> {
-        Ok(match self.precision {
-            Precision::F32 => g.input("x", &[m, k], DType::F32, None),
-            Precision::W8A8 => {
-                let q = self.profile.expect("W8A8 needs a profile").activation_quant(point)?;
-                g.input("x", &[m, k], DType::U8, Some(q))
-            }
-        })
-    }
-
-    /// A FullyConnected with F32 output; weights (and bias) quantized per-tensor in W8A8.
-    fn linear(&self, g: &mut Graph, name: &str, x: TensorId, w: &Tensor, bias: Option<&Tensor>) -> Result<TensorId> {
-        let (n, k) = w.dims2()?;
-        let data = w.flatten_all()?.to_vec1::<f32>()?;
-        let bias_f = bias.map(|b| b.to_vec1::<f32>()).transpose()?;
-        let (wt, bt) = match self.precision {
-            Precision::F32 => {
-                let wt = g.constant(&format!("{name}.weight"), &[n, k], StaticData::F32(Arc::new(data)), None);
-                let bt = bias_f.map(|b| g.constant(&format!("{name}.bias"), &[n], StaticData::F32(Arc::new(b)), None));
-                (wt, bt)
-            }
-            Precision::W8A8 => {
-                let (q, wq) = quantize_weight_i8(&data);
-                let wt = g.constant(&format!("{name}.weight"), &[n, k], StaticData::I8(Arc::new(q)), Some(wq));
-                let x_scale = g.tensor(x).quant.expect("quantized input").scale;
-                let bq = Quant::symmetric(x_scale * wq.scale);
-                let bt = bias_f.map(|b| {
-                    let data = b.iter().map(|&v| (v / bq.scale).round() as i32).collect();
-                    g.constant(&format!("{name}.bias"), &[n], StaticData::I32(Arc::new(data)), Some(bq))
-                });
-                (wt, bt)
-            }
-        };
-        debug_assert_eq!(g.tensor(wt).kind, TensorKind::Static);
-        Ok(g.fully_connected(name, x, wt, bt, DType::F32, None))
-    }
-}
-
-fn add_bias(x: Tensor, b: &Option<Tensor>) -> Result<Tensor> {
-    Ok(match b {
-        Some(b) => x.broadcast_add(b)?,
-        None => x,
-    })
-}
-
-fn to_tensor(d: &TensorData, rows: usize) -> Result<Tensor> {
-    match d {
-        TensorData::F32(v) => Ok(Tensor::from_slice(v, (rows, v.len() / rows), &Device::Cpu)?),
-        other => Err(Error::Input(format!("NPU stage returned {:?}, expected F32", other.dtype()))),
-    }
 }
 
 /// cos/sin of RoPE for positions `start..start+n`, `[n, head_dim/2]`, computed as candle's

@@ -34,7 +34,10 @@ impl Executor for HostExecutor {
                         StaticData::I8(d) => Fc::W8A8 {
                             w: PackedI8::new(d, n, k),
                             x_quant: x.quant.expect("validated"),
-                            w_scale: w.quant.expect("validated").scale,
+                            w_scale: match (&w.channel_scales, w.quant) {
+                                (Some(s), _) => WScale::PerChannel(s.to_vec()),
+                                (None, q) => WScale::PerTensor(q.expect("validated").scale),
+                            },
                             signed_input: x.dtype == DType::I8,
                             bias,
                         },
@@ -51,7 +54,13 @@ impl Executor for HostExecutor {
 
 enum Fc {
     F32 { w: PackedF32, bias: Option<StaticData> },
-    W8A8 { w: PackedI8, x_quant: Quant, w_scale: f32, signed_input: bool, bias: Option<StaticData> },
+    W8A8 { w: PackedI8, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
+}
+
+enum WScale {
+    PerTensor(f32),
+    /// One scale per output column.
+    PerChannel(Vec<f32>),
 }
 
 enum Step {
@@ -89,12 +98,17 @@ impl HostGraph {
                 if let Some(StaticData::I32(b)) = bias {
                     acc.chunks_exact_mut(w.n).for_each(|row| row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b));
                 }
-                let acc_scale = x_quant.scale * w_scale;
-                match (spec.dtype, spec.quant) {
+                match (w_scale, spec.dtype, spec.quant) {
                     // The accumulator itself (QNN SFIXED_POINT_32 with scale s_x * s_w).
-                    (DType::I32, Some(q)) if q.offset == 0 && q.scale == acc_scale => TensorData::I32(acc),
-                    (dtype, quant) => {
+                    (WScale::PerTensor(s), DType::I32, Some(q)) if q.offset == 0 && q.scale == x_quant.scale * s => TensorData::I32(acc),
+                    (WScale::PerTensor(s), dtype, quant) => {
+                        let acc_scale = x_quant.scale * s;
                         let f: Vec<f32> = acc.iter().map(|&a| a as f32 * acc_scale).collect();
+                        TensorData::from_f32(&f, dtype, quant)
+                    }
+                    (WScale::PerChannel(s), dtype, quant) => {
+                        let col: Vec<f32> = s.iter().map(|&s| x_quant.scale * s).collect();
+                        let f: Vec<f32> = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| a as f32 * c)).collect();
                         TensorData::from_f32(&f, dtype, quant)
                     }
                 }

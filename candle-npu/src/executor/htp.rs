@@ -30,7 +30,8 @@
 //! STATIC with a client buffer (QNN copies constants by `graphFinalize`, so the prepared graph
 //! does not keep the weights alive). `U8` -> UFIXED_POINT_8, `I8` -> SFIXED_POINT_8,
 //! `I32` -> SFIXED_POINT_32, `F32` -> FLOAT_32; quantization is SCALE_OFFSET with the IR's own
-//! scale and offset (both use `float = (q + offset) * scale`). Ops map to `qti.aisw` ops:
+//! scale and offset (both use `float = (q + offset) * scale`), and per-channel weights
+//! ([`TensorSpec::channel_scales`]) AXIS_SCALE_OFFSET along axis 0 with offsets 0. Ops map to `qti.aisw` ops:
 //! FullyConnected (no `keep_dims` param), MatMul (`transpose_in0 = false`,
 //! `transpose_in1 = transpose_b`), Quantize, Dequantize, ElementWiseAdd, ElementWiseMultiply,
 //! Sigmoid.
@@ -49,6 +50,12 @@
 //!   than 32 columns (`N < 32`) fails at execute with QNN error 1100. **Lowering:** such an FC is
 //!   built as FullyConnected -> SFIXED_POINT_32 accumulator (scale `s_x * s_w`, offset 0) ->
 //!   Dequantize -> FLOAT_32, which is bit-exact against the host.
+//! * **Per-channel weights** (AXIS_SCALE_OFFSET, axis 0) finalize and run with `U8`/`I8` outputs;
+//!   with an `F32` output finalize fails (1002, "could not create op"). **Lowering:** the same
+//!   INT8 weights under one scale `s0 = min(s_n)` -> FullyConnected with F32 output ->
+//!   ElementWiseMultiply by the static `[N]` vector `s_n / s0` (FP16: 2^-11 relative; the
+//!   intermediate never exceeds the result, so it cannot overflow where the result would not).
+//!   Needs `N >= 32` like any F32-output FullyConnected.
 //! * **FullyConnected with an `I32` (SFIXED_POINT_32) output** is exact only for `N <= 32`; for
 //!   `N > 32`, `M >= 2` and `K` above ~128 the library silently returns wrong values for every
 //!   output column past the 32nd. Only `N <= 32` is supported.
@@ -540,6 +547,8 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
             let (x, w, o) = (t(input), t(weight), t(output));
             match (x.dtype, w.dtype, o.dtype) {
                 (DType::F32, DType::F32, DType::F32) => true,
+                // Per-channel weights: no single accumulator scale for the narrow-output lowering.
+                (xd, DType::I8, DType::F32) if is8(xd) && w.channel_scales.is_some() => cols(o) >= 32,
                 (xd, DType::I8, DType::U8 | DType::I8 | DType::F32) if is8(xd) => true,
                 // SFIXED_POINT_32 output: wrong values past column 32 (see module docs).
                 (xd, DType::I8, DType::I32) if is8(xd) => cols(o) <= 32,
@@ -637,6 +646,10 @@ struct Builder<'a> {
     handle: Qnn_GraphHandle_t,
     names: Vec<CString>,
     dims: Vec<Box<[u32]>>,
+    /// Per-channel scale/offset arrays of AXIS_SCALE_OFFSET tensors.
+    axis_scales: Vec<Box<[Qnn_ScaleOffset_t]>>,
+    /// Constants the lowering adds (per-channel scale vectors).
+    lowered: Vec<Box<[f32]>>,
     /// Created tensors, by IR tensor index.
     tensors: Vec<Option<Qnn_Tensor_t>>,
     n_native: usize,
@@ -694,8 +707,15 @@ impl Builder<'_> {
                 TensorKind::Static => QNN_TENSOR_TYPE_STATIC,
             }
         };
-        let q = match spec.quant {
-            Some(q) if spec.dtype.is_quantized() => Qnn_QuantizeParams_t::scale_offset(q.scale, q.offset),
+        let q = match (&spec.channel_scales, spec.quant) {
+            // Per-channel weights `[N, K]`: one symmetric scale per output channel, axis 0.
+            (Some(scales), _) => {
+                let mut so: Box<[Qnn_ScaleOffset_t]> = scales.iter().map(|&scale| Qnn_ScaleOffset_t { scale, offset: 0 }).collect();
+                let q = Qnn_QuantizeParams_t::axis_scale_offset(0, &mut so);
+                self.axis_scales.push(so); // the boxed slice does not move: the pointer stays valid
+                q
+            }
+            (None, Some(q)) if spec.dtype.is_quantized() => Qnn_QuantizeParams_t::scale_offset(q.scale, q.offset),
             _ => Qnn_QuantizeParams_t::undefined(),
         };
         // QNN only reads static data, and has copied it by the end of graphFinalize (checked:
@@ -749,11 +769,32 @@ impl Builder<'_> {
         let mut out = [self.ir(op.output())?];
         match *op {
             Op::FullyConnected { input, weight, bias, .. } => {
+                let (x, w) = (g.tensor(input), g.tensor(weight));
+                if let (Some(scales), DType::F32) = (&w.channel_scales, out_spec.dtype) {
+                    // Lowering: per-channel weights with an F32 output fail at finalize (1002).
+                    // The same INT8 weights under one scale s0 = min(s_n), F32 output, then
+                    // ElementWiseMultiply by the [N] vector s_n / s0 (FP16 on HTP: one rounding
+                    // of 2^-11). With s0 the smallest scale the intermediate never exceeds the
+                    // real output, so FP16 cannot overflow where the result would not.
+                    let s0 = scales.iter().fold(f32::INFINITY, |m, &s| m.min(s));
+                    let wdata = match &w.data {
+                        Some(StaticData::I8(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: v.len() as u32 },
+                        _ => return Err((0, "per-channel weight without I8 data (validated)".into())),
+                    };
+                    let wt = self.create(format!("t{}_{}_pt", weight.0, sanitize(&w.name)), QNN_TENSOR_TYPE_STATIC, QNN_DATATYPE_SFIXED_POINT_8, Qnn_QuantizeParams_t::scale_offset(s0, 0), &w.shape, wdata)?;
+                    let mut ins = [self.ir(input)?, wt]; // validated: no bias with per-channel weights
+                    let ratio: Box<[f32]> = scales.iter().map(|&s| s / s0).collect();
+                    let rbuf = Qnn_ClientBuffer_t { data: ratio.as_ptr() as *mut c_void, dataSize: (ratio.len() * 4) as u32 };
+                    self.lowered.push(ratio); // the boxed slice does not move: the pointer stays valid
+                    let rt = self.create(format!("{base}_scales"), QNN_TENSOR_TYPE_STATIC, QNN_DATATYPE_FLOAT_32, Qnn_QuantizeParams_t::undefined(), &[w.shape[0]], rbuf)?;
+                    let mut acc = [self.native(&format!("{base}_unscaled"), QNN_DATATYPE_FLOAT_32, Qnn_QuantizeParams_t::undefined(), &out_spec.shape)?];
+                    self.node(base.clone(), QNN_OP_FULLY_CONNECTED, &mut [], &mut ins, &mut acc)?;
+                    return self.node(format!("{base}_channel_scales"), QNN_OP_ELEMENT_WISE_MULTIPLY, &mut [], &mut [acc[0], rt], &mut out);
+                }
                 let mut ins = vec![self.ir(input)?, self.ir(weight)?];
                 if let Some(bias) = bias {
                     ins.push(self.ir(bias)?);
                 }
-                let (x, w) = (g.tensor(input), g.tensor(weight));
                 if out_spec.dtype == DType::F32 && w.dtype == DType::I8 && cols(out_spec) < 32 {
                     // Lowering: a FLOAT_32 output narrower than 32 columns fails at execute
                     // (1100); the SFIXED_POINT_32 accumulator + Dequantize is exact there.
@@ -869,6 +910,8 @@ fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result
         handle,
         names: Vec::new(),
         dims: Vec::new(),
+        axis_scales: Vec::new(),
+        lowered: Vec::new(),
         tensors: vec![None; graph.tensors.len()],
         n_native: 0,
     };

@@ -1,0 +1,221 @@
+//! Shadow outlier execution, the CPU half (llm.npu §3.3).
+//!
+//! An NPU linear's input is quantized per tensor to u8 over a *clip range* chosen at calibration
+//! (tight, so that ordinary values keep their resolution). The few values beyond it are clipped
+//! for the NPU, and their remainder `x - clamp(x, lo, hi)` is kept here as a sparse matrix
+//! ([`Outliers`]); each linear multiplies it in float with the matching weight columns and adds
+//! the product to the NPU's output ([`crate::linear::ShadowLinear::finish`]). So
+//! `npu(clamp(x)) + (x - clamp(x)) W^T = x W^T` up to the rounding of the in-range values.
+//!
+//! Outliers live in a few channels. The channels that had any in calibration are *hot*: their
+//! float weight columns stay in memory. An outlier in a *cold* channel reads its column from the
+//! model file on disk through a [`ColumnSource`] (counted and logged): rare by construction, and
+//! it keeps the float weights a phone must hold to the hot set.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::Result;
+use crate::graph::Quant;
+use crate::quant::quantize_u8;
+
+/// Where one NPU linear input is quantized: the clip range, its u8 quantization, and which
+/// channels are hot. Linears that share an input (Q, K, V) share its point.
+#[derive(Debug)]
+pub struct InputPoint {
+    pub name: String,
+    /// Values in `[lo, hi]` go to the NPU as they are; the rest is clipped there and its
+    /// remainder runs in float on the CPU.
+    pub lo: f32,
+    pub hi: f32,
+    pub quant: Quant,
+    /// `hot[c]`: channel `c` had outliers in calibration.
+    pub hot: Vec<bool>,
+    stats: PointCounters,
+}
+
+#[derive(Debug, Default)]
+struct PointCounters {
+    elements: AtomicU64,
+    outliers: AtomicU64,
+    in_hot: AtomicU64,
+}
+
+/// What a point has seen since it was made (or last reset): for the hot-channel hit rate.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct PointStats {
+    pub elements: u64,
+    pub outliers: u64,
+    /// Outliers that fell in hot channels.
+    pub in_hot: u64,
+}
+
+impl PointStats {
+    pub fn add(&mut self, o: PointStats) {
+        self.elements += o.elements;
+        self.outliers += o.outliers;
+        self.in_hot += o.in_hot;
+    }
+    /// Share of outliers in hot channels (1 when there were none).
+    pub fn hot_hit_rate(&self) -> f64 {
+        if self.outliers == 0 {
+            1.0
+        } else {
+            self.in_hot as f64 / self.outliers as f64
+        }
+    }
+}
+
+impl InputPoint {
+    /// A point clipping to `[lo, hi]` (widened to contain 0, so that zero and padding are exact)
+    /// over `channels` input channels, of which `hot` are hot.
+    pub fn new(name: impl Into<String>, lo: f32, hi: f32, channels: usize, hot: &[u32]) -> Self {
+        let (lo, hi) = (lo.min(0.0), hi.max(0.0));
+        let quant = Quant::u8_range(lo, hi);
+        let mut mask = vec![false; channels];
+        for &c in hot.iter().filter(|&&c| (c as usize) < channels) {
+            mask[c as usize] = true;
+        }
+        // The NPU saturates at the ends of the u8 grid, which may lie a fraction of a step
+        // beyond [lo, hi]: clip at the grid's ends so the two halves add up exactly.
+        let (glo, ghi) = quant.float_range(crate::graph::DType::U8);
+        let (lo, hi) = if hi > lo { (glo, ghi) } else { (0.0, 0.0) };
+        InputPoint { name: name.into(), lo, hi, quant, hot: mask, stats: PointCounters::default() }
+    }
+
+    /// Quantize the first `valid_rows` rows of `x` (`[rows, channels]`) for the NPU and extract
+    /// their outliers; padding rows are quantized but never extracted (their outputs are
+    /// discarded).
+    pub fn quantize(&self, x: &[f32], valid_rows: usize) -> (Vec<u8>, Outliers) {
+        let out = self.extract(x, valid_rows);
+        let q = if self.lo == 0.0 && self.hi == 0.0 {
+            // Zero-width clip: everything is an outlier, the NPU sees zeros.
+            quantize_u8(&vec![0.0; x.len()], self.quant)
+        } else {
+            quantize_u8(x, self.quant)
+        };
+        (q, out)
+    }
+
+    /// The outliers of the first `valid_rows` rows of `x` (`[rows, channels]`), for an input
+    /// the NPU quantized itself (the down projection's, inside the FFN graph).
+    pub fn extract(&self, x: &[f32], valid_rows: usize) -> Outliers {
+        let cols = self.hot.len();
+        let mut out = Outliers { cols, row_start: vec![0], channel: vec![], value: vec![] };
+        let mut in_hot = 0u64;
+        for row in x.chunks_exact(cols).take(valid_rows) {
+            for (c, &v) in row.iter().enumerate() {
+                let r = v - v.clamp(self.lo, self.hi);
+                if r != 0.0 {
+                    out.channel.push(c as u32);
+                    out.value.push(r);
+                    in_hot += self.hot[c] as u64;
+                }
+            }
+            out.row_start.push(out.channel.len() as u32);
+        }
+        self.stats.elements.fetch_add((valid_rows * cols) as u64, Ordering::Relaxed);
+        self.stats.outliers.fetch_add(out.value.len() as u64, Ordering::Relaxed);
+        self.stats.in_hot.fetch_add(in_hot, Ordering::Relaxed);
+        out
+    }
+
+    pub fn stats(&self) -> PointStats {
+        PointStats {
+            elements: self.stats.elements.load(Ordering::Relaxed),
+            outliers: self.stats.outliers.load(Ordering::Relaxed),
+            in_hot: self.stats.in_hot.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn reset_stats(&self) {
+        self.stats.elements.store(0, Ordering::Relaxed);
+        self.stats.outliers.store(0, Ordering::Relaxed);
+        self.stats.in_hot.store(0, Ordering::Relaxed);
+    }
+
+    /// Hot channel indices.
+    pub fn hot_channels(&self) -> Vec<u32> {
+        self.hot.iter().enumerate().filter(|(_, &h)| h).map(|(c, _)| c as u32).collect()
+    }
+}
+
+/// The remainder of an activation beyond its clip range, row by row (CSR): row `r`'s outliers
+/// are `channel[row_start[r]..row_start[r + 1]]` with their `value`s.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Outliers {
+    pub cols: usize,
+    pub row_start: Vec<u32>,
+    pub channel: Vec<u32>,
+    pub value: Vec<f32>,
+}
+
+impl Outliers {
+    pub fn rows(&self) -> usize {
+        self.row_start.len().saturating_sub(1)
+    }
+    pub fn len(&self) -> usize {
+        self.value.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.value.is_empty()
+    }
+    /// (row, channel, value) of every outlier.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, usize, f32)> + '_ {
+        (0..self.rows()).flat_map(move |r| {
+            let (a, b) = (self.row_start[r] as usize, self.row_start[r + 1] as usize);
+            (a..b).map(move |i| (r, self.channel[i] as usize, self.value[i]))
+        })
+    }
+}
+
+/// Reads one input channel's float weight column (`w[:, c]`, `N` values) on demand: the source
+/// of cold channels. For a GGUF model it reads the blocks holding that column from the file.
+pub trait ColumnSource: Send + Sync {
+    fn column(&self, channel: usize) -> Result<Vec<f32>>;
+    /// Where the columns come from, for logs.
+    fn describe(&self) -> String;
+}
+
+/// Columns of a weight held in memory (`[N, K]`, row-major): for tests and for models whose
+/// float weights are resident anyway.
+pub struct InMemoryColumns {
+    pub name: String,
+    pub w: std::sync::Arc<Vec<f32>>,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl ColumnSource for InMemoryColumns {
+    fn column(&self, c: usize) -> Result<Vec<f32>> {
+        if c >= self.k {
+            return Err(crate::Error::Input(format!("{}: column {c} of {}", self.name, self.k)));
+        }
+        Ok((0..self.n).map(|j| self.w[j * self.k + c]).collect())
+    }
+    fn describe(&self) -> String {
+        format!("{} (in memory)", self.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantize_splits_exactly_into_clip_plus_outliers() {
+        let p = InputPoint::new("t", -1.0, 2.0, 4, &[3]);
+        let x = [0.5, -3.0, 1.0, 9.0, 0.0, 0.0, 0.0, 0.0, 7.0, 7.0, 7.0, 7.0];
+        let (q, o) = p.quantize(&x, 2);
+        assert_eq!(q.len(), 12, "padding rows are quantized too");
+        assert_eq!(o.rows(), 2, "only valid rows are extracted");
+        let got: Vec<_> = o.iter().collect();
+        assert_eq!(got.len(), 2);
+        assert_eq!((got[0].0, got[0].1), (0, 1));
+        assert!((got[0].2 - (-3.0 - p.lo)).abs() < 1e-6);
+        assert_eq!((got[1].0, got[1].1), (0, 3));
+        assert!((got[1].2 - (9.0 - p.hi)).abs() < 1e-6);
+        let s = p.stats();
+        assert_eq!((s.elements, s.outliers, s.in_hot), (8, 2, 1));
+        assert_eq!(s.hot_hit_rate(), 0.5);
+    }
+}
