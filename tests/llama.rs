@@ -108,12 +108,12 @@ fn calibration_runs_on_its_own_host_device_and_keeps_the_models_graphs() {
     let mut p = smollm2(&dev, Precision::F32, DecodeWeights::Q8_0);
     p.model.prepare(32).unwrap();
     let before = dev.stats();
-    assert_eq!(before.graphs_prepared, 90);
+    assert_eq!(before.graphs_prepared, 120, "30 layers x 4 NPU stages");
     let profile = p.calibrate(32, CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
     assert_eq!(profile.tokens, 32);
     assert_eq!(dev.stats(), before, "calibration used the model's device");
     p.model.prepare(32).unwrap();
-    assert_eq!(dev.stats().graphs_prepared, 90, "the model's prepared graphs were kept");
+    assert_eq!(dev.stats().graphs_prepared, 120, "the model's prepared graphs were kept");
 }
 
 /// Greedy answer (at most 16 tokens, or to a stop token) to a chat question.
@@ -132,12 +132,14 @@ fn greedy_answers_to_factual_questions_match_the_f32_prefill() {
     let mut q = smollm2(&dev, Precision::W8A8, DecodeWeights::Q8_0);
     calibrated(&mut q);
     let mut f = smollm2(&dev, Precision::F32, DecodeWeights::Q8_0);
+    // Chosen among questions the F32 prefill answers correctly (measured: Paris, Tokyo, carbon
+    // dioxide; it answers "Neptune" for the largest planet, so that one would test nothing).
     let questions = [
         "What is the capital of France? Answer with one word.",
-        "What is the largest planet in the solar system? Answer with one word.",
-        "How many legs does a spider have? Answer with one number.",
+        "What is the capital of Japan? Answer with one word.",
+        "What gas do plants absorb from the air? Answer with one word.",
     ];
-    for question in questions {
+    for &question in &questions {
         let (got, want) = (answer(&mut q, question), answer(&mut f, question));
         eprintln!("{question} -> W8A8 {got:?}, F32 {want:?}");
         assert_eq!(got, want, "{question}");

@@ -1,0 +1,69 @@
+//! The shadow path on the real SmolLM2 file: cold columns read from the GGUF, layer importance
+//! and pruning, and what an old profile gets.
+
+mod common;
+
+use candle_npu::{ColumnSource, NpuDevice};
+use candle_npu_models::gguf::{Gguf, GgufColumns};
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, Precision};
+use common::*;
+
+#[test]
+fn a_cold_column_read_from_the_gguf_equals_the_dequantized_weight() {
+    let g = Gguf::open(&assets::smollm2()).unwrap();
+    let map = GgufColumns::map(&g).unwrap();
+    for name in ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.29.attn_k.weight"] {
+        let w = g.f32_tensor(name).unwrap(); // [N, K]
+        let (n, k) = w.dims2().unwrap();
+        let cols = GgufColumns::new(&g, map.clone(), name).unwrap();
+        for c in [0, 31, 32, k / 2 + 3, k - 1] {
+            let want: Vec<f32> = w.narrow(1, c, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let got = cols.column(c).unwrap();
+            assert_eq!(got.len(), n);
+            assert_eq!(got, want, "{name} column {c}");
+        }
+        let e = cols.column(k).unwrap_err().to_string();
+        assert!(e.contains(name) && e.contains(&format!("column {k}")), "{e}");
+    }
+    let e = GgufColumns::new(&g, map, "blk.0.no_such.weight").err().unwrap().to_string();
+    assert!(e.contains("missing tensor 'blk.0.no_such.weight'"), "{e}");
+}
+
+#[test]
+fn importance_is_measured_per_layer_and_pruning_drops_the_least_important() {
+    let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    // Small on purpose (2 x 64 tokens; importance on 1 of them: 31 short W8A8 passes).
+    let set = CalibrationSet { sequences: 2, seq_len: 64, importance_sequences: 1, ..Default::default() };
+    let prof = p.calibrate(64, set, |_, _| {}).unwrap();
+    let n = p.model.config().n_layer;
+    assert_eq!(prof.importance.len(), n);
+    assert!(prof.importance.iter().all(|v| v.is_finite()));
+    // Removing some layer's shadow path must cost something on the text it was measured on.
+    let max = prof.importance.iter().fold(f32::MIN, |m, &v| m.max(v));
+    assert!(max > 0.0, "importance {:?}", prof.importance);
+    eprintln!("importance (nats/token): {:?}", prof.importance);
+
+    let kept = p.model.prune_shadow(0.5).unwrap();
+    assert_eq!(kept.iter().filter(|k| !**k).count(), n / 2);
+    let least = prof.importance.iter().enumerate().filter(|(l, _)| !kept[*l]).fold(f32::MIN, |m, (_, &v)| m.max(v));
+    let most = prof.importance.iter().enumerate().filter(|(l, _)| kept[*l]).fold(f32::MAX, |m, (_, &v)| m.min(v));
+    assert!(least <= most, "a pruned layer ({least}) was more important than a kept one ({most})");
+    let shadowed: Vec<bool> = p.model.linears().step_by(7).map(|l| l.shadow_enabled()).collect();
+    assert_eq!(shadowed, kept, "every linear of a pruned layer is pruned");
+    assert!(p.model.prune_shadow(1.5).is_err());
+}
+
+#[test]
+fn an_old_profile_is_an_error_that_says_to_delete_it() {
+    let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    let dir = std::env::temp_dir().join(format!("candle-npu-old-profile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("old.w8a8.json");
+    // What the previous build wrote: format 1, min/max ranges.
+    let old = format!(r#"{{"format":1,"model_id":"{}","tokens":2048,"ranges":{{"blk.0.attn_in":{{"min":-3.0,"max":4.0}}}}}}"#, p.model.model_id());
+    std::fs::write(&path, old).unwrap();
+    let e = p.ensure_profile(Some(&path), 256, CalibrationSet::default(), |_, _| {}).unwrap_err().to_string();
+    assert!(e.contains("old.w8a8.json") && e.contains("format 1") && e.contains("delete it to recalibrate"), "{e}");
+    assert!(p.model.profile().is_none(), "nothing half-loaded");
+    std::fs::remove_dir_all(&dir).ok();
+}
