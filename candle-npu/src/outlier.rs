@@ -132,11 +132,6 @@ impl InputPoint {
         self.stats.outliers.store(0, Ordering::Relaxed);
         self.stats.in_hot.store(0, Ordering::Relaxed);
     }
-
-    /// Hot channel indices.
-    pub fn hot_channels(&self) -> Vec<u32> {
-        self.hot.iter().enumerate().filter(|(_, &h)| h).map(|(c, _)| c as u32).collect()
-    }
 }
 
 /// The remainder of an activation beyond its clip range, row by row (CSR): row `r`'s outliers
