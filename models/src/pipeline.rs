@@ -81,11 +81,11 @@ impl Pipeline {
         self.tokenizer.decode(ids, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))
     }
 
-    /// For W8A8: load the profile at `path` (default: next to the model), or calibrate on
+    /// For W8A8 and W8A16: load the profile at `path` (default: next to the model), or calibrate on
     /// Wikipedia text and save it there; then prune the shadow path at [`DEFAULT_PRUNE_RATE`].
     /// A profile made for other weights, or by an older build, is an error that says what to do.
     pub fn ensure_profile(&mut self, path: Option<&Path>, chunk_len: usize, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<()> {
-        if self.model.precision() != Precision::W8A8 {
+        if self.model.precision() == Precision::F32 {
             return Ok(());
         }
         let path = path.map(Path::to_path_buf).unwrap_or_else(|| QuantProfile::default_path(&self.model_path));

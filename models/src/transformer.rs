@@ -34,7 +34,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
 use candle_npu::{
     Calibrator, ChunkPlan, ColumnSource, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph,
-    QuantProfile, Result, ShadowLinear, TensorData, TensorId, WeightQuant,
+    Quant, QuantProfile, Result, ShadowLinear, TensorData, TensorId, WeightQuant,
 };
 
 /// Shape and numerics of a decoder-only transformer.
@@ -59,6 +59,9 @@ pub enum Precision {
     F32,
     /// INT8 weights, u8 activations per tensor over calibrated clip ranges, shadow outliers.
     W8A8,
+    /// INT8 weights, u16 activations per tensor over the full calibrated range, no shadow: what
+    /// vendor stacks run on the HTP today; the comparison row for shadow W8A8.
+    W8A16,
 }
 
 /// Float weights of one decoder layer; matrices are `[out, in]`.
@@ -141,6 +144,8 @@ pub struct Model {
     profile: Option<QuantProfile>,
     /// Per layer, per stage: the input point (from the profile).
     points: Vec<[InputPoint; 4]>,
+    /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
+    a16: Vec<[Quant; 4]>,
     graphs: HashMap<(usize, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
     kv: Vec<Option<(Tensor, Tensor)>>,
     pos: usize,
@@ -197,6 +202,7 @@ impl Model {
             layers,
             profile: None,
             points: vec![],
+            a16: vec![],
             graphs: HashMap::new(),
             kv: vec![None; n],
             pos: 0,
@@ -239,8 +245,10 @@ impl Model {
             )));
         }
         let mut points = Vec::with_capacity(self.layers.len());
+        let mut a16 = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter_mut().enumerate() {
             let mut row = Vec::with_capacity(4);
+            let mut row16 = [Quant::symmetric(1.0); 4];
             for (s, lins) in layer.stages.iter_mut().enumerate() {
                 let name = point(l, POINTS[s]);
                 let p = profile.point(&name)?;
@@ -252,12 +260,15 @@ impl Model {
                     lin.set_hot(&p.hot)?;
                     lin.set_shadow(true);
                 }
+                row16[s] = Quant::u16_range(p.min, p.max);
                 row.push(InputPoint::new(name, p.lo, p.hi, k, &p.hot));
             }
             points.push(row.try_into().expect("four points"));
+            a16.push(row16);
         }
-        self.graphs.retain(|k, _| k.1 != Precision::W8A8);
+        self.graphs.retain(|k, _| k.1 == Precision::F32);
         self.points = points;
+        self.a16 = a16;
         self.profile = Some(profile);
         Ok(())
     }
@@ -381,8 +392,8 @@ impl Model {
     }
 
     fn check_profile(&self, precision: Precision) -> Result<()> {
-        if precision == Precision::W8A8 && self.profile.is_none() {
-            return Err(Error::Input("W8A8 prefill needs a quant profile: calibrate or load one first".into()));
+        if precision != Precision::F32 && self.profile.is_none() {
+            return Err(Error::Input(format!("{precision:?} prefill needs a quant profile: calibrate or load one first")));
         }
         Ok(())
     }
@@ -506,6 +517,7 @@ impl Model {
                 let x: TensorId = match precision {
                     Precision::F32 => g.input("x", &[m, k], DType::F32, None),
                     Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
+                    Precision::W8A16 => g.input("x", &[m, k], DType::U16, Some(self.a16[l][s])),
                 };
                 for lin in lins {
                     let y = lin.add_to_graph(&mut g, "", x)?;
@@ -545,6 +557,7 @@ impl Stage<'_, '_> {
                 let (q, o) = self.model.points[self.l][s].quantize(&vals, self.n_valid);
                 (TensorData::U8(q), o)
             }
+            Precision::W8A16 => (TensorData::from_f32(&vals, DType::U16, Some(self.model.a16[self.l][s])), Outliers::default()),
         };
         let outs = graph.execute(&[&input])?;
         self.model.layers[self.l].stages[s]

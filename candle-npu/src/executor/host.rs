@@ -54,6 +54,7 @@ impl Executor for HostExecutor {
 
 enum Fc {
     F32 { w: PackedF32, bias: Option<StaticData> },
+        /// W8A8 (U8/I8 activations) and W8A16 (U16 activations): I8 weights.
     W8A8 { w: PackedI8, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
 }
 
@@ -86,6 +87,16 @@ impl HostGraph {
                 TensorData::F32(y)
             }
             Fc::W8A8 { w, x_quant, w_scale, signed_input, bias } => {
+                if let TensorData::U16(x) = x {
+                    // W8A16 (validated: no bias, F32 output): exact i64 accumulator, scaled once.
+                    let acc = w.matmul_u16(x, m, x_quant.offset);
+                    let col: Vec<f64> = match w_scale {
+                        WScale::PerTensor(s) => vec![x_quant.scale as f64 * *s as f64; w.n],
+                        WScale::PerChannel(s) => s.iter().map(|&s| x_quant.scale as f64 * s as f64).collect(),
+                    };
+                    let y = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| (a as f64 * c) as f32));
+                    return TensorData::F32(y.collect());
+                }
                 // An i8 activation is the u8 one shifted by 128: (q_i8 + off) = (q_i8 + 128) + (off - 128).
                 let (xu, off) = match x {
                     TensorData::U8(v) => (std::borrow::Cow::Borrowed(v), x_quant.offset),

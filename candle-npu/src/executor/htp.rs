@@ -547,6 +547,8 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
             let (x, w, o) = (t(input), t(weight), t(output));
             match (x.dtype, w.dtype, o.dtype) {
                 (DType::F32, DType::F32, DType::F32) => true,
+                // W8A16 (validated: F32 output, no bias); per-channel weights lowered as for W8A8.
+                (DType::U16, DType::I8, DType::F32) => cols(o) >= 32,
                 // Per-channel weights: no single accumulator scale for the narrow-output lowering.
                 (xd, DType::I8, DType::F32) if is8(xd) && w.channel_scales.is_some() => cols(o) >= 32,
                 (xd, DType::I8, DType::U8 | DType::I8 | DType::F32) if is8(xd) => true,
@@ -561,7 +563,7 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
                 match o.dtype {
                     DType::U8 | DType::I8 => true,
                     DType::F32 => cols(o) >= 32,
-                    DType::I32 => false,
+                    DType::I32 | DType::U16 => false,
                 }
             } else {
                 true
@@ -610,6 +612,7 @@ fn qnn_dtype(d: DType) -> Qnn_DataType_t {
     match d {
         DType::F32 => QNN_DATATYPE_FLOAT_32,
         DType::U8 => QNN_DATATYPE_UFIXED_POINT_8,
+        DType::U16 => QNN_DATATYPE_UFIXED_POINT_16,
         DType::I8 => QNN_DATATYPE_SFIXED_POINT_8,
         DType::I32 => QNN_DATATYPE_SFIXED_POINT_32,
     }
@@ -1199,6 +1202,7 @@ fn input_buffer(d: &TensorData) -> Qnn_ClientBuffer_t {
     let (data, bytes) = match d {
         TensorData::F32(v) => (v.as_ptr() as *mut c_void, v.len() * 4),
         TensorData::U8(v) => (v.as_ptr() as *mut c_void, v.len()),
+        TensorData::U16(v) => (v.as_ptr() as *mut c_void, v.len() * 2),
         TensorData::I8(v) => (v.as_ptr() as *mut c_void, v.len()),
         TensorData::I32(v) => (v.as_ptr() as *mut c_void, v.len() * 4),
     };
@@ -1210,6 +1214,7 @@ fn output_buffer(d: &mut TensorData) -> Qnn_ClientBuffer_t {
     match d {
         TensorData::F32(v) => Qnn_ClientBuffer_t::from_slice(v),
         TensorData::U8(v) => Qnn_ClientBuffer_t::from_slice(v),
+        TensorData::U16(v) => Qnn_ClientBuffer_t::from_slice(v),
         TensorData::I8(v) => Qnn_ClientBuffer_t::from_slice(v),
         TensorData::I32(v) => Qnn_ClientBuffer_t::from_slice(v),
     }
