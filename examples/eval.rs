@@ -1,83 +1,504 @@
-//! Clip-budget sweep of shadow W8A8 prefill against the F32 prefill on SmolLM2-135M: perplexity
-//! on 512 held-out Wikipedia tokens, top-1 agreement, the share of values beyond the clip ranges,
-//! the hot channels per point kind and the hot-channel hit rate, and prefill time.
+//! The accuracy suite of the NPU prefill paths on SmolLM2-135M (host executor: the same
+//! numerics the QNN HTP runs, see tests/hexagon.rs).
+//!
+//! Rows: the F32 prefill; the old naive W8A8 (per-tensor weights, min/max activation ranges, no
+//! shadow); per-channel weights without shadow (min/max ranges); shadow W8A8 unpruned and at the
+//! default pruning rate; W8A16 (u16 activations over the full range, no shadow); candle's own CPU
+//! prefill with Q8_0 weights. Columns: perplexity on held-out Wikipedia (never the calibration
+//! articles), State of the Union and Moby Dick (fixed windows of 512 tokens, the second half of
+//! each scored, as llama.cpp's perplexity does), top-1 agreement with F32 on those positions,
+//! MMLU accuracy (a seeded subset, zero-shot, scored by the logits of the answer letters), and
+//! prefill tokens/s on this machine. Then the pruning curve (perplexity and the shadow path's
+//! share of prefill time per pruning rate, also drawn to a PNG) and the hot-channel hit rate per
+//! domain (calibration is on Wikipedia).
 //!
 //! ```text
-//! cargo run --release --example eval -- 0.01,0.01,0.01,0.01 0.001,0.001,0.001,0.001
+//! cargo run --release --example eval                      # tables on stdout, eval_pruning.png
+//! cargo run --release --example eval -- --json > eval.json
+//! cargo run --release --example eval -- --windows 1 --mmlu-per-subject 1   # a quick look
 //! ```
-//!
-//! Each argument gives the outlier budget of the four point kinds (attn_in, attn_out, ffn_in,
-//! ffn_down_in). The full accuracy suite of issue 8 (rows for every variant, three domains, MMLU,
-//! `--json`, the pruning curve as a PNG) is still to be built on this.
-use anyhow::Result;
-use candle_core::D;
-use candle_npu::{ClipMethod, NpuDevice, WeightQuant};
-use candle_npu_models::transformer::mean_nll;
-use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
-fn heldout(p: &Pipeline, n: usize) -> Result<Vec<u32>> {
-    let mut ids = Vec::new();
-    for text in assets::wiki_heldout(200)? {
-        ids.extend(p.encode(&text, false)?);
-        ids.extend(p.encode("\n\n", false)?);
-        if ids.len() >= n {
-            break;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{Tensor, D};
+use candle_npu::{ClipMethod, NpuDevice, PointStats, QuantProfile, WeightQuant};
+use candle_npu_models::assets::{self, MmluQuestion};
+use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
+use candle_npu_models::transformer::mean_nll;
+use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(about = "Accuracy suite: perplexity on three domains, top-1 agreement, MMLU, pruning curve, domain shift")]
+struct Args {
+    /// Windows of 512 tokens per text domain.
+    #[arg(long, default_value_t = 3)]
+    windows: usize,
+    /// MMLU questions per subject (57 subjects), a subset drawn with --seed.
+    #[arg(long, default_value_t = 10)]
+    mmlu_per_subject: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Rows per NPU graph for the perplexity windows (the chunk-sharing length).
+    #[arg(long, default_value_t = 256)]
+    chunk_len: usize,
+    /// Rows per NPU graph for MMLU prompts (short: less padding, same numerics).
+    #[arg(long, default_value_t = 64)]
+    mmlu_chunk_len: usize,
+    /// Calibration sequences on which layer importance is measured (1 + layers passes each).
+    #[arg(long, default_value_t = 2)]
+    importance_sequences: usize,
+    /// Pruning rates of the curve.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.1,0.25,0.5,0.75,0.85,0.95,1")]
+    rates: Vec<f64>,
+    /// Print everything as one JSON object on stdout instead of the tables.
+    #[arg(long)]
+    json: bool,
+    /// Where to draw the pruning curve.
+    #[arg(long, default_value = "eval_pruning.png")]
+    png: PathBuf,
+    /// A TrueType font for the plot's labels.
+    #[arg(long, default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")]
+    font: PathBuf,
+    /// The GGUF model (default: SmolLM2-135M-Instruct from scripts/setup.sh).
+    #[arg(long)]
+    model: Option<PathBuf>,
+}
+
+const WINDOW: usize = 512;
+const DOMAINS: [&str; 3] = ["Wikipedia", "State of the Union", "Moby Dick"];
+
+/// The evaluation data, tokenized once.
+struct Data {
+    /// Per domain, `windows` windows of 512 tokens.
+    windows: Vec<Vec<Vec<u32>>>,
+    /// MMLU prompts and the index of the correct letter.
+    mmlu: Vec<(Vec<u32>, usize)>,
+    /// Token ids of " A", " B", " C", " D".
+    letters: [u32; 4],
+}
+
+impl Data {
+    fn new(p: &Pipeline, args: &Args) -> Result<Self> {
+        let n = args.windows;
+        let wiki = p.heldout_tokens(n * WINDOW)?;
+        // Spread the windows over each text (1790 to 2021; chapter 1 to the end).
+        let speeches = assets::sotu_speeches()?;
+        let sotu = (0..n)
+            .map(|i| p.encode_texts(speeches[(2 * i + 1) * speeches.len() / (2 * n)..].iter().cloned(), WINDOW))
+            .collect::<candle_npu::Result<Vec<_>>>()?;
+        let moby = assets::moby_dick()?;
+        let moby = (0..n)
+            .map(|i| {
+                let mut at = i * moby.len() / n;
+                while !moby.is_char_boundary(at) {
+                    at += 1;
+                }
+                // Start at a paragraph; 8000 bytes hold well over 512 tokens.
+                let at = moby[at..].find("\n\n").map_or(at, |o| at + o + 2);
+                let end = (at + 8000).min(moby.len());
+                let end = (end..moby.len()).find(|&e| moby.is_char_boundary(e)).unwrap_or(moby.len());
+                p.encode_texts([moby[at..end].to_string()], WINDOW)
+            })
+            .collect::<candle_npu::Result<Vec<_>>>()?;
+        let mut windows = vec![wiki.chunks_exact(WINDOW).map(<[u32]>::to_vec).collect::<Vec<_>>(), sotu, moby];
+        for (w, name) in windows.iter_mut().zip(DOMAINS) {
+            w.retain(|w| w.len() == WINDOW);
+            if w.len() != n {
+                bail!("{name}: only {} windows of {WINDOW} tokens (run scripts/setup.sh)", w.len());
+            }
         }
+        let letters = ["A", "B", "C", "D"].map(|l| p.encode(&format!(" {l}"), false));
+        let letters: Vec<u32> = letters
+            .into_iter()
+            .map(|ids| match ids?.as_slice() {
+                [id] => Ok(*id),
+                other => Err(anyhow!("answer letter is not one token: {other:?}")),
+            })
+            .collect::<Result<_>>()?;
+        let mmlu = mmlu_subset(assets::mmlu()?, args.mmlu_per_subject, args.seed)
+            .iter()
+            .map(|q| Ok((p.encode(&mmlu_prompt(q), false)?, q.answer)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Data { windows, mmlu, letters: letters.try_into().expect("four letters") })
     }
-    ids.truncate(n);
-    Ok(ids)
+}
+
+/// `k` questions per subject, drawn with a seeded shuffle, subjects in sorted order.
+fn mmlu_subset(all: Vec<MmluQuestion>, k: usize, seed: u64) -> Vec<MmluQuestion> {
+    let mut by_subject: std::collections::BTreeMap<String, Vec<MmluQuestion>> = Default::default();
+    for q in all {
+        by_subject.entry(q.subject.clone()).or_default().push(q);
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    by_subject
+        .into_values()
+        .flat_map(|mut qs| {
+            qs.shuffle(&mut rng);
+            qs.truncate(k);
+            qs
+        })
+        .collect()
+}
+
+/// The zero-shot prompt of the original MMLU evaluation.
+fn mmlu_prompt(q: &MmluQuestion) -> String {
+    let mut s = format!("The following is a multiple choice question about {}.\n\n{}\n", q.subject, q.question.trim());
+    for (l, c) in ["A", "B", "C", "D"].iter().zip(&q.choices) {
+        s += &format!("{l}. {}\n", c.trim());
+    }
+    s + "Answer:"
+}
+
+/// How a row computes logits: the NPU prefill (through the model's executor), or candle's CPU
+/// forward with the decode weights.
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    Npu,
+    Cpu,
+}
+
+fn logits_all(p: &mut Pipeline, path: Path, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
+    Ok(match path {
+        Path::Npu => p.model.prefill_all_logits(tokens, chunk_len)?,
+        Path::Cpu => {
+            p.model.clear();
+            p.model.forward_cpu(tokens)?
+        }
+    })
+}
+
+fn logits_last(p: &mut Pipeline, path: Path, tokens: &[u32], chunk_len: usize) -> Result<Vec<f32>> {
+    let l = match path {
+        Path::Npu => p.model.prefill(tokens, chunk_len)?,
+        Path::Cpu => {
+            p.model.clear();
+            let l = p.model.forward_cpu(tokens)?;
+            l.get(l.dim(0)? - 1)?
+        }
+    };
+    Ok(l.to_vec1()?)
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    name: String,
+    /// Per domain.
+    ppl: Vec<f64>,
+    /// Share of scored positions whose argmax equals F32's (all domains).
+    agreement: Option<f64>,
+    mmlu: f64,
+    tokens_per_sec: f64,
+    /// Per domain: share of outliers in hot channels, and of values beyond the clip range.
+    hit_rate: Option<Vec<f64>>,
+    outlier_share: Option<Vec<f64>>,
+    cold_reads: Option<u64>,
+}
+
+struct Suite<'a> {
+    args: &'a Args,
+    data: &'a Data,
+    /// F32's argmax at every scored position, per domain and window.
+    reference: Option<Vec<Vec<Vec<u32>>>>,
+    bar: ProgressBar,
+}
+
+impl Suite<'_> {
+    fn step(&self, msg: &str, len: usize) {
+        self.bar.reset();
+        self.bar.set_length(len as u64);
+        self.bar.set_message(msg.to_string());
+    }
+
+    /// Perplexity of the scored halves of `windows`; returns (ppl, argmax per window, seconds).
+    fn perplexity(&self, p: &mut Pipeline, path: Path, windows: &[Vec<u32>]) -> Result<(f64, Vec<Vec<u32>>, Duration)> {
+        let (mut nll, mut tops, mut secs) = (0.0, vec![], Duration::ZERO);
+        let half = WINDOW / 2;
+        for w in windows {
+            let t = Instant::now();
+            let logits = logits_all(p, path, w, self.args.chunk_len)?;
+            secs += t.elapsed();
+            // Row i predicts token i + 1: rows half-1 .. WINDOW-2 score tokens half .. WINDOW-1.
+            let scored = logits.narrow(0, half - 1, half)?;
+            nll += mean_nll(&scored, &w[half - 1..])?;
+            tops.push(scored.argmax(D::Minus1)?.to_vec1::<u32>()?);
+            self.bar.inc(1);
+        }
+        Ok(((nll / windows.len() as f64).exp(), tops, secs))
+    }
+
+    fn mmlu(&self, p: &mut Pipeline, path: Path) -> Result<f64> {
+        let mut right = 0;
+        for (prompt, answer) in &self.data.mmlu {
+            let l = logits_last(p, path, prompt, self.args.mmlu_chunk_len)?;
+            let scores = self.data.letters.map(|t| l[t as usize]);
+            let pick = (0..4).max_by(|&a, &b| scores[a].total_cmp(&scores[b])).expect("four letters");
+            right += (pick == *answer) as usize;
+            self.bar.inc(1);
+        }
+        Ok(right as f64 / self.data.mmlu.len().max(1) as f64)
+    }
+
+    /// One row of the table. The first row evaluated (F32) becomes the agreement reference.
+    fn row(&mut self, name: &str, p: &mut Pipeline, path: Path) -> Result<Row> {
+        self.step(name, self.data.windows.iter().map(Vec::len).sum::<usize>() + self.data.mmlu.len());
+        let (mut ppl, mut tops, mut secs, mut hit, mut share) = (vec![], vec![], Duration::ZERO, vec![], vec![]);
+        let shadow = path == Path::Npu && p.model.linears().any(|l| l.shadow_enabled());
+        let cold0: u64 = p.model.linears().map(|l| l.cold_reads()).sum();
+        for windows in &self.data.windows {
+            p.model.reset_point_stats();
+            let (x, t, s) = self.perplexity(p, path, windows)?;
+            let mut st = PointStats::default();
+            p.model.point_stats().into_iter().for_each(|(_, s)| st.add(s));
+            hit.push(st.hot_hit_rate());
+            share.push(st.outliers as f64 / st.elements.max(1) as f64);
+            ppl.push(x);
+            tops.push(t);
+            secs += s;
+        }
+        let agreement = self.reference.as_ref().map(|r| {
+            let pairs = r.iter().flatten().flatten().zip(tops.iter().flatten().flatten());
+            let (same, n) = pairs.fold((0, 0), |(s, n), (a, b)| (s + (a == b) as usize, n + 1));
+            same as f64 / n as f64
+        });
+        if self.reference.is_none() {
+            self.reference = Some(tops);
+        }
+        let mmlu = self.mmlu(p, path)?;
+        let tokens: usize = self.data.windows.iter().map(|w| w.len() * WINDOW).sum();
+        let cold: u64 = p.model.linears().map(|l| l.cold_reads()).sum::<u64>() - cold0;
+        let row = Row {
+            name: name.to_string(),
+            ppl,
+            agreement,
+            mmlu,
+            tokens_per_sec: tokens as f64 / secs.as_secs_f64(),
+            hit_rate: shadow.then_some(hit),
+            outlier_share: shadow.then_some(share),
+            cold_reads: shadow.then_some(cold),
+        };
+        self.bar.suspend(|| eprintln!("{}", table_line(&row)));
+        Ok(row)
+    }
+}
+
+/// One point of the pruning curve.
+#[derive(serde::Serialize)]
+struct CurvePoint {
+    rate: f64,
+    layers_pruned: usize,
+    ppl_wikipedia: f64,
+    /// CPU time of the shadow path over the prefill time.
+    shadow_share: f64,
+    prefill_secs: f64,
+}
+
+fn table_line(r: &Row) -> String {
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+    format!(
+        "| {} | {:.2} | {:.2} | {:.2} | {} | {:.1}% | {:.0} |",
+        r.name,
+        r.ppl[0],
+        r.ppl[1],
+        r.ppl[2],
+        opt(r.agreement),
+        100.0 * r.mmlu,
+        r.tokens_per_sec
+    )
+}
+
+fn load(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: WeightQuant) -> Result<Pipeline> {
+    Pipeline::load(path, None, dev, LoadOptions { precision, decode_weights: DecodeWeights::Q8_0, weights }).with_context(|| format!("loading {}", path.display()))
 }
 
 fn main() -> Result<()> {
-    let dev = NpuDevice::host();
-    let load = |precision, weights| Pipeline::load(&assets::smollm2(), None, &dev, LoadOptions { precision, decode_weights: DecodeWeights::Q8_0, weights });
-    let mut f = load(Precision::F32, WeightQuant::PerChannel)?;
-    let text = heldout(&f, 512)?;
-    let r = f.model.prefill_all_logits(&text, 256)?;
-    let ppl_r = mean_nll(&r, &text)?.exp();
-    let top_r = r.argmax(D::Minus1)?.to_vec1::<u32>()?;
-    eprintln!("F32 ppl {ppl_r:.3}");
-    for wq in [WeightQuant::PerChannel] {
-        let mut q = load(Precision::W8A8, wq)?;
-        let seqs = q.calibration_sequences(CalibrationSet::default())?;
-        let cal = q.model.calibrate(&seqs, 256, |_| {})?;
-        // args: per kind budgets "attn_in,attn_out,ffn_in,ffn_down_in"
-        let methods: Vec<Vec<f64>> = std::env::args().skip(1).map(|a| a.split(',').map(|x| x.parse().unwrap()).collect()).collect();
-        for m in methods {
-            for shadow in [true] {
-                let mut prof = cal.finish(q.model.model_id().to_string(), ClipMethod::MinMax);
-                for (i, kind) in ["attn_in", "attn_out", "ffn_in", "ffn_down_in"].iter().enumerate() {
-                    let other = cal.finish(q.model.model_id().to_string(), ClipMethod::Budget { fraction: m[i] });
-                    for (name, pt) in other.points { if name.ends_with(&format!(".{kind}")) { prof.points.insert(name, pt); } }
-                }
-                for kind in ["attn_in", "attn_out", "ffn_in", "ffn_down_in"] {
-                    let (mut hot, mut ch, mut n) = (0, 0, 0);
-                    for (name, pt) in &prof.points { if name.ends_with(&format!(".{kind}")) { hot += pt.hot.len(); ch += pt.channels; n += 1; } }
-                    eprint!("{kind}: hot {:.3} ({} per point) ", hot as f64 / ch as f64, hot / n.max(1));
-                }
-                eprintln!();
-                q.model.set_profile(prof)?;
-                q.model.set_shadow_layers(&vec![shadow; 30])?;
-                q.model.reset_point_stats();
-                let t = std::time::Instant::now();
-                let l = q.model.prefill_all_logits(&text, 256)?;
-                let secs = t.elapsed().as_secs_f64();
-                let ppl = mean_nll(&l, &text)?.exp();
-                let top = l.argmax(D::Minus1)?.to_vec1::<u32>()?;
-                let agree = top.iter().zip(&top_r).filter(|(a, b)| a == b).count() as f64 / top.len() as f64;
-                let st = q.model.point_stats();
-                let (o, e): (u64, u64) = st.iter().fold((0, 0), |a, (_, s)| (a.0 + s.outliers, a.1 + s.elements));
-                let hot: usize = q.model.profile().unwrap().points.values().map(|p| p.hot.len()).sum();
-                let cold: u64 = q.model.linears().map(|l| l.cold_reads()).sum();
-                for kind in ["attn_in", "attn_out", "ffn_in", "ffn_down_in"] {
-                    let mut s = candle_npu::PointStats::default();
-                    for (name, p) in &st { if name.ends_with(&format!(".{kind}")) { s.add(*p); } }
-                    eprint!("{kind}: out {:.1e} hit {:.3} ", s.outliers as f64 / s.elements as f64, s.hot_hit_rate());
-                }
-                eprintln!();
-                eprintln!("{wq:?} {m:?} shadow {shadow}: ppl {ppl:.3} ratio {:.4} agree {agree:.3} outliers {:.2e} hot channels {hot} cold reads {cold} {secs:.1}s", ppl / ppl_r, o as f64 / e as f64);
-            }
-        }
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    let args = Args::parse();
+    if args.windows == 0 || args.rates.iter().any(|r| !(0.0..=1.0).contains(r)) {
+        bail!("--windows must be at least 1 and --rates within 0..=1");
     }
+    let model_path = args.model.clone().unwrap_or_else(assets::smollm2);
+    let dev = NpuDevice::host();
+    let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template("{msg:38} {bar:30} {pos}/{len} ({elapsed}, eta {eta})")?);
+
+    let mut f32p = load(&model_path, &dev, Precision::F32, WeightQuant::PerChannel)?;
+    let data = Data::new(&f32p, &args)?;
+    eprintln!("{} windows of {WINDOW} tokens per domain, {} MMLU questions", args.windows, data.mmlu.len());
+    let mut suite = Suite { args: &args, data: &data, reference: None, bar };
+    let mut rows = vec![suite.row("F32 prefill", &mut f32p, Path::Npu)?];
+
+    // Calibrate once (Wikipedia, F32 pass); every quantized row uses these statistics.
+    let mut q = load(&model_path, &dev, Precision::W8A8, WeightQuant::PerChannel)?;
+    let set = CalibrationSet { importance_sequences: args.importance_sequences, ..CalibrationSet::default() };
+    let seqs = q.calibration_sequences(set)?;
+    suite.step("calibrating on Wikipedia", seqs.len());
+    let cal = q.model.calibrate(&seqs, args.chunk_len, |i| suite.bar.set_position(i as u64))?;
+    let id = q.model.model_id().to_string();
+    let minmax = cal.finish(id.clone(), ClipMethod::MinMax);
+    let mut shadow = cal.finish(id, set.clip);
+    q.model.set_profile(shadow.clone())?;
+    let n_layer = q.model.config().n_layer;
+    suite.step("measuring layer importance", 1 + n_layer);
+    let n_imp = set.importance_sequences.clamp(1, seqs.len());
+    shadow.importance = q.model.measure_importance(&seqs[..n_imp], args.chunk_len, |i, _| suite.bar.set_position(i as u64))?;
+
+    {
+        let mut naive = load(&model_path, &dev, Precision::W8A8, WeightQuant::PerTensor)?;
+        naive.model.set_profile(minmax.clone())?;
+        naive.model.set_shadow_layers(&vec![false; n_layer])?;
+        rows.push(suite.row("naive W8A8 (per-tensor weights, min/max, no shadow)", &mut naive, Path::Npu)?);
+    }
+    q.model.set_profile(minmax)?;
+    q.model.set_shadow_layers(&vec![false; n_layer])?;
+    rows.push(suite.row("W8A8 per-channel weights, min/max, no shadow", &mut q, Path::Npu)?);
+    q.model.set_profile(shadow.clone())?;
+    rows.push(suite.row("shadow W8A8, unpruned", &mut q, Path::Npu)?);
+
+    // The pruning curve, on held-out Wikipedia.
+    suite.step("pruning curve", args.rates.len() * args.windows);
+    let mut curve = vec![];
+    for &rate in &args.rates {
+        let on = q.model.prune_shadow(rate)?;
+        q.model.take_shadow_time();
+        let (ppl, _, secs) = suite.perplexity(&mut q, Path::Npu, &data.windows[0])?;
+        let shadow_secs = q.model.take_shadow_time();
+        curve.push(CurvePoint {
+            rate,
+            layers_pruned: on.iter().filter(|&&on| !on).count(),
+            ppl_wikipedia: ppl,
+            shadow_share: shadow_secs.as_secs_f64() / secs.as_secs_f64(),
+            prefill_secs: secs.as_secs_f64(),
+        });
+    }
+    q.model.prune_shadow(DEFAULT_PRUNE_RATE)?;
+    rows.push(suite.row(&format!("shadow W8A8, default pruning ({:.0}%)", 100.0 * DEFAULT_PRUNE_RATE), &mut q, Path::Npu)?);
+    drop(q);
+    {
+        let mut w16 = load(&model_path, &dev, Precision::W8A16, WeightQuant::PerChannel)?;
+        w16.model.set_profile(shadow.clone())?;
+        rows.push(suite.row("W8A16 (u16 activations, min/max, no shadow)", &mut w16, Path::Npu)?);
+    }
+    rows.push(suite.row("candle CPU prefill, Q8_0 weights", &mut f32p, Path::Cpu)?);
+    suite.bar.finish_and_clear();
+
+    let png = draw_curve(&args, &curve, rows[0].ppl[0]);
+    if let Err(e) = &png {
+        eprintln!("pruning curve not drawn: {e:#}");
+    }
+    if args.json {
+        let out = json!({
+            "model": model_path.display().to_string(),
+            "windows_per_domain": args.windows, "window": WINDOW, "mmlu_questions": data.mmlu.len(), "seed": args.seed,
+            "calibration": { "sequences": set.sequences, "seq_len": set.seq_len, "clip": format!("{:?}", set.clip), "importance_sequences": n_imp },
+            "domains": DOMAINS, "rows": rows, "pruning_curve": curve, "importance": shadow.importance,
+            "hot": hot_summary(&shadow),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("\nSmolLM2-135M, host executor; {} x {WINDOW}-token windows per domain (second halves scored); MMLU {} questions ({} per subject, seed {}).\n", args.windows, data.mmlu.len(), args.mmlu_per_subject, args.seed);
+    println!("| prefill | ppl Wikipedia | ppl SOTU | ppl Moby Dick | top-1 agreement | MMLU | prefill tok/s |");
+    println!("|---|---|---|---|---|---|---|");
+    rows.iter().for_each(|r| println!("{}", table_line(r)));
+    println!("\nPruning curve (held-out Wikipedia; F32 {:.3}):\n", rows[0].ppl[0]);
+    println!("| shadow paths pruned | layers | perplexity | x F32 | shadow share of prefill time | prefill s |");
+    println!("|---|---|---|---|---|---|");
+    for c in &curve {
+        println!("| {:.0}% | {} | {:.3} | {:.4} | {:.1}% | {:.2} |", 100.0 * c.rate, c.layers_pruned, c.ppl_wikipedia, c.ppl_wikipedia / rows[0].ppl[0], 100.0 * c.shadow_share, c.prefill_secs);
+    }
+    println!("\nDomain shift (calibrated on Wikipedia; shadow W8A8 unpruned):\n");
+    println!("| domain | perplexity x F32 | outliers (share of values) | hot-channel hit rate |");
+    println!("|---|---|---|---|");
+    let s = rows.iter().find(|r| r.name == "shadow W8A8, unpruned").expect("row");
+    for (d, name) in DOMAINS.iter().enumerate() {
+        let (h, o) = (s.hit_rate.as_ref().expect("shadow row"), s.outlier_share.as_ref().expect("shadow row"));
+        println!("| {name} | {:.4} | {:.2e} | {:.4} |", s.ppl[d] / rows[0].ppl[d], o[d], h[d]);
+    }
+    println!("\ncold-channel column reads (shadow unpruned, all domains): {}", s.cold_reads.unwrap_or(0));
+    println!("{}", hot_summary(&shadow));
+    if png.is_ok() {
+        println!("pruning curve: {}", args.png.display());
+    }
+    Ok(())
+}
+
+/// Hot channels per point kind and the float columns they keep.
+fn hot_summary(p: &QuantProfile) -> serde_json::Value {
+    let mut kinds = serde_json::Map::new();
+    for kind in candle_npu_models::transformer::POINTS {
+        let pts: Vec<_> = p.points.iter().filter(|(n, _)| n.ends_with(&format!(".{kind}"))).map(|(_, p)| p).collect();
+        let (hot, ch): (usize, usize) = pts.iter().fold((0, 0), |a, p| (a.0 + p.hot.len(), a.1 + p.channels));
+        kinds.insert(kind.to_string(), json!({ "hot_channels": hot, "channels": ch, "share": hot as f64 / ch.max(1) as f64 }));
+    }
+    serde_json::Value::Object(kinds)
+}
+
+/// The pruning curve as a PNG: perplexity (left axis) and the shadow share (right), written to
+/// a temporary file and renamed, so a failed run leaves no half-written image.
+fn draw_curve(args: &Args, curve: &[CurvePoint], f32_ppl: f64) -> Result<()> {
+    use plotters::prelude::*;
+    let font = std::fs::read(&args.font).with_context(|| format!("font {} (pass --font)", args.font.display()))?;
+    plotters::style::register_font("sans", FontStyle::Normal, Box::leak(font.into_boxed_slice())).map_err(|_| anyhow!("{}: not a TrueType font", args.font.display()))?;
+    let stem = args.png.file_stem().and_then(|s| s.to_str()).unwrap_or("curve");
+    let tmp = args.png.with_file_name(format!(".{stem}.partial.png"));
+    let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", args.png.display());
+    {
+        let root = BitMapBackend::new(&tmp, (900, 520)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let ppl_max = curve.iter().map(|c| c.ppl_wikipedia).fold(f32_ppl * 1.05, f64::max) * 1.02;
+        let share_max = curve.iter().map(|c| 100.0 * c.shadow_share).fold(1.0, f64::max) * 1.2;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("SmolLM2-135M: pruning the shadow path (held-out Wikipedia)", ("sans", 20))
+            .margin(12)
+            .x_label_area_size(45)
+            .y_label_area_size(65)
+            .right_y_label_area_size(65)
+            .build_cartesian_2d(0f64..100f64, (f32_ppl * 0.98)..ppl_max)
+            .map_err(|e| err(&e))?
+            .set_secondary_coord(0f64..100f64, 0f64..share_max);
+        chart
+            .configure_mesh()
+            .x_desc("layers whose shadow path is pruned (%)")
+            .y_desc("perplexity")
+            .label_style(("sans", 14))
+            .draw()
+            .map_err(|e| err(&e))?;
+        chart.configure_secondary_axes().y_desc("shadow share of prefill time (%)").label_style(("sans", 14)).draw().map_err(|e| err(&e))?;
+        let pts: Vec<(f64, f64)> = curve.iter().map(|c| (100.0 * c.rate, c.ppl_wikipedia)).collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), BLUE.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label("perplexity, shadow W8A8")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, BLUE.filled()))).map_err(|e| err(&e))?;
+        for (factor, label, color) in [(1.0, "F32", BLACK), (1.02, "1.02 x F32", RED)] {
+            chart
+                .draw_series(LineSeries::new([(0.0, f32_ppl * factor), (100.0, f32_ppl * factor)], color.mix(0.6)))
+                .map_err(|e| err(&e))?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.mix(0.6)));
+        }
+        let share: Vec<(f64, f64)> = curve.iter().map(|c| (100.0 * c.rate, 100.0 * c.shadow_share)).collect();
+        chart
+            .draw_secondary_series(LineSeries::new(share, GREEN.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label("shadow share of prefill time (right axis)")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], GREEN));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans", 14))
+            .draw()
+            .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
+    }
+    std::fs::rename(&tmp, &args.png).with_context(|| format!("renaming {} to {}", tmp.display(), args.png.display()))?;
     Ok(())
 }

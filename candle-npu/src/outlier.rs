@@ -86,14 +86,18 @@ impl InputPoint {
     /// their outliers; padding rows are quantized but never extracted (their outputs are
     /// discarded).
     pub fn quantize(&self, x: &[f32], valid_rows: usize) -> (Vec<u8>, Outliers) {
-        let out = self.extract(x, valid_rows);
-        let q = if self.lo == 0.0 && self.hi == 0.0 {
+        (self.clip_quantize(x), self.extract(x, valid_rows))
+    }
+
+    /// The NPU's half alone: `x` clipped to the range and quantized to u8 (for a stage whose
+    /// shadow path is pruned, which needs no extraction).
+    pub fn clip_quantize(&self, x: &[f32]) -> Vec<u8> {
+        if self.lo == 0.0 && self.hi == 0.0 {
             // Zero-width clip: everything is an outlier, the NPU sees zeros.
             quantize_u8(&vec![0.0; x.len()], self.quant)
         } else {
             quantize_u8(x, self.quant)
-        };
-        (q, out)
+        }
     }
 
     /// The outliers of the first `valid_rows` rows of `x` (`[rows, channels]`), for an input

@@ -45,3 +45,64 @@ pub fn wiki_heldout(n_articles: usize) -> Result<Vec<String>> {
     let start = a.len().saturating_sub(n_articles);
     Ok(a[start..].iter().map(|(_, t)| t.clone()).collect())
 }
+
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })
+}
+
+/// State of the Union addresses (233, 1790-2021), in file-name order, i.e. by year.
+pub fn sotu_speeches() -> Result<Vec<String>> {
+    let d = dir().join("sotu");
+    let rd = std::fs::read_dir(&d).map_err(|e| Error::Io { path: d.clone(), source: e })?;
+    let mut paths: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "txt")).collect();
+    paths.sort();
+    if paths.is_empty() {
+        return Err(Error::Input(format!("{}: no speeches (run scripts/setup.sh)", d.display())));
+    }
+    paths.iter().map(|p| read_text(p)).collect()
+}
+
+/// Moby Dick, from Chapter 1 to the end.
+pub fn moby_dick() -> Result<String> {
+    read_text(&dir().join("moby_dick.txt"))
+}
+
+/// One MMLU test question.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MmluQuestion {
+    pub subject: String,
+    pub question: String,
+    pub choices: [String; 4],
+    /// Index of the correct choice (A = 0).
+    pub answer: usize,
+}
+
+/// The MMLU test set (14,042 questions, 57 subjects), without the file's two stray header rows.
+pub fn mmlu() -> Result<Vec<MmluQuestion>> {
+    let path = dir().join("mmlu.jsonl");
+    let text = read_text(&path)?;
+    let bad = |line: usize, what: &str| Error::Input(format!("{}:{line}: {what}", path.display()));
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(i + 1, &format!("not JSON: {e}")))?;
+        let field = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string).ok_or_else(|| bad(i + 1, &format!("no string field '{k}'")));
+        let answer = field("correct_answer")?;
+        if answer == "answer" {
+            continue; // a header row that slipped into the data
+        }
+        let answer = match answer.as_str() {
+            "A" => 0,
+            "B" => 1,
+            "C" => 2,
+            "D" => 3,
+            other => return Err(bad(i + 1, &format!("correct_answer '{other}' is not A-D"))),
+        };
+        out.push(MmluQuestion {
+            subject: field("topic")?,
+            question: field("question")?,
+            choices: [field("answer_a")?, field("answer_b")?, field("answer_c")?, field("answer_d")?],
+            answer,
+        });
+    }
+    Ok(out)
+}

@@ -125,18 +125,33 @@ impl Pipeline {
     }
 
     pub fn calibration_sequences(&self, set: CalibrationSet) -> Result<Vec<Vec<u32>>> {
-        let mut ids = Vec::new();
-        for text in crate::assets::wiki_calibration(set.sequences * set.seq_len / 40 + 8)? {
-            ids.extend(self.encode(&text, false)?);
-            ids.extend(self.encode("\n\n", false)?);
-            if ids.len() >= set.sequences * set.seq_len {
-                break;
-            }
-        }
+        let ids = self.encode_texts(crate::assets::wiki_calibration(set.sequences * set.seq_len / 40 + 8)?, set.sequences * set.seq_len)?;
         let seqs: Vec<Vec<u32>> = ids.chunks_exact(set.seq_len).take(set.sequences).map(<[u32]>::to_vec).collect();
         if seqs.is_empty() {
             return Err(Error::Input("not enough calibration text".into()));
         }
         Ok(seqs)
+    }
+
+    /// The first `n` tokens of held-out Wikipedia text (articles never used for calibration),
+    /// fewer if the text runs out.
+    pub fn heldout_tokens(&self, n: usize) -> Result<Vec<u32>> {
+        // The last 200 articles (more for long requests): the text the tests measured on.
+        self.encode_texts(crate::assets::wiki_heldout((n / 40 + 8).max(200))?, n)
+    }
+
+    /// Tokens of `texts` joined by blank lines, up to `n`.
+    pub fn encode_texts(&self, texts: impl IntoIterator<Item = String>, n: usize) -> Result<Vec<u32>> {
+        let sep = self.encode("\n\n", false)?;
+        let mut ids = Vec::new();
+        for text in texts {
+            if ids.len() >= n {
+                break;
+            }
+            ids.extend(self.encode(&text, false)?);
+            ids.extend(&sep);
+        }
+        ids.truncate(n);
+        Ok(ids)
     }
 }

@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
@@ -144,12 +145,17 @@ pub struct Model {
     profile: Option<QuantProfile>,
     /// Per layer, per stage: the input point (from the profile).
     points: Vec<[InputPoint; 4]>,
+    /// Per layer: whether its shadow path runs (see [`Model::set_shadow_layers`]).
+    shadow_on: Vec<bool>,
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
     a16: Vec<[Quant; 4]>,
     graphs: HashMap<(usize, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
     kv: Vec<Option<(Tensor, Tensor)>>,
     pos: usize,
     progress: Option<Progress>,
+    /// CPU time of the shadow path (outlier extraction and the float product) since the last
+    /// [`Model::take_shadow_time`].
+    shadow_time: std::time::Duration,
 }
 
 /// Called after every (chunk, layer) of a prefill with (done, total).
@@ -203,6 +209,8 @@ impl Model {
             profile: None,
             points: vec![],
             a16: vec![],
+            shadow_on: vec![],
+            shadow_time: std::time::Duration::ZERO,
             graphs: HashMap::new(),
             kv: vec![None; n],
             pos: 0,
@@ -244,10 +252,8 @@ impl Model {
                 profile.model_id, self.model_id
             )));
         }
-        let mut points = Vec::with_capacity(self.layers.len());
         let mut a16 = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            let mut row = Vec::with_capacity(4);
             let mut row16 = [Quant::symmetric(1.0); 4];
             for (s, lins) in layer.stages.iter_mut().enumerate() {
                 let name = point(l, POINTS[s]);
@@ -258,28 +264,61 @@ impl Model {
                 }
                 for lin in lins.iter_mut() {
                     lin.set_hot(&p.hot)?;
-                    lin.set_shadow(true);
                 }
                 row16[s] = Quant::u16_range(p.min, p.max);
-                row.push(InputPoint::new(name, p.lo, p.hi, k, &p.hot));
             }
-            points.push(row.try_into().expect("four points"));
             a16.push(row16);
         }
         self.graphs.retain(|k, _| k.1 == Precision::F32);
-        self.points = points;
         self.a16 = a16;
         self.profile = Some(profile);
-        Ok(())
+        self.points.clear();
+        self.shadow_on.clear();
+        self.set_shadow_layers(&vec![true; self.layers.len()])
     }
 
-    /// Run the shadow path of the layers where `on[l]` and prune it elsewhere.
+    /// Run the shadow path of the layers where `on[l]` and prune it elsewhere. A pruned layer's
+    /// NPU inputs go back to their full calibrated range (min/max): with no shadow path to add
+    /// the remainder back, the tight clip range would drop it (measured on SmolLM2: keeping the
+    /// tight ranges and pruning half the layers raised perplexity 57x).
     pub fn set_shadow_layers(&mut self, on: &[bool]) -> Result<()> {
         if on.len() != self.layers.len() {
             return Err(Error::Input(format!("shadow mask of {} layers for a model of {}", on.len(), self.layers.len())));
         }
         for (layer, &on) in self.layers.iter_mut().zip(on) {
             layer.stages.iter_mut().flatten().for_each(|lin| lin.set_shadow(on));
+        }
+        let Some(profile) = &self.profile else {
+            self.shadow_on = on.to_vec();
+            return Ok(());
+        };
+        let mut changed = false;
+        for (l, &on) in on.iter().enumerate() {
+            if self.shadow_on.get(l) == Some(&on) && self.points.len() > l {
+                continue;
+            }
+            let row = (0..4)
+                .map(|s| {
+                    let name = point(l, POINTS[s]);
+                    let p = profile.point(&name)?;
+                    Ok(match on {
+                        true => InputPoint::new(name, p.lo, p.hi, p.channels, &p.hot),
+                        false => InputPoint::new(name, p.min, p.max, p.channels, &[]),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+                .try_into()
+                .expect("four points");
+            match self.points.get_mut(l) {
+                Some(r) => *r = row,
+                None => self.points.push(row),
+            }
+            changed = true;
+        }
+        self.shadow_on = on.to_vec();
+        if changed {
+            // The NPU inputs' quantization is part of the stage graphs.
+            self.graphs.retain(|k, _| k.1 != Precision::W8A8);
         }
         Ok(())
     }
@@ -309,6 +348,11 @@ impl Model {
     pub fn point_stats(&self) -> Vec<(String, PointStats)> {
         self.points.iter().flatten().map(|p| (p.name.clone(), p.stats())).collect()
     }
+    /// The CPU time the shadow path took since the last call (its share of prefill time).
+    pub fn take_shadow_time(&mut self) -> std::time::Duration {
+        std::mem::take(&mut self.shadow_time)
+    }
+
     pub fn reset_point_stats(&self) {
         self.points.iter().flatten().for_each(InputPoint::reset_stats);
     }
@@ -351,7 +395,7 @@ impl Model {
     /// prefill on the host executor (1 + layers passes); needs a profile.
     pub fn measure_importance(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize, usize)) -> Result<Vec<f32>> {
         let n = self.layers.len();
-        let kept: Vec<bool> = self.layers.iter().map(|l| l.stages[0][0].shadow_enabled()).collect();
+        let kept = self.shadow_on.clone();
         let r = self.on_host(|m| {
             let loss = |m: &mut Model, on: &[bool]| -> Result<f64> {
                 m.set_shadow_layers(on)?;
@@ -411,25 +455,34 @@ impl Model {
 
     /// Decode one token at the current position; returns its logits, `[vocab]`.
     pub fn decode(&mut self, token: u32) -> Result<Tensor> {
-        self.check_tokens(&[token])?;
-        if self.pos >= self.cfg.context_len {
-            return Err(Error::Input(format!("context of {} tokens is full", self.cfg.context_len)));
+        Ok(self.forward_cpu(&[token])?.squeeze(0)?)
+    }
+
+    /// Run `tokens` from the current position on the CPU (candle matmuls with the decode
+    /// weights, no NPU graphs) and return the logits of every row, `[n, vocab]`. Decode is this
+    /// with one token; a whole prompt this way is candle's own CPU prefill, the baseline the NPU
+    /// path is measured against.
+    pub fn forward_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        self.check_tokens(tokens)?;
+        let n = tokens.len();
+        if n == 0 || self.pos + n > self.cfg.context_len {
+            return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
         }
         let cfg = &self.cfg;
-        let mut x = self.embed.index_select(&Tensor::new(&[token], &Device::Cpu)?, 0)?;
-        let (cos, sin) = rope_tables(cfg, self.pos, 1)?;
+        let mut x = self.embed.index_select(&Tensor::new(tokens, &Device::Cpu)?, 0)?;
+        let (cos, sin) = rope_tables(cfg, self.pos, n)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let [qkv, o, gate_up, down] = &layer.stages;
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
             let (q, k, v) = (qkv[0].forward(&h)?, qkv[1].forward(&h)?, qkv[2].forward(&h)?);
-            let attn = attend(cfg, &mut self.kv[l], &q, &k, &v, 1, 1, self.pos, &cos, &sin)?;
+            let attn = attend(cfg, &mut self.kv[l], &q, &k, &v, n, n, self.pos, &cos, &sin)?;
             x = (x + o[0].forward(&attn)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
             let ff = (candle_nn::ops::silu(&gate_up[0].forward(&h)?)? * gate_up[1].forward(&h)?)?;
             x = (x + down[0].forward(&ff)?)?;
         }
-        self.pos += 1;
-        Ok(self.logits(&x)?.squeeze(0)?)
+        self.pos += n;
+        self.logits(&x)
     }
 
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
@@ -554,13 +607,19 @@ impl Stage<'_, '_> {
         let (input, outliers) = match self.precision {
             Precision::F32 => (TensorData::F32(vals), Outliers::default()),
             Precision::W8A8 => {
-                let (q, o) = self.model.points[self.l][s].quantize(&vals, self.n_valid);
-                (TensorData::U8(q), o)
+                let point = &self.model.points[self.l][s];
+                let t = Instant::now();
+                // A pruned stage skips extraction (its outliers would go unused).
+                let shadow = self.model.layers[self.l].stages[s].iter().any(ShadowLinear::shadow_enabled);
+                let o = if shadow { point.extract(&vals, self.n_valid) } else { Outliers::default() };
+                self.model.shadow_time += t.elapsed();
+                (TensorData::U8(point.clip_quantize(&vals)), o)
             }
             Precision::W8A16 => (TensorData::from_f32(&vals, DType::U16, Some(self.model.a16[self.l][s])), Outliers::default()),
         };
         let outs = graph.execute(&[&input])?;
-        self.model.layers[self.l].stages[s]
+        let t = Instant::now();
+        let ys = self.model.layers[self.l].stages[s]
             .iter()
             .zip(outs)
             .map(|(lin, out)| {
@@ -570,7 +629,11 @@ impl Stage<'_, '_> {
                 lin.finish(&outliers, &mut y)?;
                 Ok(Tensor::from_vec(y, (self.m, lin.dims().0), &Device::Cpu)?)
             })
-            .collect()
+            .collect();
+        if !outliers.is_empty() {
+            self.model.shadow_time += t.elapsed();
+        }
+        ys
     }
 }
 

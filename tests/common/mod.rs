@@ -13,16 +13,8 @@ pub fn smollm2(device: &NpuDevice, precision: Precision, decode_weights: DecodeW
 
 /// `n` tokens of held-out Wikipedia text (articles never used for calibration).
 pub fn heldout_tokens(p: &Pipeline, n: usize) -> Vec<u32> {
-    let mut ids = Vec::new();
-    for text in assets::wiki_heldout(200).unwrap() {
-        ids.extend(p.encode(&text, false).unwrap());
-        ids.extend(p.encode("\n\n", false).unwrap());
-        if ids.len() >= n {
-            break;
-        }
-    }
-    assert!(ids.len() >= n, "not enough held-out text");
-    ids.truncate(n);
+    let ids = p.heldout_tokens(n).unwrap();
+    assert_eq!(ids.len(), n, "not enough held-out text");
     ids
 }
 
