@@ -56,6 +56,12 @@ struct Args {
     /// Pruning rates of the curve.
     #[arg(long, value_delimiter = ',', default_value = "0,0.1,0.25,0.5,0.75,0.85,0.95,1")]
     rates: Vec<f64>,
+    /// Hot-set coverages to compare (share of calibration outliers the hot channels hold).
+    #[arg(long, value_delimiter = ',', default_value = "0.9,0.99,0.999,1")]
+    coverages: Vec<f64>,
+    /// Parts to run: rows (the table), curve (pruning), hot (hot-set coverages).
+    #[arg(long, value_delimiter = ',', default_value = "rows,curve,hot")]
+    sections: Vec<String>,
     /// Print everything as one JSON object on stdout instead of the tables.
     #[arg(long)]
     json: bool,
@@ -316,12 +322,34 @@ fn load(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: 
     Pipeline::load(path, None, dev, LoadOptions { precision, decode_weights: DecodeWeights::Q8_0, weights }).with_context(|| format!("loading {}", path.display()))
 }
 
+/// One hot-set coverage: float columns kept against all, and what happened on each domain.
+#[derive(serde::Serialize)]
+struct HotPoint {
+    coverage: f64,
+    hot_channels: usize,
+    hot_mb: f64,
+    all_columns_mb: f64,
+    ppl: Vec<f64>,
+    hit_rate: Vec<f64>,
+    cold_reads: u64,
+    shadow_share: f64,
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
-    let args = Args::parse();
-    if args.windows == 0 || args.rates.iter().any(|r| !(0.0..=1.0).contains(r)) {
-        bail!("--windows must be at least 1 and --rates within 0..=1");
+    let mut args = Args::parse();
+    let on = |s: &str| args.sections.iter().any(|x| x == s);
+    let (do_rows, do_curve, do_hot) = (on("rows"), on("curve"), on("hot"));
+    if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot"].contains(&s.as_str())) {
+        bail!("unknown section '{bad}' (rows, curve, hot)");
     }
+    if args.windows == 0 || args.rates.iter().chain(&args.coverages).any(|r| !(0.0..=1.0).contains(r)) {
+        bail!("--windows must be at least 1, --rates and --coverages within 0..=1");
+    }
+    if !do_rows {
+        args.mmlu_per_subject = 0; // the F32 row still runs, for the reference perplexities
+    }
+    let args = args;
     let model_path = args.model.clone().unwrap_or_else(assets::smollm2);
     let dev = NpuDevice::host();
     let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template("{msg:38} {bar:30} {pos}/{len} ({elapsed}, eta {eta})")?);
@@ -343,50 +371,92 @@ fn main() -> Result<()> {
     let mut shadow = cal.finish(id, set.clip);
     q.model.set_profile(shadow.clone())?;
     let n_layer = q.model.config().n_layer;
-    suite.step("measuring layer importance", 1 + n_layer);
     let n_imp = set.importance_sequences.clamp(1, seqs.len());
-    shadow.importance = q.model.measure_importance(&seqs[..n_imp], args.chunk_len, |i, _| suite.bar.set_position(i as u64))?;
+    if do_curve || do_rows {
+        suite.step("measuring layer importance", 1 + n_layer);
+        shadow.importance = q.model.measure_importance(&seqs[..n_imp], args.chunk_len, |i, _| suite.bar.set_position(i as u64))?;
+    }
 
-    {
+    if do_rows {
         let mut naive = load(&model_path, &dev, Precision::W8A8, WeightQuant::PerTensor)?;
         naive.model.set_profile(minmax.clone())?;
         naive.model.set_shadow_layers(&vec![false; n_layer])?;
         rows.push(suite.row("naive W8A8 (per-tensor weights, min/max, no shadow)", &mut naive, Path::Npu)?);
+        drop(naive);
+        q.model.set_profile(minmax)?;
+        q.model.set_shadow_layers(&vec![false; n_layer])?;
+        rows.push(suite.row("W8A8 per-channel weights, min/max, no shadow", &mut q, Path::Npu)?);
+        q.model.set_profile(shadow.clone())?;
+        rows.push(suite.row("shadow W8A8, unpruned", &mut q, Path::Npu)?);
     }
-    q.model.set_profile(minmax)?;
-    q.model.set_shadow_layers(&vec![false; n_layer])?;
-    rows.push(suite.row("W8A8 per-channel weights, min/max, no shadow", &mut q, Path::Npu)?);
-    q.model.set_profile(shadow.clone())?;
-    rows.push(suite.row("shadow W8A8, unpruned", &mut q, Path::Npu)?);
 
     // The pruning curve, on held-out Wikipedia.
-    suite.step("pruning curve", args.rates.len() * args.windows);
     let mut curve = vec![];
-    for &rate in &args.rates {
-        let on = q.model.prune_shadow(rate)?;
-        q.model.take_shadow_time();
-        let (ppl, _, secs) = suite.perplexity(&mut q, Path::Npu, &data.windows[0])?;
-        let shadow_secs = q.model.take_shadow_time();
-        curve.push(CurvePoint {
-            rate,
-            layers_pruned: on.iter().filter(|&&on| !on).count(),
-            ppl_wikipedia: ppl,
-            shadow_share: shadow_secs.as_secs_f64() / secs.as_secs_f64(),
-            prefill_secs: secs.as_secs_f64(),
-        });
+    if do_curve {
+        suite.step("pruning curve", args.rates.len() * args.windows);
+        for &rate in &args.rates {
+            let on = q.model.prune_shadow(rate)?;
+            q.model.take_shadow_time();
+            let (ppl, _, secs) = suite.perplexity(&mut q, Path::Npu, &data.windows[0])?;
+            let shadow_secs = q.model.take_shadow_time();
+            curve.push(CurvePoint {
+                rate,
+                layers_pruned: on.iter().filter(|&&on| !on).count(),
+                ppl_wikipedia: ppl,
+                shadow_share: shadow_secs.as_secs_f64() / secs.as_secs_f64(),
+                prefill_secs: secs.as_secs_f64(),
+            });
+        }
     }
-    q.model.prune_shadow(DEFAULT_PRUNE_RATE)?;
-    rows.push(suite.row(&format!("shadow W8A8, default pruning ({:.0}%)", 100.0 * DEFAULT_PRUNE_RATE), &mut q, Path::Npu)?);
-    drop(q);
-    {
+    if do_rows {
+        q.model.prune_shadow(DEFAULT_PRUNE_RATE)?;
+        rows.push(suite.row(&format!("shadow W8A8, default pruning ({:.0}%)", 100.0 * DEFAULT_PRUNE_RATE), &mut q, Path::Npu)?);
         let mut w16 = load(&model_path, &dev, Precision::W8A16, WeightQuant::PerChannel)?;
         w16.model.set_profile(shadow.clone())?;
         rows.push(suite.row("W8A16 (u16 activations, min/max, no shadow)", &mut w16, Path::Npu)?);
+        drop(w16);
+        rows.push(suite.row("candle CPU prefill, Q8_0 weights", &mut f32p, Path::Cpu)?);
     }
-    rows.push(suite.row("candle CPU prefill, Q8_0 weights", &mut f32p, Path::Cpu)?);
+
+    // Hot sets by coverage of the calibration outliers (counted in a W8A8 pass), on all domains.
+    let mut hot = vec![];
+    if do_hot {
+        q.model.set_profile(shadow.clone())?;
+        suite.step("counting outliers per channel", seqs.len());
+        let counts = q.model.count_channel_outliers(&seqs, args.chunk_len, |i| suite.bar.set_position(i as u64))?;
+        suite.step("hot-set coverages", args.coverages.len() * 3 * args.windows);
+        for &coverage in &args.coverages {
+            let mut prof = shadow.clone();
+            prof.select_hot(&counts, coverage)?;
+            q.model.set_profile(prof.clone())?;
+            let cold0: u64 = q.model.linears().map(|l| l.cold_reads()).sum();
+            q.model.take_shadow_time();
+            let (mut ppl, mut hit, mut secs) = (vec![], vec![], 0.0);
+            for windows in &data.windows {
+                q.model.reset_point_stats();
+                let (x, _, s) = suite.perplexity(&mut q, Path::Npu, windows)?;
+                let mut st = PointStats::default();
+                q.model.point_stats().into_iter().for_each(|(_, s)| st.add(s));
+                ppl.push(x);
+                hit.push(st.hot_hit_rate());
+                secs += s.as_secs_f64();
+            }
+            let mb = |b: usize| b as f64 / 1e6;
+            hot.push(HotPoint {
+                coverage,
+                hot_channels: prof.points.values().map(|p| p.hot.len()).sum(),
+                hot_mb: mb(q.model.linears().map(|l| l.hot_bytes()).sum()),
+                all_columns_mb: mb(q.model.linears().map(|l| l.all_columns_bytes()).sum()),
+                ppl,
+                hit_rate: hit,
+                cold_reads: q.model.linears().map(|l| l.cold_reads()).sum::<u64>() - cold0,
+                shadow_share: q.model.take_shadow_time().as_secs_f64() / secs,
+            });
+        }
+    }
     suite.bar.finish_and_clear();
 
-    let png = draw_curve(&args, &curve, rows[0].ppl[0]);
+    let png = if do_curve { draw_curve(&args, &curve, rows[0].ppl[0]) } else { Ok(()) };
     if let Err(e) = &png {
         eprintln!("pruning curve not drawn: {e:#}");
     }
@@ -396,34 +466,59 @@ fn main() -> Result<()> {
             "windows_per_domain": args.windows, "window": WINDOW, "mmlu_questions": data.mmlu.len(), "seed": args.seed,
             "calibration": { "sequences": set.sequences, "seq_len": set.seq_len, "clip": format!("{:?}", set.clip), "importance_sequences": n_imp },
             "domains": DOMAINS, "rows": rows, "pruning_curve": curve, "importance": shadow.importance,
-            "hot": hot_summary(&shadow),
+            "hot_channels_by_kind": hot_summary(&shadow), "hot_coverage": hot,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("\nSmolLM2-135M, host executor; {} x {WINDOW}-token windows per domain (second halves scored); MMLU {} questions ({} per subject, seed {}).\n", args.windows, data.mmlu.len(), args.mmlu_per_subject, args.seed);
-    println!("| prefill | ppl Wikipedia | ppl SOTU | ppl Moby Dick | top-1 agreement | MMLU | prefill tok/s |");
-    println!("|---|---|---|---|---|---|---|");
-    rows.iter().for_each(|r| println!("{}", table_line(r)));
-    println!("\nPruning curve (held-out Wikipedia; F32 {:.3}):\n", rows[0].ppl[0]);
-    println!("| shadow paths pruned | layers | perplexity | x F32 | shadow share of prefill time | prefill s |");
-    println!("|---|---|---|---|---|---|");
-    for c in &curve {
-        println!("| {:.0}% | {} | {:.3} | {:.4} | {:.1}% | {:.2} |", 100.0 * c.rate, c.layers_pruned, c.ppl_wikipedia, c.ppl_wikipedia / rows[0].ppl[0], 100.0 * c.shadow_share, c.prefill_secs);
+    let f32_ppl = rows[0].ppl.clone();
+    if do_rows {
+        println!("\nSmolLM2-135M, host executor; {} x {WINDOW}-token windows per domain (second halves scored); MMLU {} questions ({} per subject, seed {}).\n", args.windows, data.mmlu.len(), args.mmlu_per_subject, args.seed);
+        println!("| prefill | ppl Wikipedia | ppl SOTU | ppl Moby Dick | top-1 agreement | MMLU | prefill tok/s |");
+        println!("|---|---|---|---|---|---|---|");
+        rows.iter().for_each(|r| println!("{}", table_line(r)));
+        println!("\nDomain shift (calibrated on Wikipedia; shadow W8A8 unpruned):\n");
+        println!("| domain | perplexity x F32 | outliers (share of values) | hot-channel hit rate |");
+        println!("|---|---|---|---|");
+        let s = rows.iter().find(|r| r.name == "shadow W8A8, unpruned").expect("row");
+        for (d, name) in DOMAINS.iter().enumerate() {
+            let (h, o) = (s.hit_rate.as_ref().expect("shadow row"), s.outlier_share.as_ref().expect("shadow row"));
+            println!("| {name} | {:.4} | {:.2e} | {:.4} |", s.ppl[d] / f32_ppl[d], o[d], h[d]);
+        }
+        println!("\ncold-channel column reads (shadow unpruned, all domains): {}", s.cold_reads.unwrap_or(0));
     }
-    println!("\nDomain shift (calibrated on Wikipedia; shadow W8A8 unpruned):\n");
-    println!("| domain | perplexity x F32 | outliers (share of values) | hot-channel hit rate |");
-    println!("|---|---|---|---|");
-    let s = rows.iter().find(|r| r.name == "shadow W8A8, unpruned").expect("row");
-    for (d, name) in DOMAINS.iter().enumerate() {
-        let (h, o) = (s.hit_rate.as_ref().expect("shadow row"), s.outlier_share.as_ref().expect("shadow row"));
-        println!("| {name} | {:.4} | {:.2e} | {:.4} |", s.ppl[d] / rows[0].ppl[d], o[d], h[d]);
+    if do_curve {
+        println!("\nPruning curve (held-out Wikipedia; F32 {:.3}):\n", f32_ppl[0]);
+        println!("| shadow paths pruned | layers | perplexity | x F32 | shadow share of prefill time | prefill s |");
+        println!("|---|---|---|---|---|---|");
+        for c in &curve {
+            println!("| {:.0}% | {} | {:.3} | {:.4} | {:.1}% | {:.2} |", 100.0 * c.rate, c.layers_pruned, c.ppl_wikipedia, c.ppl_wikipedia / f32_ppl[0], 100.0 * c.shadow_share, c.prefill_secs);
+        }
+        if png.is_ok() {
+            println!("\npruning curve: {}", args.png.display());
+        }
     }
-    println!("\ncold-channel column reads (shadow unpruned, all domains): {}", s.cold_reads.unwrap_or(0));
-    println!("{}", hot_summary(&shadow));
-    if png.is_ok() {
-        println!("pruning curve: {}", args.png.display());
+    if do_hot {
+        println!("\nHot sets by coverage of calibration outliers (float columns kept vs all; x F32 and hit rate per domain: Wikipedia / SOTU / Moby Dick):\n");
+        println!("| coverage | hot channels | hot MB | all MB | ppl x F32 | hit rate | cold column reads | shadow share |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for h in &hot {
+            let ratio: Vec<String> = h.ppl.iter().zip(&f32_ppl).map(|(a, b)| format!("{:.4}", a / b)).collect();
+            let hit: Vec<String> = h.hit_rate.iter().map(|x| format!("{x:.3}")).collect();
+            println!(
+                "| {} | {} | {:.0} | {:.0} | {} | {} | {} | {:.1}% |",
+                h.coverage,
+                h.hot_channels,
+                h.hot_mb,
+                h.all_columns_mb,
+                ratio.join(" / "),
+                hit.join(" / "),
+                h.cold_reads,
+                100.0 * h.shadow_share
+            );
+        }
     }
+    println!("\nhot channels per point kind (clip budget, every channel with a calibration outlier): {}", hot_summary(&shadow));
     Ok(())
 }
 

@@ -3,7 +3,7 @@
 
 mod common;
 
-use candle_npu::{ColumnSource, NpuDevice};
+use candle_npu::{ClipMethod, ColumnSource, NpuDevice};
 use candle_npu_models::gguf::{Gguf, GgufColumns};
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, Precision};
 use common::*;
@@ -66,4 +66,47 @@ fn an_old_profile_is_an_error_that_says_to_delete_it() {
     assert!(e.contains("old.w8a8.json") && e.contains("format 1") && e.contains("delete it to recalibrate"), "{e}");
     assert!(p.model.profile().is_none(), "nothing half-loaded");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_pruned_layer_runs_its_full_range_and_coverage_narrows_the_hot_set() {
+    let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    let set = CalibrationSet { sequences: 2, seq_len: 64, ..Default::default() };
+    let seqs = p.calibration_sequences(set).unwrap();
+    let cal = p.model.calibrate(&seqs, 64, |_| {}).unwrap();
+    let id = p.model.model_id().to_string();
+    let text = heldout_tokens(&p, 64);
+    let n = p.model.config().n_layer;
+
+    // Every shadow path pruned == min/max ranges without shadow, bit for bit: a pruned layer
+    // must not keep the tight clip range (it would drop every outlier).
+    p.model.set_profile(cal.finish(id.clone(), ClipMethod::MinMax)).unwrap();
+    p.model.set_shadow_layers(&vec![false; n]).unwrap();
+    let want: Vec<f32> = p.model.prefill(&text, 64).unwrap().to_vec1().unwrap();
+    let tight = cal.finish(id, set.clip);
+    p.model.set_profile(tight.clone()).unwrap();
+    p.model.set_shadow_layers(&vec![false; n]).unwrap();
+    let got: Vec<f32> = p.model.prefill(&text, 64).unwrap().to_vec1().unwrap();
+    assert_eq!(got, want);
+    // ... and switching the shadow path back on restores the tight ranges.
+    let with_shadow: Vec<f32> = {
+        p.model.set_shadow_layers(&vec![true; n]).unwrap();
+        p.model.prefill(&text, 64).unwrap().to_vec1().unwrap()
+    };
+    assert_ne!(with_shadow, want);
+
+    // Coverage: counted outliers pick a smaller hot set that still holds most outliers.
+    let counts = p.model.count_channel_outliers(&seqs, 64, |_| {}).unwrap();
+    assert_eq!(counts.len(), 4 * n);
+    let all: usize = tight.points.values().map(|p| p.hot.len()).sum();
+    let mut narrow = tight.clone();
+    narrow.select_hot(&counts, 0.9).unwrap();
+    let hot: usize = narrow.points.values().map(|p| p.hot.len()).sum();
+    assert!(hot < all, "coverage 0.9 keeps {hot} of {all} hot channels");
+    for (name, c) in &counts {
+        let total: u64 = c.iter().sum();
+        let held: u64 = narrow.points[name].hot.iter().map(|&ch| c[ch as usize]).sum();
+        assert!(held as f64 >= 0.9 * total as f64, "{name}: hot channels hold {held} of {total} outliers");
+    }
+    eprintln!("hot channels: {all} with any calibration outlier, {hot} holding 90% of them");
 }

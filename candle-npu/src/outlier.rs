@@ -38,6 +38,8 @@ struct PointCounters {
     elements: AtomicU64,
     outliers: AtomicU64,
     in_hot: AtomicU64,
+    /// Outliers per input channel: what the hot set is chosen from.
+    per_channel: Vec<AtomicU64>,
 }
 
 /// What a point has seen since it was made (or last reset): for the hot-channel hit rate.
@@ -79,7 +81,8 @@ impl InputPoint {
         // beyond [lo, hi]: clip at the grid's ends so the two halves add up exactly.
         let (glo, ghi) = quant.float_range(crate::graph::DType::U8);
         let (lo, hi) = if hi > lo { (glo, ghi) } else { (0.0, 0.0) };
-        InputPoint { name: name.into(), lo, hi, quant, hot: mask, stats: PointCounters::default() }
+        let stats = PointCounters { per_channel: (0..channels).map(|_| AtomicU64::new(0)).collect(), ..Default::default() };
+        InputPoint { name: name.into(), lo, hi, quant, hot: mask, stats }
     }
 
     /// Quantize the first `valid_rows` rows of `x` (`[rows, channels]`) for the NPU and extract
@@ -113,6 +116,7 @@ impl InputPoint {
                     out.channel.push(c as u32);
                     out.value.push(r);
                     in_hot += self.hot[c] as u64;
+                    self.stats.per_channel[c].fetch_add(1, Ordering::Relaxed);
                 }
             }
             out.row_start.push(out.channel.len() as u32);
@@ -131,7 +135,13 @@ impl InputPoint {
         }
     }
 
+    /// Outliers seen per input channel since the point was made (or last reset).
+    pub fn channel_outliers(&self) -> Vec<u64> {
+        self.stats.per_channel.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+    }
+
     pub fn reset_stats(&self) {
+        self.stats.per_channel.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         self.stats.elements.store(0, Ordering::Relaxed);
         self.stats.outliers.store(0, Ordering::Relaxed);
         self.stats.in_hot.store(0, Ordering::Relaxed);

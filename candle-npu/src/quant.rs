@@ -227,6 +227,37 @@ pub struct QuantProfile {
 }
 
 impl QuantProfile {
+    /// Narrow each point's hot set to the channels that held `coverage` (0..=1) of its outliers
+    /// in `counts` (outliers per channel, per point, e.g. from a W8A8 pass over the calibration
+    /// text): the busiest channels first. Outliers are concentrated, so a coverage just under 1
+    /// keeps far fewer float columns; the rest are read from the model file when they occur.
+    pub fn select_hot(&mut self, counts: &[(String, Vec<u64>)], coverage: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&coverage) {
+            return Err(Error::Input(format!("hot-channel coverage {coverage} is not within 0..=1")));
+        }
+        for (name, count) in counts {
+            let p = self.points.get_mut(name).ok_or_else(|| Error::MissingRange(name.clone()))?;
+            if count.len() != p.channels {
+                return Err(Error::Input(format!("point {name}: outlier counts for {} channels, the point has {}", count.len(), p.channels)));
+            }
+            let total: u64 = count.iter().sum();
+            let mut order: Vec<usize> = (0..count.len()).filter(|&c| count[c] > 0).collect();
+            order.sort_by(|&a, &b| count[b].cmp(&count[a]).then(a.cmp(&b)));
+            let need = (coverage * total as f64).ceil() as u64;
+            let (mut covered, mut hot) = (0u64, vec![]);
+            for c in order {
+                if covered >= need {
+                    break;
+                }
+                covered += count[c];
+                hot.push(c as u32);
+            }
+            hot.sort_unstable();
+            p.hot = hot;
+        }
+        Ok(())
+    }
+
     pub fn point(&self, point: &str) -> Result<&PointProfile> {
         self.points.get(point).ok_or_else(|| Error::MissingRange(point.to_string()))
     }
@@ -294,6 +325,22 @@ pub fn model_id(path: &Path) -> Result<String> {
 mod tests {
     use super::*;
     use crate::graph::{DType, TensorData};
+
+    #[test]
+    fn hot_set_by_coverage_takes_the_busiest_channels() {
+        let mut cal = Calibrator::default();
+        cal.observe("p", &[0.0, 0.0, 0.0, 0.0], 4);
+        let mut prof = cal.finish("m".into(), ClipMethod::MinMax);
+        // 100 outliers: channel 2 holds 90, channel 0 holds 9, channel 3 one, channel 1 none.
+        let counts = vec![("p".to_string(), vec![9, 0, 90, 1])];
+        for (coverage, want) in [(0.0, vec![]), (0.9, vec![2]), (0.95, vec![0, 2]), (0.99, vec![0, 2]), (1.0, vec![0, 2, 3])] {
+            prof.select_hot(&counts, coverage).unwrap();
+            assert_eq!(prof.points["p"].hot, want, "coverage {coverage}");
+        }
+        assert!(prof.select_hot(&counts, 1.5).is_err());
+        assert!(prof.select_hot(&[("p".to_string(), vec![1, 2])], 0.9).unwrap_err().to_string().contains("2 channels"));
+        assert!(prof.select_hot(&[("q".to_string(), vec![1])], 0.9).is_err());
+    }
 
     #[test]
     fn u8_round_trip_is_within_half_a_step() {

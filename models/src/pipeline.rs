@@ -28,6 +28,9 @@ pub struct CalibrationSet {
     pub seq_len: usize,
     pub clip: ClipMethod,
     pub importance_sequences: usize,
+    /// The hot set: the channels that held this share of the calibration text's outliers (a
+    /// second, W8A8 pass counts them); 1.0 keeps every channel that had any (no second pass).
+    pub hot_coverage: f64,
 }
 
 /// The outlier budget of the default clip ranges: at most this share of calibration values lies
@@ -38,12 +41,22 @@ pub const DEFAULT_OUTLIER_BUDGET: f64 = 1e-2;
 /// perplexity / shadow-time curve (README, "Shadow outliers").
 pub const DEFAULT_PRUNE_RATE: f64 = 0.0;
 
+/// The share of calibration outliers the hot channels hold by default (README, "Shadow
+/// outliers": the measured memory / cold-read trade-off).
+pub const DEFAULT_HOT_COVERAGE: f64 = 1.0;
+
 impl Default for CalibrationSet {
     fn default() -> Self {
         // Importance costs 1 + layers W8A8 passes (about 80 s for SmolLM2 on 2 cores at two
         // sequences); while the default prune rate is 0 the first run does not pay for it.
         let importance_sequences = if DEFAULT_PRUNE_RATE > 0.0 { 2 } else { 0 };
-        CalibrationSet { sequences: 8, seq_len: 256, clip: ClipMethod::Budget { fraction: DEFAULT_OUTLIER_BUDGET }, importance_sequences }
+        CalibrationSet {
+            sequences: 8,
+            seq_len: 256,
+            clip: ClipMethod::Budget { fraction: DEFAULT_OUTLIER_BUDGET },
+            importance_sequences,
+            hot_coverage: DEFAULT_HOT_COVERAGE,
+        }
     }
 }
 
@@ -105,19 +118,26 @@ impl Pipeline {
     }
 
     /// Calibrate on `set.sequences` windows of `set.seq_len` tokens of Wikipedia text: clip
-    /// ranges and hot channels, then (if `set.importance_sequences > 0`) each layer's shadow
+    /// ranges and hot channels (narrowed to `set.hot_coverage` of the outliers by a counting
+    /// pass when it is below 1), then (if `set.importance_sequences > 0`) each layer's shadow
     /// importance on the first of those windows. The model uses the profile afterwards.
-    /// `progress(done, total)` counts sequences, then importance passes.
+    /// `progress(done, total)` counts sequences, counting passes, then importance passes.
     pub fn calibrate(&mut self, chunk_len: usize, set: CalibrationSet, mut progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
         let seqs = self.calibration_sequences(set)?;
         let n_imp = set.importance_sequences.min(seqs.len());
         let passes = if n_imp > 0 { self.model.config().n_layer + 1 } else { 0 };
-        let total = seqs.len() + passes;
+        let count_pass = if set.hot_coverage < 1.0 { seqs.len() } else { 0 };
+        let total = seqs.len() + count_pass + passes;
         let cal = self.model.calibrate(&seqs, chunk_len, |i| progress(i, total))?;
         let mut profile = cal.finish(self.model.model_id().to_string(), set.clip);
         self.model.set_profile(profile.clone())?;
+        if count_pass > 0 {
+            let counts = self.model.count_channel_outliers(&seqs, chunk_len, |i| progress(seqs.len() + i, total))?;
+            profile.select_hot(&counts, set.hot_coverage)?;
+            self.model.set_profile(profile.clone())?;
+        }
         if n_imp > 0 {
-            let done = seqs.len();
+            let done = seqs.len() + count_pass;
             profile.importance = self.model.measure_importance(&seqs[..n_imp], chunk_len, |i, _| progress(done + i, total))?;
             self.model.set_profile(profile.clone())?;
         }

@@ -421,6 +421,24 @@ impl Model {
         r
     }
 
+    /// Outliers per input channel of every point over `sequences` (W8A8 on the host, every
+    /// shadow path on): what [`QuantProfile::select_hot`] chooses the hot set from.
+    pub fn count_channel_outliers(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize)) -> Result<Vec<(String, Vec<u64>)>> {
+        let kept = self.shadow_on.clone();
+        self.set_shadow_layers(&vec![true; self.layers.len()])?;
+        self.reset_point_stats();
+        let r = self.on_host(|m| {
+            for (i, seq) in sequences.iter().enumerate() {
+                m.run_prefill(seq, chunk_len, Precision::W8A8, false, None)?;
+                progress(i + 1);
+            }
+            Ok(m.points.iter().flatten().map(|p| (p.name.clone(), p.channel_outliers())).collect())
+        });
+        self.reset_point_stats();
+        self.set_shadow_layers(&kept)?;
+        r
+    }
+
     /// Report prefill progress (e.g. to a progress bar: an emulated NPU takes minutes).
     pub fn set_prefill_progress(&mut self, progress: Option<Progress>) {
         self.progress = progress;
