@@ -50,6 +50,9 @@ struct Args {
     /// Rows per NPU graph for MMLU prompts (short: less padding, same numerics).
     #[arg(long, default_value_t = 64)]
     mmlu_chunk_len: usize,
+    /// Outlier budget of the clip ranges (share of calibration values beyond a point's range).
+    #[arg(long, default_value_t = candle_npu_models::pipeline::DEFAULT_OUTLIER_BUDGET)]
+    budget: f64,
     /// Calibration sequences on which layer importance is measured (1 + layers passes each).
     #[arg(long, default_value_t = 2)]
     importance_sequences: usize,
@@ -362,7 +365,11 @@ fn main() -> Result<()> {
 
     // Calibrate once (Wikipedia, F32 pass); every quantized row uses these statistics.
     let mut q = load(&model_path, &dev, Precision::W8A8, WeightQuant::PerChannel)?;
-    let set = CalibrationSet { importance_sequences: args.importance_sequences, ..CalibrationSet::default() };
+    let set = CalibrationSet {
+        importance_sequences: args.importance_sequences,
+        clip: ClipMethod::Budget { fraction: args.budget },
+        ..CalibrationSet::default()
+    };
     let seqs = q.calibration_sequences(set)?;
     suite.step("calibrating on Wikipedia", seqs.len());
     let cal = q.model.calibrate(&seqs, args.chunk_len, |i| suite.bar.set_position(i as u64))?;
