@@ -241,6 +241,23 @@ impl Suite<'_> {
         Ok(((nll / windows.len() as f64).exp(), tops, secs))
     }
 
+    /// Every domain's windows: perplexity, argmax, outlier statistics and prefill time.
+    fn domains(&self, p: &mut Pipeline, path: Path) -> Result<Domains> {
+        let mut d = Domains::default();
+        for windows in &self.data.windows {
+            p.model.reset_point_stats();
+            let (x, t, s) = self.perplexity(p, path, windows)?;
+            let mut st = PointStats::default();
+            p.model.point_stats().into_iter().for_each(|(_, s)| st.add(s));
+            d.hit.push(st.hot_hit_rate());
+            d.share.push(st.outliers as f64 / st.elements.max(1) as f64);
+            d.ppl.push(x);
+            d.tops.push(t);
+            d.secs += s;
+        }
+        Ok(d)
+    }
+
     fn mmlu(&self, p: &mut Pipeline, path: Path) -> Result<f64> {
         let mut right = 0;
         for (prompt, answer) in &self.data.mmlu {
@@ -256,20 +273,9 @@ impl Suite<'_> {
     /// One row of the table. The first row evaluated (F32) becomes the agreement reference.
     fn row(&mut self, name: &str, p: &mut Pipeline, path: Path) -> Result<Row> {
         self.step(name, self.data.windows.iter().map(Vec::len).sum::<usize>() + self.data.mmlu.len());
-        let (mut ppl, mut tops, mut secs, mut hit, mut share) = (vec![], vec![], Duration::ZERO, vec![], vec![]);
         let shadow = path == Path::Npu && p.model.linears().any(|l| l.shadow_enabled());
         let cold0: u64 = p.model.linears().map(|l| l.cold_reads()).sum();
-        for windows in &self.data.windows {
-            p.model.reset_point_stats();
-            let (x, t, s) = self.perplexity(p, path, windows)?;
-            let mut st = PointStats::default();
-            p.model.point_stats().into_iter().for_each(|(_, s)| st.add(s));
-            hit.push(st.hot_hit_rate());
-            share.push(st.outliers as f64 / st.elements.max(1) as f64);
-            ppl.push(x);
-            tops.push(t);
-            secs += s;
-        }
+        let Domains { ppl, tops, hit, share, secs } = self.domains(p, path)?;
         let agreement = self.reference.as_ref().map(|r| {
             let pairs = r.iter().flatten().flatten().zip(tops.iter().flatten().flatten());
             let (same, n) = pairs.fold((0, 0), |(s, n), (a, b)| (s + (a == b) as usize, n + 1));
@@ -294,6 +300,17 @@ impl Suite<'_> {
         self.bar.suspend(|| eprintln!("{}", table_line(&row)));
         Ok(row)
     }
+}
+
+/// Per domain: perplexity, argmax per window, hot-channel hit rate, share of values beyond the
+/// clip range; and the prefill time of all windows.
+#[derive(Default)]
+struct Domains {
+    ppl: Vec<f64>,
+    tops: Vec<Vec<Vec<u32>>>,
+    hit: Vec<f64>,
+    share: Vec<f64>,
+    secs: Duration,
 }
 
 /// One point of the pruning curve.
@@ -438,26 +455,17 @@ fn main() -> Result<()> {
             q.model.set_profile(prof.clone())?;
             let cold0: u64 = q.model.linears().map(|l| l.cold_reads()).sum();
             q.model.take_shadow_time();
-            let (mut ppl, mut hit, mut secs) = (vec![], vec![], 0.0);
-            for windows in &data.windows {
-                q.model.reset_point_stats();
-                let (x, _, s) = suite.perplexity(&mut q, Path::Npu, windows)?;
-                let mut st = PointStats::default();
-                q.model.point_stats().into_iter().for_each(|(_, s)| st.add(s));
-                ppl.push(x);
-                hit.push(st.hot_hit_rate());
-                secs += s.as_secs_f64();
-            }
+            let d = suite.domains(&mut q, Path::Npu)?;
             let mb = |b: usize| b as f64 / 1e6;
             hot.push(HotPoint {
                 coverage,
                 hot_channels: prof.points.values().map(|p| p.hot.len()).sum(),
                 hot_mb: mb(q.model.linears().map(|l| l.hot_bytes()).sum()),
                 all_columns_mb: mb(q.model.linears().map(|l| l.all_columns_bytes()).sum()),
-                ppl,
-                hit_rate: hit,
+                ppl: d.ppl,
+                hit_rate: d.hit,
                 cold_reads: q.model.linears().map(|l| l.cold_reads()).sum::<u64>() - cold0,
-                shadow_share: q.model.take_shadow_time().as_secs_f64() / secs,
+                shadow_share: q.model.take_shadow_time().as_secs_f64() / d.secs.as_secs_f64(),
             });
         }
     }
