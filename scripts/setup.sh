@@ -17,15 +17,16 @@ mkdir -p "$DL"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-# verify FILE SHA256: exits non-zero (and removes nothing) when the digest differs.
-verify() {
-  local got
-  got="$(sha256sum "$1" | cut -d' ' -f1)"
-  if [ "$got" != "$2" ]; then
-    log "sha256 mismatch for $1: expected $2, got $got"
+# check_digest WHAT GOT EXPECTED: non-zero (and a log line) when the two digests differ.
+check_digest() {
+  if [ "$2" != "$3" ]; then
+    log "sha256 mismatch for $1: expected $3, got $2"
     return 1
   fi
 }
+
+# verify FILE SHA256: exits non-zero (and removes nothing) when the digest differs.
+verify() { check_digest "$1" "$(sha256sum "$1" | cut -d' ' -f1)" "$2"; }
 
 # pip_fetch PACKAGE==VERSION: download one wheel/sdist (no deps) into $DL, print its path.
 pip_fetch() {
@@ -76,14 +77,7 @@ txt_dir_sha256() {
 }
 
 # verify_txt_dir DIR SHA256: like verify, for a directory of .txt files (see txt_dir_sha256).
-verify_txt_dir() {
-  local got
-  got="$(txt_dir_sha256 "$1")"
-  if [ "$got" != "$2" ]; then
-    log "sha256 mismatch for $1/*.txt: expected $2, got $got"
-    return 1
-  fi
-}
+verify_txt_dir() { check_digest "$1/*.txt" "$(txt_dir_sha256 "$1")" "$2"; }
 
 # --- SmolLM2-135M-Instruct (Llama), the default model -----------------------------------------
 SMOL="$ASSETS/SmolLM2-135M-Instruct.Q4_1.gguf"
