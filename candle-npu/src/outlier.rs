@@ -7,8 +7,9 @@
 //! the product to the NPU's output ([`crate::linear::ShadowLinear::finish`]). So
 //! `npu(clamp(x)) + (x - clamp(x)) W^T = x W^T` up to the rounding of the in-range values.
 //!
-//! Outliers live in a few channels. The channels that had any in calibration are *hot*: their
-//! float weight columns stay in memory. An outlier in a *cold* channel reads its column from the
+//! Outliers live in a few channels. The channels that had them in calibration (all of them, or
+//! those holding a chosen share: `QuantProfile::select_hot`) are *hot*: their float weight
+//! columns stay in memory. An outlier in a *cold* channel reads its column from the
 //! model file on disk through a [`ColumnSource`] (counted and logged): rare by construction, and
 //! it keeps the float weights a phone must hold to the hot set.
 
@@ -103,8 +104,8 @@ impl InputPoint {
         }
     }
 
-    /// The outliers of the first `valid_rows` rows of `x` (`[rows, channels]`), for an input
-    /// the NPU quantized itself (the down projection's, inside the FFN graph).
+    /// The outliers of the first `valid_rows` rows of `x` (`[rows, channels]`): the shadow
+    /// path's half alone.
     pub fn extract(&self, x: &[f32], valid_rows: usize) -> Outliers {
         let cols = self.hot.len();
         let mut out = Outliers { cols, row_start: vec![0], channel: vec![], value: vec![] };

@@ -138,8 +138,8 @@ impl Pipeline {
         }
         if n_imp > 0 {
             let done = seqs.len() + count_pass;
+            // Stored in the model's profile too: no second set_profile (it rebuilds every hot set).
             profile.importance = self.model.measure_importance(&seqs[..n_imp], chunk_len, |i, _| progress(done + i, total))?;
-            self.model.set_profile(profile.clone())?;
         }
         Ok(profile)
     }

@@ -391,8 +391,9 @@ impl Model {
     }
 
     /// Per layer, the increase of the mean negative log-likelihood (nats/token) over `sequences`
-    /// when that layer's shadow path is removed, all others on: what pruning it costs. Runs W8A8
-    /// prefill on the host executor (1 + layers passes); needs a profile.
+    /// when that layer's shadow path is pruned (its inputs back to min/max), all others on: what
+    /// pruning it costs. Runs W8A8 prefill on the host executor (1 + layers passes); needs a
+    /// profile, and stores the result in it (where [`Model::prune_shadow`] reads it).
     pub fn measure_importance(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize, usize)) -> Result<Vec<f32>> {
         let n = self.layers.len();
         let kept = self.shadow_on.clone();
@@ -418,7 +419,11 @@ impl Model {
             Ok(imp)
         });
         self.set_shadow_layers(&kept)?;
-        r
+        let imp = r?;
+        if let Some(p) = self.profile.as_mut() {
+            p.importance = imp.clone();
+        }
+        Ok(imp)
     }
 
     /// Outliers per input channel of every point over `sequences` (W8A8 on the host, every
@@ -628,8 +633,7 @@ impl Stage<'_, '_> {
                 let point = &self.model.points[self.l][s];
                 let t = Instant::now();
                 // A pruned stage skips extraction (its outliers would go unused).
-                let shadow = self.model.layers[self.l].stages[s].iter().any(ShadowLinear::shadow_enabled);
-                let o = if shadow { point.extract(&vals, self.n_valid) } else { Outliers::default() };
+                let o = if self.model.shadow_on[self.l] { point.extract(&vals, self.n_valid) } else { Outliers::default() };
                 self.model.shadow_time += t.elapsed();
                 (TensorData::U8(point.clip_quantize(&vals)), o)
             }
