@@ -30,5 +30,5 @@ pub use executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin
 pub use executor::htp::{HtpConfig, HtpExecutor, ProfilingLevel};
 pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
 pub use linear::{DecodeWeights, ShadowLinear, WeightQuant};
-pub use outlier::{ColumnSource, InputPoint, Outliers, PointStats};
+pub use outlier::{InMemoryWeight, InputPoint, Outliers, PointStats, WeightSource};
 pub use quant::{Calibrator, ClipMethod, QuantProfile};

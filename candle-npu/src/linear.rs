@@ -3,17 +3,23 @@
 //! float columns of its hot input channels and the source of the cold ones (the shadow path), its
 //! bias, and its decode matmul on candle CPU. The engine builds graphs, merges shadow outliers
 //! and decodes only through it.
+//!
+//! Memory: the float weight is never resident. It is read from its [`WeightSource`] (the
+//! memory-mapped checkpoint) to quantize, to build a float graph, and for the hot columns. The
+//! INT8 weight is held once: as Q8_0 blocks whose values are the NPU's (`d` = the channel's
+//! scale), which candle's CPU kernels run for decode and from which the NPU graph's INT8 weight
+//! is copied when a graph is built.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Module, Tensor};
+use candle_core::{Device, Module, Tensor};
 
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
-use crate::outlier::{ColumnSource, Outliers};
+use crate::outlier::{Outliers, WeightSource};
 use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel};
 
 /// How the NPU weight is quantized.
@@ -26,25 +32,87 @@ pub enum WeightQuant {
     PerTensor,
 }
 
-/// Weight format of the CPU decode path. Measured on the 2-core x86 build machine with candle's
-/// CPU kernels for SmolLM2-135M (issue 2): Q4_1 24 tok/s (scalar path), F32 32 tok/s, Q8_0
-/// 67 tok/s, so Q8_0 is the default; F32 exists to compare bit-for-bit with a float reference.
+/// Weight format of the CPU decode path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeWeights {
+    /// The float weights, resident: a full F32 copy, for bit-for-bit comparison with a float
+    /// reference only.
     F32,
+    /// The NPU's INT8 weights as Q8_0 blocks (candle's fastest CPU kernel on the build machine;
+    /// issue 2 measured Q4_1 24, F32 32, Q8_0 67 tok/s for SmolLM2): no second copy, and
+    /// prefill and decode use the same weight values. Needs `K` to be whole blocks of 32;
+    /// otherwise the INT8 values are kept as they are and decode runs them dequantized (logged).
     #[default]
     Q8_0,
 }
 
-/// The NPU form of a weight `[N, K]`.
+/// The NPU form of a weight `[N, K]`: INT8 values and their scales.
 struct NpuWeight {
-    q: Arc<Vec<i8>>,
+    int8: Int8,
     scales: Scales,
+}
+
+/// Where the INT8 values are held.
+enum Int8 {
+    /// In the decode matmul's Q8_0 blocks (see [`DecodeWeights::Q8_0`]).
+    Q8_0(Arc<QTensor>),
+    /// As they are (decode has its own weight).
+    Raw(Arc<Vec<i8>>),
 }
 
 enum Scales {
     PerTensor(Quant),
     PerChannel(Arc<Vec<f32>>),
+}
+
+/// Bytes of one Q8_0 block: an f16 scale and 32 INT8 values.
+const Q8_0_BLOCK: usize = 34;
+
+impl NpuWeight {
+    fn quantize(w: &[f32], n: usize, k: usize, weights: WeightQuant) -> (Vec<i8>, Scales) {
+        match weights {
+            WeightQuant::PerChannel => {
+                let (q, s) = quantize_weight_i8_per_channel(w, n, k);
+                (q, Scales::PerChannel(Arc::new(s)))
+            }
+            WeightQuant::PerTensor => {
+                let (q, s) = quantize_weight_i8(w);
+                (q, Scales::PerTensor(s))
+            }
+        }
+    }
+
+    fn row_scale(&self, row: usize) -> f32 {
+        match &self.scales {
+            Scales::PerTensor(q) => q.scale,
+            Scales::PerChannel(s) => s[row],
+        }
+    }
+
+    /// The INT8 values, row-major `[N, K]`.
+    fn values(&self) -> Result<Arc<Vec<i8>>> {
+        match &self.int8 {
+            Int8::Raw(q) => Ok(q.clone()),
+            Int8::Q8_0(t) => {
+                let data = t.data()?;
+                let q = data.chunks_exact(Q8_0_BLOCK).flat_map(|b| b[2..].iter().map(|&v| v as i8)).collect();
+                Ok(Arc::new(q))
+            }
+        }
+    }
+}
+
+/// `q` (`[N, K]`, K whole blocks of 32) with one scale per row, as Q8_0.
+fn q8_0_blocks(q: &[i8], n: usize, k: usize, scale: impl Fn(usize) -> f32) -> Result<QTensor> {
+    let mut bytes = Vec::with_capacity(n * k / 32 * Q8_0_BLOCK);
+    for (r, row) in q.chunks_exact(k).enumerate() {
+        let d = half::f16::from_f32(scale(r)).to_le_bytes();
+        for block in row.chunks_exact(32) {
+            bytes.extend_from_slice(&d);
+            bytes.extend(block.iter().map(|&v| v as u8));
+        }
+    }
+    Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &bytes, vec![n, k], &Device::Cpu)?)
 }
 
 /// Float columns of the hot input channels, `[n_hot, N]`, with a channel -> slot index.
@@ -60,14 +128,13 @@ pub struct ShadowLinear {
     name: String,
     n: usize,
     k: usize,
-    /// The float weight `[N, K]`: float graphs (calibration, the F32 reference) and hot columns.
-    weight: Tensor,
+    /// The float weight: float graphs (calibration, the F32 reference), hot and cold columns.
+    source: Arc<dyn WeightSource>,
     npu: NpuWeight,
     bias: Option<Vec<f32>>,
     bias_t: Option<Tensor>,
     decode: QMatMul,
     hot: HotColumns,
-    cold: Option<Arc<dyn ColumnSource>>,
     shadow: bool,
     cold_reads: AtomicU64,
 }
@@ -79,49 +146,55 @@ impl std::fmt::Debug for ShadowLinear {
 }
 
 impl ShadowLinear {
-    /// `weight` is `[N, K]` (out, in) in F32, `bias` `[N]`. `cold` reads the columns of input
-    /// channels that are not hot; without it a cold outlier is an error.
+    /// A linear over the float weight in `source` (`[N, K]`, out x in), read once here to
+    /// quantize it; `bias` has `N` values.
     pub fn new(
         name: impl Into<String>,
-        weight: Tensor,
-        bias: Option<&Tensor>,
+        source: Arc<dyn WeightSource>,
+        bias: Option<Vec<f32>>,
         weights: WeightQuant,
         decode: DecodeWeights,
-        cold: Option<Arc<dyn ColumnSource>>,
     ) -> Result<Self> {
         let name = name.into();
-        let (n, k) = weight.dims2()?;
-        let data = weight.flatten_all()?.to_vec1::<f32>()?;
-        let npu = match weights {
-            WeightQuant::PerChannel => {
-                let (q, s) = quantize_weight_i8_per_channel(&data, n, k);
-                NpuWeight { q: Arc::new(q), scales: Scales::PerChannel(Arc::new(s)) }
-            }
-            WeightQuant::PerTensor => {
-                let (q, s) = quantize_weight_i8(&data);
-                NpuWeight { q: Arc::new(q), scales: Scales::PerTensor(s) }
-            }
-        };
-        let bias_t = bias.cloned();
-        let bias = bias.map(|b| b.to_vec1::<f32>()).transpose()?;
+        let (n, k) = source.dims();
+        let data = source.matrix()?;
+        if data.len() != n * k || n == 0 || k == 0 {
+            return Err(Error::Input(format!("{name}: weight from {} has {} values, not [{n}, {k}]", source.describe(), data.len())));
+        }
         if let Some(b) = bias.as_ref().filter(|b| b.len() != n) {
             return Err(Error::Input(format!("{name}: bias has {} values, weight has {n} outputs", b.len())));
         }
+        let (q, scales) = NpuWeight::quantize(&data, n, k, weights);
+        let mut npu = NpuWeight { int8: Int8::Raw(Arc::new(vec![])), scales };
         let decode = match decode {
-            DecodeWeights::F32 => QMatMul::Tensor(weight.clone()),
-            DecodeWeights::Q8_0 => QMatMul::from_qtensor(QTensor::quantize(&weight, GgmlDType::Q8_0)?)?,
+            DecodeWeights::F32 => {
+                npu.int8 = Int8::Raw(Arc::new(q));
+                QMatMul::Tensor(Tensor::from_vec(data, (n, k), &Device::Cpu)?)
+            }
+            DecodeWeights::Q8_0 if k % 32 == 0 => {
+                let t = Arc::new(q8_0_blocks(&q, n, k, |r| npu.row_scale(r))?);
+                npu.int8 = Int8::Q8_0(t.clone());
+                QMatMul::QTensor(t)
+            }
+            DecodeWeights::Q8_0 => {
+                tracing::warn!(linear = %name, k, "input width is not whole Q8_0 blocks of 32: decode runs the INT8 weight dequantized to F32");
+                let npu_ref = &npu;
+                let deq: Vec<f32> = q.chunks_exact(k).enumerate().flat_map(|(r, row)| row.iter().map(move |&v| v as f32 * npu_ref.row_scale(r))).collect();
+                npu.int8 = Int8::Raw(Arc::new(q));
+                QMatMul::Tensor(Tensor::from_vec(deq, (n, k), &Device::Cpu)?)
+            }
         };
+        let bias_t = bias.as_ref().map(|b| Tensor::from_slice(b, n, &Device::Cpu)).transpose()?;
         Ok(ShadowLinear {
             name,
             n,
             k,
-            weight,
+            source,
             npu,
             bias,
             bias_t,
             decode,
             hot: HotColumns { slot: vec![COLD; k], cols: vec![] },
-            cold,
             shadow: true,
             cold_reads: AtomicU64::new(0),
         })
@@ -141,13 +214,10 @@ impl ShadowLinear {
     pub fn add_to_graph(&self, g: &mut Graph, suffix: &str, x: TensorId) -> Result<TensorId> {
         let wname = format!("{}{suffix}.weight", self.name);
         let w = match g.tensor(x).dtype {
-            DType::F32 => {
-                let data = self.weight.flatten_all()?.to_vec1::<f32>()?;
-                g.constant(&wname, &[self.n, self.k], StaticData::F32(Arc::new(data)), None)
-            }
+            DType::F32 => g.constant(&wname, &[self.n, self.k], StaticData::F32(Arc::new(self.source.matrix()?)), None),
             _ => match &self.npu.scales {
-                Scales::PerChannel(s) => g.constant_per_channel(&wname, &[self.n, self.k], self.npu.q.clone(), s.clone()),
-                Scales::PerTensor(q) => g.constant(&wname, &[self.n, self.k], StaticData::I8(self.npu.q.clone()), Some(*q)),
+                Scales::PerChannel(s) => g.constant_per_channel(&wname, &[self.n, self.k], self.npu.values()?, s.clone()),
+                Scales::PerTensor(q) => g.constant(&wname, &[self.n, self.k], StaticData::I8(self.npu.values()?), Some(*q)),
             },
         };
         Ok(g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None))
@@ -155,7 +225,10 @@ impl ShadowLinear {
 
     /// Keep the float columns of these input channels in memory (the hot set).
     pub fn set_hot(&mut self, channels: &[u32]) -> Result<()> {
-        let w = self.weight.t()?.contiguous()?; // [K, N]: a column of w is a row here
+        let w = match channels.is_empty() {
+            true => vec![],
+            false => self.source.matrix()?,
+        };
         let mut hot = HotColumns { slot: vec![COLD; self.k], cols: Vec::with_capacity(channels.len() * self.n) };
         for &c in channels {
             let c = c as usize;
@@ -164,7 +237,7 @@ impl ShadowLinear {
             }
             if hot.slot[c] == COLD {
                 hot.slot[c] = (hot.cols.len() / self.n) as u32;
-                hot.cols.extend(w.get(c)?.to_vec1::<f32>()?);
+                hot.cols.extend(w.iter().skip(c).step_by(self.k));
             }
         }
         self.hot = hot;
@@ -190,7 +263,7 @@ impl ShadowLinear {
     pub fn all_columns_bytes(&self) -> usize {
         self.n * self.k * 4
     }
-    /// Columns read from the [`ColumnSource`] so far.
+    /// Cold columns read from the [`WeightSource`] so far.
     pub fn cold_reads(&self) -> u64 {
         self.cold_reads.load(Ordering::Relaxed)
     }
@@ -217,9 +290,7 @@ impl ShadowLinear {
         let mut cold: HashMap<usize, Vec<f32>> = HashMap::new();
         for (_, c, _) in outliers.iter().filter(|&(_, c, _)| self.hot.slot[c] == COLD) {
             if !cold.contains_key(&c) {
-                let src = self.cold.as_ref().ok_or_else(|| {
-                    Error::Input(format!("{}: outlier in cold channel {c} and no column source to read it from", self.name))
-                })?;
+                let src = &self.source;
                 let col = src.column(c)?;
                 if col.len() != n {
                     return Err(Error::Input(format!("{}: column {c} from {} has {} values, need {n}", self.name, src.describe(), col.len())));
@@ -246,5 +317,52 @@ impl ShadowLinear {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outlier::InMemoryWeight;
+
+    fn weight(n: usize, k: usize) -> Arc<dyn WeightSource> {
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * (1.0 + (i / k) as f32)).collect();
+        Arc::new(InMemoryWeight { name: "w".into(), w: Arc::new(w), n, k })
+    }
+
+    #[test]
+    fn q8_0_decode_holds_exactly_the_npu_int8_values() {
+        let (n, k) = (5, 64);
+        let src = weight(n, k);
+        for wq in [WeightQuant::PerChannel, WeightQuant::PerTensor] {
+            let lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Q8_0).unwrap();
+            let (want, scales) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq);
+            assert!(matches!(lin.npu.int8, Int8::Q8_0(_)), "K = 64 is whole blocks");
+            assert_eq!(*lin.npu.values().unwrap(), want);
+            // Decode multiplies by those values times the f16-rounded channel scale.
+            let x = Tensor::ones((1, k), candle_core::DType::F32, &Device::Cpu).unwrap();
+            let got: Vec<f32> = lin.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let npu = NpuWeight { int8: Int8::Raw(Arc::new(want.clone())), scales };
+            for (r, g) in got.iter().enumerate() {
+                let s = half::f16::from_f32(npu.row_scale(r)).to_f32();
+                let e: f32 = want[r * k..(r + 1) * k].iter().map(|&q| q as f32 * s).sum();
+                // candle's Q8_0 kernel quantizes the activations (ones: exact) and sums in f32.
+                assert!((g - e).abs() <= 1e-4 * e.abs().max(1.0), "row {r}: {g} vs {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_width_not_in_whole_blocks_keeps_raw_int8() {
+        let lin = ShadowLinear::new("l", weight(3, 40), None, WeightQuant::PerChannel, DecodeWeights::Q8_0).unwrap();
+        assert!(matches!(lin.npu.int8, Int8::Raw(_)));
+        assert_eq!(lin.npu.values().unwrap().len(), 120);
+        assert_eq!(lin.forward(&Tensor::zeros((2, 40), candle_core::DType::F32, &Device::Cpu).unwrap()).unwrap().dims(), &[2, 3]);
+    }
+
+    #[test]
+    fn a_bias_of_the_wrong_length_is_an_error() {
+        let e = ShadowLinear::new("l", weight(3, 32), Some(vec![0.0; 4]), WeightQuant::PerChannel, DecodeWeights::Q8_0).unwrap_err();
+        assert!(e.to_string().contains("bias has 4 values"), "{e}");
     }
 }

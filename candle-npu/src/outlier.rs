@@ -10,7 +10,7 @@
 //! Outliers live in a few channels. The channels that had them in calibration (all of them, or
 //! those holding a chosen share: `QuantProfile::select_hot`) are *hot*: their float weight
 //! columns stay in memory. An outlier in a *cold* channel reads its column from the
-//! model file on disk through a [`ColumnSource`] (counted and logged): rare by construction, and
+//! model file on disk through a [`WeightSource`] (counted and logged): rare by construction, and
 //! it keeps the float weights a phone must hold to the hot set.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -178,24 +178,44 @@ impl Outliers {
     }
 }
 
-/// Reads one input channel's float weight column (`w[:, c]`, `N` values) on demand: the source
-/// of cold channels. For a GGUF model it reads the blocks holding that column from the file.
-pub trait ColumnSource: Send + Sync {
+/// The float weight of one linear, `[N, K]` (out, in), read on demand from where it lives (for a
+/// checkpoint, its memory-mapped file), so that no float copy has to stay resident: whole for a
+/// float graph or to quantize it, one input channel's column (`w[:, c]`) for the shadow path's
+/// cold channels.
+pub trait WeightSource: Send + Sync {
+    /// (out, in) features.
+    fn dims(&self) -> (usize, usize);
+    /// The whole weight, row-major `[N, K]`.
+    fn matrix(&self) -> Result<Vec<f32>>;
+    /// Column `channel`, `N` values.
     fn column(&self, channel: usize) -> Result<Vec<f32>>;
-    /// Where the columns come from, for logs.
+    /// Where the weight comes from, for logs and errors.
     fn describe(&self) -> String;
 }
 
-/// Columns of a weight held in memory (`[N, K]`, row-major): for tests and for models whose
-/// float weights are resident anyway.
-pub struct InMemoryColumns {
+/// A weight held in memory (`[N, K]`, row-major): for tests and synthetic models.
+pub struct InMemoryWeight {
     pub name: String,
     pub w: std::sync::Arc<Vec<f32>>,
     pub n: usize,
     pub k: usize,
 }
 
-impl ColumnSource for InMemoryColumns {
+impl InMemoryWeight {
+    /// A source over a `[N, K]` F32 tensor.
+    pub fn from_tensor(name: impl Into<String>, w: &candle_core::Tensor) -> Result<Self> {
+        let (n, k) = w.dims2()?;
+        Ok(InMemoryWeight { name: name.into(), w: std::sync::Arc::new(w.flatten_all()?.to_vec1::<f32>()?), n, k })
+    }
+}
+
+impl WeightSource for InMemoryWeight {
+    fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+    fn matrix(&self) -> Result<Vec<f32>> {
+        Ok(self.w.to_vec())
+    }
     fn column(&self, c: usize) -> Result<Vec<f32>> {
         if c >= self.k {
             return Err(crate::Error::Input(format!("{}: column {c} of {}", self.name, self.k)));

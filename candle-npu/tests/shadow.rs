@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use candle_npu::outlier::InMemoryColumns;
+use candle_npu::outlier::InMemoryWeight;
 use candle_npu::quant::quantize_u8;
-use candle_npu::{DType, DecodeWeights, Graph, InputPoint, NpuDevice, ShadowLinear, TensorData, WeightQuant};
+use candle_npu::{DType, DecodeWeights, WeightSource, Graph, InputPoint, NpuDevice, ShadowLinear, TensorData, WeightQuant};
 use rand::{Rng, SeedableRng};
 
 const M: usize = 24;
@@ -21,12 +21,9 @@ fn data(seed: u64) -> (Vec<f32>, Tensor) {
     (x, Tensor::from_vec(w, (N, K), &Device::Cpu).unwrap())
 }
 
-fn linear(w: &Tensor, cold: bool) -> ShadowLinear {
-    let src = cold.then(|| {
-        let data = Arc::new(w.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-        Arc::new(InMemoryColumns { name: "w".into(), w: data, n: N, k: K }) as Arc<dyn candle_npu::ColumnSource>
-    });
-    ShadowLinear::new("lin", w.clone(), None, WeightQuant::PerChannel, DecodeWeights::F32, src).unwrap()
+fn linear(w: &Tensor) -> ShadowLinear {
+    let src = Arc::new(InMemoryWeight::from_tensor("w", w).unwrap());
+    ShadowLinear::new("lin", src, None, WeightQuant::PerChannel, DecodeWeights::F32).unwrap()
 }
 
 /// NPU part (host executor) + shadow, as the engine runs a stage.
@@ -53,7 +50,7 @@ fn a_clip_range_covering_every_value_is_bit_identical_to_the_linear_without_shad
     let (lo, hi) = x.iter().fold((0f32, 0f32), |(a, b), &v| (a.min(v), b.max(v)));
     // The u8 grid's ends may fall half a step inside the requested range: ask for a bit more.
     let p = InputPoint::new("p", lo * 1.01, hi * 1.01, K, &[]);
-    let lin = linear(&w, false);
+    let lin = linear(&w);
     let with_shadow = run(&lin, &p, &x);
     assert_eq!(p.stats().outliers, 0);
     // The same linear as a plain W8A8 graph, its input quantized directly: bit for bit.
@@ -69,7 +66,7 @@ fn a_clip_range_covering_every_value_is_bit_identical_to_the_linear_without_shad
 fn a_zero_width_clip_range_gives_the_float_linear() {
     let (x, w) = data(2);
     let p = InputPoint::new("p", 0.0, 0.0, K, &(0..K as u32).collect::<Vec<_>>());
-    let mut lin = linear(&w, false);
+    let mut lin = linear(&w);
     lin.set_hot(&(0..K as u32).collect::<Vec<_>>()).unwrap();
     let got = run(&lin, &p, &x);
     assert_eq!(p.stats().outliers as usize, x.iter().filter(|v| **v != 0.0).count(), "every nonzero value is an outlier");
@@ -85,7 +82,7 @@ fn shadow_recovers_the_clipped_outliers_and_pruning_loses_them() {
     let (x, w) = data(3);
     // A tight range: the two huge channels are outliers, and hot.
     let p = InputPoint::new("p", -1.6, 1.6, K, &[5, 40]);
-    let mut lin = linear(&w, false);
+    let mut lin = linear(&w);
     lin.set_hot(&[5, 40]).unwrap();
     let want = float_linear(&x, &w);
     let err = |y: &[f32]| y.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
@@ -102,15 +99,31 @@ fn shadow_recovers_the_clipped_outliers_and_pruning_loses_them() {
 fn a_cold_channel_read_from_its_source_equals_the_resident_column() {
     let (x, w) = data(4);
     let p = InputPoint::new("p", -1.6, 1.6, K, &[5]);
-    let mut hot = linear(&w, false);
+    let mut hot = linear(&w);
     hot.set_hot(&[5, 40]).unwrap();
-    let mut cold = linear(&w, true);
+    let mut cold = linear(&w);
     cold.set_hot(&[5]).unwrap();
     assert_eq!(run(&cold, &p, &x), run(&hot, &p, &x));
     assert!(cold.cold_reads() > 0 && hot.cold_reads() == 0);
-    // Without a source, a cold outlier is an error that names the linear and channel.
-    let none = linear(&w, false);
+    // A source whose column has the wrong length (a checkpoint that does not match) is an error
+    // naming the linear and the channel, not a silent wrong sum.
+    struct Short(InMemoryWeight);
+    impl WeightSource for Short {
+        fn dims(&self) -> (usize, usize) {
+            self.0.dims()
+        }
+        fn matrix(&self) -> candle_npu::Result<Vec<f32>> {
+            self.0.matrix()
+        }
+        fn column(&self, c: usize) -> candle_npu::Result<Vec<f32>> {
+            Ok(self.0.column(c)?[1..].to_vec())
+        }
+        fn describe(&self) -> String {
+            "short".into()
+        }
+    }
+    let short = ShadowLinear::new("lin", Arc::new(Short(InMemoryWeight::from_tensor("w", &w).unwrap())), None, WeightQuant::PerChannel, DecodeWeights::F32).unwrap();
     let (_, outliers) = p.quantize(&x, M);
-    let e = none.finish(&outliers, &mut vec![0.0; M * N]).unwrap_err().to_string();
-    assert!(e.contains("lin") && e.contains("cold channel"), "{e}");
+    let e = short.finish(&outliers, &mut vec![0.0; M * N]).unwrap_err().to_string();
+    assert!(e.contains("lin: column 5 from short"), "{e}");
 }

@@ -5,9 +5,12 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
+
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{Device, Tensor};
 use candle_npu::{Error, Result};
+
+use crate::spec::Config;
 
 pub struct Gguf {
     pub path: PathBuf,
@@ -84,69 +87,40 @@ impl Gguf {
     pub fn metadata(&self) -> &std::collections::HashMap<String, gguf_file::Value> {
         &self.content.metadata
     }
-}
 
-/// Reads single input-channel columns of a GGUF weight `[N, K]` from the model file: for every
-/// output row, the one quantized block holding column `c`, dequantized with candle's own routines
-/// (so a column read here is bit-identical to the same column of the dequantized tensor). This is
-/// the shadow path's source for cold channels. The file is memory-mapped, so a read touches `N`
-/// blocks through the page cache (from flash on first use) and no float copy stays resident.
-pub struct GgufColumns {
-    map: std::sync::Arc<memmap2::Mmap>,
-    path: PathBuf,
-    name: String,
-    /// Byte offset of the tensor's data in the file.
-    offset: usize,
-    dtype: candle_core::quantized::GgmlDType,
-    n: usize,
-    k: usize,
-}
-
-impl GgufColumns {
-    /// Map `g`'s file once; [`GgufColumns::new`] shares the map between tensors.
-    pub fn map(g: &Gguf) -> Result<std::sync::Arc<memmap2::Mmap>> {
-        let f = File::open(&g.path).map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot open: {e}") })?;
-        // SAFETY: the model file is opened read-only and not modified while the model is loaded
-        // (as for candle's own mmaped safetensors); a truncated file was rejected by Gguf::open.
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot map: {e}") })?;
-        Ok(std::sync::Arc::new(map))
+    /// Optional metadata: `None` when absent, an error when present with the wrong type.
+    pub fn opt_u32(&self, key: &str) -> Result<Option<u32>> {
+        self.metadata().get(key).map(|v| v.to_u32().map_err(|e| self.md_err(key, e))).transpose()
+    }
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+        self.metadata().get(key).map(|v| v.to_f32().map_err(|e| self.md_err(key, e))).transpose()
     }
 
-    pub fn new(g: &Gguf, map: std::sync::Arc<memmap2::Mmap>, tensor: &str) -> Result<Self> {
-        let info = g.content.tensor_infos.get(tensor).ok_or_else(|| Error::MissingTensor { path: g.path.clone(), name: tensor.to_string() })?;
-        let dims = info.shape.dims();
-        let bad = |reason: String| Error::Model { path: g.path.clone(), reason: format!("tensor '{tensor}': {reason}") };
-        let &[n, k] = dims else { return Err(bad(format!("expected a matrix, shape {dims:?}"))) };
-        let dtype = info.ggml_dtype;
-        if k % dtype.block_size() != 0 {
-            return Err(bad(format!("rows of {k} are not whole blocks of {dtype:?}")));
-        }
-        let offset = (g.content.tensor_data_offset + info.offset) as usize;
-        if offset + n * (k / dtype.block_size()) * dtype.type_size() > map.len() {
-            return Err(bad(format!("data beyond the end of the file ({} bytes)", map.len())));
-        }
-        Ok(GgufColumns { map, path: g.path.clone(), name: tensor.to_string(), offset, dtype, n, k })
-    }
-}
-
-impl candle_npu::ColumnSource for GgufColumns {
-    fn column(&self, c: usize) -> Result<Vec<f32>> {
-        let (bs, ts) = (self.dtype.block_size(), self.dtype.type_size());
-        if c >= self.k {
-            return Err(Error::Model { path: self.path.clone(), reason: format!("tensor '{}': column {c} of {}", self.name, self.k) });
-        }
-        let row_bytes = self.k / bs * ts;
-        let mut blocks = Vec::with_capacity(self.n * ts);
-        for r in 0..self.n {
-            let at = self.offset + r * row_bytes + c / bs * ts;
-            blocks.extend_from_slice(&self.map[at..at + ts]); // in bounds: checked in `new`
-        }
-        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.dtype, &blocks, vec![self.n, bs], &Device::Cpu)?;
-        let t = t.dequantize(&Device::Cpu)?.narrow(1, c % bs, 1)?.flatten_all()?;
-        Ok(t.to_vec1::<f32>()?)
-    }
-
-    fn describe(&self) -> String {
-        format!("{} in {}", self.name, self.path.display())
+    /// The sizes every GGUF decoder states under `{arch}.`, read as candle-transformers' quantized
+    /// models read them.
+    pub fn config(&self, arch: &str) -> Result<Config> {
+        let u = |k: &str| self.u32(&format!("{arch}.{k}")).map(|v| v as usize);
+        let hidden = u("embedding_length")?;
+        let n_head = u("attention.head_count")?;
+        let vocab = match self.opt_u32(&format!("{arch}.vocab_size"))? {
+            Some(v) => v as usize,
+            None => self.content.tensor_infos.get("token_embd.weight").map(|t| t.shape.dims()[0]).ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: "token_embd.weight".into() })?,
+        };
+        let head_dim = match self.opt_u32(&format!("{arch}.attention.key_length"))? {
+            Some(d) => d as usize,
+            None if n_head > 0 => hidden / n_head,
+            None => 0,
+        };
+        Ok(Config {
+            n_layer: u("block_count")?,
+            hidden,
+            n_head,
+            n_kv_head: self.opt_u32(&format!("{arch}.attention.head_count_kv"))?.map_or(n_head, |v| v as usize),
+            head_dim,
+            ffn: u("feed_forward_length")?,
+            vocab,
+            rms_eps: self.f32(&format!("{arch}.attention.layer_norm_rms_epsilon"))? as f64,
+            context_len: u("context_length")?,
+        })
     }
 }

@@ -1,18 +1,29 @@
 //! LLM families on candle-npu: prefill on an [`candle_npu::NpuDevice`], decode on candle's CPU path.
 //!
-//! - [`transformer`]: the engine every family shares (stages, attention, KV cache, decode).
-//! - [`llama`]: Llama / SmolLM2 from GGUF.
-//! - [`gguf`], [`tokenizer`]: checkpoint and tokenizer loading with clear errors.
+//! - [`spec`]: a family as data ([`spec::Config`] sizes, [`spec::FamilySpec`] layer structure).
+//! - [`transformer`]: the engine every family shares (stages, prefill, decode, calibration);
+//!   [`attention`]: RoPE, KV cache and attention on the CPU.
+//! - Family files, each only its spec and checkpoint names: [`llama`], [`qwen2`], [`gemma3`];
+//!   [`families`] finds a checkpoint's family.
+//! - [`checkpoint`] (GGUF and HF safetensors behind one trait), [`gguf`], [`tokenizer`]:
+//!   loading with clear errors.
 //! - [`chat`]: chat templates and stop tokens.
 
 pub mod assets;
+pub mod attention;
+pub mod checkpoint;
+pub mod families;
+pub mod gemma3;
 pub mod chat;
 pub mod gguf;
 pub mod llama;
+pub mod qwen2;
+pub mod spec;
 pub mod pipeline;
 pub mod tokenizer;
 pub mod transformer;
 
 pub use pipeline::{CalibrationSet, Pipeline};
 pub use candle_npu::{DecodeWeights, WeightQuant};
-pub use transformer::{Config, LoadOptions, Model, Precision};
+pub use spec::{Config, FamilySpec};
+pub use transformer::{LoadOptions, Model, Precision};

@@ -31,27 +31,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::QMatMul;
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
 use candle_npu::{
-    Calibrator, ChunkPlan, ColumnSource, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph,
-    Quant, QuantProfile, Result, ShadowLinear, TensorData, TensorId, WeightQuant,
+    Calibrator, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant, QuantProfile,
+    Result, ShadowLinear, TensorData, TensorId, WeightQuant,
 };
 
-/// Shape and numerics of a decoder-only transformer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Config {
-    pub n_layer: usize,
-    pub hidden: usize,
-    pub n_head: usize,
-    pub n_kv_head: usize,
-    pub head_dim: usize,
-    pub ffn: usize,
-    pub vocab: usize,
-    pub rms_eps: f64,
-    pub rope_theta: f32,
-    pub context_len: usize,
-}
+use crate::attention::{attend, QkNorm, Rows};
+use crate::checkpoint::{Checkpoint, NameMap};
+pub use crate::spec::{Config, FamilySpec};
 
 /// Arithmetic of the NPU stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -63,36 +52,6 @@ pub enum Precision {
     /// INT8 weights, u16 activations per tensor over the full calibrated range, no shadow: what
     /// vendor stacks run on the HTP today; the comparison row for shadow W8A8.
     W8A16,
-}
-
-/// Float weights of one decoder layer; matrices are `[out, in]`.
-pub struct LayerWeights {
-    pub attn_norm: Tensor,
-    pub ffn_norm: Tensor,
-    pub wq: Tensor,
-    pub wk: Tensor,
-    pub wv: Tensor,
-    pub wo: Tensor,
-    pub w_gate: Tensor,
-    pub w_up: Tensor,
-    pub w_down: Tensor,
-    /// QKV biases (Qwen2); `None` for Llama.
-    pub bq: Option<Tensor>,
-    pub bk: Option<Tensor>,
-    pub bv: Option<Tensor>,
-}
-
-/// Reads the float columns of a linear (by its name, e.g. `blk.3.ffn_down`) from the checkpoint:
-/// the shadow path's source for cold channels.
-pub type ColumnSources = Arc<dyn Fn(&str) -> Result<Arc<dyn ColumnSource>> + Send + Sync>;
-
-pub struct Weights {
-    pub embed: Tensor,
-    pub final_norm: Tensor,
-    /// `[vocab, hidden]`; the embedding itself for tied models.
-    pub lm_head: Tensor,
-    pub layers: Vec<LayerWeights>,
-    pub columns: Option<ColumnSources>,
 }
 
 /// How to load a model.
@@ -117,10 +76,13 @@ pub fn point(layer: usize, which: &str) -> String {
     format!("blk.{layer}.{which}")
 }
 
-/// One decoder layer: norms and the seven linears, grouped by the NPU stage that runs them.
+/// One decoder layer: its norms and the seven linears, grouped by the NPU stage that runs them.
 struct Layer {
     attn_norm: Tensor,
     ffn_norm: Tensor,
+    qk_norm: Option<QkNorm>,
+    /// Gemma's sandwich norms: on the attention output and the FFN output.
+    post_norms: Option<(Tensor, Tensor)>,
     /// q, k, v | o | gate, up | down: the linears of stage `s` read point `POINTS[s]`.
     stages: [Vec<ShadowLinear>; 4],
 }
@@ -129,16 +91,44 @@ impl Layer {
     fn linears(&self) -> impl Iterator<Item = &ShadowLinear> {
         self.stages.iter().flatten()
     }
+
+    /// The layer, written once: `x` (`[m, hidden]`) through attention and FFN. `run(s, h)`
+    /// computes the linears of stage `s` on `h`: the NPU stage graph with its shadow outliers
+    /// in prefill, candle CPU matmuls in decode. Everything else here runs on the CPU.
+    fn forward(&self, cfg: &Config, spec: &FamilySpec, l: usize, x: Tensor, rows: &Rows, kv: &mut Option<(Tensor, Tensor)>, run: &mut StageFn<'_>) -> Result<Tensor> {
+        let eps = cfg.rms_eps as f32;
+        let h = candle_nn::ops::rms_norm(&x, &self.attn_norm, eps)?;
+        let [q, k, v]: [Tensor; 3] = run(0, &h)?.try_into().map_err(|_| Error::Input("QKV stage must return three outputs".into()))?;
+        let a = attend(cfg, spec, &spec.layers[l], self.qk_norm.as_ref(), kv, &q, &k, &v, rows)?;
+        let mut o = run(1, &a)?.remove(0);
+        if let Some((post_attn, _)) = &self.post_norms {
+            o = candle_nn::ops::rms_norm(&o, post_attn, eps)?;
+        }
+        let x = (x + o)?;
+        let h = candle_nn::ops::rms_norm(&x, &self.ffn_norm, eps)?;
+        let [gate, up]: [Tensor; 2] = run(2, &h)?.try_into().map_err(|_| Error::Input("gate/up stage must return two outputs".into()))?;
+        let hidden = (spec.activation.apply(&gate)? * up)?;
+        let mut d = run(3, &hidden)?.remove(0);
+        if let Some((_, post_ffn)) = &self.post_norms {
+            d = candle_nn::ops::rms_norm(&d, post_ffn, eps)?;
+        }
+        Ok((x + d)?)
+    }
 }
+
+/// Computes the linears of one stage on its input rows (see [`Layer::forward`]).
+type StageFn<'a> = dyn FnMut(usize, &Tensor) -> Result<Vec<Tensor>> + 'a;
 
 /// A loaded model: NPU prefill + CPU decode.
 pub struct Model {
     cfg: Config,
+    spec: FamilySpec,
     /// Identifies the weights (sha256 of the checkpoint) for quant profiles and graph caches.
     model_id: String,
     device: NpuDevice,
     precision: Precision,
-    embed: Tensor,
+    /// `[vocab, hidden]` in the checkpoint's quantization: rows are dequantized on lookup.
+    embed: QMatMul,
     final_norm: Tensor,
     lm_head: QMatMul,
     layers: Vec<Layer>,
@@ -164,46 +154,62 @@ pub type Progress = Box<dyn FnMut(usize, usize) + Send>;
 const STAGE_NAMES: [&str; 4] = ["qkv", "o", "gate_up", "down"];
 
 impl Model {
-    pub fn new(cfg: Config, w: Weights, model_id: String, device: NpuDevice, opts: LoadOptions) -> Result<Self> {
-        let columns = w.columns.clone();
-        let lin = |l: usize, name: &str, t: &Tensor, b: Option<&Tensor>| -> Result<ShadowLinear> {
-            let name = format!("blk.{l}.{name}");
-            let cold = columns.as_ref().map(|f| f(&name)).transpose()?;
-            ShadowLinear::new(name, t.clone(), b, opts.weights, opts.decode_weights, cold)
+    /// Build a model from `ckpt`, whose tensors `names` maps from the engine's (GGUF) names.
+    pub fn load(cfg: Config, spec: FamilySpec, ckpt: &dyn Checkpoint, names: &NameMap, model_id: String, device: NpuDevice, opts: LoadOptions) -> Result<Self> {
+        check_spec(&cfg, &spec, ckpt)?;
+        let vector = |name: String| ckpt.vector(&names(&name).name);
+        let (hd, q_rows, kv_rows) = (cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for l in 0..cfg.n_layer {
+            let lin = |name: &str, shape: (usize, usize), bias: bool| -> Result<ShadowLinear> {
+                let full = format!("blk.{l}.{name}");
+                let src = ckpt.mapped_matrix(&names(&format!("{full}.weight")))?;
+                if src.dims() != shape {
+                    return Err(Error::Model { path: ckpt.path().to_path_buf(), reason: format!("{}: shape {:?}, the config implies {shape:?}", src.describe(), src.dims()) });
+                }
+                let b = match bias {
+                    true => Some(vector(format!("{full}.bias"))?.to_vec1::<f32>()?),
+                    false => None,
+                };
+                ShadowLinear::new(full, src, b, opts.weights, opts.decode_weights)
+            };
+            let (h, f, b) = (cfg.hidden, cfg.ffn, spec.qkv_bias);
+            let stages = [
+                vec![lin("attn_q", (q_rows, h), b)?, lin("attn_k", (kv_rows, h), b)?, lin("attn_v", (kv_rows, h), b)?],
+                vec![lin("attn_output", (h, q_rows), false)?],
+                vec![lin("ffn_gate", (f, h), false)?, lin("ffn_up", (f, h), false)?],
+                vec![lin("ffn_down", (h, f), false)?],
+            ];
+            let norm = |name: &str, len: usize| -> Result<Tensor> {
+                let t = vector(format!("blk.{l}.{name}.weight"))?;
+                match t.dims() == [len] {
+                    true => Ok(t),
+                    false => Err(Error::Model { path: ckpt.path().to_path_buf(), reason: format!("blk.{l}.{name}: shape {:?}, expected [{len}]", t.dims()) }),
+                }
+            };
+            layers.push(Layer {
+                attn_norm: norm("attn_norm", h)?,
+                ffn_norm: norm("ffn_norm", h)?,
+                qk_norm: spec.qk_norm.then(|| Ok::<_, Error>(QkNorm { q: norm("attn_q_norm", hd)?, k: norm("attn_k_norm", hd)? })).transpose()?,
+                post_norms: spec.post_norms.then(|| Ok::<_, Error>((norm("post_attention_norm", h)?, norm("post_ffw_norm", h)?))).transpose()?,
+                stages,
+            });
+        }
+        let embed = ckpt.table(&names("token_embd.weight").name, opts.decode_weights)?;
+        let lm_head = match ckpt.contains(&names("output.weight").name) {
+            true => ckpt.table(&names("output.weight").name, opts.decode_weights)?,
+            false => embed.clone(), // tied
         };
-        let layers = w
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(l, lw)| {
-                Ok(Layer {
-                    attn_norm: lw.attn_norm.clone(),
-                    ffn_norm: lw.ffn_norm.clone(),
-                    stages: [
-                        vec![
-                            lin(l, "attn_q", &lw.wq, lw.bq.as_ref())?,
-                            lin(l, "attn_k", &lw.wk, lw.bk.as_ref())?,
-                            lin(l, "attn_v", &lw.wv, lw.bv.as_ref())?,
-                        ],
-                        vec![lin(l, "attn_output", &lw.wo, None)?],
-                        vec![lin(l, "ffn_gate", &lw.w_gate, None)?, lin(l, "ffn_up", &lw.w_up, None)?],
-                        vec![lin(l, "ffn_down", &lw.w_down, None)?],
-                    ],
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let lm_head = match opts.decode_weights {
-            DecodeWeights::F32 => QMatMul::Tensor(w.lm_head.clone()),
-            DecodeWeights::Q8_0 => QMatMul::from_qtensor(QTensor::quantize(&w.lm_head, GgmlDType::Q8_0)?)?,
-        };
+        let final_norm = vector("output_norm.weight".into())?;
         let n = cfg.n_layer;
         Ok(Model {
             cfg,
+            spec,
             model_id,
             device,
             precision: opts.precision,
-            embed: w.embed,
-            final_norm: w.final_norm,
+            embed,
+            final_norm,
             lm_head,
             layers,
             profile: None,
@@ -218,6 +224,9 @@ impl Model {
         })
     }
 
+    pub fn spec(&self) -> &FamilySpec {
+        &self.spec
+    }
     pub fn config(&self) -> &Config {
         &self.cfg
     }
@@ -491,21 +500,24 @@ impl Model {
         if n == 0 || self.pos + n > self.cfg.context_len {
             return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
         }
-        let cfg = &self.cfg;
-        let mut x = self.embed.index_select(&Tensor::new(tokens, &Device::Cpu)?, 0)?;
-        let (cos, sin) = rope_tables(cfg, self.pos, n)?;
-        for (l, layer) in self.layers.iter().enumerate() {
-            let [qkv, o, gate_up, down] = &layer.stages;
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps as f32)?;
-            let (q, k, v) = (qkv[0].forward(&h)?, qkv[1].forward(&h)?, qkv[2].forward(&h)?);
-            let attn = attend(cfg, &mut self.kv[l], &q, &k, &v, n, n, self.pos, &cos, &sin)?;
-            x = (x + o[0].forward(&attn)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps as f32)?;
-            let ff = (candle_nn::ops::silu(&gate_up[0].forward(&h)?)? * gate_up[1].forward(&h)?)?;
-            x = (x + down[0].forward(&ff)?)?;
+        let mut x = self.embed_rows(tokens)?;
+        let rows = Rows::new(&self.spec, self.pos, n, n)?;
+        let Model { cfg, spec, layers, kv, .. } = self;
+        for (l, layer) in layers.iter().enumerate() {
+            let mut run = |s: usize, h: &Tensor| layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>();
+            x = layer.forward(cfg, spec, l, x, &rows, &mut kv[l], &mut run)?;
         }
         self.pos += n;
         self.logits(&x)
+    }
+
+    /// Embeddings of `tokens`, `[n, hidden]` (scaled as the family says).
+    fn embed_rows(&self, tokens: &[u32]) -> Result<Tensor> {
+        let x = self.embed.embedding(&Tensor::new(tokens, &Device::Cpu)?)?;
+        Ok(match self.spec.embed_scale {
+            Some(s) => (x * s)?,
+            None => x,
+        })
     }
 
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
@@ -533,26 +545,31 @@ impl Model {
         self.check_profile(precision)?;
         self.clear();
         let graphs = self.graphs_for(chunk_len, precision)?;
-        let cfg = self.cfg.clone();
+        let n_layer = self.layers.len();
         let mut out_rows = Vec::new();
         for chunk in &plan.chunks {
             let (m, n_valid) = (chunk.padded_len, chunk.len);
             let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
             ids.resize(m, 0);
-            let mut x = self.embed.index_select(&Tensor::new(ids.as_slice(), &Device::Cpu)?, 0)?;
-            let (cos, sin) = rope_tables(&cfg, chunk.start, m)?;
-            for (l, g) in graphs.iter().enumerate() {
-                let mut stage = Stage { model: self, l, n_valid, m, precision, calib: calib.as_deref_mut() };
-                let h = candle_nn::ops::rms_norm(&x, &stage.model.layers[l].attn_norm, cfg.rms_eps as f32)?;
-                let [q, k, v]: [Tensor; 3] = stage.run(0, &g[0], &h)?.try_into().expect("three linears");
-                let attn = attend(&cfg, &mut stage.model.kv[l], &q, &k, &v, m, n_valid, chunk.start, &cos, &sin)?;
-                x = (x + &stage.run(1, &g[1], &attn)?[0])?;
-                let h = candle_nn::ops::rms_norm(&x, &stage.model.layers[l].ffn_norm, cfg.rms_eps as f32)?;
-                let [gate, up]: [Tensor; 2] = stage.run(2, &g[2], &h)?.try_into().expect("two linears");
-                let hidden = (candle_nn::ops::silu(&gate)? * up)?;
-                x = (x + &stage.run(3, &g[3], &hidden)?[0])?;
+            let mut x = self.embed_rows(&ids)?;
+            let rows = Rows::new(&self.spec, chunk.start, m, n_valid)?;
+            for l in 0..n_layer {
+                let Model { cfg, spec, layers, kv, points, shadow_on, a16, shadow_time, .. } = &mut *self;
+                let mut stage = Stage {
+                    layer: &layers[l],
+                    l,
+                    graphs: &graphs[l],
+                    points: points.get(l),
+                    shadow: shadow_on.get(l).copied().unwrap_or(false),
+                    a16: a16.get(l),
+                    shadow_time,
+                    rows: &rows,
+                    precision,
+                    calib: calib.as_deref_mut(),
+                };
+                x = layers[l].forward(cfg, spec, l, x, &rows, &mut kv[l], &mut |s, h| stage.run(s, h))?;
                 if let Some(report) = self.progress.as_mut() {
-                    report(chunk.index * graphs.len() + l + 1, plan.chunks.len() * graphs.len());
+                    report(chunk.index * n_layer + l + 1, plan.chunks.len() * n_layer);
                 }
             }
             if all_logits {
@@ -608,40 +625,69 @@ impl Model {
     pub const NPU_STAGES_PER_LAYER: usize = 4;
 }
 
-/// One NPU stage of one layer of one chunk: its input goes to the NPU (quantized, outliers
-/// extracted), its outputs come back with their shadow added.
+/// A config and spec the engine can run, or an error naming the checkpoint and what is wrong.
+fn check_spec(cfg: &Config, spec: &FamilySpec, ckpt: &dyn Checkpoint) -> Result<()> {
+    let bad = |reason: String| Err(Error::Model { path: ckpt.path().to_path_buf(), reason });
+    let sizes = [cfg.n_layer, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn, cfg.vocab, cfg.context_len];
+    if sizes.contains(&0) {
+        return bad(format!("config has a zero size: {cfg:?}"));
+    }
+    if cfg.n_head % cfg.n_kv_head != 0 {
+        return bad(format!("{} attention heads are not a multiple of {} KV heads", cfg.n_head, cfg.n_kv_head));
+    }
+    if spec.layers.len() != cfg.n_layer {
+        return bad(format!("{} layer specs for {} layers", spec.layers.len(), cfg.n_layer));
+    }
+    if spec.rope_dims == 0 || spec.rope_dims % 2 != 0 || spec.rope_dims > cfg.head_dim {
+        return bad(format!("RoPE over {} dimensions of a head of {}", spec.rope_dims, cfg.head_dim));
+    }
+    if spec.layers.iter().any(|l| l.window == Some(0)) {
+        return bad("a sliding window of 0 positions".into());
+    }
+    Ok(())
+}
+
+/// The NPU stages of one layer of one chunk: each input goes to the NPU (quantized, outliers
+/// extracted), each output comes back with its shadow added.
 struct Stage<'a, 'c> {
-    model: &'a mut Model,
+    layer: &'a Layer,
     l: usize,
-    n_valid: usize,
-    m: usize,
+    graphs: &'a [PreparedGraph],
+    /// W8A8 input points and whether the shadow path runs (set with a profile).
+    points: Option<&'a [InputPoint; 4]>,
+    shadow: bool,
+    a16: Option<&'a [Quant; 4]>,
+    shadow_time: &'a mut std::time::Duration,
+    rows: &'a Rows,
     precision: Precision,
     calib: Option<&'c mut Calibrator>,
 }
 
 impl Stage<'_, '_> {
     /// Run stage `s` on the CPU activation `h` (`[m, K]`); returns one `[m, N]` per linear.
-    fn run(&mut self, s: usize, graph: &PreparedGraph, h: &Tensor) -> Result<Vec<Tensor>> {
+    fn run(&mut self, s: usize, h: &Tensor) -> Result<Vec<Tensor>> {
         let vals = h.flatten_all()?.to_vec1::<f32>()?;
         let k = h.dim(1)?;
+        let n_valid = self.rows.n_valid;
         if let Some(cal) = self.calib.as_deref_mut() {
-            cal.observe(&point(self.l, POINTS[s]), &vals[..self.n_valid * k], k);
+            cal.observe(&point(self.l, POINTS[s]), &vals[..n_valid * k], k);
         }
+        let missing = || Error::Input(format!("{:?} prefill of layer {} without a quant profile", self.precision, self.l));
         let (input, outliers) = match self.precision {
             Precision::F32 => (TensorData::F32(vals), Outliers::default()),
             Precision::W8A8 => {
-                let point = &self.model.points[self.l][s];
+                let point = &self.points.ok_or_else(missing)?[s];
                 let t = Instant::now();
                 // A pruned stage skips extraction (its outliers would go unused).
-                let o = if self.model.shadow_on[self.l] { point.extract(&vals, self.n_valid) } else { Outliers::default() };
-                self.model.shadow_time += t.elapsed();
+                let o = if self.shadow { point.extract(&vals, n_valid) } else { Outliers::default() };
+                *self.shadow_time += t.elapsed();
                 (TensorData::U8(point.clip_quantize(&vals)), o)
             }
-            Precision::W8A16 => (TensorData::from_f32(&vals, DType::U16, Some(self.model.a16[self.l][s])), Outliers::default()),
+            Precision::W8A16 => (TensorData::from_f32(&vals, DType::U16, Some(self.a16.ok_or_else(missing)?[s])), Outliers::default()),
         };
-        let outs = graph.execute(&[&input])?;
+        let outs = self.graphs[s].execute(&[&input])?;
         let t = Instant::now();
-        let ys = self.model.layers[self.l].stages[s]
+        let ys = self.layer.stages[s]
             .iter()
             .zip(outs)
             .map(|(lin, out)| {
@@ -649,11 +695,11 @@ impl Stage<'_, '_> {
                     return Err(Error::Input(format!("NPU stage of {} returned {:?}, expected F32", lin.name(), out.dtype())));
                 };
                 lin.finish(&outliers, &mut y)?;
-                Ok(Tensor::from_vec(y, (self.m, lin.dims().0), &Device::Cpu)?)
+                Ok(Tensor::from_vec(y, (self.rows.m, lin.dims().0), &Device::Cpu)?)
             })
             .collect();
         if !outliers.is_empty() {
-            self.model.shadow_time += t.elapsed();
+            *self.shadow_time += t.elapsed();
         }
         ys
     }
@@ -669,56 +715,6 @@ pub fn mean_nll(logits: &Tensor, tokens: &[u32]) -> Result<f64> {
     }
     let nll: f64 = (0..tokens.len() - 1).map(|i| -lp[i][tokens[i + 1] as usize] as f64).sum();
     Ok(nll / (tokens.len() - 1) as f64)
-}
-
-/// RoPE on `q`/`k` (`[m, heads*head_dim]`), append the first `n_valid` rows of k, v to the
-/// `cache`, and attend causally from positions `start..start+m`. Returns `[m, hidden]`.
-#[allow(clippy::too_many_arguments)]
-fn attend(c: &Config, cache: &mut Option<(Tensor, Tensor)>, q: &Tensor, k: &Tensor, v: &Tensor, m: usize, n_valid: usize, start: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (nh, nkv, hd) = (c.n_head, c.n_kv_head, c.head_dim);
-    let heads = |t: &Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape((m, n, hd))?.transpose(0, 1)?.contiguous()?.unsqueeze(0)?) };
-    let q = candle_nn::rotary_emb::rope_i(&heads(q, nh)?, cos, sin)?.squeeze(0)?;
-    let k = candle_nn::rotary_emb::rope_i(&heads(k, nkv)?, cos, sin)?.squeeze(0)?;
-    let v = heads(v, nkv)?.squeeze(0)?;
-    let (k, v) = (k.narrow(1, 0, n_valid)?, v.narrow(1, 0, n_valid)?);
-    let (k, v) = match cache.take() {
-        Some((kc, vc)) => (Tensor::cat(&[&kc, &k], 1)?, Tensor::cat(&[&vc, &v], 1)?),
-        None => (k, v),
-    };
-    *cache = Some((k.clone(), v.clone()));
-    let t = k.dim(1)?;
-    // Grouped-query attention without copying K/V: fold each KV head's query heads into rows.
-    let groups = nh / nkv;
-    let qg = q.reshape((nkv, groups * m, hd))?;
-    let scores = (qg.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-    let mask: Vec<f32> = (0..groups * m)
-        .flat_map(|r| {
-            let pos = start + r % m;
-            (0..t).map(move |j| if j <= pos { 0.0 } else { f32::NEG_INFINITY })
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (groups * m, t), &Device::Cpu)?;
-    let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
-    let y = p.matmul(&v)?; // [nkv, groups*m, hd]
-    Ok(y.reshape((nh, m, hd))?.transpose(0, 1)?.reshape((m, nh * hd))?)
-}
-
-/// cos/sin of RoPE for positions `start..start+n`, `[n, head_dim/2]`, computed as candle's
-/// llama does (f32 inverse frequencies, f32 products).
-fn rope_tables(c: &Config, start: usize, n: usize) -> Result<(Tensor, Tensor)> {
-    let half = c.head_dim / 2;
-    let inv: Vec<f32> = (0..c.head_dim).step_by(2).map(|i| 1f32 / c.rope_theta.powf(i as f32 / c.head_dim as f32)).collect();
-    let mut cos = Vec::with_capacity(n * half);
-    let mut sin = Vec::with_capacity(n * half);
-    for p in start..start + n {
-        for &f in &inv {
-            let a = p as f32 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
-        }
-    }
-    let dev = &Device::Cpu;
-    Ok((Tensor::from_vec(cos, (n, half), dev)?, Tensor::from_vec(sin, (n, half), dev)?))
 }
 
 /// Greedy or sampled next token from logits (candle's `LogitsProcessor` conventions).

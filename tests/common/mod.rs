@@ -25,3 +25,11 @@ pub fn rel_max_err(a: &[f32], b: &[f32]) -> f32 {
     let den = b.iter().fold(0f32, |m, y| m.max(y.abs()));
     num / den
 }
+
+/// llama.cpp's token ids for the reference sentence, for the model file `file`
+/// (tests/data/tokenizer_ids.json, a copy of the shared reference data).
+pub fn reference_ids(file: &str) -> Vec<u32> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer_ids.json");
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    j[file].as_array().unwrap_or_else(|| panic!("{file} not in {}", path.display())).iter().map(|v| v.as_u64().unwrap() as u32).collect()
+}

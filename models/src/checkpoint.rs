@@ -1,0 +1,295 @@
+//! Where a model's tensors come from: a GGUF file or an HF safetensors folder, behind one
+//! [`Checkpoint`] trait. The engine asks for tensors by their GGUF names (`blk.3.attn_q.weight`);
+//! a family's [`NameMap`] says where each lives in its checkpoint (another name, or a row range
+//! of a fused tensor). Matrices come back as [`WeightSource`]s over the memory-mapped file, so
+//! loading never holds more than one float matrix at a time.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_npu::{DecodeWeights, Error, Result, WeightSource};
+
+use crate::gguf::Gguf;
+
+/// Where one engine tensor lives in a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapped {
+    pub name: String,
+    /// Rows `start..start + len` of a fused matrix (Phi-3's `qkv_proj`, `gate_up_proj`).
+    pub rows: Option<(usize, usize)>,
+}
+
+impl Mapped {
+    pub fn whole(name: impl Into<String>) -> Self {
+        Mapped { name: name.into(), rows: None }
+    }
+}
+
+/// Engine name (GGUF convention) -> checkpoint location.
+pub type NameMap = dyn Fn(&str) -> Mapped;
+
+pub trait Checkpoint {
+    fn path(&self) -> &Path;
+    fn contains(&self, name: &str) -> bool;
+    /// A vector (norm weight, bias) as F32.
+    fn vector(&self, name: &str) -> Result<Tensor>;
+    /// A matrix `[N, K]`, read on demand.
+    fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>>;
+    /// The embedding table `[vocab, hidden]` (also the tied output matrix) in its decode form:
+    /// the checkpoint's own quantization where it has one.
+    fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul>;
+
+    fn missing(&self, name: &str) -> Error {
+        Error::MissingTensor { path: self.path().to_path_buf(), name: name.to_string() }
+    }
+
+    /// The matrix at `m`, cut to its rows if it is part of a fused tensor.
+    fn mapped_matrix(&self, m: &Mapped) -> Result<Arc<dyn WeightSource>> {
+        let w = self.matrix(&m.name)?;
+        match m.rows {
+            None => Ok(w),
+            Some((start, len)) => {
+                let (n, _) = w.dims();
+                if start + len > n {
+                    return Err(Error::Model {
+                        path: self.path().to_path_buf(),
+                        reason: format!("tensor '{}' has {n} rows, rows {start}..{} were asked for (a config that does not match the weights?)", m.name, start + len),
+                    });
+                }
+                Ok(Arc::new(Rows { inner: w, start, len }))
+            }
+        }
+    }
+}
+
+/// Rows of a fused matrix.
+struct Rows {
+    inner: Arc<dyn WeightSource>,
+    start: usize,
+    len: usize,
+}
+
+impl WeightSource for Rows {
+    fn dims(&self) -> (usize, usize) {
+        (self.len, self.inner.dims().1)
+    }
+    fn matrix(&self) -> Result<Vec<f32>> {
+        let k = self.inner.dims().1;
+        let mut all = self.inner.matrix()?;
+        all.truncate((self.start + self.len) * k);
+        Ok(all.split_off(self.start * k))
+    }
+    fn column(&self, c: usize) -> Result<Vec<f32>> {
+        Ok(self.inner.column(c)?[self.start..self.start + self.len].to_vec())
+    }
+    fn describe(&self) -> String {
+        format!("rows {}..{} of {}", self.start, self.start + self.len, self.inner.describe())
+    }
+}
+
+// --- GGUF ---
+
+/// A GGUF file: tensors keep their quantized form until a float is asked for.
+pub struct GgufCheckpoint {
+    g: Arc<Gguf>,
+    map: Arc<memmap2::Mmap>,
+}
+
+impl GgufCheckpoint {
+    pub fn new(g: Arc<Gguf>) -> Result<Self> {
+        let f = std::fs::File::open(&g.path).map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot open: {e}") })?;
+        // SAFETY: the model file is opened read-only and not modified while the model is loaded
+        // (as for candle's own mmaped safetensors); a truncated file was rejected by Gguf::open.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot map: {e}") })?;
+        Ok(GgufCheckpoint { g, map: Arc::new(map) })
+    }
+    pub fn gguf(&self) -> &Gguf {
+        &self.g
+    }
+}
+
+impl Checkpoint for GgufCheckpoint {
+    fn path(&self) -> &Path {
+        &self.g.path
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.g.has_tensor(name)
+    }
+    fn vector(&self, name: &str) -> Result<Tensor> {
+        self.g.f32_tensor(name)
+    }
+    fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>> {
+        Ok(Arc::new(GgufWeight::new(&self.g, self.map.clone(), name)?))
+    }
+    fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul> {
+        let t = self.g.qtensor(name)?;
+        Ok(match decode {
+            DecodeWeights::F32 => QMatMul::Tensor(t.dequantize(&Device::Cpu)?),
+            DecodeWeights::Q8_0 => QMatMul::from_qtensor(t)?,
+        })
+    }
+}
+
+/// A GGUF weight `[N, K]` read from the memory-mapped model file, dequantized with candle's own
+/// routines: the whole matrix, or single input-channel columns (for every output row, the one
+/// block holding column `c`, so a cold shadow read touches `N` blocks and no float copy stays
+/// resident). A column read here is bit-identical to the same column of the whole matrix.
+pub struct GgufWeight {
+    map: Arc<memmap2::Mmap>,
+    path: PathBuf,
+    name: String,
+    /// Byte offset of the tensor's data in the file.
+    offset: usize,
+    dtype: GgmlDType,
+    n: usize,
+    k: usize,
+}
+
+impl GgufWeight {
+    pub fn new(g: &Gguf, map: Arc<memmap2::Mmap>, tensor: &str) -> Result<Self> {
+        let info = g.content.tensor_infos.get(tensor).ok_or_else(|| Error::MissingTensor { path: g.path.clone(), name: tensor.to_string() })?;
+        let dims = info.shape.dims();
+        let bad = |reason: String| Error::Model { path: g.path.clone(), reason: format!("tensor '{tensor}': {reason}") };
+        let &[n, k] = dims else { return Err(bad(format!("expected a matrix, shape {dims:?}"))) };
+        let dtype = info.ggml_dtype;
+        if k % dtype.block_size() != 0 {
+            return Err(bad(format!("rows of {k} are not whole blocks of {dtype:?}")));
+        }
+        let offset = (g.content.tensor_data_offset + info.offset) as usize;
+        if offset + n * (k / dtype.block_size()) * dtype.type_size() > map.len() {
+            return Err(bad(format!("data beyond the end of the file ({} bytes)", map.len())));
+        }
+        Ok(GgufWeight { map, path: g.path.clone(), name: tensor.to_string(), offset, dtype, n, k })
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.k / self.dtype.block_size() * self.dtype.type_size()
+    }
+}
+
+impl WeightSource for GgufWeight {
+    fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    fn matrix(&self) -> Result<Vec<f32>> {
+        let bytes = &self.map[self.offset..self.offset + self.n * self.row_bytes()]; // in bounds: checked in `new`
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.dtype, bytes, vec![self.n, self.k], &Device::Cpu)?;
+        Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    fn column(&self, c: usize) -> Result<Vec<f32>> {
+        let (bs, ts) = (self.dtype.block_size(), self.dtype.type_size());
+        if c >= self.k {
+            return Err(Error::Model { path: self.path.clone(), reason: format!("tensor '{}': column {c} of {}", self.name, self.k) });
+        }
+        let mut blocks = Vec::with_capacity(self.n * ts);
+        for r in 0..self.n {
+            let at = self.offset + r * self.row_bytes() + c / bs * ts;
+            blocks.extend_from_slice(&self.map[at..at + ts]); // in bounds: checked in `new`
+        }
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.dtype, &blocks, vec![self.n, bs], &Device::Cpu)?;
+        let t = t.dequantize(&Device::Cpu)?.narrow(1, c % bs, 1)?.flatten_all()?;
+        Ok(t.to_vec1::<f32>()?)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} in {}", self.name, self.path.display())
+    }
+}
+
+// --- HF safetensors folder ---
+
+/// An HF-layout folder's `*.safetensors`, memory-mapped through candle-nn's `VarBuilder`.
+pub struct SafetensorsCheckpoint {
+    dir: PathBuf,
+    vb: VarBuilder<'static>,
+}
+
+impl SafetensorsCheckpoint {
+    /// Map every `*.safetensors` file in `dir`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let bad = |reason: String| Error::Model { path: dir.to_path_buf(), reason };
+        let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read the folder: {e}")))?;
+        let mut files: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(bad("no *.safetensors file in the folder".into()));
+        }
+        // SAFETY: the checkpoint files are opened read-only and must not be modified while the
+        // model is loaded (candle's documented condition for mmaped safetensors).
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }.map_err(|e| bad(format!("safetensors: {e}")))?;
+        Ok(SafetensorsCheckpoint { dir: dir.to_path_buf(), vb })
+    }
+
+    fn get(&self, name: &str) -> Result<Tensor> {
+        if !self.vb.contains_tensor(name) {
+            return Err(self.missing(name));
+        }
+        self.vb.get_unchecked_dtype(name, DType::F32).map_err(|e| Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': {e}") })
+    }
+}
+
+impl Checkpoint for SafetensorsCheckpoint {
+    fn path(&self) -> &Path {
+        &self.dir
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.vb.contains_tensor(name)
+    }
+    fn vector(&self, name: &str) -> Result<Tensor> {
+        let t = self.get(name)?;
+        if t.rank() != 1 {
+            return Err(Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': expected a vector, shape {:?}", t.dims()) });
+        }
+        Ok(t)
+    }
+    fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>> {
+        let t = self.get(name)?;
+        let (n, k) = t.dims2().map_err(|_| Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': expected a matrix, shape {:?}", t.dims()) })?;
+        Ok(Arc::new(SafetensorsWeight { vb: self.vb.clone(), dir: self.dir.clone(), name: name.to_string(), n, k }))
+    }
+    fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul> {
+        let t = self.get(name)?;
+        Ok(match decode {
+            DecodeWeights::F32 => QMatMul::Tensor(t),
+            DecodeWeights::Q8_0 if t.dim(1)? % 32 == 0 => QMatMul::from_qtensor(QTensor::quantize(&t, GgmlDType::Q8_0)?)?,
+            DecodeWeights::Q8_0 => {
+                tracing::warn!(tensor = name, "embedding width is not whole Q8_0 blocks: kept in F32");
+                QMatMul::Tensor(t)
+            }
+        })
+    }
+}
+
+/// A safetensors matrix, read from the mapped file when asked (converted to F32 then).
+struct SafetensorsWeight {
+    vb: VarBuilder<'static>,
+    dir: PathBuf,
+    name: String,
+    n: usize,
+    k: usize,
+}
+
+impl WeightSource for SafetensorsWeight {
+    fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+    fn matrix(&self) -> Result<Vec<f32>> {
+        Ok(self.vb.get_unchecked_dtype(&self.name, DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+    fn column(&self, c: usize) -> Result<Vec<f32>> {
+        if c >= self.k {
+            return Err(Error::Model { path: self.dir.clone(), reason: format!("tensor '{}': column {c} of {}", self.name, self.k) });
+        }
+        // Reads the whole matrix: safetensors rows are contiguous, a column is not, and cold
+        // reads are rare by construction.
+        Ok(self.vb.get_unchecked_dtype(&self.name, DType::F32)?.narrow(1, c, 1)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+    fn describe(&self) -> String {
+        format!("{} in {}", self.name, self.dir.display())
+    }
+}

@@ -1,0 +1,100 @@
+//! What a model family is, as data: a [`Config`] (sizes, read from the checkpoint the way
+//! candle-transformers reads it) and a [`FamilySpec`] (how a layer computes). The engine turns
+//! the two into one list of stages per layer; a family file only fills them in and names its
+//! checkpoint's tensors.
+
+use candle_core::Tensor;
+use candle_npu::Result;
+
+/// Sizes of a decoder-only transformer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub n_layer: usize,
+    pub hidden: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub rms_eps: f64,
+    pub context_len: usize,
+}
+
+/// The FFN's gate activation: `act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// Llama, Qwen2, Phi-3, Mistral.
+    Silu,
+    /// GELU, tanh approximation (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    pub fn apply(self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Activation::Silu => candle_nn::ops::silu(x)?,
+            Activation::GeluTanh => x.gelu()?,
+        })
+    }
+}
+
+/// Which dimensions of a head RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Pairs `(2i, 2i+1)`: the layout of llama.cpp's Llama GGUFs, whose Q/K rows are permuted
+    /// from the HF checkpoint.
+    Interleaved,
+    /// Pairs `(i, i + d/2)` (GPT-NeoX, HF's `rotate_half`): every HF checkpoint, and GGUFs
+    /// converted without the permutation (Qwen2, Gemma 3).
+    Neox,
+}
+
+/// What differs between layers of one model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerSpec {
+    pub rope_base: f32,
+    /// Sliding-window attention: a position sees itself and the `window - 1` before it (HF's and
+    /// llama.cpp's convention); `None` is global attention.
+    pub window: Option<usize>,
+}
+
+/// How one family's layer computes, beyond its sizes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FamilySpec {
+    /// For messages and graph names: "llama", "qwen2", "gemma3", "phi3", "mistral".
+    pub family: &'static str,
+    pub activation: Activation,
+    pub rope: RopeLayout,
+    /// Rotated dimensions of each head (all of them unless the checkpoint says otherwise).
+    pub rope_dims: usize,
+    pub layers: Vec<LayerSpec>,
+    /// RMSNorm of each head's query and key before RoPE (Gemma 3).
+    pub qk_norm: bool,
+    /// RMSNorm of the attention output and of the FFN output before each residual add
+    /// (Gemma's "sandwich" norms).
+    pub post_norms: bool,
+    /// Q, K and V carry biases (Qwen2).
+    pub qkv_bias: bool,
+    /// Embeddings are multiplied by this before the first layer (Gemma: `sqrt(hidden)`).
+    pub embed_scale: Option<f64>,
+    /// Attention logits are `q.k * attn_scale` (usually `1/sqrt(head_dim)`).
+    pub attn_scale: f64,
+}
+
+impl FamilySpec {
+    /// The common case: SiLU, global attention with one RoPE base, no extra norms or biases.
+    pub fn plain(family: &'static str, cfg: &Config, rope: RopeLayout, rope_base: f32) -> Self {
+        FamilySpec {
+            family,
+            activation: Activation::Silu,
+            rope,
+            rope_dims: cfg.head_dim,
+            layers: vec![LayerSpec { rope_base, window: None }; cfg.n_layer],
+            qk_norm: false,
+            post_norms: false,
+            qkv_bias: false,
+            embed_scale: None,
+            attn_scale: 1.0 / (cfg.head_dim as f64).sqrt(),
+        }
+    }
+}
