@@ -126,7 +126,7 @@ fn main() -> Result<()> {
     };
     let t = Instant::now();
     let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts).with_context(|| format!("loading {}", path.display()))?;
-    eprintln!("loaded {} in {:.1}s ({} executor)", path.display(), t.elapsed().as_secs_f32(), device.executor_name());
+    eprintln!("loaded {} in {:.1}s ({} executor; {})", path.display(), t.elapsed().as_secs_f32(), device.executor_name(), candle_npu_models::memory::describe());
 
     let bar = indicatif::ProgressBar::hidden();
     p.ensure_profile(args.profile.as_deref(), chunk_len, CalibrationSet::default(), |i, n| {
@@ -138,6 +138,7 @@ fn main() -> Result<()> {
         bar.set_position(i as u64);
     })?;
     bar.finish_and_clear();
+    eprintln!("profile ready ({})", candle_npu_models::memory::describe());
 
     let tokens = p.encode(&args.prompt, !args.no_chat_template)?;
     let mut sampler = LogitsProcessor::from_sampling(
@@ -159,6 +160,7 @@ fn main() -> Result<()> {
         s.graphs_prepared,
         s.graphs_loaded
     );
+    eprintln!("graphs ready ({})", candle_npu_models::memory::describe());
     if device.executor_name() == "htp" {
         // On x86 the HTP is an emulator (~0.3-1 GMAC/s): a 256-row chunk takes minutes.
         let bar = indicatif::ProgressBar::new(0).with_message(format!("prefill of {} tokens on the HTP", tokens.len()));
@@ -208,6 +210,7 @@ fn main() -> Result<()> {
     );
     let decoded = generated.len().saturating_sub(1);
     println!("{decoded} tokens generated: {:.2} token/s", decoded as f64 / decode_s.max(1e-9));
+    println!("memory: {}", candle_npu_models::memory::describe());
     print_qnn_profile(&device);
     Ok(())
 }

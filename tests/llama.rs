@@ -127,24 +127,26 @@ fn answer(p: &mut Pipeline, question: &str) -> String {
 }
 
 #[test]
-fn greedy_answers_to_factual_questions_match_the_f32_prefill() {
+fn greedy_answers_to_factual_questions_are_right_where_the_f32_prefill_is() {
     let dev = NpuDevice::host();
     let mut q = smollm2(&dev, Precision::W8A8, DecodeWeights::Q8_0);
     calibrated(&mut q);
     let mut f = smollm2(&dev, Precision::F32, DecodeWeights::Q8_0);
     // Chosen among questions the F32 prefill answers correctly (measured: Paris, Tokyo, carbon
     // dioxide; it answers "Neptune" for the largest planet, so that one would test nothing).
+    // The answer, not its wording: 16 greedy tokens after two prefills that differ by rounding
+    // may phrase it differently ("The answer is carbon dioxide" / "... is called carbon dioxide").
     let questions = [
-        "What is the capital of France? Answer with one word.",
-        "What is the capital of Japan? Answer with one word.",
-        "What gas do plants absorb from the air? Answer with one word.",
+        ("What is the capital of France? Answer with one word.", "Paris"),
+        ("What is the capital of Japan? Answer with one word.", "Tokyo"),
+        ("What gas do plants absorb from the air? Answer with one word.", "carbon dioxide"),
     ];
-    for &question in &questions {
+    for (question, fact) in questions {
         let (got, want) = (answer(&mut q, question), answer(&mut f, question));
         eprintln!("{question} -> W8A8 {got:?}, F32 {want:?}");
-        assert_eq!(got, want, "{question}");
+        assert!(want.to_lowercase().contains(&fact.to_lowercase()), "the F32 prefill no longer answers {question:?}: {want:?}");
+        assert!(got.to_lowercase().contains(&fact.to_lowercase()), "{question:?}: W8A8 answered {got:?}, F32 {want:?}");
     }
-    assert!(answer(&mut q, questions[0]).contains("Paris"));
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {

@@ -1,8 +1,8 @@
 //! Where a model's tensors come from: a GGUF file or an HF safetensors folder, behind one
 //! [`Checkpoint`] trait. The engine asks for tensors by their GGUF names (`blk.3.attn_q.weight`);
 //! a family's [`NameMap`] says where each lives in its checkpoint (another name, or a row range
-//! of a fused tensor). Matrices come back as [`WeightSource`]s over the memory-mapped file, so
-//! loading never holds more than one float matrix at a time.
+//! of a fused tensor). Matrices come back as [`WeightSource`]s that read the file when asked,
+//! so loading never holds more than one float matrix at a time.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -82,9 +82,6 @@ impl WeightSource for Rows {
         all.truncate((self.start + self.len) * k);
         Ok(all.split_off(self.start * k))
     }
-    fn column(&self, c: usize) -> Result<Vec<f32>> {
-        Ok(self.inner.column(c)?[self.start..self.start + self.len].to_vec())
-    }
     fn describe(&self) -> String {
         format!("rows {}..{} of {}", self.start, self.start + self.len, self.inner.describe())
     }
@@ -95,16 +92,13 @@ impl WeightSource for Rows {
 /// A GGUF file: tensors keep their quantized form until a float is asked for.
 pub struct GgufCheckpoint {
     g: Arc<Gguf>,
-    map: Arc<memmap2::Mmap>,
+    file: Arc<std::fs::File>,
 }
 
 impl GgufCheckpoint {
     pub fn new(g: Arc<Gguf>) -> Result<Self> {
         let f = std::fs::File::open(&g.path).map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot open: {e}") })?;
-        // SAFETY: the model file is opened read-only and not modified while the model is loaded
-        // (as for candle's own mmaped safetensors); a truncated file was rejected by Gguf::open.
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot map: {e}") })?;
-        Ok(GgufCheckpoint { g, map: Arc::new(map) })
+        Ok(GgufCheckpoint { g, file: Arc::new(f) })
     }
     pub fn gguf(&self) -> &Gguf {
         &self.g
@@ -122,7 +116,7 @@ impl Checkpoint for GgufCheckpoint {
         self.g.f32_tensor(name)
     }
     fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>> {
-        Ok(Arc::new(GgufWeight::new(&self.g, self.map.clone(), name)?))
+        Ok(Arc::new(GgufWeight::new(&self.g, self.file.clone(), name)?))
     }
     fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul> {
         let t = self.g.qtensor(name)?;
@@ -133,12 +127,11 @@ impl Checkpoint for GgufCheckpoint {
     }
 }
 
-/// A GGUF weight `[N, K]` read from the memory-mapped model file, dequantized with candle's own
-/// routines: the whole matrix, or single input-channel columns (for every output row, the one
-/// block holding column `c`, so a cold shadow read touches `N` blocks and no float copy stays
-/// resident). A column read here is bit-identical to the same column of the whole matrix.
+/// A GGUF weight `[N, K]`, read from the model file and dequantized with candle's own routines
+/// when asked for. Read, not mapped: a matrix read through a map would leave its pages in this
+/// process's resident set (file-backed, but counted) for every weight of the model.
 pub struct GgufWeight {
-    map: Arc<memmap2::Mmap>,
+    file: Arc<std::fs::File>,
     path: PathBuf,
     name: String,
     /// Byte offset of the tensor's data in the file.
@@ -149,7 +142,7 @@ pub struct GgufWeight {
 }
 
 impl GgufWeight {
-    pub fn new(g: &Gguf, map: Arc<memmap2::Mmap>, tensor: &str) -> Result<Self> {
+    pub fn new(g: &Gguf, file: Arc<std::fs::File>, tensor: &str) -> Result<Self> {
         let info = g.content.tensor_infos.get(tensor).ok_or_else(|| Error::MissingTensor { path: g.path.clone(), name: tensor.to_string() })?;
         let dims = info.shape.dims();
         let bad = |reason: String| Error::Model { path: g.path.clone(), reason: format!("tensor '{tensor}': {reason}") };
@@ -158,11 +151,9 @@ impl GgufWeight {
         if k % dtype.block_size() != 0 {
             return Err(bad(format!("rows of {k} are not whole blocks of {dtype:?}")));
         }
+        // In bounds: Gguf::open checked every tensor against the file's length.
         let offset = (g.content.tensor_data_offset + info.offset) as usize;
-        if offset + n * (k / dtype.block_size()) * dtype.type_size() > map.len() {
-            return Err(bad(format!("data beyond the end of the file ({} bytes)", map.len())));
-        }
-        Ok(GgufWeight { map, path: g.path.clone(), name: tensor.to_string(), offset, dtype, n, k })
+        Ok(GgufWeight { file, path: g.path.clone(), name: tensor.to_string(), offset, dtype, n, k })
     }
 
     fn row_bytes(&self) -> usize {
@@ -176,24 +167,11 @@ impl WeightSource for GgufWeight {
     }
 
     fn matrix(&self) -> Result<Vec<f32>> {
-        let bytes = &self.map[self.offset..self.offset + self.n * self.row_bytes()]; // in bounds: checked in `new`
-        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.dtype, bytes, vec![self.n, self.k], &Device::Cpu)?;
+        let mut bytes = vec![0u8; self.n * self.row_bytes()];
+        std::os::unix::fs::FileExt::read_exact_at(&*self.file, &mut bytes, self.offset as u64)
+            .map_err(|e| Error::Model { path: self.path.clone(), reason: format!("reading tensor '{}': {e}", self.name) })?;
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.dtype, &bytes, vec![self.n, self.k], &Device::Cpu)?;
         Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
-    }
-
-    fn column(&self, c: usize) -> Result<Vec<f32>> {
-        let (bs, ts) = (self.dtype.block_size(), self.dtype.type_size());
-        if c >= self.k {
-            return Err(Error::Model { path: self.path.clone(), reason: format!("tensor '{}': column {c} of {}", self.name, self.k) });
-        }
-        let mut blocks = Vec::with_capacity(self.n * ts);
-        for r in 0..self.n {
-            let at = self.offset + r * self.row_bytes() + c / bs * ts;
-            blocks.extend_from_slice(&self.map[at..at + ts]); // in bounds: checked in `new`
-        }
-        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.dtype, &blocks, vec![self.n, bs], &Device::Cpu)?;
-        let t = t.dequantize(&Device::Cpu)?.narrow(1, c % bs, 1)?.flatten_all()?;
-        Ok(t.to_vec1::<f32>()?)
     }
 
     fn describe(&self) -> String {
@@ -280,14 +258,6 @@ impl WeightSource for SafetensorsWeight {
     }
     fn matrix(&self) -> Result<Vec<f32>> {
         Ok(self.vb.get_unchecked_dtype(&self.name, DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-    }
-    fn column(&self, c: usize) -> Result<Vec<f32>> {
-        if c >= self.k {
-            return Err(Error::Model { path: self.dir.clone(), reason: format!("tensor '{}': column {c} of {}", self.name, self.k) });
-        }
-        // Reads the whole matrix: safetensors rows are contiguous, a column is not, and cold
-        // reads are rare by construction.
-        Ok(self.vb.get_unchecked_dtype(&self.name, DType::F32)?.narrow(1, c, 1)?.flatten_all()?.to_vec1::<f32>()?)
     }
     fn describe(&self) -> String {
         format!("{} in {}", self.name, self.dir.display())

@@ -17,6 +17,7 @@ pub mod gemma3;
 pub mod chat;
 pub mod gguf;
 pub mod llama;
+pub mod memory;
 pub mod qwen2;
 pub mod spec;
 pub mod pipeline;

@@ -48,7 +48,15 @@ impl Executor for HostExecutor {
                 _ => Step::Op(op.clone()),
             })
             .collect();
-        Ok(Box::new(HostGraph { graph: graph.clone(), steps }))
+        // The packed FC weights are the only copy kept: the graph's own weight data is dropped
+        // (it would double the resident weights of every prepared graph).
+        let mut graph = graph.clone();
+        for op in &graph.ops.clone() {
+            if let Op::FullyConnected { weight, .. } = op {
+                graph.tensors[weight.0].data = None;
+            }
+        }
+        Ok(Box::new(HostGraph { graph, steps }))
     }
 }
 
