@@ -3,9 +3,9 @@
 //! - [`spec`]: a family as data ([`spec::Config`] sizes, [`spec::FamilySpec`] layer structure).
 //! - [`transformer`]: the engine every family shares (stages, prefill, decode, calibration);
 //!   [`attention`]: RoPE, KV cache and attention on the CPU.
-//! - Family files, each only its spec and checkpoint names: [`llama`], [`qwen2`], [`gemma3`];
-//!   [`families`] finds a checkpoint's family.
-//! - [`checkpoint`] (GGUF and HF safetensors behind one trait), [`gguf`], [`tokenizer`]:
+//! - Family files, each only its spec and checkpoint names: [`llama`], [`qwen2`], [`gemma3`],
+//!   [`phi3`], [`mistral`]; [`families`] finds a GGUF's family, [`hf`] an HF folder's.
+//! - [`checkpoint`] (GGUF and HF safetensors behind one trait), [`gguf`], [`hf`], [`tokenizer`]:
 //!   loading with clear errors.
 //! - [`chat`]: chat templates and stop tokens.
 
@@ -16,7 +16,10 @@ pub mod families;
 pub mod gemma3;
 pub mod chat;
 pub mod gguf;
+pub mod hf;
 pub mod llama;
+pub mod mistral;
+pub mod phi3;
 pub mod memory;
 pub mod qwen2;
 pub mod spec;

@@ -6,9 +6,18 @@
 use candle_npu::Result;
 
 use crate::gguf::Gguf;
+use crate::hf::HfConfig;
 use crate::spec::{Config, FamilySpec, RopeLayout};
 
 pub fn gguf_spec(g: &Gguf, cfg: &Config) -> Result<FamilySpec> {
     let base = g.opt_f32("llama.rope.freq_base")?.unwrap_or(10_000.0);
     Ok(FamilySpec::plain("llama", cfg, RopeLayout::Interleaved, base))
+}
+
+/// An HF Llama folder: NeoX RoPE (HF's own layout).
+pub fn hf_spec(hf: &HfConfig, cfg: &Config) -> Result<FamilySpec> {
+    hf.check_silu()?;
+    hf.check_no_rope_scaling()?;
+    let base = hf.opt_f64("rope_theta")?.unwrap_or(10_000.0) as f32;
+    Ok(FamilySpec::plain("llama", cfg, RopeLayout::Neox, base))
 }

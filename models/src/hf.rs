@@ -1,0 +1,191 @@
+//! HF-layout model folders: `config.json`, `*.safetensors` (memory-mapped through candle-nn's
+//! `VarBuilder`), `tokenizer.json`; found directly or by `org/name` in hf-hub's local cache
+//! (never over the network: an absent model is an error naming the cache path).
+
+use std::path::{Path, PathBuf};
+
+use candle_npu::{Error, NpuDevice, Result};
+
+use crate::checkpoint::{Mapped, SafetensorsCheckpoint};
+use crate::spec::{Config, FamilySpec};
+use crate::transformer::{LoadOptions, Model};
+
+/// `config.json`, with errors that name the file and the field.
+pub struct HfConfig {
+    path: PathBuf,
+    json: serde_json::Value,
+}
+
+impl HfConfig {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::Model { path: path.clone(), reason: format!("cannot read: {e}") })?;
+        let json = serde_json::from_str(&text).map_err(|e| Error::Model { path: path.clone(), reason: format!("not valid JSON: {e}") })?;
+        Ok(HfConfig { path, json })
+    }
+
+    /// An error about this config.json.
+    pub fn bad(&self, reason: String) -> Error {
+        Error::Model { path: self.path.clone(), reason }
+    }
+
+    fn field(&self, key: &str) -> Option<&serde_json::Value> {
+        self.json.get(key).filter(|v| !v.is_null())
+    }
+
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        self.field(key).map(|v| v.as_u64().map(|v| v as usize).ok_or_else(|| self.bad(format!("field '{key}' is not a non-negative integer: {v}")))).transpose()
+    }
+    pub fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?.ok_or_else(|| self.bad(format!("missing field '{key}'")))
+    }
+    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        self.field(key).map(|v| v.as_f64().ok_or_else(|| self.bad(format!("field '{key}' is not a number: {v}")))).transpose()
+    }
+    pub fn f64(&self, key: &str) -> Result<f64> {
+        self.opt_f64(key)?.ok_or_else(|| self.bad(format!("missing field '{key}'")))
+    }
+    pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
+        self.field(key).map(|v| v.as_str().ok_or_else(|| self.bad(format!("field '{key}' is not a string: {v}")))).transpose()
+    }
+    pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        self.field(key).map_or(Ok(default), |v| v.as_bool().ok_or_else(|| self.bad(format!("field '{key}' is not a boolean: {v}"))))
+    }
+    /// Whether a field is present and not null.
+    pub fn has(&self, key: &str) -> bool {
+        self.field(key).is_some()
+    }
+
+    /// The sizes, from the field names every HF decoder config uses.
+    pub fn config(&self) -> Result<Config> {
+        let hidden = self.usize("hidden_size")?;
+        let n_head = self.usize("num_attention_heads")?;
+        if n_head == 0 {
+            return Err(self.bad("num_attention_heads is 0".into()));
+        }
+        Ok(Config {
+            n_layer: self.usize("num_hidden_layers")?,
+            hidden,
+            n_head,
+            n_kv_head: self.opt_usize("num_key_value_heads")?.unwrap_or(n_head),
+            head_dim: self.opt_usize("head_dim")?.unwrap_or(hidden / n_head),
+            ffn: self.usize("intermediate_size")?,
+            vocab: self.usize("vocab_size")?,
+            rms_eps: self.f64("rms_norm_eps")?,
+            context_len: self.usize("max_position_embeddings")?,
+        })
+    }
+
+    /// The FFN activation: the families here use SiLU; anything else is not what they compute.
+    pub fn check_silu(&self) -> Result<()> {
+        match self.opt_str("hidden_act")? {
+            None | Some("silu") | Some("swish") => Ok(()),
+            Some(other) => Err(self.bad(format!("hidden_act '{other}' is not supported for this family (SiLU only)"))),
+        }
+    }
+
+    /// RoPE scaling variants are not implemented: refuse them rather than compute wrong positions.
+    pub fn check_no_rope_scaling(&self) -> Result<()> {
+        match self.has("rope_scaling") {
+            true => Err(self.bad("rope_scaling is not supported (plain RoPE only)".into())),
+            false => Ok(()),
+        }
+    }
+}
+
+/// HF model types this crate loads from a folder.
+pub const HF_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "phi3"];
+
+/// The engine's (GGUF) names in the common HF layout (`model.layers.N.self_attn.q_proj`, ...).
+pub fn standard_name(canonical: &str) -> Mapped {
+    let global = match canonical {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(n) = global {
+        return Mapped::whole(n);
+    }
+    let mut parts = canonical.splitn(4, '.');
+    let (Some("blk"), Some(l), Some(t), Some(kind)) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+        return Mapped::whole(canonical);
+    };
+    let hf = match t {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        other => other,
+    };
+    Mapped::whole(format!("model.layers.{l}.{hf}.{kind}"))
+}
+
+/// Load an HF folder of a supported family: NPU prefill on `device`, CPU decode.
+pub fn load(dir: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model> {
+    let hf = HfConfig::open(dir)?;
+    let model_type = hf.opt_str("model_type")?.ok_or_else(|| hf.bad("missing field 'model_type'".into()))?.to_string();
+    let cfg = hf.config()?;
+    let (spec, names): (FamilySpec, Box<dyn Fn(&str) -> Mapped>) = match model_type.as_str() {
+        "llama" => (crate::llama::hf_spec(&hf, &cfg)?, Box::new(standard_name)),
+        "mistral" => (crate::mistral::hf_spec(&hf, &cfg)?, Box::new(standard_name)),
+        "qwen2" => (crate::qwen2::hf_spec(&hf, &cfg)?, Box::new(standard_name)),
+        "phi3" => (crate::phi3::hf_spec(&hf, &cfg)?, Box::new(crate::phi3::names(&cfg))),
+        other => return Err(hf.bad(format!("model_type '{other}' is not supported (HF folders: {})", HF_MODEL_TYPES.join(", ")))),
+    };
+    let ckpt = SafetensorsCheckpoint::open(dir)?;
+    let id = folder_id(dir)?;
+    Model::load(cfg, spec, &ckpt, &*names, id, device.clone(), opts)
+}
+
+/// sha256 over `config.json` and every `*.safetensors` (names and bytes, in name order): the
+/// identity quant profiles and graph caches are checked against.
+pub fn folder_id(dir: &Path) -> Result<String> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::Model { path: dir.to_path_buf(), reason: format!("cannot read the folder: {e}") })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().is_some_and(|n| n == "config.json") || p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for path in files {
+        h.update(path.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
+        let mut f = std::fs::File::open(&path).map_err(|e| Error::Model { path: path.clone(), reason: format!("cannot open: {e}") })?;
+        loop {
+            let n = f.read(&mut buf).map_err(|e| Error::Model { path: path.clone(), reason: format!("reading: {e}") })?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The folder of `org/name` in hf-hub's local cache (`cache`, or `$HF_HOME/hub`, or
+/// `~/.cache/huggingface/hub`). Never downloads: this machine may have no network, and a model
+/// of several GB should not start downloading behind a flag.
+pub fn resolve_model_id(model_id: &str, cache: Option<&Path>) -> Result<PathBuf> {
+    let cache = match cache {
+        Some(p) => hf_hub::Cache::new(p.to_path_buf()),
+        None => hf_hub::Cache::from_env(),
+    };
+    match cache.model(model_id.to_string()).get("config.json") {
+        Some(config) => Ok(config.parent().map(Path::to_path_buf).unwrap_or_default()),
+        None => Err(Error::Model {
+            path: cache.path().clone(),
+            reason: format!(
+                "model '{model_id}' is not in the hf-hub cache (no config.json under models--{}): download it first, e.g. `huggingface-cli download {model_id}`",
+                model_id.replace('/', "--")
+            ),
+        }),
+    }
+}

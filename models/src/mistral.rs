@@ -1,0 +1,16 @@
+//! Mistral: Llama's layer with sliding-window attention on every layer (when the config sets
+//! `sliding_window`). No reachable checkpoint: tested with seeded random weights against
+//! candle-transformers' `mistral`.
+
+use candle_npu::Result;
+
+use crate::hf::HfConfig;
+use crate::spec::{Config, FamilySpec, LayerSpec, RopeLayout};
+
+pub fn hf_spec(hf: &HfConfig, cfg: &Config) -> Result<FamilySpec> {
+    hf.check_silu()?;
+    hf.check_no_rope_scaling()?;
+    let base = hf.opt_f64("rope_theta")?.unwrap_or(10_000.0) as f32;
+    let window = hf.opt_usize("sliding_window")?;
+    Ok(FamilySpec { layers: vec![LayerSpec { rope_base: base, window }; cfg.n_layer], ..FamilySpec::plain("mistral", cfg, RopeLayout::Neox, base) })
+}
