@@ -13,14 +13,11 @@ const M: usize = 24;
 const K: usize = 64;
 const N: usize = 48;
 
-/// Activations with a few huge channels (as after an RMSNorm), and a weight whose values are
-/// exact in f16 (hot columns are stored in f16: with such weights a hot column is exact, and
-/// the tests compare the arithmetic, not that rounding).
+/// Activations with a few huge channels (as after an RMSNorm), and a weight.
 fn data(seed: u64) -> (Vec<f32>, Tensor) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let x: Vec<f32> = (0..M * K).map(|i| if i % K == 5 || i % K == 40 { rng.random_range(-60.0..60.0) } else { rng.random_range(-1.5..1.5) }).collect();
     let w: Vec<f32> = (0..N * K).map(|_| rng.random_range(-0.2..0.2)).collect();
-    let w: Vec<f32> = w.into_iter().map(|v| half::f16::from_f32(v).to_f32()).collect();
     (x, Tensor::from_vec(w, (N, K), &Device::Cpu).unwrap())
 }
 
@@ -40,6 +37,14 @@ fn run(lin: &ShadowLinear, p: &InputPoint, x: &[f32]) -> Vec<f32> {
     let TensorData::F32(mut y) = prepared.execute(&[&TensorData::U8(q)]).unwrap().remove(0) else { panic!("F32 output") };
     lin.finish(&outliers, &mut y).unwrap();
     y
+}
+
+/// The weight as the NPU holds it: per-channel INT8, dequantized.
+fn int8_weight(w: &Tensor) -> Tensor {
+    let wv = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (q, s) = candle_npu::quant::quantize_weight_i8_per_channel(&wv, N, K);
+    let d: Vec<f32> = q.iter().enumerate().map(|(i, &q)| q as f32 * s[i / K]).collect();
+    Tensor::from_vec(d, (N, K), &Device::Cpu).unwrap()
 }
 
 fn float_linear(x: &[f32], w: &Tensor) -> Vec<f32> {
@@ -66,14 +71,15 @@ fn a_clip_range_covering_every_value_is_bit_identical_to_the_linear_without_shad
 }
 
 #[test]
-fn a_zero_width_clip_range_gives_the_float_linear() {
+fn a_zero_width_clip_range_gives_float_activations_times_the_int8_weight() {
     let (x, w) = data(2);
     let p = InputPoint::new("p", 0.0, 0.0, K, &(0..K as u32).collect::<Vec<_>>());
     let mut lin = linear(&w);
     lin.set_hot(&(0..K as u32).collect::<Vec<_>>()).unwrap();
     let got = run(&lin, &p, &x);
     assert_eq!(p.stats().outliers as usize, x.iter().filter(|v| **v != 0.0).count(), "every nonzero value is an outlier");
-    let want = float_linear(&x, &w);
+    // The shadow path multiplies with the INT8 weight's columns (dequantized).
+    let want = float_linear(&x, &int8_weight(&w));
     // Every product is computed in f32 on the CPU, summed in another order than the matmul:
     // f32 rounding of K = 64 terms of magnitude <= 12, so 1e-4 absolute.
     let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
@@ -99,27 +105,14 @@ fn shadow_recovers_the_clipped_outliers_and_pruning_loses_them() {
 }
 
 #[test]
-fn a_cold_channel_multiplies_with_its_int8_column() {
+fn a_cold_channel_reads_the_same_column_as_a_hot_one() {
     let (x, w) = data(4);
     let p = InputPoint::new("p", -1.6, 1.6, K, &[5]);
     let mut hot = linear(&w);
     hot.set_hot(&[5, 40]).unwrap();
     let mut cold = linear(&w);
     cold.set_hot(&[5]).unwrap();
-    let (got, all_hot) = (run(&cold, &p, &x), run(&hot, &p, &x));
+    assert_eq!(run(&cold, &p, &x), run(&hot, &p, &x));
     assert!(cold.cold_reads() > 0 && hot.cold_reads() == 0);
-    // Expected: the all-hot result with channel 40's float column swapped for its INT8 one.
-    let wv = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let (q, scales) = candle_npu::quant::quantize_weight_i8_per_channel(&wv, N, K);
-    let (_, outliers) = p.quantize(&x, M);
-    let mut want = all_hot.clone();
-    for (r, c, v) in outliers.iter().filter(|o| o.1 == 40) {
-        for j in 0..N {
-            want[r * N + j] += v * (q[j * K + c] as f32 * scales[j] - wv[j * K + c]);
-        }
-    }
-    let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(err < 1e-4, "max abs error {err}");
-    // And it is not the float column: the INT8 rounding shows.
-    assert!(got.iter().zip(&all_hot).any(|(a, b)| (a - b).abs() > 1e-3));
+    assert_eq!(hot.hot_bytes(), 2 * N, "two INT8 columns");
 }
