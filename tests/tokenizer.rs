@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{self, Value};
+use candle_npu_models::chat::ChatTemplate;
 use candle_npu_models::gguf::Gguf;
 use candle_npu_models::{assets, tokenizer};
 use tokenizers::Tokenizer;
@@ -138,6 +139,30 @@ fn control_tokens_are_single_tokens() {
         assert_eq!(tok.decode(&ids, true).unwrap(), "user\nhi\n");
         assert_eq!(tok.decode(&ids, false).unwrap(), format!("{open}user\nhi{close}\n"));
     }
+}
+
+/// The chat templates the real GGUFs carry, applied and tokenized: ChatML with each model's
+/// default system text; Gemma 3 270M is a base model without one.
+#[test]
+fn chat_templates_of_the_real_ggufs() {
+    let smol = Gguf::open(&assets::smollm2()).unwrap();
+    let system = |t: ChatTemplate| match t {
+        ChatTemplate::ChatMl { system } => system.unwrap_or_default(),
+        other => panic!("not ChatML: {other:?}"),
+    };
+    assert_eq!(system(ChatTemplate::from_gguf(&smol)), "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+    let qwen_g = Gguf::open(&qwen()).unwrap();
+    let template = ChatTemplate::from_gguf(&qwen_g);
+    assert_eq!(system(template.clone()), "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
+    assert_eq!(ChatTemplate::from_gguf(&Gguf::open(&gemma()).unwrap()), ChatTemplate::None);
+
+    let tok = tokenizer::from_gguf(&qwen_g).unwrap();
+    let ids = tokenizer::encode(&tok, &template.apply("hi"), true).unwrap();
+    let start = tok.token_to_id("<|im_start|>").unwrap();
+    assert_eq!(ids.iter().filter(|&&i| i == start).count(), 3, "system, user, assistant turns: {ids:?}");
+    assert_eq!(ids[0], start);
+    let stops: Vec<u32> = template.stop_strings().iter().map(|s| tok.token_to_id(s).unwrap()).collect();
+    assert_eq!(stops, [151645], "<|im_end|>");
 }
 
 /// A GGUF holding only `metadata`, in the test's scratch directory.
