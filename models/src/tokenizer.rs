@@ -193,7 +193,8 @@ fn sentencepiece(md: &Metadata, tokens: &[String], types: &[i32]) -> Result<Toke
 /// (highest first). SentencePiece (and llama.cpp's SPM tokenizer) merge the adjacent pair whose
 /// concatenation scores highest, so a BPE with these ranks merges in the same order. Only normal
 /// pieces are merge results: byte, control and user-defined pieces are never built from text
-/// (the latter two are matched whole before the model runs).
+/// (the latter two are matched whole before the model runs). llama.cpp would also build them
+/// (a literal `<0x41>` in the text becomes byte piece 0x41 there); SentencePiece does not.
 fn score_merges(tokens: &[String], types: &[i32], scores: &[f32], vocab: &ahash::AHashMap<String, u32>) -> Vec<(String, String)> {
     let mut ranked: Vec<(f32, u32, &str, &str)> = Vec::new();
     for (id, piece) in tokens.iter().enumerate() {
