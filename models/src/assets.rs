@@ -17,6 +17,29 @@ pub fn smollm2() -> PathBuf {
     dir().join("SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
+/// Gemma 3 270M base, Q4_K_M GGUF (SentencePiece tokenizer, Gemma turn template).
+pub fn gemma3_270m() -> Result<PathBuf> {
+    fetched("gemma-3-270m-q4_k_m.gguf")
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (Qwen2 byte-level BPE, ChatML template).
+pub fn qwen25_coder_05b() -> Result<PathBuf> {
+    fetched("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+}
+
+/// `name` in the assets directory, or an error that says how to get it: these files are never
+/// committed, so a missing one almost always means the set-up script has not been run.
+fn fetched(name: &str) -> Result<PathBuf> {
+    let path = dir().join(name);
+    if path.is_file() {
+        return Ok(path);
+    }
+    Err(Error::Model {
+        path,
+        reason: "not found: run scripts/setup.sh (it fetches the models into $CANDLE_NPU_ASSETS, default assets/)".to_string(),
+    })
+}
+
 /// English Wikipedia lead sections as `(title, text)`, sorted by title (a fixed order, so that
 /// calibration and held-out splits are reproducible).
 pub fn wiki_articles() -> Result<Vec<(String, String)>> {

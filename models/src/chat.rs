@@ -1,5 +1,16 @@
-//! Chat templates. GGUF files carry a Jinja template; the families here use ChatML, which is
-//! recognized from the template text rather than by running Jinja.
+//! Chat templates. GGUF files (`tokenizer.chat_template`) and Hugging Face folders
+//! (`tokenizer_config.json`'s `chat_template`) carry a Jinja template; the families here use one of
+//! four well-known turn formats, which are recognized from marker strings in the template text
+//! rather than by running Jinja: a single user turn needs no more, and no Jinja engine has to be
+//! trusted with a file's code.
+//!
+//! The text [`ChatTemplate::apply`] returns never contains BOS: the tokenizer adds it when asked
+//! for special tokens (`crate::tokenizer::encode(tok, text, true)`), as the file's
+//! `add_bos_token` says, so it is not added twice.
+
+use std::path::Path;
+
+use candle_npu::{Error, Result};
 
 use crate::gguf::Gguf;
 
@@ -8,27 +19,72 @@ use crate::gguf::Gguf;
 pub enum ChatTemplate {
     /// `<|im_start|>role\n...<|im_end|>` (SmolLM2, Qwen2), with the template's default system text.
     ChatMl { system: Option<String> },
+    /// `<start_of_turn>user\n...<end_of_turn>` then `<start_of_turn>model\n` (Gemma).
+    Gemma,
+    /// `<|user|>\n...<|end|>` then `<|assistant|>\n` (Phi-3).
+    Phi3,
+    /// `[INST] ... [/INST]` (Mistral, Llama 2 chat); the answer ends with EOS.
+    Mistral,
     /// No template: the prompt is used as is.
     None,
 }
 
 impl ChatTemplate {
+    /// The template of a GGUF's `tokenizer.chat_template`; [`ChatTemplate::None`] when it has
+    /// none (base models such as Gemma 3 270M) or one of no known kind.
     pub fn from_gguf(g: &Gguf) -> Self {
-        let Ok(t) = g.string("tokenizer.chat_template") else { return ChatTemplate::None };
-        if !t.contains("<|im_start|>") {
-            return ChatTemplate::None;
-        }
-        // SmolLM2's template inserts a default system message when none is given.
-        let system = t.split("<|im_start|>system\\n").nth(1).and_then(|s| s.split("<|im_end|>").next()).map(str::to_string);
-        ChatTemplate::ChatMl { system }
+        g.string("tokenizer.chat_template").map(|t| Self::from_template_text(&t)).unwrap_or(ChatTemplate::None)
     }
 
+    /// Recognizes the kind of a Jinja chat template from its text (a GGUF's or a Hugging Face
+    /// `tokenizer_config.json`'s). Unknown text gives [`ChatTemplate::None`].
+    pub fn from_template_text(t: &str) -> Self {
+        if t.contains("<|im_start|>") {
+            ChatTemplate::ChatMl { system: chatml_default_system(t) }
+        } else if t.contains("<start_of_turn>") {
+            ChatTemplate::Gemma
+        } else if t.contains("<|end|>") && t.contains("<|assistant|>") {
+            // Phi-3 builds `<|user|>` as '<|' + role + '|>', so only these two are literal.
+            ChatTemplate::Phi3
+        } else if t.contains("[INST]") {
+            ChatTemplate::Mistral
+        } else {
+            ChatTemplate::None
+        }
+    }
+
+    /// The template of a Hugging Face `tokenizer_config.json`: its `chat_template`, either a string
+    /// or a list of `{name, template}` of which the one named "default" is used. A file without
+    /// one gives [`ChatTemplate::None`]; an unreadable file or malformed field is an error.
+    pub fn from_tokenizer_config(path: &Path) -> Result<Self> {
+        let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason };
+        let bytes = std::fs::read(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
+        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let text = match v.get("chat_template") {
+            None | Some(serde_json::Value::Null) => return Ok(ChatTemplate::None),
+            Some(serde_json::Value::String(s)) => s.as_str(),
+            Some(serde_json::Value::Array(named)) => named
+                .iter()
+                .find(|n| n.get("name").and_then(|x| x.as_str()) == Some("default"))
+                .and_then(|n| n.get("template").and_then(|x| x.as_str()))
+                .ok_or_else(|| bad("chat_template: a list without a template named \"default\"".into()))?,
+            Some(_) => return Err(bad("chat_template: expected a string or a list of {name, template}".into())),
+        };
+        Ok(Self::from_template_text(text))
+    }
+
+    /// The prompt as one user turn, ending where the model's answer starts.
     pub fn apply(&self, prompt: &str) -> String {
         match self {
             ChatTemplate::ChatMl { system } => {
                 let sys = system.as_ref().map(|s| format!("<|im_start|>system\n{s}<|im_end|>\n")).unwrap_or_default();
                 format!("{sys}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
             }
+            ChatTemplate::Gemma => {
+                format!("<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n")
+            }
+            ChatTemplate::Phi3 => format!("<|user|>\n{prompt}<|end|>\n<|assistant|>\n"),
+            ChatTemplate::Mistral => format!("[INST] {prompt} [/INST]"),
             ChatTemplate::None => prompt.to_string(),
         }
     }
@@ -37,7 +93,139 @@ impl ChatTemplate {
     pub fn stop_strings(&self) -> &'static [&'static str] {
         match self {
             ChatTemplate::ChatMl { .. } => &["<|im_end|>"],
-            ChatTemplate::None => &[],
+            ChatTemplate::Gemma => &["<end_of_turn>"],
+            ChatTemplate::Phi3 => &["<|end|>"],
+            ChatTemplate::Mistral | ChatTemplate::None => &[],
         }
+    }
+}
+
+/// The system text a ChatML template inserts when the conversation has none (SmolLM2: "You are a
+/// helpful AI assistant named SmolLM, ..."; Qwen2.5: "You are Qwen, created by Alibaba Cloud. ...").
+/// It is the first `<|im_start|>system\n` ... `<|im_end|>` whose body is a plain literal: other
+/// occurrences build the system turn from the conversation (`+ messages[0]['content'] +`) or sit in
+/// a tools branch that closes the string first. Templates write the newline either as a real one
+/// or as a Jinja `\n` escape; both are accepted.
+fn chatml_default_system(t: &str) -> Option<String> {
+    let t = t.replace("\\n", "\n");
+    t.split("<|im_start|>system\n").skip(1).find_map(|after| {
+        let body = after.split("<|im_end|>").next()?;
+        let unescaped = body.replace("\\'", "").replace("\\\"", "");
+        let plain = !unescaped.contains(['\'', '"']) && !body.contains("{{") && !body.contains("{%");
+        (plain && after.contains("<|im_end|>") && !body.is_empty()).then(|| body.replace("\\'", "'").replace("\\\"", "\""))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2-135M-Instruct's template as its GGUF carries it (newlines written literally).
+    const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    /// Qwen2.5's template, shortened: a tools branch first, then the default system text
+    /// (newlines as Jinja `\n` escapes, as in its GGUF).
+    const QWEN25: &str = r#"{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\n<tools>" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"#;
+
+    /// Gemma 3 instruct's template, shortened.
+    const GEMMA: &str = r#"{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- endif -%}{%- for message in loop_messages -%}{%- if (message['role'] == 'assistant') -%}{%- set role = "model" -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"#;
+
+    /// Phi-3-mini-instruct's template: the role tag is built from the role name.
+    const PHI3: &str = r#"{{ bos_token }}{% for message in messages %}{{'<|' + message['role'] + '|>' + '\n' + message['content'] + '<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"#;
+
+    /// Mistral-7B-Instruct's template.
+    const MISTRAL: &str = r#"{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% endif %}{% endfor %}"#;
+
+    #[test]
+    fn recognizes_each_kind() {
+        let smol = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+        assert_eq!(ChatTemplate::from_template_text(SMOLLM2), ChatTemplate::ChatMl { system: Some(smol.into()) });
+        let qwen = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+        assert_eq!(ChatTemplate::from_template_text(QWEN25), ChatTemplate::ChatMl { system: Some(qwen.into()) });
+        assert_eq!(ChatTemplate::from_template_text(GEMMA), ChatTemplate::Gemma);
+        assert_eq!(ChatTemplate::from_template_text(PHI3), ChatTemplate::Phi3);
+        assert_eq!(ChatTemplate::from_template_text(MISTRAL), ChatTemplate::Mistral);
+        assert_eq!(ChatTemplate::from_template_text("{{ messages[0]['content'] }}"), ChatTemplate::None);
+        assert_eq!(ChatTemplate::from_template_text(""), ChatTemplate::None);
+    }
+
+    #[test]
+    fn chatml_without_a_default_system_text() {
+        let t = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}{% endfor %}";
+        assert_eq!(ChatTemplate::from_template_text(t), ChatTemplate::ChatMl { system: None });
+        // A system turn built from the conversation is not a default text.
+        let t = "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}";
+        assert_eq!(ChatTemplate::from_template_text(t), ChatTemplate::ChatMl { system: None });
+    }
+
+    #[test]
+    fn chatml_default_system_text_may_hold_escaped_quotes() {
+        let t = r"{{ '<|im_start|>system\nYou\'re helpful.<|im_end|>\n' }}";
+        assert_eq!(ChatTemplate::from_template_text(t), ChatTemplate::ChatMl { system: Some("You're helpful.".into()) });
+    }
+
+    #[test]
+    fn apply_wraps_one_user_turn() {
+        let p = "Why?";
+        let chatml = ChatTemplate::ChatMl { system: Some("Be brief.".into()) };
+        assert_eq!(chatml.apply(p), "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(ChatTemplate::ChatMl { system: None }.apply(p), "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(ChatTemplate::Gemma.apply(p), "<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n");
+        assert_eq!(ChatTemplate::Phi3.apply(p), "<|user|>\nWhy?<|end|>\n<|assistant|>\n");
+        assert_eq!(ChatTemplate::Mistral.apply(p), "[INST] Why? [/INST]");
+        assert_eq!(ChatTemplate::None.apply(p), "Why?");
+    }
+
+    #[test]
+    fn stop_strings_end_the_assistant_turn() {
+        assert_eq!(ChatTemplate::ChatMl { system: None }.stop_strings(), ["<|im_end|>"]);
+        assert_eq!(ChatTemplate::Gemma.stop_strings(), ["<end_of_turn>"]);
+        assert_eq!(ChatTemplate::Phi3.stop_strings(), ["<|end|>"]);
+        assert!(ChatTemplate::Mistral.stop_strings().is_empty(), "Mistral answers end with EOS");
+        assert!(ChatTemplate::None.stop_strings().is_empty());
+    }
+
+    fn config(name: &str, json: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("candle-npu-chat-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, json).unwrap();
+        path
+    }
+
+    #[test]
+    fn from_hugging_face_tokenizer_config() {
+        let s = serde_json::to_string(&serde_json::json!({ "chat_template": GEMMA, "bos_token": "<bos>" })).unwrap();
+        assert_eq!(ChatTemplate::from_tokenizer_config(&config("gemma.json", &s)).unwrap(), ChatTemplate::Gemma);
+        let named =
+            serde_json::json!({ "chat_template": [{ "name": "tool_use", "template": GEMMA }, { "name": "default", "template": PHI3 }] });
+        assert_eq!(ChatTemplate::from_tokenizer_config(&config("named.json", &named.to_string())).unwrap(), ChatTemplate::Phi3);
+        assert_eq!(ChatTemplate::from_tokenizer_config(&config("none.json", "{}")).unwrap(), ChatTemplate::None);
+        let e = ChatTemplate::from_tokenizer_config(&config("bad.json", "{\"chat_template\": 3}")).unwrap_err().to_string();
+        assert!(e.contains("bad.json") && e.contains("chat_template"), "{e}");
+        let e = ChatTemplate::from_tokenizer_config(&config("broken.json", "{")).unwrap_err().to_string();
+        assert!(e.contains("broken.json") && e.contains("not JSON"), "{e}");
+        assert!(ChatTemplate::from_tokenizer_config(Path::new("/nonexistent/tokenizer_config.json")).is_err());
+        std::fs::remove_dir_all(config("x", "").parent().unwrap()).unwrap();
     }
 }
