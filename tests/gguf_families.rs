@@ -12,7 +12,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_npu::NpuDevice;
 use candle_npu_models::transformer::argmax;
-use candle_npu_models::{assets, families, DecodeWeights, LoadOptions, Model, Precision};
+use candle_npu_models::{assets, DecodeWeights, LoadOptions, Model, Pipeline, Precision};
 use common::*;
 
 fn dequantize_all() {
@@ -20,22 +20,19 @@ fn dequantize_all() {
     unsafe { std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1") };
 }
 
-fn ours(path: &Path) -> Model {
-    assert!(path.exists(), "{} missing: run scripts/setup.sh first", path.display());
+/// Our pipeline on `path` (F32 prefill, F32 decode) and `n` tokens of held-out Wikipedia text
+/// (after the BOS the tokenizer adds, for Gemma).
+fn ours(path: &Path, n: usize) -> (Pipeline, Vec<u32>) {
     let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
-    families::load_gguf(path, &NpuDevice::host(), opts).unwrap()
+    let p = Pipeline::load(path, None, &NpuDevice::host(), opts).unwrap();
+    let toks = p.heldout_tokens(n).unwrap();
+    assert_eq!(toks.len(), n);
+    (p, toks)
 }
 
 fn content(path: &Path) -> (gguf_file::Content, std::fs::File) {
     let mut f = std::fs::File::open(path).unwrap();
     (gguf_file::Content::read(&mut f).unwrap(), f)
-}
-
-/// `n` real token ids: llama.cpp's ids for the reference sentence (tests/data), repeated with a
-/// varying stride so the sequence is not periodic.
-fn tokens(file: &str, n: usize) -> Vec<u32> {
-    let ids = reference_ids(file);
-    (0..n).map(|i| ids[(i * 7 + i / ids.len()) % ids.len()]).collect()
 }
 
 /// Compare last-token logits for each prompt length and chunk length, then 16 greedy tokens.
@@ -97,18 +94,17 @@ fn top1(v: &[f32]) -> u32 {
 fn qwen2_chunked_prefill_and_decode_match_candle_transformers() {
     use candle_transformers::models::quantized_qwen2::ModelWeights;
     dequantize_all();
-    let path = assets::dir().join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    let mut model = ours(&path);
+    let path = assets::qwen25_coder_05b().unwrap();
+    let (mut p, toks) = ours(&path, 300);
     let (ct, mut f) = content(&path);
     let r = ModelWeights::from_gguf(ct, &mut f, &Device::Cpu).unwrap();
-    let toks = tokens("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 300);
     // candle's quantized models restart their KV cache at position 0.
     let fwd = |r: &mut ModelWeights, t: &[u32], pos: usize| -> Vec<f32> {
         let x = Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         r.forward(&x, pos).unwrap().flatten_all().unwrap().to_vec1().unwrap()
     };
     let r = std::cell::RefCell::new(r);
-    check(&mut model, |t, pos| fwd(&mut r.borrow_mut(), t, pos), &toks, &[37, 300], &[64, 256], 37);
+    check(&mut p.model, |t, pos| fwd(&mut r.borrow_mut(), t, pos), &toks, &[37, 300], &[64, 256], 37);
 }
 
 /// candle-transformers' float Gemma 3 (`gemma3.rs`, HF names and HF's `1 + w` norms) on the
@@ -164,11 +160,12 @@ fn gemma3_reference(path: &Path, window: usize, dtype: candle_core::DType) -> ca
 
 #[test]
 fn gemma3_chunked_prefill_beyond_the_sliding_window_and_decode_match_candle_transformers() {
-    let path = assets::dir().join("gemma-3-270m-q4_k_m.gguf");
-    let mut model = ours(&path);
+    let path = assets::gemma3_270m().unwrap();
+    let (mut p, toks) = ours(&path, 700);
+    assert_eq!(toks[0], 2, "Gemma text starts with BOS");
+    let model = &mut p.model;
     let window = model.spec().layers[0].window.expect("layer 0 slides");
     assert_eq!(window, 512);
-    let toks = tokens("gemma-3-270m-q4_k_m.gguf", 700);
     // Gemma 3's activations overflow F16 (candle-transformers' F16 forward gives NaN logits,
     // as HF's does): its half-precision reference is BF16.
     let forward = |r: &std::cell::RefCell<candle_transformers::models::gemma3::Model>, t: &[u32], pos: usize| -> Vec<f32> {
@@ -181,7 +178,7 @@ fn gemma3_chunked_prefill_beyond_the_sliding_window_and_decode_match_candle_tran
     };
     let r32 = std::cell::RefCell::new(gemma3_reference(&path, window, candle_core::DType::F32));
     // 700 > 512: the sliding layers must drop the oldest positions.
-    check(&mut model, |t, p| forward(&r32, t, p), &toks, &[37, 700], &[256], 37);
+    check(model, |t, p| forward(&r32, t, p), &toks, &[37, 700], &[256], 37);
     let r16 = std::cell::RefCell::new(gemma3_reference(&path, window, candle_core::DType::BF16));
-    check_half(&mut model, |t, p| forward(&r16, t, p), |t, p| forward(&r32, t, p), &toks, &[37, 700], 256);
+    check_half(model, |t, p| forward(&r16, t, p), |t, p| forward(&r32, t, p), &toks, &[37, 700], 256);
 }

@@ -51,6 +51,16 @@ impl HfConfig {
     pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         self.field(key).map_or(Ok(default), |v| v.as_bool().ok_or_else(|| self.bad(format!("field '{key}' is not a boolean: {v}"))))
     }
+    /// `eos_token_id`: one id or a list (none when absent).
+    pub fn eos_token_ids(&self) -> Result<Vec<u32>> {
+        let Some(v) = self.field("eos_token_id") else { return Ok(vec![]) };
+        let one = |v: &serde_json::Value| v.as_u64().map(|v| v as u32).ok_or_else(|| self.bad(format!("eos_token_id is not a token id: {v}")));
+        match v.as_array() {
+            Some(a) => a.iter().map(one).collect(),
+            None => Ok(vec![one(v)?]),
+        }
+    }
+
     /// Whether a field is present and not null.
     pub fn has(&self, key: &str) -> bool {
         self.field(key).is_some()

@@ -61,8 +61,13 @@ impl Default for CalibrationSet {
 }
 
 impl Pipeline {
-    /// Load a GGUF model of a supported family, with its tokenizer (from the GGUF, or `tokenizer`).
+    /// Load a model of a supported family, with its tokenizer: a GGUF file (tokenizer and chat
+    /// template from its metadata) or an HF folder (`tokenizer.json`, `tokenizer_config.json`);
+    /// `tokenizer` overrides either.
     pub fn load(path: &Path, tokenizer: Option<&Path>, device: &NpuDevice, opts: LoadOptions) -> Result<Self> {
+        if path.is_dir() {
+            return Self::load_hf(path, tokenizer, device, opts);
+        }
         let g = Gguf::open(path)?;
         let arch = g.string("general.architecture")?;
         // An unsupported architecture is reported before a tokenizer error.
@@ -84,10 +89,30 @@ impl Pipeline {
         Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: path.to_path_buf() })
     }
 
+    /// An HF folder: `config.json`, `*.safetensors`, `tokenizer.json` (or `tokenizer`), and the
+    /// chat template of `tokenizer_config.json` when there is one.
+    fn load_hf(dir: &Path, tokenizer: Option<&Path>, device: &NpuDevice, opts: LoadOptions) -> Result<Self> {
+        let model = crate::hf::load(dir, device, opts)?;
+        let tok = crate::tokenizer::from_file(tokenizer.unwrap_or(&dir.join("tokenizer.json")))?;
+        let tc = dir.join("tokenizer_config.json");
+        let template = if tc.exists() { ChatTemplate::from_tokenizer_config(&tc)? } else { ChatTemplate::None };
+        let mut stop_tokens = crate::hf::HfConfig::open(dir)?.eos_token_ids()?;
+        for s in template.stop_strings() {
+            stop_tokens.extend(tok.token_to_id(s));
+        }
+        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: dir.to_path_buf() })
+    }
+
+    /// Token ids of a prompt, with the special tokens the tokenizer adds (Gemma's BOS), wrapped
+    /// in the chat template when `chat`.
     pub fn encode(&self, text: &str, chat: bool) -> Result<Vec<u32>> {
         let text = if chat { self.template.apply(text) } else { text.to_string() };
-        let enc = self.tokenizer.encode(text, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))?;
-        Ok(enc.get_ids().to_vec())
+        crate::tokenizer::encode(&self.tokenizer, &text, true)
+    }
+
+    /// Token ids of `text` alone: no special tokens (a piece of a longer text).
+    pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>> {
+        crate::tokenizer::encode(&self.tokenizer, text, false)
     }
 
     pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
@@ -101,7 +126,10 @@ impl Pipeline {
         if self.model.precision() == Precision::F32 {
             return Ok(());
         }
-        let path = path.map(Path::to_path_buf).unwrap_or_else(|| QuantProfile::default_path(&self.model_path));
+        let path = path.map(Path::to_path_buf).unwrap_or_else(|| match self.model_path.is_dir() {
+            true => self.model_path.join("candle-npu.w8a8.json"),
+            false => QuantProfile::default_path(&self.model_path),
+        });
         if path.exists() {
             let p = QuantProfile::load(&path, self.model.model_id())?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");
@@ -160,15 +188,16 @@ impl Pipeline {
         self.encode_texts(crate::assets::wiki_heldout((n / 40 + 8).max(200))?, n)
     }
 
-    /// Tokens of `texts` joined by blank lines, up to `n`.
+    /// Tokens of `texts` joined by blank lines, up to `n`, after the special tokens a prompt
+    /// starts with (Gemma's BOS).
     pub fn encode_texts(&self, texts: impl IntoIterator<Item = String>, n: usize) -> Result<Vec<u32>> {
-        let sep = self.encode("\n\n", false)?;
-        let mut ids = Vec::new();
+        let sep = self.encode_piece("\n\n")?;
+        let mut ids = self.encode("", false)?;
         for text in texts {
             if ids.len() >= n {
                 break;
             }
-            ids.extend(self.encode(&text, false)?);
+            ids.extend(self.encode_piece(&text)?);
             ids.extend(&sep);
         }
         ids.truncate(n);
