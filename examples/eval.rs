@@ -389,7 +389,7 @@ fn main() -> Result<()> {
     };
     let seqs = q.calibration_sequences(set)?;
     suite.step("calibrating on Wikipedia", seqs.len());
-    let cal = q.model.calibrate(&seqs, args.chunk_len, |i| suite.bar.set_position(i as u64))?;
+    let cal = q.model.calibrate(&seqs, |i| suite.bar.set_position(i as u64))?;
     let id = q.model.model_id().to_string();
     let minmax = cal.finish(id.clone(), ClipMethod::MinMax);
     let mut shadow = cal.finish(id, set.clip);

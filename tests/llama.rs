@@ -19,7 +19,7 @@ fn calibration(p: &mut Pipeline) -> Calibrator {
     let mut slot = CAL.get_or_init(Default::default).lock().unwrap();
     if slot.is_none() {
         let seqs = p.calibration_sequences(CalibrationSet::default()).unwrap();
-        *slot = Some(p.model.calibrate(&seqs, 256, |_| {}).unwrap());
+        *slot = Some(p.model.calibrate(&seqs, |_| {}).unwrap());
     }
     slot.clone().unwrap()
 }

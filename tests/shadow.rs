@@ -69,7 +69,7 @@ fn a_pruned_layer_runs_its_full_range_and_coverage_narrows_the_hot_set() {
     let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
     let set = CalibrationSet { sequences: 2, seq_len: 64, ..Default::default() };
     let seqs = p.calibration_sequences(set).unwrap();
-    let cal = p.model.calibrate(&seqs, 64, |_| {}).unwrap();
+    let cal = p.model.calibrate(&seqs, |_| {}).unwrap();
     let id = p.model.model_id().to_string();
     let text = heldout_tokens(&p, 64);
     let n = p.model.config().n_layer;

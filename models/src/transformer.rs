@@ -45,7 +45,7 @@ pub use crate::spec::{Config, FamilySpec};
 /// Arithmetic of the NPU stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Precision {
-    /// F32 FullyConnected, no quantization: proves chunking exact, and drives calibration.
+    /// F32 FullyConnected, no quantization: proves chunking exact (the float reference).
     F32,
     /// INT8 weights, u8 activations per tensor over calibrated clip ranges, shadow outliers.
     W8A8,
@@ -373,8 +373,8 @@ impl Model {
     }
 
     /// Run `f` with the host executor as this model's device and fresh graphs, then restore both.
-    /// Offline passes (calibration, importance) always run here: an HTP computes float graphs
-    /// in FP16, and its x86 emulator would take hours for them.
+    /// Offline passes over NPU graphs (importance, outlier counting) always run here: the x86
+    /// HTP emulator would take hours for them.
     fn on_host<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         let device = std::mem::replace(&mut self.device, NpuDevice::host());
         let graphs = std::mem::take(&mut self.graphs);
@@ -385,18 +385,22 @@ impl Model {
         r
     }
 
-    /// Collect activation statistics by running float prefill over `sequences` (on the host
-    /// executor, whatever the model's device). `progress` is called after each sequence.
-    pub fn calibrate(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize)) -> Result<Calibrator> {
-        self.on_host(|m| {
-            let mut cal = Calibrator::default();
-            for (i, seq) in sequences.iter().enumerate() {
-                m.run_prefill(seq, chunk_len, Precision::F32, false, Some(&mut cal))?;
-                cal.tokens_seen += seq.len();
-                progress(i + 1);
-            }
-            Ok(cal)
-        })
+    /// Collect activation statistics over `sequences`: each runs through the layers on the CPU
+    /// with the decode weights (float activations, the INT8 weights the NPU will hold), and
+    /// every stage's input is observed. Not through float NPU graphs: those would hold an F32
+    /// copy of every weight (600 MiB of the main job's peak for SmolLM2), and on an HTP they
+    /// compute in FP16. `progress` is called after each sequence.
+    pub fn calibrate(&mut self, sequences: &[Vec<u32>], mut progress: impl FnMut(usize)) -> Result<Calibrator> {
+        let mut cal = Calibrator::default();
+        for (i, seq) in sequences.iter().enumerate() {
+            self.clear();
+            let r = self.run_cpu(seq, Some(&mut cal));
+            self.clear();
+            r?;
+            cal.tokens_seen += seq.len();
+            progress(i + 1);
+        }
+        Ok(cal)
     }
 
     /// Per layer, the increase of the mean negative log-likelihood (nats/token) over `sequences`
@@ -411,7 +415,7 @@ impl Model {
                 m.set_shadow_layers(on)?;
                 let mut total = 0.0;
                 for seq in sequences {
-                    let logits = m.run_prefill(seq, chunk_len, Precision::W8A8, true, None)?;
+                    let logits = m.run_prefill(seq, chunk_len, Precision::W8A8, true)?;
                     total += mean_nll(&logits, seq)?;
                 }
                 Ok(total / sequences.len() as f64)
@@ -443,7 +447,7 @@ impl Model {
         self.reset_point_stats();
         let r = self.on_host(|m| {
             for (i, seq) in sequences.iter().enumerate() {
-                m.run_prefill(seq, chunk_len, Precision::W8A8, false, None)?;
+                m.run_prefill(seq, chunk_len, Precision::W8A8, false)?;
                 progress(i + 1);
             }
             Ok(m.points.iter().flatten().map(|p| (p.name.clone(), p.channel_outliers())).collect())
@@ -476,13 +480,13 @@ impl Model {
 
     /// Prefill `tokens` (resetting the KV cache) and return the logits of the last token, `[vocab]`.
     pub fn prefill(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
-        let logits = self.run_prefill(tokens, chunk_len, self.precision, false, None)?;
+        let logits = self.run_prefill(tokens, chunk_len, self.precision, false)?;
         Ok(logits.squeeze(0)?)
     }
 
     /// Prefill and return the logits of every prompt position, `[len, vocab]` (for perplexity).
     pub fn prefill_all_logits(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
-        self.run_prefill(tokens, chunk_len, self.precision, true, None)
+        self.run_prefill(tokens, chunk_len, self.precision, true)
     }
 
     /// Decode one token at the current position; returns its logits, `[vocab]`.
@@ -495,6 +499,13 @@ impl Model {
     /// with one token; a whole prompt this way is candle's own CPU prefill, the baseline the NPU
     /// path is measured against.
     pub fn forward_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let x = self.run_cpu(tokens, None)?;
+        self.logits(&x)
+    }
+
+    /// The layers on the CPU from the current position; returns the last layer's rows. With
+    /// `cal`, every stage's input is observed (calibration).
+    fn run_cpu(&mut self, tokens: &[u32], mut cal: Option<&mut Calibrator>) -> Result<Tensor> {
         self.check_tokens(tokens)?;
         let n = tokens.len();
         if n == 0 || self.pos + n > self.cfg.context_len {
@@ -504,11 +515,16 @@ impl Model {
         let rows = Rows::new(&self.spec, self.pos, n, n)?;
         let Model { cfg, spec, layers, kv, .. } = self;
         for (l, layer) in layers.iter().enumerate() {
-            let mut run = |s: usize, h: &Tensor| layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>();
+            let mut run = |s: usize, h: &Tensor| {
+                if let Some(cal) = cal.as_deref_mut() {
+                    cal.observe(&point(l, POINTS[s]), &h.flatten_all()?.to_vec1::<f32>()?, h.dim(1)?);
+                }
+                layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>()
+            };
             x = layer.forward(cfg, spec, l, x, &rows, &mut kv[l], &mut run)?;
         }
         self.pos += n;
-        self.logits(&x)
+        Ok(x)
     }
 
     /// Embeddings of `tokens`, `[n, hidden]` (scaled as the family says).
@@ -538,7 +554,6 @@ impl Model {
         chunk_len: usize,
         precision: Precision,
         all_logits: bool,
-        mut calib: Option<&mut Calibrator>,
     ) -> Result<Tensor> {
         let plan = ChunkPlan::new(tokens.len(), chunk_len, self.cfg.context_len)?;
         self.check_tokens(tokens)?;
@@ -565,7 +580,6 @@ impl Model {
                     shadow_time,
                     rows: &rows,
                     precision,
-                    calib: calib.as_deref_mut(),
                 };
                 x = layers[l].forward(cfg, spec, l, x, &rows, &mut kv[l], &mut |s, h| stage.run(s, h))?;
                 if let Some(report) = self.progress.as_mut() {
@@ -649,7 +663,7 @@ fn check_spec(cfg: &Config, spec: &FamilySpec, ckpt: &dyn Checkpoint) -> Result<
 
 /// The NPU stages of one layer of one chunk: each input goes to the NPU (quantized, outliers
 /// extracted), each output comes back with its shadow added.
-struct Stage<'a, 'c> {
+struct Stage<'a> {
     layer: &'a Layer,
     l: usize,
     graphs: &'a [PreparedGraph],
@@ -660,18 +674,13 @@ struct Stage<'a, 'c> {
     shadow_time: &'a mut std::time::Duration,
     rows: &'a Rows,
     precision: Precision,
-    calib: Option<&'c mut Calibrator>,
 }
 
-impl Stage<'_, '_> {
+impl Stage<'_> {
     /// Run stage `s` on the CPU activation `h` (`[m, K]`); returns one `[m, N]` per linear.
     fn run(&mut self, s: usize, h: &Tensor) -> Result<Vec<Tensor>> {
         let vals = h.flatten_all()?.to_vec1::<f32>()?;
-        let k = h.dim(1)?;
         let n_valid = self.rows.n_valid;
-        if let Some(cal) = self.calib.as_deref_mut() {
-            cal.observe(&point(self.l, POINTS[s]), &vals[..n_valid * k], k);
-        }
         let missing = || Error::Input(format!("{:?} prefill of layer {} without a quant profile", self.precision, self.l));
         let (input, outliers) = match self.precision {
             Precision::F32 => (TensorData::F32(vals), Outliers::default()),

@@ -1,0 +1,272 @@
+//! The command line every family example shares (`examples/<family>.rs` is one call to [`run`]):
+//! candle's conventions (`--prompt`, `--sample-len`, `--temperature`, `--seed`, `--which`,
+//! `--model-id`), the NPU device, calibration on first use, prefill on the NPU, decode on the
+//! CPU, and a report of speed and memory.
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_npu::{HtpConfig, NpuDevice, ProfilingLevel};
+use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+use clap::{Parser, ValueEnum};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ExecutorKind {
+    Host,
+    Hexagon,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum QnnProfile {
+    Basic,
+    Detailed,
+}
+
+/// The real models scripts/setup.sh fetches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Which {
+    /// SmolLM2-135M-Instruct (Llama).
+    Smollm2_135m,
+    /// Qwen2.5-Coder-0.5B-Instruct (Qwen2).
+    #[value(name = "qwen2.5-coder-0.5b")]
+    Qwen25Coder05b,
+    /// Gemma 3 270M (base).
+    Gemma3_270m,
+}
+
+impl Which {
+    fn family(self) -> &'static str {
+        match self {
+            Which::Smollm2_135m => "llama",
+            Which::Qwen25Coder05b => "qwen2",
+            Which::Gemma3_270m => "gemma3",
+        }
+    }
+    fn path(self) -> Result<PathBuf> {
+        Ok(match self {
+            Which::Smollm2_135m => candle_npu_models::assets::smollm2(),
+            Which::Qwen25Coder05b => candle_npu_models::assets::qwen25_coder_05b()?,
+            Which::Gemma3_270m => candle_npu_models::assets::gemma3_270m()?,
+        })
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "candle-npu: NPU prefill + CPU decode")]
+struct Args {
+    /// Local GGUF file or HF folder (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// `org/name` in the local hf-hub cache ($HF_HOME/hub); never downloaded.
+    #[arg(long)]
+    model_id: Option<String>,
+    /// A model fetched by scripts/setup.sh (default: this family's).
+    #[arg(long, value_enum)]
+    which: Option<Which>,
+    /// tokenizer.json to use instead of the GGUF's own tokenizer.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    #[arg(long, default_value = "The capital of France is")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, short = 'n', default_value_t = 64)]
+    sample_len: usize,
+    /// Sampling temperature; greedy when absent.
+    #[arg(long)]
+    temperature: Option<f64>,
+    #[arg(long)]
+    top_p: Option<f64>,
+    #[arg(long, default_value_t = 299792458)]
+    seed: u64,
+    /// Rows of the static NPU graphs; the prompt is cut into chunks of this length. Default:
+    /// 256, except 32 for `--executor hexagon` on x86, where the HTP is an emulator (~0.3-1
+    /// GMAC/s: one 256-row chunk of SmolLM2 took about 4 minutes there, a 32-row one 30 s).
+    #[arg(long)]
+    chunk_len: Option<usize>,
+    #[arg(long, value_enum, default_value = "host")]
+    executor: ExecutorKind,
+    /// Use the prompt as is, without the model's chat template.
+    #[arg(long)]
+    no_chat_template: bool,
+    /// Float prefill (no quantization), e.g. to compare against W8A8.
+    #[arg(long)]
+    f32_prefill: bool,
+    /// Quant profile file (default: next to the model; calibrated and saved when missing).
+    #[arg(long)]
+    profile: Option<PathBuf>,
+    /// Hexagon SoC model (QNN_SOC_MODEL_*): 57 = SM8650 (default), 43 = SM8550, 69 = SM8750,
+    /// 87 = SM8850. Must match the phone; on x86 it selects what the emulator emulates.
+    #[arg(long, default_value_t = 57)]
+    soc: u32,
+    /// Folder of the prepared-graph cache (QNN context binaries); default: <assets>/graph-cache.
+    #[arg(long)]
+    graph_cache: Option<PathBuf>,
+    /// Finalize every NPU graph, without reading or writing the prepared-graph cache.
+    #[arg(long)]
+    no_graph_cache: bool,
+    /// QNN profiling of every graph; prints the graphs' finalize/load and execute times.
+    #[arg(long, value_enum)]
+    qnn_profile: Option<QnnProfile>,
+}
+
+/// A family's example: `family` is the spec name the loaded model must have, `default` the
+/// model used when neither --model, --model-id nor --which is given (`None`: one is required).
+pub fn run(family: &str, default: Option<Which>) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let device = match args.executor {
+        ExecutorKind::Host => NpuDevice::host(),
+        ExecutorKind::Hexagon => {
+            let cache = (!args.no_graph_cache)
+                .then(|| args.graph_cache.clone().unwrap_or_else(|| candle_npu_models::assets::dir().join("graph-cache")));
+            let config = HtpConfig {
+                soc_model: args.soc,
+                cache_dir: cache,
+                profiling: args.qnn_profile.map(|p| match p {
+                    QnnProfile::Basic => ProfilingLevel::Basic,
+                    QnnProfile::Detailed => ProfilingLevel::Detailed,
+                }),
+                ..Default::default()
+            };
+            NpuDevice::hexagon(config)
+                .context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?
+        }
+    };
+    let chunk_len = args.chunk_len.unwrap_or(match args.executor {
+        ExecutorKind::Hexagon if cfg!(target_arch = "x86_64") => 32,
+        _ => 256,
+    });
+    let path = match (&args.model, &args.model_id, args.which.or(default)) {
+        (Some(p), _, _) => p.clone(),
+        (None, Some(id), _) => candle_npu_models::hf::resolve_model_id(id, None)?,
+        (None, None, Some(w)) if w.family() == family => w.path()?,
+        (None, None, Some(w)) => bail!("--which {w:?} is a {} model: use --example {}", w.family(), w.family()),
+        (None, None, None) => bail!("no {family} weights are fetched by scripts/setup.sh: pass --model <GGUF or HF folder> or --model-id org/name"),
+    };
+    if !path.exists() {
+        bail!("model {} not found: run scripts/setup.sh, or pass --model", path.display());
+    }
+    let opts = LoadOptions {
+        precision: if args.f32_prefill { Precision::F32 } else { Precision::W8A8 },
+        decode_weights: DecodeWeights::Q8_0,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts).with_context(|| format!("loading {}", path.display()))?;
+    if p.model.spec().family != family {
+        bail!("{} is a {} model: use --example {}", path.display(), p.model.spec().family, p.model.spec().family);
+    }
+    eprintln!("loaded {} in {:.1}s ({} executor; {})", path.display(), t.elapsed().as_secs_f32(), device.executor_name(), candle_npu_models::memory::describe());
+
+    let bar = indicatif::ProgressBar::hidden();
+    p.ensure_profile(args.profile.as_deref(), chunk_len, CalibrationSet::default(), |i, n| {
+        if bar.is_hidden() {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            bar.set_length(n as u64);
+            bar.set_message("calibrating activation ranges on Wikipedia text");
+        }
+        bar.set_position(i as u64);
+    })?;
+    bar.finish_and_clear();
+    eprintln!("profile ready ({})", candle_npu_models::memory::describe());
+
+    let tokens = p.encode(&args.prompt, !args.no_chat_template)?;
+    let mut sampler = LogitsProcessor::from_sampling(
+        args.seed,
+        match (args.temperature, args.top_p) {
+            (None, _) => Sampling::ArgMax,
+            (Some(temperature), None) => Sampling::All { temperature },
+            (Some(temperature), Some(p)) => Sampling::TopP { p, temperature },
+        },
+    );
+
+    let t = Instant::now();
+    p.model.prepare(chunk_len)?;
+    let s = device.stats();
+    eprintln!(
+        "NPU graphs for chunk length {} ready in {:.2}s: {} prepared, {} loaded from the graph cache",
+        chunk_len,
+        t.elapsed().as_secs_f32(),
+        s.graphs_prepared,
+        s.graphs_loaded
+    );
+    eprintln!("graphs ready ({})", candle_npu_models::memory::describe());
+    if device.executor_name() == "htp" {
+        // On x86 the HTP is an emulator (~0.3-1 GMAC/s): a 256-row chunk takes minutes.
+        let bar = indicatif::ProgressBar::new(0).with_message(format!("prefill of {} tokens on the HTP", tokens.len()));
+        bar.set_style(indicatif::ProgressStyle::with_template("{msg}: {bar:30} {pos}/{len} layers ({elapsed})").expect("template"));
+        p.model.set_prefill_progress(Some(Box::new(move |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            if done == total {
+                bar.finish_and_clear();
+            }
+        })));
+    }
+    let before = device.stats();
+    let t = Instant::now();
+    let logits = p.model.prefill(&tokens, chunk_len)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let prefill_stats = device.stats();
+    let mut next = sampler.sample(&logits)?;
+    if args.no_chat_template {
+        print!("{}", args.prompt);
+    } else {
+        println!("> {}", args.prompt);
+    }
+    let mut generated = vec![next];
+    let mut printed = 0;
+    let t = Instant::now();
+    while generated.len() < args.sample_len && !p.stop_tokens.contains(&next) {
+        let text = p.decode_text(&generated)?;
+        print!("{}", &text[printed..]);
+        printed = text.len();
+        std::io::stdout().flush()?;
+        next = sampler.sample(&p.model.decode(next)?)?;
+        generated.push(next);
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    let body: Vec<u32> = generated.iter().copied().filter(|t| !p.stop_tokens.contains(t)).collect();
+    let text = p.decode_text(&body)?;
+    println!("{}", text.get(printed..).unwrap_or(""));
+    println!(
+        "\n{} prompt tokens processed: {:.2} token/s ({} chunks of {}, {} graphs prepared, {} executed)",
+        tokens.len(),
+        tokens.len() as f64 / prefill_s,
+        tokens.len().div_ceil(chunk_len),
+        chunk_len,
+        prefill_stats.graphs_prepared - before.graphs_prepared,
+        prefill_stats.executions - before.executions
+    );
+    let decoded = generated.len().saturating_sub(1);
+    println!("{decoded} tokens generated: {:.2} token/s", decoded as f64 / decode_s.max(1e-9));
+    println!("memory: {}", candle_npu_models::memory::describe());
+    print_qnn_profile(&device);
+    Ok(())
+}
+
+/// Per-stage totals of the QNN profile (graphs named `blk.<layer>.<stage>.m<rows>`).
+fn print_qnn_profile(device: &NpuDevice) {
+    let profiles = device.graph_profiles();
+    if profiles.is_empty() {
+        return;
+    }
+    let mut stages: std::collections::BTreeMap<String, (usize, u64, u64, u64)> = Default::default();
+    for g in &profiles {
+        let stage = g.graph.split('.').nth(2).unwrap_or(&g.graph).to_string();
+        let e = stages.entry(stage).or_default();
+        *e = (e.0 + 1, e.1 + g.prepare_us, e.2 + g.executions, e.3 + g.execute_us);
+    }
+    println!("
+QNN profile (QNN's own times; on x86 these are emulator times):");
+    println!("| stage | graphs | finalize/load ms | executions | execute ms |");
+    println!("|---|---|---|---|---|");
+    for (stage, (n, prep, execs, exec)) in stages {
+        println!("| {stage} | {n} | {:.1} | {execs} | {:.1} |", prep as f64 / 1e3, exec as f64 / 1e3);
+    }
+}
