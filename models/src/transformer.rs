@@ -38,7 +38,7 @@ use candle_npu::{
     Result, ShadowLinear, TensorData, TensorId, WeightQuant,
 };
 
-use crate::attention::{attend, QkNorm, Rows};
+use crate::attention::{attend, KvCache, QkNorm, Rows};
 use crate::checkpoint::{Checkpoint, NameMap};
 pub use crate::spec::{Config, FamilySpec};
 
@@ -95,7 +95,7 @@ impl Layer {
     /// The layer, written once: `x` (`[m, hidden]`) through attention and FFN. `run(s, h)`
     /// computes the linears of stage `s` on `h`: the NPU stage graph with its shadow outliers
     /// in prefill, candle CPU matmuls in decode. Everything else here runs on the CPU.
-    fn forward(&self, cfg: &Config, spec: &FamilySpec, l: usize, x: Tensor, rows: &Rows, kv: &mut Option<(Tensor, Tensor)>, run: &mut StageFn<'_>) -> Result<Tensor> {
+    fn forward(&self, cfg: &Config, spec: &FamilySpec, l: usize, x: Tensor, rows: &Rows, kv: &mut KvCache, run: &mut StageFn<'_>) -> Result<Tensor> {
         let eps = cfg.rms_eps as f32;
         let h = candle_nn::ops::rms_norm(&x, &self.attn_norm, eps)?;
         let [q, k, v]: [Tensor; 3] = run(0, &h)?.try_into().map_err(|_| Error::Input("QKV stage must return three outputs".into()))?;
@@ -140,7 +140,7 @@ pub struct Model {
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
     a16: Vec<[Quant; 4]>,
     graphs: HashMap<(usize, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
-    kv: Vec<Option<(Tensor, Tensor)>>,
+    kv: Vec<KvCache>,
     pos: usize,
     progress: Option<Progress>,
     /// CPU time of the shadow path (outlier extraction and the float product) since the last
@@ -218,7 +218,7 @@ impl Model {
             shadow_on: vec![],
             shadow_time: std::time::Duration::ZERO,
             graphs: HashMap::new(),
-            kv: vec![None; n],
+            kv: (0..n).map(|_| KvCache::default()).collect(),
             pos: 0,
             progress: None,
         })
@@ -368,7 +368,7 @@ impl Model {
 
     /// Forget the KV cache.
     pub fn clear(&mut self) {
-        self.kv.iter_mut().for_each(|kv| *kv = None);
+        self.kv.iter_mut().for_each(KvCache::clear);
         self.pos = 0;
     }
 
@@ -512,7 +512,7 @@ impl Model {
             return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
         }
         let mut x = self.embed_rows(tokens)?;
-        let rows = Rows::new(&self.spec, self.pos, n, n)?;
+        let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?;
         let Model { cfg, spec, layers, kv, .. } = self;
         for (l, layer) in layers.iter().enumerate() {
             let mut run = |s: usize, h: &Tensor| {
@@ -567,7 +567,7 @@ impl Model {
             let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
             ids.resize(m, 0);
             let mut x = self.embed_rows(&ids)?;
-            let rows = Rows::new(&self.spec, chunk.start, m, n_valid)?;
+            let rows = Rows::new(&self.spec, chunk.start, m, n_valid, tokens.len())?;
             for l in 0..n_layer {
                 let Model { cfg, spec, layers, kv, points, shadow_on, a16, shadow_time, .. } = &mut *self;
                 let mut stage = Stage {

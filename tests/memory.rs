@@ -1,0 +1,42 @@
+//! The memory bound of issue 9: SmolLM2's main job (W8A8 NPU prefill of a long prompt on the
+//! host executor, CPU decode) peaks at no more than 400 MiB resident (llama.cpp runs the same
+//! model as Q8_0 in 356 MB, measured on this machine). Its own test binary: peak RSS is per
+//! process, and cargo runs test binaries one at a time.
+
+mod common;
+
+use candle_npu::NpuDevice;
+use candle_npu_models::transformer::argmax;
+use candle_npu_models::{memory, CalibrationSet, DecodeWeights, Precision};
+use common::*;
+
+const BOUND_MIB: u64 = 400;
+
+#[test]
+fn smollm2_main_job_peaks_under_400_mib() {
+    let Some((_, start)) = memory::rss() else {
+        eprintln!("skipped: /proc/self/status is not available on this OS");
+        return;
+    };
+    let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    eprintln!("loaded: {}", memory::describe());
+    // The profile as the example gets it: loaded, or calibrated and saved on first use.
+    p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {}).unwrap();
+    // A 700-token prompt (three chunks of 256) from a plain text file: the Wikipedia loader
+    // would parse 6.5 MB of JSON, which is the test's cost, not the job's.
+    let text: String = candle_npu_models::assets::moby_dick().unwrap().chars().skip(20_000).take(4_000).collect();
+    let prompt: Vec<u32> = p.encode(&text, false).unwrap().into_iter().take(700).collect();
+    assert_eq!(prompt.len(), 700);
+    eprintln!("profile: {}", memory::describe());
+    p.model.prepare(256).unwrap();
+    eprintln!("graphs: {}", memory::describe());
+    let mut t = argmax(&p.model.prefill(&prompt, 256).unwrap()).unwrap();
+    eprintln!("prefill: {}", memory::describe());
+    for _ in 0..16 {
+        t = argmax(&p.model.decode(t).unwrap()).unwrap();
+    }
+    let (_, peak) = memory::rss().unwrap();
+    let mib = |b: u64| b / (1 << 20);
+    eprintln!("peak resident {} MiB (at test start {} MiB); {}", mib(peak), mib(start), memory::describe());
+    assert!(mib(peak) <= BOUND_MIB, "peak resident {} MiB > {BOUND_MIB} MiB", mib(peak));
+}
