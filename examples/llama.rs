@@ -1,7 +1,7 @@
 //! Llama (SmolLM2-135M by default): prefill on the NPU (or its host INT8 executor), decode on candle's CPU path.
 //!
 //! ```text
-//! cargo run --release --example llama -- --prompt "The capital of France is"
+//! cargo run --release --example llama -- --prompt "What is the capital of France?"
 //! ```
 #[path = "common/cli.rs"]
 mod cli;

@@ -68,7 +68,7 @@ struct Args {
     /// tokenizer.json to use instead of the GGUF's own tokenizer.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    #[arg(long, default_value = "The capital of France is")]
+    #[arg(long, default_value = "What is the capital of France?")]
     prompt: String,
     /// Tokens to generate.
     #[arg(long, short = 'n', default_value_t = 64)]
