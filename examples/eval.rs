@@ -95,7 +95,10 @@ struct Data {
 impl Data {
     fn new(p: &Pipeline, args: &Args) -> Result<Self> {
         let n = args.windows;
-        let wiki = p.heldout_tokens(n * WINDOW)?;
+        // Every window starts as a prompt does (Gemma: with BOS; SmolLM2, Qwen: no prefix).
+        let bos = p.encode("", false)?;
+        let body = WINDOW - bos.len();
+        let wiki: Vec<Vec<u32>> = p.heldout_tokens(n * body + bos.len())?[bos.len()..].chunks_exact(body).map(|c| [&bos[..], c].concat()).collect();
         // Spread the windows over each text (1790 to 2021; chapter 1 to the end).
         let speeches = assets::sotu_speeches()?;
         let sotu = (0..n)
@@ -115,7 +118,7 @@ impl Data {
                 p.encode_texts([moby[at..end].to_string()], WINDOW)
             })
             .collect::<candle_npu::Result<Vec<_>>>()?;
-        let mut windows = vec![wiki.chunks_exact(WINDOW).map(<[u32]>::to_vec).collect::<Vec<_>>(), sotu, moby];
+        let mut windows = vec![wiki, sotu, moby];
         for (w, name) in windows.iter_mut().zip(DOMAINS) {
             w.retain(|w| w.len() == WINDOW);
             if w.len() != n {

@@ -1,0 +1,74 @@
+//! Llama and Qwen2 (GGUF) against candle-transformers' quantized models with their matmuls in
+//! F16 (`CANDLE_DEQUANTIZE_ALL_F16`: weights dequantized to F16, activations rounded to F16 for
+//! each matmul): the user's "candle FP16 outputs". The tolerance is candle's own F32-vs-F16 gap
+//! on the same prompt, measured in the same run. (Gemma 3, Phi-3, Mistral: in
+//! tests/gguf_families.rs and tests/hf_families.rs.)
+//!
+//! Own test binary: candle reads those variables once per thread, when a thread first builds a
+//! `QMatMul`, so each reference is built in a fresh thread after setting them.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use candle_npu::NpuDevice;
+use candle_npu_models::transformer::argmax;
+use candle_npu_models::{assets, DecodeWeights, LoadOptions, Pipeline, Precision};
+use common::*;
+
+/// Build a reference in a new thread with `var` = 1 (and the other unset).
+fn build<M: Send + 'static>(path: PathBuf, var: &'static str, f: fn(gguf_file::Content, &mut std::fs::File) -> M) -> M {
+    for v in ["CANDLE_DEQUANTIZE_ALL", "CANDLE_DEQUANTIZE_ALL_F16"] {
+        // SAFETY: the only test in this binary; no other thread reads the environment now.
+        unsafe { std::env::set_var(v, if v == var { "1" } else { "0" }) };
+    }
+    std::thread::spawn(move || {
+        let mut f_ = std::fs::File::open(&path).unwrap();
+        let ct = gguf_file::Content::read(&mut f_).unwrap();
+        f(ct, &mut f_)
+    })
+    .join()
+    .unwrap()
+}
+
+fn logits(forward: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>, t: &[u32]) -> Vec<f32> {
+    let x = Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    forward(&x, 0).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn top1(v: &[f32]) -> u32 {
+    argmax(&Tensor::new(v, &Device::Cpu).unwrap()).unwrap()
+}
+
+fn check(path: &Path, r32: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>, r16: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>) {
+    let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
+    let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts).unwrap();
+    let toks = p.heldout_tokens(300).unwrap();
+    for len in [37usize, 300] {
+        let (want32, want16) = (logits(r32, &toks[..len]), logits(r16, &toks[..len]));
+        let got: Vec<f32> = p.model.prefill(&toks[..len], 256).unwrap().to_vec1().unwrap();
+        let (err, gap) = (rel_max_err(&got, &want16), rel_max_err(&want32, &want16));
+        eprintln!("{}: prompt {len}: vs candle F16 {err:e} (candle's own F32 vs F16: {gap:e})", path.display());
+        // 1% slack: ours and candle's F32 differ by ~1e-6 (GEMM order), not by the F16 rounding.
+        assert!(err <= gap * 1.01 + 1e-5, "prompt {len}: {err} vs F16, candle's F32 is at {gap}");
+        if top1(&want32) == top1(&want16) {
+            assert_eq!(top1(&got), top1(&want16), "prompt {len}: top-1 vs F16");
+        }
+    }
+}
+
+#[test]
+fn llama_and_qwen2_against_candle_in_f16() {
+    use candle_transformers::models::{quantized_llama as llama, quantized_qwen2 as qwen2};
+    let path = assets::smollm2();
+    let mut r32 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL", |c, f| llama::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    let mut r16 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL_F16", |c, f| llama::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    check(&path, &mut |x, p| r32.forward(x, p), &mut |x, p| r16.forward(x, p));
+
+    let path = assets::qwen25_coder_05b().unwrap();
+    let mut r32 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL", |c, f| qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    let mut r16 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL_F16", |c, f| qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    check(&path, &mut |x, p| r32.forward(x, p), &mut |x, p| r16.forward(x, p));
+}
