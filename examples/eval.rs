@@ -125,7 +125,7 @@ impl Data {
                 bail!("{name}: only {} windows of {WINDOW} tokens (run scripts/setup.sh)", w.len());
             }
         }
-        let letters = ["A", "B", "C", "D"].map(|l| p.encode(&format!(" {l}"), false));
+        let letters = ["A", "B", "C", "D"].map(|l| p.encode_piece(&format!(" {l}")));
         let letters: Vec<u32> = letters
             .into_iter()
             .map(|ids| match ids?.as_slice() {
