@@ -491,7 +491,7 @@ fn main() -> Result<()> {
     }
     let f32_ppl = rows[0].ppl.clone();
     if do_rows {
-        println!("\nSmolLM2-135M, host executor; {} x {WINDOW}-token windows per domain (second halves scored); MMLU {} questions ({} per subject, seed {}).\n", args.windows, data.mmlu.len(), args.mmlu_per_subject, args.seed);
+        println!("\n{}, host executor; {} x {WINDOW}-token windows per domain (second halves scored); MMLU {} questions ({} per subject, seed {}).\n", model_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), args.windows, data.mmlu.len(), args.mmlu_per_subject, args.seed);
         println!("| prefill | ppl Wikipedia | ppl SOTU | ppl Moby Dick | top-1 agreement | MMLU | prefill tok/s |");
         println!("|---|---|---|---|---|---|---|");
         rows.iter().for_each(|r| println!("{}", table_line(r)));
