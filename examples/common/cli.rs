@@ -145,7 +145,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         (Some(p), _, _) => p.clone(),
         (None, Some(id), _) => candle_npu_models::hf::resolve_model_id(id, None)?,
         (None, None, Some(w)) if w.family() == family => w.path()?,
-        (None, None, Some(w)) => bail!("--which {w:?} is a {} model: use --example {}", w.family(), w.family()),
+        (None, None, Some(w)) => bail!("--which {} is a {} model: use --example {}", w.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default(), w.family(), w.family()),
         (None, None, None) => bail!("no {family} weights are fetched by scripts/setup.sh: pass --model <GGUF or HF folder> or --model-id org/name"),
     };
     if !path.exists() {
