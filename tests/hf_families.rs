@@ -111,25 +111,22 @@ fn run<F: FnMut(&Tensor, usize) -> candle_core::Result<Tensor>>(f: &mut F, t: &[
     f(&x, pos).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
-struct Phi3(candle_transformers::models::phi3::Model);
-impl Reference for Phi3 {
-    fn logits(&mut self, t: &[u32], pos: usize) -> Vec<f32> {
-        if pos == 0 {
-            self.0.clear_kv_cache();
+/// candle-transformers' models as a [`Reference`]: their forward restarts at position 0.
+macro_rules! reference {
+    ($name:ident, $model:ty) => {
+        struct $name($model);
+        impl Reference for $name {
+            fn logits(&mut self, t: &[u32], pos: usize) -> Vec<f32> {
+                if pos == 0 {
+                    self.0.clear_kv_cache();
+                }
+                run(&mut |x, p| self.0.forward(x, p), t, pos)
+            }
         }
-        run(&mut |x, p| self.0.forward(x, p), t, pos)
-    }
+    };
 }
-
-struct Mistral(candle_transformers::models::mistral::Model);
-impl Reference for Mistral {
-    fn logits(&mut self, t: &[u32], pos: usize) -> Vec<f32> {
-        if pos == 0 {
-            self.0.clear_kv_cache();
-        }
-        run(&mut |x, p| self.0.forward(x, p), t, pos)
-    }
-}
+reference!(Phi3, candle_transformers::models::phi3::Model);
+reference!(Mistral, candle_transformers::models::mistral::Model);
 
 /// Last-token logits for each prompt length and chunk length (F32), then 16 greedy tokens,
 /// then the same prompts against the F16 reference.
