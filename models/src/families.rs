@@ -1,7 +1,6 @@
 //! The supported families and how a checkpoint finds its family: a GGUF by its
 //! `general.architecture`, an HF folder by `config.json`'s `model_type`.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use candle_npu::{Error, NpuDevice, Result};
@@ -14,21 +13,31 @@ use crate::transformer::{LoadOptions, Model};
 /// GGUF architectures this crate loads.
 pub const GGUF_ARCHS: &[&str] = &["llama", "qwen2", "gemma3"];
 
-/// Load a GGUF model of a supported family: NPU prefill on `device`, CPU decode.
-pub fn load_gguf(path: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model> {
-    let g = Arc::new(Gguf::open(path)?);
+/// The family file of a GGUF's architecture, or an error naming the supported ones.
+fn spec_of(g: &Gguf) -> Result<(String, fn(&Gguf, &crate::spec::Config) -> Result<FamilySpec>)> {
     let arch = g.string("general.architecture")?;
-    let spec_of: fn(&Gguf, &crate::spec::Config) -> Result<FamilySpec> = match arch.as_str() {
+    let f: fn(&Gguf, &crate::spec::Config) -> Result<FamilySpec> = match arch.as_str() {
         "llama" => crate::llama::gguf_spec,
         "qwen2" => crate::qwen2::gguf_spec,
         "gemma3" => crate::gemma3::gguf_spec,
         other => {
-            return Err(Error::Model { path: path.to_path_buf(), reason: format!("architecture '{other}' is not supported (GGUF: {})", GGUF_ARCHS.join(", ")) })
+            return Err(Error::Model { path: g.path.clone(), reason: format!("architecture '{other}' is not supported (GGUF: {})", GGUF_ARCHS.join(", ")) })
         }
     };
+    Ok((arch, f))
+}
+
+/// Check that a GGUF is of a supported family (before anything else is read from it).
+pub fn check_gguf(g: &Gguf) -> Result<()> {
+    spec_of(g).map(|_| ())
+}
+
+/// Load a GGUF model of a supported family: NPU prefill on `device`, CPU decode.
+pub fn load_gguf(g: Arc<Gguf>, device: &NpuDevice, opts: LoadOptions) -> Result<Model> {
+    let (arch, spec_of) = spec_of(&g)?;
     let cfg = g.config(&arch)?;
     let spec = spec_of(&g, &cfg)?;
-    let id = candle_npu::quant::model_id(path)?;
+    let id = candle_npu::quant::model_id(&g.path)?;
     let ckpt = GgufCheckpoint::new(g)?;
     // GGUF names are the engine's names.
     Model::load(cfg, spec, &ckpt, &|n: &str| Mapped::whole(n), id, device.clone(), opts)

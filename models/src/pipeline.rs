@@ -68,21 +68,15 @@ impl Pipeline {
         if path.is_dir() {
             return Self::load_hf(path, tokenizer, device, opts);
         }
-        let g = Gguf::open(path)?;
-        let arch = g.string("general.architecture")?;
-        // An unsupported architecture is reported before a tokenizer error.
+        let g = std::sync::Arc::new(Gguf::open(path)?);
+        crate::families::check_gguf(&g)?;
         let tok = match tokenizer {
-            Some(p) => crate::tokenizer::from_file(p),
-            None => crate::tokenizer::from_gguf(&g),
+            Some(p) => crate::tokenizer::from_file(p)?,
+            None => crate::tokenizer::from_gguf(&g)?,
         };
         let template = ChatTemplate::from_gguf(&g);
         let mut stop_tokens: Vec<u32> = g.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
-        drop(g);
-        if !crate::families::GGUF_ARCHS.contains(&arch.as_str()) {
-            return Err(Error::Model { path: path.to_path_buf(), reason: format!("architecture '{arch}' is not supported (GGUF: {})", crate::families::GGUF_ARCHS.join(", ")) });
-        }
-        let tok = tok?;
-        let model = crate::families::load_gguf(path, device, opts)?;
+        let model = crate::families::load_gguf(g, device, opts)?;
         for s in template.stop_strings() {
             stop_tokens.extend(tok.token_to_id(s));
         }
