@@ -64,6 +64,16 @@ enum Scales {
     PerChannel(Arc<Vec<f32>>),
 }
 
+impl Scales {
+    /// The scale of output row `row`.
+    fn row(&self, row: usize) -> f32 {
+        match self {
+            Scales::PerTensor(q) => q.scale,
+            Scales::PerChannel(s) => s[row],
+        }
+    }
+}
+
 /// Bytes of one Q8_0 block: an f16 scale and 32 INT8 values.
 const Q8_0_BLOCK: usize = 34;
 
@@ -81,12 +91,6 @@ impl NpuWeight {
         }
     }
 
-    fn row_scale(&self, row: usize) -> f32 {
-        match &self.scales {
-            Scales::PerTensor(q) => q.scale,
-            Scales::PerChannel(s) => s[row],
-        }
-    }
 
     /// Column `c` of the INT8 weight, `N` values (strided reads).
     fn column(&self, c: usize, n: usize, k: usize) -> Result<Vec<i8>> {
@@ -185,27 +189,21 @@ impl ShadowLinear {
             return Err(Error::Input(format!("{name}: bias has {} values, weight has {n} outputs", b.len())));
         }
         let (q, scales) = NpuWeight::quantize(&data, n, k, weights);
-        let mut npu = NpuWeight { int8: Int8::Raw(Arc::new(vec![])), scales };
-        let decode = match decode {
-            DecodeWeights::F32 => {
-                npu.int8 = Int8::Raw(Arc::new(q));
-                QMatMul::Tensor(Tensor::from_vec(data, (n, k), &Device::Cpu)?)
-            }
+        let row_scales: Vec<f32> = (0..n).map(|r| scales.row(r)).collect();
+        let (int8, decode) = match decode {
+            DecodeWeights::F32 => (Int8::Raw(Arc::new(q)), QMatMul::Tensor(Tensor::from_vec(data, (n, k), &Device::Cpu)?)),
             DecodeWeights::Q8_0 if k % 32 == 0 => {
-                let t = Arc::new(q8_0_blocks(&q, n, k, |r| npu.row_scale(r))?);
-                npu.int8 = Int8::Q8_0(t.clone());
-                QMatMul::QTensor(t)
+                let t = Arc::new(q8_0_blocks(&q, n, k, |r| row_scales[r])?);
+                (Int8::Q8_0(t.clone()), QMatMul::QTensor(t))
             }
             DecodeWeights::Q8_0 => {
                 tracing::warn!(linear = %name, k, "input width is not whole Q8_0 blocks of 32: decode runs the INT8 weight dequantized to F32");
-                let npu_ref = &npu;
-                let deq: Vec<f32> = q.chunks_exact(k).enumerate().flat_map(|(r, row)| row.iter().map(move |&v| v as f32 * npu_ref.row_scale(r))).collect();
-                npu.int8 = Int8::Raw(Arc::new(q));
-                QMatMul::Tensor(Tensor::from_vec(deq, (n, k), &Device::Cpu)?)
+                let deq: Vec<f32> = q.iter().enumerate().map(|(i, &v)| v as f32 * row_scales[i / k]).collect();
+                (Int8::Raw(Arc::new(q)), QMatMul::Tensor(Tensor::from_vec(deq, (n, k), &Device::Cpu)?))
             }
         };
+        let npu = NpuWeight { int8, scales };
         let bias_t = bias.as_ref().map(|b| Tensor::from_slice(b, n, &Device::Cpu)).transpose()?;
-        let row_scales = (0..n).map(|r| npu.row_scale(r)).collect();
         Ok(ShadowLinear {
             name,
             n,
@@ -362,9 +360,8 @@ mod tests {
             // Decode multiplies by those values times the f16-rounded channel scale.
             let x = Tensor::ones((1, k), candle_core::DType::F32, &Device::Cpu).unwrap();
             let got: Vec<f32> = lin.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            let npu = NpuWeight { int8: Int8::Raw(Arc::new(want.clone())), scales };
             for (r, g) in got.iter().enumerate() {
-                let s = half::f16::from_f32(npu.row_scale(r)).to_f32();
+                let s = half::f16::from_f32(scales.row(r)).to_f32();
                 let e: f32 = want[r * k..(r + 1) * k].iter().map(|&q| q as f32 * s).sum();
                 // candle's Q8_0 kernel quantizes the activations (ones: exact) and sums in f32.
                 assert!((g - e).abs() <= 1e-4 * e.abs().max(1.0), "row {r}: {g} vs {e}");

@@ -48,13 +48,6 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Tokens held.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
     /// Drop the tokens and the memory.
     pub fn clear(&mut self) {
         *self = KvCache::default();

@@ -42,10 +42,6 @@ pub trait Checkpoint {
     /// the checkpoint's own quantization where it has one.
     fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul>;
 
-    fn missing(&self, name: &str) -> Error {
-        Error::MissingTensor { path: self.path().to_path_buf(), name: name.to_string() }
-    }
-
     /// The matrix at `m`, cut to its rows if it is part of a fused tensor.
     fn mapped_matrix(&self, m: &Mapped) -> Result<Arc<dyn WeightSource>> {
         let w = self.matrix(&m.name)?;
@@ -205,7 +201,7 @@ impl SafetensorsCheckpoint {
 
     fn get(&self, name: &str) -> Result<Tensor> {
         if !self.vb.contains_tensor(name) {
-            return Err(self.missing(name));
+            return Err(Error::MissingTensor { path: self.dir.clone(), name: name.to_string() });
         }
         self.vb.get_unchecked_dtype(name, DType::F32).map_err(|e| Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': {e}") })
     }
