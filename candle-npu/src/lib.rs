@@ -9,6 +9,8 @@
 //! - [`outlier`]: the shadow path's CPU half: clipping, outlier extraction, cold columns.
 //! - [`cache`]: the prepared-graph cache (compiled graphs on disk, validated, atomic writes).
 //! - [`chunk`]: the [`ChunkPlan`] that makes graphs shareable across chunks.
+//! - [`sched`]: the [`SubgraphDag`] of (chunk, stage) nodes, scheduling [`Policy`]s, simulation, the
+//!   optimum, and [`Trace`] (out-of-order subgraph execution, llm.npu §3.4).
 //! - [`kernels`]: INT8 / F32 GEMM for the host.
 
 pub mod cache;
@@ -21,6 +23,7 @@ pub mod kernels;
 pub mod linear;
 pub mod outlier;
 pub mod quant;
+pub mod sched;
 
 pub use chunk::{Chunk, ChunkPlan};
 pub use device::{DeviceStats, NpuDevice, PreparedGraph};
@@ -32,3 +35,7 @@ pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
 pub use linear::{DecodeWeights, ShadowLinear, WeightQuant};
 pub use outlier::{InMemoryWeight, InputPoint, Outliers, PointStats, WeightSource};
 pub use quant::{Calibrator, ClipMethod, QuantProfile};
+pub use sched::{
+    ContributionWeights, CostModel, DagChunk, PickContext, Policy, Processor, Schedule, StageDesc, SubgraphDag, TableCosts,
+    Trace,
+};
