@@ -2,8 +2,9 @@
 //!
 //! NPU graphs are static-shape and costly to prepare, so the prompt is processed in chunks of one
 //! fixed length: every graph whose shape depends only on the chunk length (linear layers, FFN) is
-//! prepared once and shared by all chunks. The last chunk is padded to the chunk length; padded
-//! rows are computed but never enter the KV cache or the logits.
+//! prepared once and shared by all chunks. What does not fill a last chunk is either padded to the
+//! chunk length (padded rows are computed but never enter the KV cache or the logits) or, as
+//! HeteroLLM does, run as a *margin* on the CPU, concurrently with the NPU's full chunks.
 
 use crate::error::{Error, Result};
 
@@ -14,14 +15,28 @@ pub struct Chunk {
     pub start: usize,
     /// Real tokens in the chunk.
     pub len: usize,
-    /// Rows the static graphs run on (the chunk length).
+    /// Rows the stages run on: the chunk length for an NPU chunk, `len` for a margin.
     pub padded_len: usize,
+    /// Runs every stage on the CPU (see [`Tail::Margin`]).
+    pub margin: bool,
 }
 
 impl Chunk {
     pub fn padding(&self) -> usize {
         self.padded_len - self.len
     }
+}
+
+/// What happens to the tokens that do not fill a last chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Tail {
+    /// Padded to a whole chunk on the NPU: the NPU computes rows nobody uses (a 24-token
+    /// prompt costs a 256-row chunk).
+    Pad,
+    /// Run on the CPU as a margin chunk of their own length (HeteroLLM): no padding; the CPU
+    /// takes the margin's linears while the NPU runs the full chunks' stages.
+    #[default]
+    Margin,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,13 +47,23 @@ pub struct ChunkPlan {
 }
 
 impl ChunkPlan {
-    /// Plan `prompt_len` tokens in chunks of `chunk_len`, for a model with `context_len` positions.
-    pub fn new(prompt_len: usize, chunk_len: usize, context_len: usize) -> Result<Self> {
+    /// Plan `prompt_len` tokens in chunks of `chunk_len`, for a model with `context_len`
+    /// positions, the remainder padded or run as a CPU margin.
+    pub fn new(
+        prompt_len: usize,
+        chunk_len: usize,
+        context_len: usize,
+        tail: Tail,
+    ) -> Result<Self> {
         if prompt_len == 0 {
-            return Err(Error::Input("empty prompt: prefill needs at least one token".into()));
+            return Err(Error::Input(
+                "empty prompt: prefill needs at least one token".into(),
+            ));
         }
         if chunk_len == 0 {
-            return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
+            return Err(Error::Input(
+                "chunk length 0: use a positive --chunk-len (e.g. 256)".into(),
+            ));
         }
         if prompt_len > context_len {
             return Err(Error::Input(format!(
@@ -48,14 +73,31 @@ impl ChunkPlan {
         let chunks = (0..prompt_len.div_ceil(chunk_len))
             .map(|index| {
                 let start = index * chunk_len;
-                Chunk { index, start, len: chunk_len.min(prompt_len - start), padded_len: chunk_len }
+                let len = chunk_len.min(prompt_len - start);
+                let margin = len < chunk_len && tail == Tail::Margin;
+                Chunk {
+                    index,
+                    start,
+                    len,
+                    padded_len: if margin { len } else { chunk_len },
+                    margin,
+                }
             })
             .collect();
-        Ok(ChunkPlan { prompt_len, chunk_len, chunks })
+        Ok(ChunkPlan {
+            prompt_len,
+            chunk_len,
+            chunks,
+        })
     }
 
     pub fn padded_tokens(&self) -> usize {
         self.chunks.iter().map(Chunk::padding).sum()
+    }
+
+    /// Rows run on the CPU as a margin.
+    pub fn margin_tokens(&self) -> usize {
+        self.chunks.iter().filter(|c| c.margin).map(|c| c.len).sum()
     }
 }
 
@@ -65,32 +107,86 @@ mod tests {
 
     #[test]
     fn exact_multiple_has_no_padding() {
-        let p = ChunkPlan::new(512, 256, 8192).unwrap();
-        assert_eq!(p.chunks.len(), 2);
-        assert_eq!(p.padded_tokens(), 0);
-        assert_eq!(p.chunks[1], Chunk { index: 1, start: 256, len: 256, padded_len: 256 });
+        for tail in [Tail::Pad, Tail::Margin] {
+            let p = ChunkPlan::new(512, 256, 8192, tail).unwrap();
+            assert_eq!(p.chunks.len(), 2);
+            assert_eq!((p.padded_tokens(), p.margin_tokens()), (0, 0));
+            assert_eq!(
+                p.chunks[1],
+                Chunk {
+                    index: 1,
+                    start: 256,
+                    len: 256,
+                    padded_len: 256,
+                    margin: false
+                }
+            );
+        }
     }
 
     #[test]
     fn last_chunk_is_padded() {
-        let p = ChunkPlan::new(300, 128, 8192).unwrap();
-        assert_eq!(p.chunks.iter().map(|c| c.len).collect::<Vec<_>>(), vec![128, 128, 44]);
+        let p = ChunkPlan::new(300, 128, 8192, Tail::Pad).unwrap();
+        assert_eq!(
+            p.chunks.iter().map(|c| c.len).collect::<Vec<_>>(),
+            vec![128, 128, 44]
+        );
         assert_eq!(p.chunks[2].padding(), 84);
         assert_eq!(p.chunks.iter().map(|c| c.len).sum::<usize>(), 300);
     }
 
     #[test]
+    fn remainder_becomes_a_cpu_margin_without_padding() {
+        let p = ChunkPlan::new(300, 128, 8192, Tail::Margin).unwrap();
+        assert_eq!(
+            p.chunks
+                .iter()
+                .map(|c| (c.len, c.padded_len, c.margin))
+                .collect::<Vec<_>>(),
+            vec![(128, 128, false), (128, 128, false), (44, 44, true)]
+        );
+        assert_eq!((p.padded_tokens(), p.margin_tokens()), (0, 44));
+        let p = ChunkPlan::new(24, 256, 8192, Tail::Margin).unwrap();
+        assert_eq!(
+            p.chunks,
+            vec![Chunk {
+                index: 0,
+                start: 0,
+                len: 24,
+                padded_len: 24,
+                margin: true
+            }]
+        );
+    }
+
+    #[test]
     fn one_token_and_chunk_longer_than_prompt() {
-        let p = ChunkPlan::new(1, 256, 8192).unwrap();
-        assert_eq!(p.chunks, vec![Chunk { index: 0, start: 0, len: 1, padded_len: 256 }]);
+        let p = ChunkPlan::new(1, 256, 8192, Tail::Pad).unwrap();
+        assert_eq!(
+            p.chunks,
+            vec![Chunk {
+                index: 0,
+                start: 0,
+                len: 1,
+                padded_len: 256,
+                margin: false
+            }]
+        );
     }
 
     #[test]
     fn bad_inputs_are_errors() {
-        assert!(ChunkPlan::new(0, 256, 8192).unwrap_err().to_string().contains("empty prompt"));
-        assert!(ChunkPlan::new(10, 0, 8192).unwrap_err().to_string().contains("chunk length 0"));
-        let e = ChunkPlan::new(9000, 256, 8192).unwrap_err().to_string();
+        let t = Tail::Margin;
+        assert!(ChunkPlan::new(0, 256, 8192, t)
+            .unwrap_err()
+            .to_string()
+            .contains("empty prompt"));
+        assert!(ChunkPlan::new(10, 0, 8192, t)
+            .unwrap_err()
+            .to_string()
+            .contains("chunk length 0"));
+        let e = ChunkPlan::new(9000, 256, 8192, t).unwrap_err().to_string();
         assert!(e.contains("9000") && e.contains("8192"), "{e}");
-        assert!(ChunkPlan::new(8192, 256, 8192).is_ok());
+        assert!(ChunkPlan::new(8192, 256, 8192, t).is_ok());
     }
 }

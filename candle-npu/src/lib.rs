@@ -25,17 +25,17 @@ pub mod outlier;
 pub mod quant;
 pub mod sched;
 
-pub use chunk::{Chunk, ChunkPlan};
+pub use chunk::{Chunk, ChunkPlan, Tail};
 pub use device::{DeviceStats, NpuDevice, PreparedGraph};
 pub use error::{Error, Result};
-pub use executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin, ProfileEvent};
 #[cfg(feature = "qnn")]
 pub use executor::htp::{HtpConfig, HtpExecutor, ProfilingLevel};
+pub use executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin, ProfileEvent};
 pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
 pub use linear::{DecodeWeights, ShadowLinear, WeightQuant};
 pub use outlier::{InMemoryWeight, InputPoint, Outliers, PointStats, WeightSource};
 pub use quant::{Calibrator, ClipMethod, QuantProfile};
 pub use sched::{
-    ContributionWeights, CostModel, DagChunk, PickContext, Policy, Processor, Schedule, StageDesc, SubgraphDag, TableCosts,
-    Trace,
+    ContributionWeights, CostModel, DagChunk, PickContext, Policy, Processor, Runner, Schedule,
+    StageDesc, SubgraphDag, TableCosts, Trace,
 };

@@ -11,23 +11,23 @@
 
 pub mod assets;
 pub mod attention;
+pub mod chat;
 pub mod checkpoint;
 pub mod families;
 pub mod gemma3;
-pub mod chat;
 pub mod gguf;
 pub mod hf;
 pub mod llama;
+pub mod memory;
 pub mod mistral;
 pub mod phi3;
-pub mod memory;
+pub mod pipeline;
 pub mod qwen2;
 pub mod spec;
-pub mod pipeline;
 pub mod tokenizer;
 pub mod transformer;
 
-pub use pipeline::{CalibrationSet, Pipeline};
 pub use candle_npu::{DecodeWeights, WeightQuant};
+pub use pipeline::{CalibrationSet, Pipeline};
 pub use spec::{Config, FamilySpec};
-pub use transformer::{LoadOptions, Model, Precision};
+pub use transformer::{LoadOptions, Model, Precision, SchedOptions};

@@ -28,14 +28,18 @@
 //! still leaves gate/up without a shadow.) The CPU half of the FFN is one elementwise pass.
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
+use candle_npu::sched::{
+    DagChunk, Node, Policy, Processor, Runner, Schedule, StageDesc, SubgraphDag,
+};
 use candle_npu::{
-    Calibrator, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant, QuantProfile,
-    Result, ShadowLinear, TensorData, TensorId, WeightQuant,
+    Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice,
+    Outliers, PointStats, PreparedGraph, Quant, QuantProfile, Result, ShadowLinear, Tail,
+    TensorData, TensorId, WeightQuant,
 };
 
 use crate::attention::{attend, KvCache, QkNorm, Rows};
@@ -64,7 +68,11 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerChannel }
+        LoadOptions {
+            precision: Precision::W8A8,
+            decode_weights: DecodeWeights::Q8_0,
+            weights: WeightQuant::PerChannel,
+        }
     }
 }
 
@@ -95,18 +103,45 @@ impl Layer {
     /// The layer, written once: `x` (`[m, hidden]`) through attention and FFN. `run(s, h)`
     /// computes the linears of stage `s` on `h`: the NPU stage graph with its shadow outliers
     /// in prefill, candle CPU matmuls in decode. Everything else here runs on the CPU.
-    fn forward(&self, cfg: &Config, spec: &FamilySpec, l: usize, x: Tensor, rows: &Rows, kv: &mut KvCache, run: &mut StageFn<'_>) -> Result<Tensor> {
+    fn forward(
+        &self,
+        cfg: &Config,
+        spec: &FamilySpec,
+        l: usize,
+        x: Tensor,
+        rows: &Rows,
+        kv: &Mutex<KvCache>,
+        run: &mut StageFn<'_>,
+    ) -> Result<Tensor> {
         let eps = cfg.rms_eps as f32;
         let h = candle_nn::ops::rms_norm(&x, &self.attn_norm, eps)?;
-        let [q, k, v]: [Tensor; 3] = run(0, &h)?.try_into().map_err(|_| Error::Input("QKV stage must return three outputs".into()))?;
-        let a = attend(cfg, spec, &spec.layers[l], self.qk_norm.as_ref(), kv, &q, &k, &v, rows)?;
+        let [q, k, v]: [Tensor; 3] = run(0, &h)?
+            .try_into()
+            .map_err(|_| Error::Input("QKV stage must return three outputs".into()))?;
+        // Uncontended: a layer's attention runs for one chunk at a time, in chunk order (the
+        // schedule's cross-chunk edge).
+        let mut kv = kv.lock().unwrap_or_else(|e| e.into_inner());
+        let a = attend(
+            cfg,
+            spec,
+            &spec.layers[l],
+            self.qk_norm.as_ref(),
+            &mut kv,
+            &q,
+            &k,
+            &v,
+            rows,
+        )?;
+        drop(kv);
         let mut o = run(1, &a)?.remove(0);
         if let Some((post_attn, _)) = &self.post_norms {
             o = candle_nn::ops::rms_norm(&o, post_attn, eps)?;
         }
         let x = (x + o)?;
         let h = candle_nn::ops::rms_norm(&x, &self.ffn_norm, eps)?;
-        let [gate, up]: [Tensor; 2] = run(2, &h)?.try_into().map_err(|_| Error::Input("gate/up stage must return two outputs".into()))?;
+        let [gate, up]: [Tensor; 2] = run(2, &h)?
+            .try_into()
+            .map_err(|_| Error::Input("gate/up stage must return two outputs".into()))?;
         let hidden = (spec.activation.apply(&gate)? * up)?;
         let mut d = run(3, &hidden)?.remove(0);
         if let Some((_, post_ffn)) = &self.post_norms {
@@ -140,32 +175,93 @@ pub struct Model {
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
     a16: Vec<[Quant; 4]>,
     graphs: HashMap<(usize, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
-    kv: Vec<KvCache>,
+    kv: Vec<Mutex<KvCache>>,
     pos: usize,
+    sched: SchedOptions,
+    /// One-thread pool the NPU stages run in when [`SchedOptions::npu_threads`] is set.
+    npu_pool: Option<(usize, Arc<rayon::ThreadPool>)>,
+    /// The last prefill's DAG and what ran when.
+    last_run: Option<(SubgraphDag, Schedule)>,
     progress: Option<Progress>,
     /// CPU time of the shadow path (outlier extraction and the float product) since the last
     /// [`Model::take_shadow_time`].
     shadow_time: std::time::Duration,
 }
 
+/// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin).
+#[derive(Debug, Clone)]
+pub struct SchedOptions {
+    /// Which ready stage a free processor runs next.
+    pub policy: Policy,
+    /// Tokens that do not fill a last chunk: padded on the NPU or run on the CPU as a margin.
+    pub tail: Tail,
+    /// Threads of the pool the NPU stages run in (`None`: the caller's, i.e. rayon's global
+    /// pool). With the host executor as the NPU, `Some(1)` gives it one core and leaves the
+    /// other to the CPU stages (run with `RAYON_NUM_THREADS=1` so candle's CPU kernels take one).
+    pub npu_threads: Option<usize>,
+}
+
+impl Default for SchedOptions {
+    fn default() -> Self {
+        SchedOptions {
+            policy: Policy::InOrder,
+            tail: Tail::Pad,
+            npu_threads: None,
+        }
+    }
+}
+
 /// Called after every (chunk, layer) of a prefill with (done, total).
-pub type Progress = Box<dyn FnMut(usize, usize) + Send>;
+pub type Progress = Box<dyn FnMut(usize, usize) + Send + Sync>;
 
 const STAGE_NAMES: [&str; 4] = ["qkv", "o", "gate_up", "down"];
 
+/// A layer's nodes in the prefill DAG: each NPU stage (`STAGE_NAMES`) with the CPU stage that
+/// prepares its input (which also completes the previous stage's output: shadow, bias, and
+/// for `attn_in` the previous layer's residual).
+const LAYER_STAGES: [(&str, Processor); 8] = [
+    ("attn_in", Processor::Cpu),
+    ("qkv", Processor::Npu),
+    ("attn", Processor::Cpu),
+    ("o", Processor::Npu),
+    ("ffn_in", Processor::Cpu),
+    ("gate_up", Processor::Npu),
+    ("act", Processor::Cpu),
+    ("down", Processor::Npu),
+];
+
 impl Model {
     /// Build a model from `ckpt`, whose tensors `names` maps from the engine's (GGUF) names.
-    pub fn load(cfg: Config, spec: FamilySpec, ckpt: &dyn Checkpoint, names: &NameMap, model_id: String, device: NpuDevice, opts: LoadOptions) -> Result<Self> {
+    pub fn load(
+        cfg: Config,
+        spec: FamilySpec,
+        ckpt: &dyn Checkpoint,
+        names: &NameMap,
+        model_id: String,
+        device: NpuDevice,
+        opts: LoadOptions,
+    ) -> Result<Self> {
         check_spec(&cfg, &spec, ckpt)?;
         let vector = |name: String| ckpt.vector(&names(&name).name);
-        let (hd, q_rows, kv_rows) = (cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
+        let (hd, q_rows, kv_rows) = (
+            cfg.head_dim,
+            cfg.n_head * cfg.head_dim,
+            cfg.n_kv_head * cfg.head_dim,
+        );
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
             let lin = |name: &str, shape: (usize, usize), bias: bool| -> Result<ShadowLinear> {
                 let full = format!("blk.{l}.{name}");
                 let src = ckpt.mapped_matrix(&names(&format!("{full}.weight")))?;
                 if src.dims() != shape {
-                    return Err(Error::Model { path: ckpt.path().to_path_buf(), reason: format!("{}: shape {:?}, the config implies {shape:?}", src.describe(), src.dims()) });
+                    return Err(Error::Model {
+                        path: ckpt.path().to_path_buf(),
+                        reason: format!(
+                            "{}: shape {:?}, the config implies {shape:?}",
+                            src.describe(),
+                            src.dims()
+                        ),
+                    });
                 }
                 let b = match bias {
                     true => Some(vector(format!("{full}.bias"))?.to_vec1::<f32>()?),
@@ -175,23 +271,46 @@ impl Model {
             };
             let (h, f, b) = (cfg.hidden, cfg.ffn, spec.qkv_bias);
             let stages = [
-                vec![lin("attn_q", (q_rows, h), b)?, lin("attn_k", (kv_rows, h), b)?, lin("attn_v", (kv_rows, h), b)?],
+                vec![
+                    lin("attn_q", (q_rows, h), b)?,
+                    lin("attn_k", (kv_rows, h), b)?,
+                    lin("attn_v", (kv_rows, h), b)?,
+                ],
                 vec![lin("attn_output", (h, q_rows), false)?],
-                vec![lin("ffn_gate", (f, h), false)?, lin("ffn_up", (f, h), false)?],
+                vec![
+                    lin("ffn_gate", (f, h), false)?,
+                    lin("ffn_up", (f, h), false)?,
+                ],
                 vec![lin("ffn_down", (h, f), false)?],
             ];
             let norm = |name: &str, len: usize| -> Result<Tensor> {
                 let t = vector(format!("blk.{l}.{name}.weight"))?;
                 match t.dims() == [len] {
                     true => Ok(t),
-                    false => Err(Error::Model { path: ckpt.path().to_path_buf(), reason: format!("blk.{l}.{name}: shape {:?}, expected [{len}]", t.dims()) }),
+                    false => Err(Error::Model {
+                        path: ckpt.path().to_path_buf(),
+                        reason: format!("blk.{l}.{name}: shape {:?}, expected [{len}]", t.dims()),
+                    }),
                 }
             };
             layers.push(Layer {
                 attn_norm: norm("attn_norm", h)?,
                 ffn_norm: norm("ffn_norm", h)?,
-                qk_norm: spec.qk_norm.then(|| Ok::<_, Error>(QkNorm { q: norm("attn_q_norm", hd)?, k: norm("attn_k_norm", hd)? })).transpose()?,
-                post_norms: spec.post_norms.then(|| Ok::<_, Error>((norm("post_attention_norm", h)?, norm("post_ffw_norm", h)?))).transpose()?,
+                qk_norm: spec
+                    .qk_norm
+                    .then(|| {
+                        Ok::<_, Error>(QkNorm {
+                            q: norm("attn_q_norm", hd)?,
+                            k: norm("attn_k_norm", hd)?,
+                        })
+                    })
+                    .transpose()?,
+                post_norms: spec
+                    .post_norms
+                    .then(|| {
+                        Ok::<_, Error>((norm("post_attention_norm", h)?, norm("post_ffw_norm", h)?))
+                    })
+                    .transpose()?,
                 stages,
             });
         }
@@ -218,7 +337,10 @@ impl Model {
             shadow_on: vec![],
             shadow_time: std::time::Duration::ZERO,
             graphs: HashMap::new(),
-            kv: (0..n).map(|_| KvCache::default()).collect(),
+            kv: (0..n).map(|_| Mutex::default()).collect(),
+            sched: SchedOptions::default(),
+            npu_pool: None,
+            last_run: None,
             pos: 0,
             progress: None,
         })
@@ -269,7 +391,10 @@ impl Model {
                 let p = profile.point(&name)?;
                 let k = lins[0].dims().1;
                 if p.channels != k {
-                    return Err(Error::Input(format!("quant profile point {name} has {} channels, the model {k}", p.channels)));
+                    return Err(Error::Input(format!(
+                        "quant profile point {name} has {} channels, the model {k}",
+                        p.channels
+                    )));
                 }
                 for lin in lins.iter_mut() {
                     lin.set_hot(&p.hot)?;
@@ -292,10 +417,18 @@ impl Model {
     /// tight ranges and pruning half the layers raised perplexity 57x).
     pub fn set_shadow_layers(&mut self, on: &[bool]) -> Result<()> {
         if on.len() != self.layers.len() {
-            return Err(Error::Input(format!("shadow mask of {} layers for a model of {}", on.len(), self.layers.len())));
+            return Err(Error::Input(format!(
+                "shadow mask of {} layers for a model of {}",
+                on.len(),
+                self.layers.len()
+            )));
         }
         for (layer, &on) in self.layers.iter_mut().zip(on) {
-            layer.stages.iter_mut().flatten().for_each(|lin| lin.set_shadow(on));
+            layer
+                .stages
+                .iter_mut()
+                .flatten()
+                .for_each(|lin| lin.set_shadow(on));
         }
         let Some(profile) = &self.profile else {
             self.shadow_on = on.to_vec();
@@ -336,7 +469,9 @@ impl Model {
     /// importance (from the profile); returns the layers kept.
     pub fn prune_shadow(&mut self, rate: f64) -> Result<Vec<bool>> {
         if !(0.0..=1.0).contains(&rate) {
-            return Err(Error::Input(format!("pruning rate {rate} is not within 0..=1")));
+            return Err(Error::Input(format!(
+                "pruning rate {rate} is not within 0..=1"
+            )));
         }
         let n = self.layers.len();
         let imp = match &self.profile {
@@ -355,7 +490,11 @@ impl Model {
 
     /// Outlier statistics of every quantization point since the profile was set (or reset).
     pub fn point_stats(&self) -> Vec<(String, PointStats)> {
-        self.points.iter().flatten().map(|p| (p.name.clone(), p.stats())).collect()
+        self.points
+            .iter()
+            .flatten()
+            .map(|p| (p.name.clone(), p.stats()))
+            .collect()
     }
     /// The CPU time the shadow path took since the last call (its share of prefill time).
     pub fn take_shadow_time(&mut self) -> std::time::Duration {
@@ -363,12 +502,17 @@ impl Model {
     }
 
     pub fn reset_point_stats(&self) {
-        self.points.iter().flatten().for_each(InputPoint::reset_stats);
+        self.points
+            .iter()
+            .flatten()
+            .for_each(InputPoint::reset_stats);
     }
 
     /// Forget the KV cache.
     pub fn clear(&mut self) {
-        self.kv.iter_mut().for_each(KvCache::clear);
+        self.kv
+            .iter_mut()
+            .for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).clear());
         self.pos = 0;
     }
 
@@ -390,7 +534,11 @@ impl Model {
     /// every stage's input is observed. Not through float NPU graphs: those would hold an F32
     /// copy of every weight (600 MiB of the main job's peak for SmolLM2), and on an HTP they
     /// compute in FP16. `progress` is called after each sequence.
-    pub fn calibrate(&mut self, sequences: &[Vec<u32>], mut progress: impl FnMut(usize)) -> Result<Calibrator> {
+    pub fn calibrate(
+        &mut self,
+        sequences: &[Vec<u32>],
+        mut progress: impl FnMut(usize),
+    ) -> Result<Calibrator> {
         let mut cal = Calibrator::default();
         for (i, seq) in sequences.iter().enumerate() {
             self.clear();
@@ -407,7 +555,12 @@ impl Model {
     /// when that layer's shadow path is pruned (its inputs back to min/max), all others on: what
     /// pruning it costs. Runs W8A8 prefill on the host executor (1 + layers passes); needs a
     /// profile, and stores the result in it (where [`Model::prune_shadow`] reads it).
-    pub fn measure_importance(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize, usize)) -> Result<Vec<f32>> {
+    pub fn measure_importance(
+        &mut self,
+        sequences: &[Vec<u32>],
+        chunk_len: usize,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Vec<f32>> {
         let n = self.layers.len();
         let kept = self.shadow_on.clone();
         let r = self.on_host(|m| {
@@ -441,7 +594,12 @@ impl Model {
 
     /// Outliers per input channel of every point over `sequences` (W8A8 on the host, every
     /// shadow path on): what [`QuantProfile::select_hot`] chooses the hot set from.
-    pub fn count_channel_outliers(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize)) -> Result<Vec<(String, Vec<u64>)>> {
+    pub fn count_channel_outliers(
+        &mut self,
+        sequences: &[Vec<u32>],
+        chunk_len: usize,
+        mut progress: impl FnMut(usize),
+    ) -> Result<Vec<(String, Vec<u64>)>> {
         let kept = self.shadow_on.clone();
         self.set_shadow_layers(&vec![true; self.layers.len()])?;
         self.reset_point_stats();
@@ -450,7 +608,11 @@ impl Model {
                 m.run_prefill(seq, chunk_len, Precision::W8A8, false)?;
                 progress(i + 1);
             }
-            Ok(m.points.iter().flatten().map(|p| (p.name.clone(), p.channel_outliers())).collect())
+            Ok(m.points
+                .iter()
+                .flatten()
+                .map(|p| (p.name.clone(), p.channel_outliers()))
+                .collect())
         });
         self.reset_point_stats();
         self.set_shadow_layers(&kept)?;
@@ -465,7 +627,9 @@ impl Model {
     /// Prepare the NPU stage graphs for `chunk_len` now (otherwise the first prefill does it).
     pub fn prepare(&mut self, chunk_len: usize) -> Result<()> {
         if chunk_len == 0 {
-            return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
+            return Err(Error::Input(
+                "chunk length 0: use a positive --chunk-len (e.g. 256)".into(),
+            ));
         }
         self.check_profile(self.precision)?;
         self.graphs_for(chunk_len, self.precision).map(|_| ())
@@ -473,7 +637,9 @@ impl Model {
 
     fn check_profile(&self, precision: Precision) -> Result<()> {
         if precision != Precision::F32 && self.profile.is_none() {
-            return Err(Error::Input(format!("{precision:?} prefill needs a quant profile: calibrate or load one first")));
+            return Err(Error::Input(format!(
+                "{precision:?} prefill needs a quant profile: calibrate or load one first"
+            )));
         }
         Ok(())
     }
@@ -509,19 +675,35 @@ impl Model {
         self.check_tokens(tokens)?;
         let n = tokens.len();
         if n == 0 || self.pos + n > self.cfg.context_len {
-            return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
+            return Err(Error::Input(format!(
+                "{n} tokens at position {} do not fit the context of {}",
+                self.pos, self.cfg.context_len
+            )));
         }
         let mut x = self.embed_rows(tokens)?;
         let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?;
-        let Model { cfg, spec, layers, kv, .. } = self;
+        let Model {
+            cfg,
+            spec,
+            layers,
+            kv,
+            ..
+        } = self;
         for (l, layer) in layers.iter().enumerate() {
             let mut run = |s: usize, h: &Tensor| {
                 if let Some(cal) = cal.as_deref_mut() {
-                    cal.observe(&point(l, POINTS[s]), &h.flatten_all()?.to_vec1::<f32>()?, h.dim(1)?);
+                    cal.observe(
+                        &point(l, POINTS[s]),
+                        &h.flatten_all()?.to_vec1::<f32>()?,
+                        h.dim(1)?,
+                    );
                 }
-                layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>()
+                layer.stages[s]
+                    .iter()
+                    .map(|lin| lin.forward(h))
+                    .collect::<Result<Vec<_>>>()
             };
-            x = layer.forward(cfg, spec, l, x, &rows, &mut kv[l], &mut run)?;
+            x = layer.forward(cfg, spec, l, x, &rows, &kv[l], &mut run)?;
         }
         self.pos += n;
         Ok(x)
@@ -543,7 +725,10 @@ impl Model {
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         match tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            Some(t) => Err(Error::Input(format!("token id {t} is outside the vocabulary of {}", self.cfg.vocab))),
+            Some(t) => Err(Error::Input(format!(
+                "token id {t} is outside the vocabulary of {}",
+                self.cfg.vocab
+            ))),
             None => Ok(()),
         }
     }
@@ -555,57 +740,317 @@ impl Model {
         precision: Precision,
         all_logits: bool,
     ) -> Result<Tensor> {
-        let plan = ChunkPlan::new(tokens.len(), chunk_len, self.cfg.context_len)?;
+        let plan = ChunkPlan::new(
+            tokens.len(),
+            chunk_len,
+            self.cfg.context_len,
+            self.sched.tail,
+        )?;
         self.check_tokens(tokens)?;
         self.check_profile(precision)?;
         self.clear();
-        let graphs = self.graphs_for(chunk_len, precision)?;
-        let n_layer = self.layers.len();
-        let mut out_rows = Vec::new();
-        for chunk in &plan.chunks {
-            let (m, n_valid) = (chunk.padded_len, chunk.len);
-            let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
-            ids.resize(m, 0);
-            let mut x = self.embed_rows(&ids)?;
-            let rows = Rows::new(&self.spec, chunk.start, m, n_valid, tokens.len())?;
-            for l in 0..n_layer {
-                let Model { cfg, spec, layers, kv, points, shadow_on, a16, shadow_time, .. } = &mut *self;
-                let mut stage = Stage {
-                    layer: &layers[l],
-                    l,
-                    graphs: &graphs[l],
-                    points: points.get(l),
-                    shadow: shadow_on.get(l).copied().unwrap_or(false),
-                    a16: a16.get(l),
-                    shadow_time,
-                    rows: &rows,
-                    precision,
-                };
-                x = layers[l].forward(cfg, spec, l, x, &rows, &mut kv[l], &mut |s, h| stage.run(s, h))?;
-                if let Some(report) = self.progress.as_mut() {
-                    report(chunk.index * n_layer + l + 1, plan.chunks.len() * n_layer);
+        let graphs = match plan.chunks.iter().any(|c| !c.margin) {
+            true => Some(self.graphs_for(chunk_len, precision)?),
+            false => None,
+        };
+        let dag = self.dag(&plan)?;
+        let npu_pool = self.npu_pool()?;
+        let runner = Runner::new(
+            &dag,
+            &|n: &Node| self.estimate(n),
+            self.sched.policy.clone(),
+        )?;
+        let total = plan.chunks.len() * self.layers.len();
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        let progress = Mutex::new(self.progress.take());
+        let model = &*self;
+        // One thread per chunk, each walking its chunk's stages in order; the runner decides
+        // which of them holds the NPU and which the CPU.
+        let results: Vec<Result<(Tensor, Duration)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = plan
+                .chunks
+                .iter()
+                .map(|chunk| {
+                    let (runner, dag, graphs, npu_pool, done, progress) = (
+                        &runner,
+                        &dag,
+                        graphs.as_deref(),
+                        npu_pool.as_deref(),
+                        &done,
+                        &progress,
+                    );
+                    s.spawn(move || {
+                        let on_layer = || {
+                            let d = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                            if let Some(report) =
+                                progress.lock().unwrap_or_else(|e| e.into_inner()).as_mut()
+                            {
+                                report(d, total);
+                            }
+                        };
+                        let r = model.run_chunk(
+                            chunk, tokens, precision, all_logits, runner, dag, graphs, npu_pool,
+                            on_layer,
+                        );
+                        if r.is_err() {
+                            runner.abort();
+                        }
+                        r
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Input("a prefill chunk's thread panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        self.progress = progress.into_inner().unwrap_or_else(|e| e.into_inner());
+        // The first failure is the cause; the others are "another stage failed".
+        let mut out_rows = Vec::with_capacity(results.len());
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok((rows, shadow)) => {
+                    self.shadow_time += shadow;
+                    out_rows.push(rows);
                 }
-            }
-            if all_logits {
-                out_rows.push(x.narrow(0, 0, n_valid)?);
-            } else if chunk.index + 1 == plan.chunks.len() {
-                out_rows.push(x.narrow(0, n_valid - 1, 1)?);
+                Err(e) if first_err.is_none() || e.to_string().contains("another stage") => {
+                    first_err = first_err.or(Some(e))
+                }
+                Err(e) => first_err = Some(e),
             }
         }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        self.last_run = Some((dag.clone(), runner.schedule()));
         self.pos = tokens.len();
-        let rows = Tensor::cat(&out_rows, 0)?;
-        self.logits(&rows)
+        let rows: Vec<Tensor> = out_rows
+            .into_iter()
+            .filter(|r| r.dim(0).is_ok_and(|n| n > 0))
+            .collect();
+        self.logits(&Tensor::cat(&rows, 0)?)
     }
 
-    fn graphs_for(&mut self, chunk_len: usize, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
+    /// One chunk of a prefill, stage by stage, each under its processor's grant from `runner`.
+    /// Returns the chunk's rows for the logits (all valid rows, or the last one of the last
+    /// chunk, or none) and its shadow-path CPU time.
+    #[allow(clippy::too_many_arguments)]
+    fn run_chunk(
+        &self,
+        chunk: &Chunk,
+        tokens: &[u32],
+        precision: Precision,
+        all_logits: bool,
+        runner: &Runner,
+        dag: &SubgraphDag,
+        graphs: Option<&Vec<Vec<PreparedGraph>>>,
+        npu_pool: Option<&rayon::ThreadPool>,
+        mut on_layer: impl FnMut(),
+    ) -> Result<(Tensor, Duration)> {
+        let n_layer = self.layers.len();
+        let node = |l: usize, s: usize| {
+            dag.node_at(chunk.index, l, s).ok_or_else(|| {
+                Error::Input(format!(
+                    "sched: no node for chunk {} layer {l} stage {s}",
+                    chunk.index
+                ))
+            })
+        };
+        let (m, n_valid) = (chunk.padded_len, chunk.len);
+        let mut cpu = Some(runner.acquire(node(0, 0)?)?);
+        let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
+        ids.resize(m, 0);
+        let mut x = self.embed_rows(&ids)?;
+        let rows = Rows::new(&self.spec, chunk.start, m, n_valid, tokens.len())?;
+        let mut shadow_time = Duration::ZERO;
+        for l in 0..n_layer {
+            let layer = &self.layers[l];
+            let mut stage = Stage {
+                layer,
+                l,
+                points: self.points.get(l),
+                shadow: self.shadow_on.get(l).copied().unwrap_or(false),
+                a16: self.a16.get(l),
+                shadow_time: Duration::ZERO,
+                rows: &rows,
+                precision,
+            };
+            let mut run = |s: usize, h: &Tensor| -> Result<Vec<Tensor>> {
+                // The CPU node after this stage: the next stage's input, or the next layer's.
+                let next = if s + 1 < Model::NPU_STAGES_PER_LAYER {
+                    node(l, 2 * s + 2)?
+                } else {
+                    node(l + 1, 0)?
+                };
+                let ys = match graphs {
+                    Some(graphs) if !chunk.margin => {
+                        let (input, outliers) = stage.prepare(s, h)?;
+                        cpu = None;
+                        let outs = {
+                            let _npu = runner.acquire(node(l, 2 * s + 1)?)?;
+                            let exec = || graphs[l][s].execute(&[&input]);
+                            match npu_pool {
+                                Some(pool) => pool.install(exec)?,
+                                None => exec()?,
+                            }
+                        };
+                        cpu = Some(runner.acquire(next)?);
+                        stage.finish(s, outs, &outliers)?
+                    }
+                    // A margin: the stage's linears on the CPU with the decode weights.
+                    // (Each grant is released before the next is asked for: both are the CPU's.)
+                    _ => {
+                        cpu = None;
+                        let linears = runner.acquire(node(l, 2 * s + 1)?)?;
+                        let ys = layer.stages[s]
+                            .iter()
+                            .map(|lin| lin.forward(h))
+                            .collect::<Result<Vec<_>>>()?;
+                        drop(linears);
+                        cpu = Some(runner.acquire(next)?);
+                        ys
+                    }
+                };
+                Ok(ys)
+            };
+            x = layer.forward(&self.cfg, &self.spec, l, x, &rows, &self.kv[l], &mut run)?;
+            shadow_time += stage.shadow_time;
+            on_layer();
+        }
+        let last = chunk.start + chunk.len == tokens.len();
+        let out = if all_logits {
+            x.narrow(0, 0, n_valid)?
+        } else if last {
+            x.narrow(0, n_valid - 1, 1)?
+        } else {
+            x.narrow(0, 0, 0)?
+        };
+        drop(cpu);
+        Ok((out, shadow_time))
+    }
+
+    /// The prefill DAG of `plan`: per layer the 4 NPU stages with the CPU stage before each,
+    /// and a CPU tail per chunk (see the module docs for what each CPU stage does).
+    fn dag(&self, plan: &ChunkPlan) -> Result<SubgraphDag> {
+        let stages: Vec<StageDesc> = LAYER_STAGES
+            .iter()
+            .map(|&(name, p)| StageDesc::new(name, p, name == "attn"))
+            .collect();
+        let chunks: Vec<DagChunk> = plan
+            .chunks
+            .iter()
+            .map(|c| DagChunk {
+                rows: c.padded_len,
+                margin: c.margin,
+            })
+            .collect();
+        SubgraphDag::new(
+            &stages,
+            self.layers.len(),
+            Some(StageDesc::new("tail", Processor::Cpu, false)),
+            &chunks,
+        )
+    }
+
+    /// A stage's estimated seconds on this machine, for the policies that rank by cost. Only
+    /// the ratios matter; the rates are rough single-core figures of the build machine (host
+    /// INT8 GEMM ~25 GMAC/s, F32 attention ~10 GFLOP/s, elementwise passes ~1 ns per value).
+    fn estimate(&self, n: &Node) -> f64 {
+        const NPU_MACS: f64 = 25e9;
+        const CPU_MACS: f64 = 10e9;
+        const ELEM: f64 = 1e-9;
+        let c = &self.cfg;
+        let rows = n.rows as f64;
+        if n.layer >= self.layers.len() {
+            return rows * c.hidden as f64 * ELEM; // tail
+        }
+        match n.stage {
+            s if s % 2 == 1 => {
+                let macs: usize = self.layers[n.layer].stages[s / 2]
+                    .iter()
+                    .map(|l| l.dims().0 * l.dims().1)
+                    .sum();
+                rows * macs as f64
+                    / if n.processor == Processor::Npu {
+                        NPU_MACS
+                    } else {
+                        CPU_MACS
+                    }
+            }
+            2 => {
+                rows * (n.start + n.rows) as f64 * (2 * c.n_head * c.head_dim) as f64 / CPU_MACS
+                    + rows * c.hidden as f64 * 4.0 * ELEM
+            }
+            6 => rows * c.ffn as f64 * 4.0 * ELEM,
+            _ => rows * c.hidden as f64 * 4.0 * ELEM,
+        }
+    }
+
+    fn npu_pool(&mut self) -> Result<Option<Arc<rayon::ThreadPool>>> {
+        let Some(threads) = self.sched.npu_threads else {
+            return Ok(None);
+        };
+        if let Some((t, pool)) = &self.npu_pool {
+            if *t == threads {
+                return Ok(Some(pool.clone()));
+            }
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("npu-queue-{i}"))
+            .build()
+            .map_err(|e| {
+                Error::Input(format!(
+                    "cannot start the NPU queue's {threads} threads: {e}"
+                ))
+            })?;
+        let pool = Arc::new(pool);
+        self.npu_pool = Some((threads, pool.clone()));
+        Ok(Some(pool))
+    }
+
+    /// How the next prefills are scheduled.
+    pub fn set_sched(&mut self, sched: SchedOptions) {
+        self.sched = sched;
+    }
+    pub fn sched(&self) -> &SchedOptions {
+        &self.sched
+    }
+    /// The last prefill's DAG and schedule (what ran where and when): for traces and bubble rates.
+    pub fn last_run(&self) -> Option<&(SubgraphDag, Schedule)> {
+        self.last_run.as_ref()
+    }
+
+    fn graphs_for(
+        &mut self,
+        chunk_len: usize,
+        precision: Precision,
+    ) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
         if let Some(g) = self.graphs.get(&(chunk_len, precision)) {
             return Ok(g.clone());
         }
         let t = std::time::Instant::now();
         let graphs = (0..self.cfg.n_layer)
-            .map(|l| self.layer_graphs(l, chunk_len, precision)?.iter().map(|g| self.device.prepare(g)).collect::<Result<Vec<_>>>())
+            .map(|l| {
+                self.layer_graphs(l, chunk_len, precision)?
+                    .iter()
+                    .map(|g| self.device.prepare(g))
+                    .collect::<Result<Vec<_>>>()
+            })
             .collect::<Result<Vec<_>>>()?;
-        tracing::info!(chunk_len, ?precision, layers = graphs.len(), secs = t.elapsed().as_secs_f32(), executor = self.device.executor_name(), "prepared NPU stage graphs");
+        tracing::info!(
+            chunk_len,
+            ?precision,
+            layers = graphs.len(),
+            secs = t.elapsed().as_secs_f32(),
+            executor = self.device.executor_name(),
+            "prepared NPU stage graphs"
+        );
         let graphs = Arc::new(graphs);
         self.graphs.insert((chunk_len, precision), graphs.clone());
         Ok(graphs)
@@ -623,7 +1068,9 @@ impl Model {
                 let mut g = Graph::new(format!("blk.{l}.{}.m{m}", STAGE_NAMES[s]));
                 let x: TensorId = match precision {
                     Precision::F32 => g.input("x", &[m, k], DType::F32, None),
-                    Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
+                    Precision::W8A8 => {
+                        g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant))
+                    }
                     Precision::W8A16 => g.input("x", &[m, k], DType::U16, Some(self.a16[l][s])),
                 };
                 for lin in lins {
@@ -641,19 +1088,43 @@ impl Model {
 
 /// A config and spec the engine can run, or an error naming the checkpoint and what is wrong.
 fn check_spec(cfg: &Config, spec: &FamilySpec, ckpt: &dyn Checkpoint) -> Result<()> {
-    let bad = |reason: String| Err(Error::Model { path: ckpt.path().to_path_buf(), reason });
-    let sizes = [cfg.n_layer, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn, cfg.vocab, cfg.context_len];
+    let bad = |reason: String| {
+        Err(Error::Model {
+            path: ckpt.path().to_path_buf(),
+            reason,
+        })
+    };
+    let sizes = [
+        cfg.n_layer,
+        cfg.hidden,
+        cfg.n_head,
+        cfg.n_kv_head,
+        cfg.head_dim,
+        cfg.ffn,
+        cfg.vocab,
+        cfg.context_len,
+    ];
     if sizes.contains(&0) {
         return bad(format!("config has a zero size: {cfg:?}"));
     }
     if cfg.n_head % cfg.n_kv_head != 0 {
-        return bad(format!("{} attention heads are not a multiple of {} KV heads", cfg.n_head, cfg.n_kv_head));
+        return bad(format!(
+            "{} attention heads are not a multiple of {} KV heads",
+            cfg.n_head, cfg.n_kv_head
+        ));
     }
     if spec.layers.len() != cfg.n_layer {
-        return bad(format!("{} layer specs for {} layers", spec.layers.len(), cfg.n_layer));
+        return bad(format!(
+            "{} layer specs for {} layers",
+            spec.layers.len(),
+            cfg.n_layer
+        ));
     }
     if spec.rope_dims == 0 || spec.rope_dims % 2 != 0 || spec.rope_dims > cfg.head_dim {
-        return bad(format!("RoPE over {} dimensions of a head of {}", spec.rope_dims, cfg.head_dim));
+        return bad(format!(
+            "RoPE over {} dimensions of a head of {}",
+            spec.rope_dims, cfg.head_dim
+        ));
     }
     if spec.layers.iter().any(|l| l.window == Some(0)) {
         return bad("a sliding window of 0 positions".into());
@@ -666,49 +1137,76 @@ fn check_spec(cfg: &Config, spec: &FamilySpec, ckpt: &dyn Checkpoint) -> Result<
 struct Stage<'a> {
     layer: &'a Layer,
     l: usize,
-    graphs: &'a [PreparedGraph],
     /// W8A8 input points and whether the shadow path runs (set with a profile).
     points: Option<&'a [InputPoint; 4]>,
     shadow: bool,
     a16: Option<&'a [Quant; 4]>,
-    shadow_time: &'a mut std::time::Duration,
+    /// CPU time of the shadow path in this layer.
+    shadow_time: Duration,
     rows: &'a Rows,
     precision: Precision,
 }
 
 impl Stage<'_> {
-    /// Run stage `s` on the CPU activation `h` (`[m, K]`); returns one `[m, N]` per linear.
-    fn run(&mut self, s: usize, h: &Tensor) -> Result<Vec<Tensor>> {
+    /// The NPU input of stage `s` from the CPU activation `h` (`[m, K]`), and its outliers.
+    fn prepare(&mut self, s: usize, h: &Tensor) -> Result<(TensorData, Outliers)> {
         let vals = h.flatten_all()?.to_vec1::<f32>()?;
-        let n_valid = self.rows.n_valid;
-        let missing = || Error::Input(format!("{:?} prefill of layer {} without a quant profile", self.precision, self.l));
-        let (input, outliers) = match self.precision {
+        let missing = || {
+            Error::Input(format!(
+                "{:?} prefill of layer {} without a quant profile",
+                self.precision, self.l
+            ))
+        };
+        Ok(match self.precision {
             Precision::F32 => (TensorData::F32(vals), Outliers::default()),
             Precision::W8A8 => {
                 let point = &self.points.ok_or_else(missing)?[s];
                 let t = Instant::now();
                 // A pruned stage skips extraction (its outliers would go unused).
-                let o = if self.shadow { point.extract(&vals, n_valid) } else { Outliers::default() };
-                *self.shadow_time += t.elapsed();
+                let o = if self.shadow {
+                    point.extract(&vals, self.rows.n_valid)
+                } else {
+                    Outliers::default()
+                };
+                self.shadow_time += t.elapsed();
                 (TensorData::U8(point.clip_quantize(&vals)), o)
             }
-            Precision::W8A16 => (TensorData::from_f32(&vals, DType::U16, Some(self.a16.ok_or_else(missing)?[s])), Outliers::default()),
-        };
-        let outs = self.graphs[s].execute(&[&input])?;
+            Precision::W8A16 => (
+                TensorData::from_f32(&vals, DType::U16, Some(self.a16.ok_or_else(missing)?[s])),
+                Outliers::default(),
+            ),
+        })
+    }
+
+    /// Stage `s`'s NPU outputs as `[m, N]` tensors, one per linear, with bias and shadow added.
+    fn finish(
+        &mut self,
+        s: usize,
+        outs: Vec<TensorData>,
+        outliers: &Outliers,
+    ) -> Result<Vec<Tensor>> {
         let t = Instant::now();
         let ys = self.layer.stages[s]
             .iter()
             .zip(outs)
             .map(|(lin, out)| {
                 let TensorData::F32(mut y) = out else {
-                    return Err(Error::Input(format!("NPU stage of {} returned {:?}, expected F32", lin.name(), out.dtype())));
+                    return Err(Error::Input(format!(
+                        "NPU stage of {} returned {:?}, expected F32",
+                        lin.name(),
+                        out.dtype()
+                    )));
                 };
-                lin.finish(&outliers, &mut y)?;
-                Ok(Tensor::from_vec(y, (self.rows.m, lin.dims().0), &Device::Cpu)?)
+                lin.finish(outliers, &mut y)?;
+                Ok(Tensor::from_vec(
+                    y,
+                    (self.rows.m, lin.dims().0),
+                    &Device::Cpu,
+                )?)
             })
             .collect();
         if !outliers.is_empty() {
-            *self.shadow_time += t.elapsed();
+            self.shadow_time += t.elapsed();
         }
         ys
     }
@@ -720,9 +1218,15 @@ pub fn mean_nll(logits: &Tensor, tokens: &[u32]) -> Result<f64> {
     let lp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
     let lp: Vec<Vec<f32>> = lp.to_vec2()?;
     if tokens.len() < 2 || lp.len() < tokens.len() - 1 {
-        return Err(Error::Input(format!("need at least 2 tokens and one logit row per token, got {} and {}", tokens.len(), lp.len())));
+        return Err(Error::Input(format!(
+            "need at least 2 tokens and one logit row per token, got {} and {}",
+            tokens.len(),
+            lp.len()
+        )));
     }
-    let nll: f64 = (0..tokens.len() - 1).map(|i| -lp[i][tokens[i + 1] as usize] as f64).sum();
+    let nll: f64 = (0..tokens.len() - 1)
+        .map(|i| -lp[i][tokens[i + 1] as usize] as f64)
+        .sum();
     Ok(nll / (tokens.len() - 1) as f64)
 }
 
