@@ -7,7 +7,14 @@ mod common;
 use candle_npu::sched::{Policy, Trace};
 use candle_npu::{NpuDevice, Tail};
 use candle_npu_models::{CalibrationSet, DecodeWeights, Precision, SchedOptions};
+use candle_npu_models::Pipeline;
 use common::*;
+
+/// All-position logits of `toks` in chunks of 64, scheduled by `policy` (NPU queue: one thread).
+fn prefill(p: &mut Pipeline, toks: &[u32], tail: Tail, policy: Policy) -> Vec<f32> {
+    p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1) });
+    p.model.prefill_all_logits(toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
 
 #[test]
 fn every_policy_is_bit_identical_to_in_order() {
@@ -16,20 +23,7 @@ fn every_policy_is_bit_identical_to_in_order() {
         .unwrap();
     // 4 full chunks of 64 and a padded one: cross-chunk attention edges at every layer.
     let toks = heldout_tokens(&p, 300);
-    let run = |p: &mut candle_npu_models::Pipeline, policy: Policy| -> Vec<f32> {
-        p.model.set_sched(SchedOptions {
-            policy,
-            tail: Tail::Pad,
-            npu_threads: Some(1),
-        });
-        p.model
-            .prefill_all_logits(&toks, 64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
+    let run = |p: &mut Pipeline, policy: Policy| prefill(p, &toks, Tail::Pad, policy);
     let reference = run(&mut p, Policy::InOrder);
     for policy in Policy::heuristics() {
         let name = policy.name();
@@ -61,20 +55,7 @@ fn a_cpu_margin_has_no_padding_and_the_padded_logits() {
     // plans differ only in summation order.
     let mut p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::F32);
     let toks = heldout_tokens(&p, 150);
-    let mut run = |tail: Tail, policy: Policy| -> Vec<f32> {
-        p.model.set_sched(SchedOptions {
-            policy,
-            tail,
-            npu_threads: Some(1),
-        });
-        p.model
-            .prefill_all_logits(&toks, 64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
+    let mut run = |tail: Tail, policy: Policy| prefill(&mut p, &toks, tail, policy);
     let padded = run(Tail::Pad, Policy::InOrder);
     for policy in Policy::heuristics() {
         let margin = run(Tail::Margin, policy.clone());
