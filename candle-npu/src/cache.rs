@@ -125,18 +125,7 @@ impl GraphCache {
     pub fn store(&self, name: &str, key: &CacheKey, meta: &[u32], payload: &[u8]) -> Result<PathBuf> {
         let path = self.path(name, key);
         std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
-        // Unique per process, writer and moment (two containers sharing the folder can have the
-        // same pid); `create_new` refuses to reuse a name rather than truncate another writer's.
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let tmp = self.dir.join(format!(
-            ".{}.tmp.{}.{}.{nanos}",
-            path.file_name().and_then(|n| n.to_str()).unwrap_or("graph"),
-            std::process::id(),
-            TMP_SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let write = || -> std::io::Result<()> {
-            let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-            let mut f = std::io::BufWriter::new(file);
+        write_atomic(&path, |f| {
             f.write_all(MAGIC)?;
             f.write_all(&key.0)?;
             f.write_all(&(meta.len() as u32).to_le_bytes())?;
@@ -145,18 +134,38 @@ impl GraphCache {
             }
             f.write_all(&(payload.len() as u64).to_le_bytes())?;
             f.write_all(&Sha256::digest(payload))?;
-            f.write_all(payload)?;
-            f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-            std::fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| {
-            if e.kind() != std::io::ErrorKind::AlreadyExists {
-                let _ = std::fs::remove_file(&tmp);
-            }
-            Error::io(&path, e)
+            f.write_all(payload)
         })?;
         Ok(path)
     }
+}
+
+/// Write `path` atomically: `write` fills a temporary file in the same folder, which is synced
+/// and renamed into place, so a reader never sees half a file. The temporary name is unique per
+/// process, writer and moment (two containers sharing the folder can have the same pid), and
+/// `create_new` refuses to reuse a name rather than truncate another writer's.
+pub(crate) fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>) -> Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let tmp = dir.join(format!(
+        ".{}.tmp.{}.{}.{nanos}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
+        std::process::id(),
+        TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    let run = || -> std::io::Result<()> {
+        let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        let mut f = std::io::BufWriter::new(file);
+        write(&mut f)?;
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    run().map_err(|e| {
+        if e.kind() != std::io::ErrorKind::AlreadyExists {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        Error::io(path, e)
+    })
 }
 
 /// Reads `n` bytes at `*at`, advancing it.
@@ -182,10 +191,7 @@ fn parse(bytes: &[u8], key: &CacheKey) -> std::result::Result<CachedGraph, Strin
     if n_meta > MAX_META {
         return Err(format!("corrupt: meta count {n_meta}"));
     }
-    let meta = take(bytes, at, 4 * n_meta as usize, "meta")?
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect();
+    let meta = take(bytes, at, 4 * n_meta as usize, "meta")?.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
     let len = u64::from_le_bytes(take(bytes, at, 8, "payload length")?.try_into().expect("8 bytes"));
     let sum = take(bytes, at, 32, "checksum")?;
     let len = usize::try_from(len).map_err(|_| format!("corrupt: payload length {len}"))?;

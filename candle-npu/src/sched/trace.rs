@@ -2,16 +2,13 @@
 //! processor, so bubbles show as gaps (open in ui.perfetto.dev or chrome://tracing).
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use super::dag::{Node, Processor, SubgraphDag};
 use super::sim::Schedule;
-use crate::error::{Error, Result};
-
-static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
+use crate::error::Result;
 
 #[derive(Debug, Clone, PartialEq)]
 struct Event {
@@ -74,10 +71,8 @@ impl Trace {
     /// ("X") event per node, times in microseconds.
     pub fn to_json(&self) -> Value {
         let tid = |p: Processor| p.index() + 1;
-        let mut events: Vec<Value> = Processor::ALL
-            .iter()
-            .map(|&p| json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid(p), "args": {"name": p.name()}}))
-            .collect();
+        let mut events: Vec<Value> =
+            Processor::ALL.iter().map(|&p| json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid(p), "args": {"name": p.name()}})).collect();
         events.extend(self.events.iter().map(|e| {
             json!({
                 "name": e.name, "ph": "X", "pid": 1, "tid": tid(e.processor), "ts": e.start_us, "dur": e.dur_us,
@@ -90,28 +85,7 @@ impl Trace {
     /// Writes the JSON atomically: a unique temporary file in the same folder, renamed into place,
     /// so a viewer never reads half a trace.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let tmp = dir.join(format!(
-            ".{}.tmp.{}.{}.{nanos}",
-            path.file_name().and_then(|n| n.to_str()).unwrap_or("trace"),
-            std::process::id(),
-            TMP_SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let write = || -> std::io::Result<()> {
-            let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-            let mut f = std::io::BufWriter::new(file);
-            serde_json::to_writer(&mut f, &self.to_json())?;
-            f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-            std::fs::rename(&tmp, path)
-        };
-        write().map_err(|e| {
-            if e.kind() != std::io::ErrorKind::AlreadyExists {
-                let _ = std::fs::remove_file(&tmp);
-            }
-            Error::io(path, e)
-        })
+        crate::cache::write_atomic(path.as_ref(), |f| Ok(serde_json::to_writer(f, &self.to_json())?))
     }
 }
 
@@ -132,8 +106,7 @@ mod tests {
         let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "the temporary file is renamed");
         let ev = v["traceEvents"].as_array().unwrap();
-        let names: Vec<_> =
-            ev.iter().filter(|e| e["ph"] == "M").map(|e| (e["tid"].as_u64(), e["args"]["name"].as_str())).collect();
+        let names: Vec<_> = ev.iter().filter(|e| e["ph"] == "M").map(|e| (e["tid"].as_u64(), e["args"]["name"].as_str())).collect();
         assert_eq!(names, [(Some(1), Some("NPU")), (Some(2), Some("CPU"))]);
         let mut seen: Vec<&str> = ev.iter().filter(|e| e["ph"] == "X").map(|e| e["name"].as_str().unwrap()).collect();
         seen.sort();
