@@ -34,9 +34,7 @@ use rand::SeedableRng;
 use serde_json::json;
 
 #[derive(Parser)]
-#[command(
-    about = "Accuracy suite: perplexity on three domains, top-1 agreement, MMLU, pruning curve, domain shift"
-)]
+#[command(about = "Accuracy suite: perplexity on three domains, top-1 agreement, MMLU, pruning curve, domain shift")]
 struct Args {
     /// Windows of 512 tokens per text domain.
     #[arg(long, default_value_t = 3)]
@@ -59,11 +57,7 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     importance_sequences: usize,
     /// Pruning rates of the curve.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "0,0.1,0.25,0.5,0.75,0.85,0.95,1"
-    )]
+    #[arg(long, value_delimiter = ',', default_value = "0,0.1,0.25,0.5,0.75,0.85,0.95,1")]
     rates: Vec<f64>,
     /// Hot-set coverages to compare (share of calibration outliers the hot channels hold).
     #[arg(long, value_delimiter = ',', default_value = "0.9,0.99,0.999,1")]
@@ -79,10 +73,7 @@ struct Args {
     #[arg(long, default_value = "eval_pruning.png")]
     png: PathBuf,
     /// A TrueType font for the plot's labels.
-    #[arg(
-        long,
-        default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
-    )]
+    #[arg(long, default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")]
     font: PathBuf,
     /// The GGUF model (default: SmolLM2-135M-Instruct from scripts/setup.sh).
     #[arg(long)]
@@ -108,21 +99,11 @@ impl Data {
         // Every window starts as a prompt does (Gemma: with BOS; SmolLM2, Qwen: no prefix).
         let bos = p.encode("", false)?;
         let body = WINDOW - bos.len();
-        let wiki: Vec<Vec<u32>> = p.heldout_tokens(n * body + bos.len())?[bos.len()..]
-            .chunks_exact(body)
-            .map(|c| [&bos[..], c].concat())
-            .collect();
+        let wiki: Vec<Vec<u32>> = p.heldout_tokens(n * body + bos.len())?[bos.len()..].chunks_exact(body).map(|c| [&bos[..], c].concat()).collect();
         // Spread the windows over each text (1790 to 2021; chapter 1 to the end).
         let speeches = assets::sotu_speeches()?;
         let sotu = (0..n)
-            .map(|i| {
-                p.encode_texts(
-                    speeches[(2 * i + 1) * speeches.len() / (2 * n)..]
-                        .iter()
-                        .cloned(),
-                    WINDOW,
-                )
-            })
+            .map(|i| p.encode_texts(speeches[(2 * i + 1) * speeches.len() / (2 * n)..].iter().cloned(), WINDOW))
             .collect::<candle_npu::Result<Vec<_>>>()?;
         let moby = assets::moby_dick()?;
         let moby = (0..n)
@@ -134,9 +115,7 @@ impl Data {
                 // Start at a paragraph; 8000 bytes hold well over 512 tokens.
                 let at = moby[at..].find("\n\n").map_or(at, |o| at + o + 2);
                 let end = (at + 8000).min(moby.len());
-                let end = (end..moby.len())
-                    .find(|&e| moby.is_char_boundary(e))
-                    .unwrap_or(moby.len());
+                let end = (end..moby.len()).find(|&e| moby.is_char_boundary(e)).unwrap_or(moby.len());
                 p.encode_texts([moby[at..end].to_string()], WINDOW)
             })
             .collect::<candle_npu::Result<Vec<_>>>()?;
@@ -144,10 +123,7 @@ impl Data {
         for (w, name) in windows.iter_mut().zip(DOMAINS) {
             w.retain(|w| w.len() == WINDOW);
             if w.len() != n {
-                bail!(
-                    "{name}: only {} windows of {WINDOW} tokens (run scripts/setup.sh)",
-                    w.len()
-                );
+                bail!("{name}: only {} windows of {WINDOW} tokens (run scripts/setup.sh)", w.len());
             }
         }
         let letters = ["A", "B", "C", "D"].map(|l| p.encode_piece(&format!(" {l}")));
@@ -162,11 +138,7 @@ impl Data {
             .iter()
             .map(|q| Ok((p.encode(&mmlu_prompt(q), false)?, q.answer)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Data {
-            windows,
-            mmlu,
-            letters: letters.try_into().expect("four letters"),
-        })
+        Ok(Data { windows, mmlu, letters: letters.try_into().expect("four letters") })
     }
 }
 
@@ -189,11 +161,7 @@ fn mmlu_subset(all: Vec<MmluQuestion>, k: usize, seed: u64) -> Vec<MmluQuestion>
 
 /// The zero-shot prompt of the original MMLU evaluation.
 fn mmlu_prompt(q: &MmluQuestion) -> String {
-    let mut s = format!(
-        "The following is a multiple choice question about {}.\n\n{}\n",
-        q.subject,
-        q.question.trim()
-    );
+    let mut s = format!("The following is a multiple choice question about {}.\n\n{}\n", q.subject, q.question.trim());
     for (l, c) in ["A", "B", "C", "D"].iter().zip(&q.choices) {
         s += &format!("{l}. {}\n", c.trim());
     }
@@ -261,12 +229,7 @@ impl Suite<'_> {
     }
 
     /// Perplexity of the scored halves of `windows`; returns (ppl, argmax per window, seconds).
-    fn perplexity(
-        &self,
-        p: &mut Pipeline,
-        path: Path,
-        windows: &[Vec<u32>],
-    ) -> Result<(f64, Vec<Vec<u32>>, Duration)> {
+    fn perplexity(&self, p: &mut Pipeline, path: Path, windows: &[Vec<u32>]) -> Result<(f64, Vec<Vec<u32>>, Duration)> {
         let (mut nll, mut tops, mut secs) = (0.0, vec![], Duration::ZERO);
         let half = WINDOW / 2;
         for w in windows {
@@ -289,10 +252,7 @@ impl Suite<'_> {
             p.model.reset_point_stats();
             let (x, t, s) = self.perplexity(p, path, windows)?;
             let mut st = PointStats::default();
-            p.model
-                .point_stats()
-                .into_iter()
-                .for_each(|(_, s)| st.add(s));
+            p.model.point_stats().into_iter().for_each(|(_, s)| st.add(s));
             d.hit.push(st.hot_hit_rate());
             d.share.push(st.outliers as f64 / st.elements.max(1) as f64);
             d.ppl.push(x);
@@ -307,9 +267,7 @@ impl Suite<'_> {
         for (prompt, answer) in &self.data.mmlu {
             let l = logits_last(p, path, prompt, self.args.mmlu_chunk_len)?;
             let scores = self.data.letters.map(|t| l[t as usize]);
-            let pick = (0..4)
-                .max_by(|&a, &b| scores[a].total_cmp(&scores[b]))
-                .expect("four letters");
+            let pick = (0..4).max_by(|&a, &b| scores[a].total_cmp(&scores[b])).expect("four letters");
             right += (pick == *answer) as usize;
             self.bar.inc(1);
         }
@@ -318,25 +276,12 @@ impl Suite<'_> {
 
     /// One row of the table. The first row evaluated (F32) becomes the agreement reference.
     fn row(&mut self, name: &str, p: &mut Pipeline, path: Path) -> Result<Row> {
-        self.step(
-            name,
-            self.data.windows.iter().map(Vec::len).sum::<usize>() + self.data.mmlu.len(),
-        );
+        self.step(name, self.data.windows.iter().map(Vec::len).sum::<usize>() + self.data.mmlu.len());
         let shadow = path == Path::Npu && p.model.linears().any(|l| l.shadow_enabled());
         let cold0: u64 = p.model.linears().map(|l| l.cold_reads()).sum();
-        let Domains {
-            ppl,
-            tops,
-            hit,
-            share,
-            secs,
-        } = self.domains(p, path)?;
+        let Domains { ppl, tops, hit, share, secs } = self.domains(p, path)?;
         let agreement = self.reference.as_ref().map(|r| {
-            let pairs = r
-                .iter()
-                .flatten()
-                .flatten()
-                .zip(tops.iter().flatten().flatten());
+            let pairs = r.iter().flatten().flatten().zip(tops.iter().flatten().flatten());
             let (same, n) = pairs.fold((0, 0), |(s, n), (a, b)| (s + (a == b) as usize, n + 1));
             same as f64 / n as f64
         });
@@ -397,33 +342,12 @@ fn table_line(r: &Row) -> String {
     )
 }
 
-fn load(
-    path: &std::path::Path,
-    dev: &NpuDevice,
-    precision: Precision,
-    weights: WeightQuant,
-) -> Result<Pipeline> {
+fn load(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: WeightQuant) -> Result<Pipeline> {
     load_with(path, dev, precision, weights, DecodeWeights::Q8_0)
 }
 
-fn load_with(
-    path: &std::path::Path,
-    dev: &NpuDevice,
-    precision: Precision,
-    weights: WeightQuant,
-    decode_weights: DecodeWeights,
-) -> Result<Pipeline> {
-    Pipeline::load(
-        path,
-        None,
-        dev,
-        LoadOptions {
-            precision,
-            decode_weights,
-            weights,
-        },
-    )
-    .with_context(|| format!("loading {}", path.display()))
+fn load_with(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: WeightQuant, decode_weights: DecodeWeights) -> Result<Pipeline> {
+    Pipeline::load(path, None, dev, LoadOptions { precision, decode_weights, weights }).with_context(|| format!("loading {}", path.display()))
 }
 
 fn print_decode(model: &std::path::Path, rows: &[DecodeRow], f32_ppl: &[f64]) {
@@ -431,19 +355,8 @@ fn print_decode(model: &std::path::Path, rows: &[DecodeRow], f32_ppl: &[f64]) {
     println!("| decode weights | linear weights MB | ppl x F32 | decode tok/s |");
     println!("|---|---|---|---|");
     for r in rows {
-        let ratio: Vec<String> = r
-            .ppl
-            .iter()
-            .zip(f32_ppl)
-            .map(|(a, b)| format!("{:.3}", a / b))
-            .collect();
-        println!(
-            "| {} | {:.0} | {} | {:.1} |",
-            r.weights,
-            r.linear_mb,
-            ratio.join(" / "),
-            r.decode_tok_s
-        );
+        let ratio: Vec<String> = r.ppl.iter().zip(f32_ppl).map(|(a, b)| format!("{:.3}", a / b)).collect();
+        println!("| {} | {:.0} | {} | {:.1} |", r.weights, r.linear_mb, ratio.join(" / "), r.decode_tok_s);
     }
 }
 
@@ -460,21 +373,12 @@ struct DecodeRow {
 }
 
 fn decode_row(suite: &mut Suite, name: &str, p: &mut Pipeline) -> Result<DecodeRow> {
-    let row = suite.row(
-        &format!("candle CPU prefill, decode weights: {name}"),
-        p,
-        Path::Cpu,
-    )?;
+    let row = suite.row(&format!("candle CPU prefill, decode weights: {name}"), p, Path::Cpu)?;
     let prompt = &suite.data.windows[0][0][..16];
     let mut speeds = vec![];
     for _ in 0..3 {
         p.model.clear();
-        let mut next = p
-            .model
-            .forward_cpu(prompt)?
-            .get(15)?
-            .argmax(0)?
-            .to_scalar::<u32>()?;
+        let mut next = p.model.forward_cpu(prompt)?.get(15)?.argmax(0)?.to_scalar::<u32>()?;
         let t = Instant::now();
         for _ in 0..64 {
             next = p.model.decode(next)?.argmax(0)?.to_scalar::<u32>()?;
@@ -483,12 +387,7 @@ fn decode_row(suite: &mut Suite, name: &str, p: &mut Pipeline) -> Result<DecodeR
     }
     speeds.sort_by(f64::total_cmp);
     let linear_mb = p.model.linears().map(|l| l.decode_bytes()).sum::<usize>() as f64 / 1e6;
-    Ok(DecodeRow {
-        weights: name.to_string(),
-        linear_mb,
-        ppl: row.ppl,
-        decode_tok_s: speeds[1],
-    })
+    Ok(DecodeRow { weights: name.to_string(), linear_mb, ppl: row.ppl, decode_tok_s: speeds[1] })
 }
 
 /// One hot-set coverage: float columns kept against all, and what happened on each domain.
@@ -505,27 +404,14 @@ struct HotPoint {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let mut args = Args::parse();
     let on = |s: &str| args.sections.iter().any(|x| x == s);
     let (do_rows, do_curve, do_hot, do_decode) = (on("rows"), on("curve"), on("hot"), on("decode"));
-    if let Some(bad) = args
-        .sections
-        .iter()
-        .find(|s| !["rows", "curve", "hot", "decode"].contains(&s.as_str()))
-    {
+    if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot", "decode"].contains(&s.as_str())) {
         bail!("unknown section '{bad}' (rows, curve, hot, decode)");
     }
-    if args.windows == 0
-        || args
-            .rates
-            .iter()
-            .chain(&args.coverages)
-            .any(|r| !(0.0..=1.0).contains(r))
-    {
+    if args.windows == 0 || args.rates.iter().chain(&args.coverages).any(|r| !(0.0..=1.0).contains(r)) {
         bail!("--windows must be at least 1, --rates and --coverages within 0..=1");
     }
     if !do_rows {
@@ -534,43 +420,18 @@ fn main() -> Result<()> {
     let args = args;
     let model_path = args.model.clone().unwrap_or_else(assets::smollm2);
     let dev = NpuDevice::host();
-    let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template(
-        "{msg:38} {bar:30} {pos}/{len} ({elapsed}, eta {eta})",
-    )?);
+    let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template("{msg:38} {bar:30} {pos}/{len} ({elapsed}, eta {eta})")?);
 
     let mut f32p = load(&model_path, &dev, Precision::F32, WeightQuant::PerChannel)?;
     let data = Data::new(&f32p, &args)?;
-    eprintln!(
-        "{} windows of {WINDOW} tokens per domain, {} MMLU questions",
-        args.windows,
-        data.mmlu.len()
-    );
-    let mut suite = Suite {
-        args: &args,
-        data: &data,
-        reference: None,
-        bar,
-    };
+    eprintln!("{} windows of {WINDOW} tokens per domain, {} MMLU questions", args.windows, data.mmlu.len());
+    let mut suite = Suite { args: &args, data: &data, reference: None, bar };
     let mut rows = vec![suite.row("F32 prefill", &mut f32p, Path::Npu)?];
     let mut decode = vec![];
     if do_decode {
-        decode.push(decode_row(
-            &mut suite,
-            "Q8_0 from the INT8 weights",
-            &mut f32p,
-        )?);
-        let mut ck = load_with(
-            &model_path,
-            &dev,
-            Precision::F32,
-            WeightQuant::PerChannel,
-            DecodeWeights::Checkpoint,
-        )?;
-        decode.push(decode_row(
-            &mut suite,
-            "the checkpoint's own tensors",
-            &mut ck,
-        )?);
+        decode.push(decode_row(&mut suite, "Q8_0 from the INT8 weights", &mut f32p)?);
+        let mut ck = load_with(&model_path, &dev, Precision::F32, WeightQuant::PerChannel, DecodeWeights::Checkpoint)?;
+        decode.push(decode_row(&mut suite, "the checkpoint's own tensors", &mut ck)?);
         if !(do_rows || do_curve || do_hot) {
             suite.bar.finish_and_clear();
             if args.json {
@@ -591,16 +452,12 @@ fn main() -> Result<()> {
     let mut q = load(&model_path, &dev, Precision::W8A8, WeightQuant::PerChannel)?;
     let set = CalibrationSet {
         importance_sequences: args.importance_sequences,
-        clip: ClipMethod::Budget {
-            fraction: args.budget,
-        },
+        clip: ClipMethod::Budget { fraction: args.budget },
         ..CalibrationSet::default()
     };
     let seqs = q.calibration_sequences(set)?;
     suite.step("calibrating on Wikipedia", seqs.len());
-    let cal = q
-        .model
-        .calibrate(&seqs, |i| suite.bar.set_position(i as u64))?;
+    let cal = q.model.calibrate(&seqs, |i| suite.bar.set_position(i as u64))?;
     let id = q.model.model_id().to_string();
     let minmax = cal.finish(id.clone(), ClipMethod::MinMax);
     let mut shadow = cal.finish(id, set.clip);
@@ -609,30 +466,18 @@ fn main() -> Result<()> {
     let n_imp = set.importance_sequences.clamp(1, seqs.len());
     if do_curve || do_rows {
         suite.step("measuring layer importance", 1 + n_layer);
-        shadow.importance =
-            q.model
-                .measure_importance(&seqs[..n_imp], args.chunk_len, |i, _| {
-                    suite.bar.set_position(i as u64)
-                })?;
+        shadow.importance = q.model.measure_importance(&seqs[..n_imp], args.chunk_len, |i, _| suite.bar.set_position(i as u64))?;
     }
 
     if do_rows {
         let mut naive = load(&model_path, &dev, Precision::W8A8, WeightQuant::PerTensor)?;
         naive.model.set_profile(minmax.clone())?;
         naive.model.set_shadow_layers(&vec![false; n_layer])?;
-        rows.push(suite.row(
-            "naive W8A8 (per-tensor weights, min/max, no shadow)",
-            &mut naive,
-            Path::Npu,
-        )?);
+        rows.push(suite.row("naive W8A8 (per-tensor weights, min/max, no shadow)", &mut naive, Path::Npu)?);
         drop(naive);
         q.model.set_profile(minmax)?;
         q.model.set_shadow_layers(&vec![false; n_layer])?;
-        rows.push(suite.row(
-            "W8A8 per-channel weights, min/max, no shadow",
-            &mut q,
-            Path::Npu,
-        )?);
+        rows.push(suite.row("W8A8 per-channel weights, min/max, no shadow", &mut q, Path::Npu)?);
         q.model.set_profile(shadow.clone())?;
         rows.push(suite.row("shadow W8A8, unpruned", &mut q, Path::Npu)?);
     }
@@ -657,21 +502,10 @@ fn main() -> Result<()> {
     }
     if do_rows {
         q.model.prune_shadow(DEFAULT_PRUNE_RATE)?;
-        rows.push(suite.row(
-            &format!(
-                "shadow W8A8, default pruning ({:.0}%)",
-                100.0 * DEFAULT_PRUNE_RATE
-            ),
-            &mut q,
-            Path::Npu,
-        )?);
+        rows.push(suite.row(&format!("shadow W8A8, default pruning ({:.0}%)", 100.0 * DEFAULT_PRUNE_RATE), &mut q, Path::Npu)?);
         let mut w16 = load(&model_path, &dev, Precision::W8A16, WeightQuant::PerChannel)?;
         w16.model.set_profile(shadow.clone())?;
-        rows.push(suite.row(
-            "W8A16 (u16 activations, min/max, no shadow)",
-            &mut w16,
-            Path::Npu,
-        )?);
+        rows.push(suite.row("W8A16 (u16 activations, min/max, no shadow)", &mut w16, Path::Npu)?);
         drop(w16);
         rows.push(suite.row("candle CPU prefill, Q8_0 weights", &mut f32p, Path::Cpu)?);
     }
@@ -681,9 +515,7 @@ fn main() -> Result<()> {
     if do_hot {
         q.model.set_profile(shadow.clone())?;
         suite.step("counting outliers per channel", seqs.len());
-        let counts = q
-            .model
-            .count_channel_outliers(&seqs, args.chunk_len, |i| suite.bar.set_position(i as u64))?;
+        let counts = q.model.count_channel_outliers(&seqs, args.chunk_len, |i| suite.bar.set_position(i as u64))?;
         suite.step("hot-set coverages", args.coverages.len() * 3 * args.windows);
         for &coverage in &args.coverages {
             let mut prof = shadow.clone();
@@ -707,11 +539,7 @@ fn main() -> Result<()> {
     }
     suite.bar.finish_and_clear();
 
-    let png = if do_curve {
-        draw_curve(&args, &curve, rows[0].ppl[0])
-    } else {
-        Ok(())
-    };
+    let png = if do_curve { draw_curve(&args, &curve, rows[0].ppl[0]) } else { Ok(()) };
     if let Err(e) = &png {
         eprintln!("pruning curve not drawn: {e:#}");
     }
@@ -728,41 +556,29 @@ fn main() -> Result<()> {
     }
     let f32_ppl = rows[0].ppl.clone();
     if do_rows {
-        println!("\n{}, host executor; {} x {WINDOW}-token windows per domain (second halves scored); MMLU {} questions ({} per subject, seed {}).\n", model_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), args.windows, data.mmlu.len(), args.mmlu_per_subject, args.seed);
+        println!(
+            "\n{}, host executor; {} x {WINDOW}-token windows per domain (second halves scored); MMLU {} questions ({} per subject, seed {}).\n",
+            model_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            args.windows,
+            data.mmlu.len(),
+            args.mmlu_per_subject,
+            args.seed
+        );
         println!("| prefill | ppl Wikipedia | ppl SOTU | ppl Moby Dick | top-1 agreement | MMLU | prefill tok/s |");
         println!("|---|---|---|---|---|---|---|");
         rows.iter().for_each(|r| println!("{}", table_line(r)));
         println!("\nDomain shift (calibrated on Wikipedia; shadow W8A8 unpruned):\n");
-        println!(
-            "| domain | perplexity x F32 | outliers (share of values) | hot-channel hit rate |"
-        );
+        println!("| domain | perplexity x F32 | outliers (share of values) | hot-channel hit rate |");
         println!("|---|---|---|---|");
-        let s = rows
-            .iter()
-            .find(|r| r.name == "shadow W8A8, unpruned")
-            .expect("row");
+        let s = rows.iter().find(|r| r.name == "shadow W8A8, unpruned").expect("row");
         for (d, name) in DOMAINS.iter().enumerate() {
-            let (h, o) = (
-                s.hit_rate.as_ref().expect("shadow row"),
-                s.outlier_share.as_ref().expect("shadow row"),
-            );
-            println!(
-                "| {name} | {:.4} | {:.2e} | {:.4} |",
-                s.ppl[d] / f32_ppl[d],
-                o[d],
-                h[d]
-            );
+            let (h, o) = (s.hit_rate.as_ref().expect("shadow row"), s.outlier_share.as_ref().expect("shadow row"));
+            println!("| {name} | {:.4} | {:.2e} | {:.4} |", s.ppl[d] / f32_ppl[d], o[d], h[d]);
         }
-        println!(
-            "\ncold-channel column reads (shadow unpruned, all domains): {}",
-            s.cold_reads.unwrap_or(0)
-        );
+        println!("\ncold-channel column reads (shadow unpruned, all domains): {}", s.cold_reads.unwrap_or(0));
     }
     if do_curve {
-        println!(
-            "\nPruning curve (held-out Wikipedia; F32 {:.3}):\n",
-            f32_ppl[0]
-        );
+        println!("\nPruning curve (held-out Wikipedia; F32 {:.3}):\n", f32_ppl[0]);
         println!("| shadow paths pruned | layers | perplexity | x F32 | shadow share of prefill time | prefill s |");
         println!("|---|---|---|---|---|---|");
         for c in &curve {
@@ -785,12 +601,7 @@ fn main() -> Result<()> {
         println!("| coverage | hot channels | hot MB | all MB | ppl x F32 | hit rate | cold column reads | shadow share |");
         println!("|---|---|---|---|---|---|---|---|");
         for h in &hot {
-            let ratio: Vec<String> = h
-                .ppl
-                .iter()
-                .zip(&f32_ppl)
-                .map(|(a, b)| format!("{:.4}", a / b))
-                .collect();
+            let ratio: Vec<String> = h.ppl.iter().zip(&f32_ppl).map(|(a, b)| format!("{:.4}", a / b)).collect();
             let hit: Vec<String> = h.hit_rate.iter().map(|x| format!("{x:.3}")).collect();
             println!(
                 "| {} | {} | {:.0} | {:.0} | {} | {} | {} | {:.1}% |",
@@ -808,10 +619,7 @@ fn main() -> Result<()> {
     if do_decode {
         print_decode(&model_path, &decode, &f32_ppl);
     }
-    println!(
-        "\nhot channels per point kind (clip budget, every channel with a calibration outlier): {}",
-        hot_summary(&shadow)
-    );
+    println!("\nhot channels per point kind (clip budget, every channel with a calibration outlier): {}", hot_summary(&shadow));
     Ok(())
 }
 
@@ -819,19 +627,9 @@ fn main() -> Result<()> {
 fn hot_summary(p: &QuantProfile) -> serde_json::Value {
     let mut kinds = serde_json::Map::new();
     for kind in candle_npu_models::transformer::POINTS {
-        let pts: Vec<_> = p
-            .points
-            .iter()
-            .filter(|(n, _)| n.ends_with(&format!(".{kind}")))
-            .map(|(_, p)| p)
-            .collect();
-        let (hot, ch): (usize, usize) = pts
-            .iter()
-            .fold((0, 0), |a, p| (a.0 + p.hot.len(), a.1 + p.channels));
-        kinds.insert(
-            kind.to_string(),
-            json!({ "hot_channels": hot, "channels": ch, "share": hot as f64 / ch.max(1) as f64 }),
-        );
+        let pts: Vec<_> = p.points.iter().filter(|(n, _)| n.ends_with(&format!(".{kind}"))).map(|(_, p)| p).collect();
+        let (hot, ch): (usize, usize) = pts.iter().fold((0, 0), |a, p| (a.0 + p.hot.len(), a.1 + p.channels));
+        kinds.insert(kind.to_string(), json!({ "hot_channels": hot, "channels": ch, "share": hot as f64 / ch.max(1) as f64 }));
     }
     serde_json::Value::Object(kinds)
 }
@@ -840,39 +638,19 @@ fn hot_summary(p: &QuantProfile) -> serde_json::Value {
 /// a temporary file and renamed, so a failed run leaves no half-written image.
 fn draw_curve(args: &Args, curve: &[CurvePoint], f32_ppl: f64) -> Result<()> {
     use plotters::prelude::*;
-    let font = std::fs::read(&args.font)
-        .with_context(|| format!("font {} (pass --font)", args.font.display()))?;
-    plotters::style::register_font(
-        "sans",
-        FontStyle::Normal,
-        Box::leak(font.into_boxed_slice()),
-    )
-    .map_err(|_| anyhow!("{}: not a TrueType font", args.font.display()))?;
-    let stem = args
-        .png
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("curve");
+    let font = std::fs::read(&args.font).with_context(|| format!("font {} (pass --font)", args.font.display()))?;
+    plotters::style::register_font("sans", FontStyle::Normal, Box::leak(font.into_boxed_slice()))
+        .map_err(|_| anyhow!("{}: not a TrueType font", args.font.display()))?;
+    let stem = args.png.file_stem().and_then(|s| s.to_str()).unwrap_or("curve");
     let tmp = args.png.with_file_name(format!(".{stem}.partial.png"));
     let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", args.png.display());
     {
         let root = BitMapBackend::new(&tmp, (900, 520)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(&e))?;
-        let ppl_max = curve
-            .iter()
-            .map(|c| c.ppl_wikipedia)
-            .fold(f32_ppl * 1.05, f64::max)
-            * 1.02;
-        let share_max = curve
-            .iter()
-            .map(|c| 100.0 * c.shadow_share)
-            .fold(1.0, f64::max)
-            * 1.2;
+        let ppl_max = curve.iter().map(|c| c.ppl_wikipedia).fold(f32_ppl * 1.05, f64::max) * 1.02;
+        let share_max = curve.iter().map(|c| 100.0 * c.shadow_share).fold(1.0, f64::max) * 1.2;
         let mut chart = ChartBuilder::on(&root)
-            .caption(
-                "SmolLM2-135M: pruning the shadow path (held-out Wikipedia)",
-                ("sans", 20),
-            )
+            .caption("SmolLM2-135M: pruning the shadow path (held-out Wikipedia)", ("sans", 20))
             .margin(12)
             .x_label_area_size(45)
             .y_label_area_size(65)
@@ -887,38 +665,22 @@ fn draw_curve(args: &Args, curve: &[CurvePoint], f32_ppl: f64) -> Result<()> {
             .label_style(("sans", 14))
             .draw()
             .map_err(|e| err(&e))?;
-        chart
-            .configure_secondary_axes()
-            .y_desc("shadow share of prefill time (%)")
-            .label_style(("sans", 14))
-            .draw()
-            .map_err(|e| err(&e))?;
-        let pts: Vec<(f64, f64)> = curve
-            .iter()
-            .map(|c| (100.0 * c.rate, c.ppl_wikipedia))
-            .collect();
+        chart.configure_secondary_axes().y_desc("shadow share of prefill time (%)").label_style(("sans", 14)).draw().map_err(|e| err(&e))?;
+        let pts: Vec<(f64, f64)> = curve.iter().map(|c| (100.0 * c.rate, c.ppl_wikipedia)).collect();
         chart
             .draw_series(LineSeries::new(pts.clone(), BLUE.stroke_width(2)))
             .map_err(|e| err(&e))?
             .label("perplexity, shadow W8A8")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
-        chart
-            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, BLUE.filled())))
-            .map_err(|e| err(&e))?;
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, BLUE.filled()))).map_err(|e| err(&e))?;
         for (factor, label, color) in [(1.0, "F32", BLACK), (1.02, "1.02 x F32", RED)] {
             chart
-                .draw_series(LineSeries::new(
-                    [(0.0, f32_ppl * factor), (100.0, f32_ppl * factor)],
-                    color.mix(0.6),
-                ))
+                .draw_series(LineSeries::new([(0.0, f32_ppl * factor), (100.0, f32_ppl * factor)], color.mix(0.6)))
                 .map_err(|e| err(&e))?
                 .label(label)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.mix(0.6)));
         }
-        let share: Vec<(f64, f64)> = curve
-            .iter()
-            .map(|c| (100.0 * c.rate, 100.0 * c.shadow_share))
-            .collect();
+        let share: Vec<(f64, f64)> = curve.iter().map(|c| (100.0 * c.rate, 100.0 * c.shadow_share)).collect();
         chart
             .draw_secondary_series(LineSeries::new(share, GREEN.stroke_width(2)))
             .map_err(|e| err(&e))?
@@ -934,7 +696,6 @@ fn draw_curve(args: &Args, curve: &[CurvePoint], f32_ppl: f64) -> Result<()> {
             .map_err(|e| err(&e))?;
         root.present().map_err(|e| err(&e))?;
     }
-    std::fs::rename(&tmp, &args.png)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), args.png.display()))?;
+    std::fs::rename(&tmp, &args.png).with_context(|| format!("renaming {} to {}", tmp.display(), args.png.display()))?;
     Ok(())
 }

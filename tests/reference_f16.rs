@@ -20,11 +20,7 @@ use common::*;
 
 /// Build a reference in a new thread with `var` = 1 (and the other unset; `""`: neither, the
 /// weights run quantized as stored).
-fn build<M: Send + 'static>(
-    path: PathBuf,
-    var: &'static str,
-    f: fn(gguf_file::Content, &mut std::fs::File) -> M,
-) -> M {
+fn build<M: Send + 'static>(path: PathBuf, var: &'static str, f: fn(gguf_file::Content, &mut std::fs::File) -> M) -> M {
     for v in ["CANDLE_DEQUANTIZE_ALL", "CANDLE_DEQUANTIZE_ALL_F16"] {
         // SAFETY: the only test in this binary; no other thread reads the environment now.
         unsafe { std::env::set_var(v, if v == var { "1" } else { "0" }) };
@@ -38,17 +34,9 @@ fn build<M: Send + 'static>(
     .unwrap()
 }
 
-fn logits(
-    forward: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
-    t: &[u32],
-) -> Vec<f32> {
+fn logits(forward: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>, t: &[u32]) -> Vec<f32> {
     let x = Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-    forward(&x, 0)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
+    forward(&x, 0).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 fn top1(v: &[f32]) -> u32 {
@@ -60,31 +48,16 @@ fn check(
     r32: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
     r16: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
 ) {
-    let opts = LoadOptions {
-        precision: Precision::F32,
-        decode_weights: DecodeWeights::F32,
-        ..Default::default()
-    };
+    let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts).unwrap();
     let toks = p.heldout_tokens(300).unwrap();
     for len in [37usize, 300] {
         let (want32, want16) = (logits(r32, &toks[..len]), logits(r16, &toks[..len]));
-        let got: Vec<f32> = p
-            .model
-            .prefill(&toks[..len], 256)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let got: Vec<f32> = p.model.prefill(&toks[..len], 256).unwrap().to_vec1().unwrap();
         let (err, gap) = (rel_max_err(&got, &want16), rel_max_err(&want32, &want16));
-        eprintln!(
-            "{}: prompt {len}: vs candle F16 {err:e} (candle's own F32 vs F16: {gap:e})",
-            path.display()
-        );
+        eprintln!("{}: prompt {len}: vs candle F16 {err:e} (candle's own F32 vs F16: {gap:e})", path.display());
         // 1% slack: ours and candle's F32 differ by ~1e-6 (GEMM order), not by the F16 rounding.
-        assert!(
-            err <= gap * 1.01 + 1e-5,
-            "prompt {len}: {err} vs F16, candle's F32 is at {gap}"
-        );
+        assert!(err <= gap * 1.01 + 1e-5, "prompt {len}: {err} vs F16, candle's F32 is at {gap}");
         if top1(&want32) == top1(&want16) {
             assert_eq!(top1(&got), top1(&want16), "prompt {len}: top-1 vs F16");
         }
@@ -95,26 +68,14 @@ fn check(
 fn llama_and_qwen2_against_candle_in_f16() {
     use candle_transformers::models::{quantized_llama as llama, quantized_qwen2 as qwen2};
     let path = assets::smollm2();
-    let mut r32 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL", |c, f| {
-        llama::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap()
-    });
-    let mut r16 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL_F16", |c, f| {
-        llama::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap()
-    });
-    check(&path, &mut |x, p| r32.forward(x, p), &mut |x, p| {
-        r16.forward(x, p)
-    });
+    let mut r32 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL", |c, f| llama::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    let mut r16 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL_F16", |c, f| llama::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    check(&path, &mut |x, p| r32.forward(x, p), &mut |x, p| r16.forward(x, p));
 
     let path = assets::qwen25_coder_05b().unwrap();
-    let mut r32 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL", |c, f| {
-        qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap()
-    });
-    let mut r16 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL_F16", |c, f| {
-        qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap()
-    });
-    check(&path, &mut |x, p| r32.forward(x, p), &mut |x, p| {
-        r16.forward(x, p)
-    });
+    let mut r32 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL", |c, f| qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    let mut r16 = build(path.clone(), "CANDLE_DEQUANTIZE_ALL_F16", |c, f| qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    check(&path, &mut |x, p| r32.forward(x, p), &mut |x, p| r16.forward(x, p));
     // In this test, not its own: `build` sets process-wide variables (see its SAFETY note).
     checkpoint_decode_weights_match_candle_quantized_qwen2();
 }
@@ -127,22 +88,10 @@ fn llama_and_qwen2_against_candle_in_f16() {
 fn checkpoint_decode_weights_match_candle_quantized_qwen2() {
     use candle_transformers::models::quantized_qwen2 as qwen2;
     let path = assets::qwen25_coder_05b().unwrap();
-    let mut r = build(path.clone(), "", |c, f| {
-        qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap()
-    });
+    let mut r = build(path.clone(), "", |c, f| qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
     let mut p = build(path.clone(), "", |_, _| {
-        let opts = LoadOptions {
-            precision: Precision::F32,
-            decode_weights: DecodeWeights::Checkpoint,
-            ..Default::default()
-        };
-        Pipeline::load(
-            &assets::qwen25_coder_05b().unwrap(),
-            None,
-            &NpuDevice::host(),
-            opts,
-        )
-        .unwrap()
+        let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::Checkpoint, ..Default::default() };
+        Pipeline::load(&assets::qwen25_coder_05b().unwrap(), None, &NpuDevice::host(), opts).unwrap()
     });
     let toks = p.heldout_tokens(37).unwrap();
     let want = logits(&mut |x, pos| r.forward(x, pos), &toks);
@@ -156,18 +105,8 @@ fn checkpoint_decode_weights_match_candle_quantized_qwen2() {
     for i in 0..16 {
         let l = p.model.decode(*ours.last().unwrap()).unwrap();
         ours.push(top1(&l.to_vec1::<f32>().unwrap()));
-        let x = Tensor::new(&[*theirs.last().unwrap()], &Device::Cpu)
-            .unwrap()
-            .unsqueeze(0)
-            .unwrap();
-        theirs.push(top1(
-            &r.forward(&x, toks.len() + i)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap(),
-        ));
+        let x = Tensor::new(&[*theirs.last().unwrap()], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        theirs.push(top1(&r.forward(&x, toks.len() + i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()));
     }
     assert_eq!(ours, theirs, "greedy decode");
 }

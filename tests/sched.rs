@@ -6,8 +6,8 @@ mod common;
 
 use candle_npu::sched::{Policy, Trace};
 use candle_npu::{NpuDevice, Tail};
-use candle_npu_models::{CalibrationSet, DecodeWeights, Precision, SchedOptions};
 use candle_npu_models::Pipeline;
+use candle_npu_models::{CalibrationSet, DecodeWeights, Precision, SchedOptions};
 use common::*;
 
 /// All-position logits of `toks` in chunks of 64, scheduled by `policy` (NPU queue: one thread).
@@ -19,8 +19,7 @@ fn prefill(p: &mut Pipeline, toks: &[u32], tail: Tail, policy: Policy) -> Vec<f3
 #[test]
 fn every_policy_is_bit_identical_to_in_order() {
     let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
-    p.ensure_profile(None, 64, CalibrationSet::default(), |_, _| {})
-        .unwrap();
+    p.ensure_profile(None, 64, CalibrationSet::default(), |_, _| {}).unwrap();
     // 4 full chunks of 64 and a padded one: cross-chunk attention edges at every layer.
     let toks = heldout_tokens(&p, 300);
     let run = |p: &mut Pipeline, policy: Policy| prefill(p, &toks, Tail::Pad, policy);
@@ -28,24 +27,11 @@ fn every_policy_is_bit_identical_to_in_order() {
     for policy in Policy::heuristics() {
         let name = policy.name();
         let got = run(&mut p, policy);
-        assert!(
-            got == reference,
-            "{name}: logits differ from in-order by {}",
-            rel_max_err(&got, &reference)
-        );
+        assert!(got == reference, "{name}: logits differ from in-order by {}", rel_max_err(&got, &reference));
         let (dag, schedule) = p.model.last_run().unwrap();
         schedule.validate(dag).unwrap();
         let trace = Trace::from_schedule(dag, schedule).to_json();
-        assert_eq!(
-            trace["traceEvents"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|e| e["ph"] == "X")
-                .count(),
-            dag.len(),
-            "{name}: one slice per node"
-        );
+        assert_eq!(trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "X").count(), dag.len(), "{name}: one slice per node");
     }
 }
 
@@ -65,7 +51,5 @@ fn a_cpu_margin_has_no_padding_and_the_padded_logits() {
     let (dag, _) = p.model.last_run().unwrap();
     // 2 x 64 on the NPU, 22 rows as a margin: its nodes are all on the CPU.
     let margin_nodes: Vec<_> = dag.nodes().iter().filter(|n| n.chunk == 2).collect();
-    assert!(margin_nodes
-        .iter()
-        .all(|n| n.processor == candle_npu::Processor::Cpu && n.rows == 22));
+    assert!(margin_nodes.iter().all(|n| n.processor == candle_npu::Processor::Cpu && n.rows == 22));
 }

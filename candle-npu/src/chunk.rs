@@ -49,46 +49,25 @@ pub struct ChunkPlan {
 impl ChunkPlan {
     /// Plan `prompt_len` tokens in chunks of `chunk_len`, for a model with `context_len`
     /// positions, the remainder padded or run as a CPU margin.
-    pub fn new(
-        prompt_len: usize,
-        chunk_len: usize,
-        context_len: usize,
-        tail: Tail,
-    ) -> Result<Self> {
+    pub fn new(prompt_len: usize, chunk_len: usize, context_len: usize, tail: Tail) -> Result<Self> {
         if prompt_len == 0 {
-            return Err(Error::Input(
-                "empty prompt: prefill needs at least one token".into(),
-            ));
+            return Err(Error::Input("empty prompt: prefill needs at least one token".into()));
         }
         if chunk_len == 0 {
-            return Err(Error::Input(
-                "chunk length 0: use a positive --chunk-len (e.g. 256)".into(),
-            ));
+            return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
         }
         if prompt_len > context_len {
-            return Err(Error::Input(format!(
-                "prompt of {prompt_len} tokens is longer than the model's context of {context_len} tokens"
-            )));
+            return Err(Error::Input(format!("prompt of {prompt_len} tokens is longer than the model's context of {context_len} tokens")));
         }
         let chunks = (0..prompt_len.div_ceil(chunk_len))
             .map(|index| {
                 let start = index * chunk_len;
                 let len = chunk_len.min(prompt_len - start);
                 let margin = len < chunk_len && tail == Tail::Margin;
-                Chunk {
-                    index,
-                    start,
-                    len,
-                    padded_len: if margin { len } else { chunk_len },
-                    margin,
-                }
+                Chunk { index, start, len, padded_len: if margin { len } else { chunk_len }, margin }
             })
             .collect();
-        Ok(ChunkPlan {
-            prompt_len,
-            chunk_len,
-            chunks,
-        })
+        Ok(ChunkPlan { prompt_len, chunk_len, chunks })
     }
 
     pub fn padded_tokens(&self) -> usize {
@@ -111,26 +90,14 @@ mod tests {
             let p = ChunkPlan::new(512, 256, 8192, tail).unwrap();
             assert_eq!(p.chunks.len(), 2);
             assert_eq!((p.padded_tokens(), p.margin_tokens()), (0, 0));
-            assert_eq!(
-                p.chunks[1],
-                Chunk {
-                    index: 1,
-                    start: 256,
-                    len: 256,
-                    padded_len: 256,
-                    margin: false
-                }
-            );
+            assert_eq!(p.chunks[1], Chunk { index: 1, start: 256, len: 256, padded_len: 256, margin: false });
         }
     }
 
     #[test]
     fn last_chunk_is_padded() {
         let p = ChunkPlan::new(300, 128, 8192, Tail::Pad).unwrap();
-        assert_eq!(
-            p.chunks.iter().map(|c| c.len).collect::<Vec<_>>(),
-            vec![128, 128, 44]
-        );
+        assert_eq!(p.chunks.iter().map(|c| c.len).collect::<Vec<_>>(), vec![128, 128, 44]);
         assert_eq!(p.chunks[2].padding(), 84);
         assert_eq!(p.chunks.iter().map(|c| c.len).sum::<usize>(), 300);
     }
@@ -139,52 +106,25 @@ mod tests {
     fn remainder_becomes_a_cpu_margin_without_padding() {
         let p = ChunkPlan::new(300, 128, 8192, Tail::Margin).unwrap();
         assert_eq!(
-            p.chunks
-                .iter()
-                .map(|c| (c.len, c.padded_len, c.margin))
-                .collect::<Vec<_>>(),
+            p.chunks.iter().map(|c| (c.len, c.padded_len, c.margin)).collect::<Vec<_>>(),
             vec![(128, 128, false), (128, 128, false), (44, 44, true)]
         );
         assert_eq!((p.padded_tokens(), p.margin_tokens()), (0, 44));
         let p = ChunkPlan::new(24, 256, 8192, Tail::Margin).unwrap();
-        assert_eq!(
-            p.chunks,
-            vec![Chunk {
-                index: 0,
-                start: 0,
-                len: 24,
-                padded_len: 24,
-                margin: true
-            }]
-        );
+        assert_eq!(p.chunks, vec![Chunk { index: 0, start: 0, len: 24, padded_len: 24, margin: true }]);
     }
 
     #[test]
     fn one_token_and_chunk_longer_than_prompt() {
         let p = ChunkPlan::new(1, 256, 8192, Tail::Pad).unwrap();
-        assert_eq!(
-            p.chunks,
-            vec![Chunk {
-                index: 0,
-                start: 0,
-                len: 1,
-                padded_len: 256,
-                margin: false
-            }]
-        );
+        assert_eq!(p.chunks, vec![Chunk { index: 0, start: 0, len: 1, padded_len: 256, margin: false }]);
     }
 
     #[test]
     fn bad_inputs_are_errors() {
         let t = Tail::Margin;
-        assert!(ChunkPlan::new(0, 256, 8192, t)
-            .unwrap_err()
-            .to_string()
-            .contains("empty prompt"));
-        assert!(ChunkPlan::new(10, 0, 8192, t)
-            .unwrap_err()
-            .to_string()
-            .contains("chunk length 0"));
+        assert!(ChunkPlan::new(0, 256, 8192, t).unwrap_err().to_string().contains("empty prompt"));
+        assert!(ChunkPlan::new(10, 0, 8192, t).unwrap_err().to_string().contains("chunk length 0"));
         let e = ChunkPlan::new(9000, 256, 8192, t).unwrap_err().to_string();
         assert!(e.contains("9000") && e.contains("8192"), "{e}");
         assert!(ChunkPlan::new(8192, 256, 8192, t).is_ok());

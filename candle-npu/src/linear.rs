@@ -115,10 +115,7 @@ impl NpuWeight {
             Int8::Raw(q) => Ok(q.clone()),
             Int8::Q8_0(t) => {
                 let data = t.data()?;
-                let q = data
-                    .chunks_exact(Q8_0_BLOCK)
-                    .flat_map(|b| b[2..].iter().map(|&v| v as i8))
-                    .collect();
+                let q = data.chunks_exact(Q8_0_BLOCK).flat_map(|b| b[2..].iter().map(|&v| v as i8)).collect();
                 Ok(Arc::new(q))
             }
         }
@@ -135,12 +132,7 @@ fn q8_0_blocks(q: &[i8], n: usize, k: usize, scale: impl Fn(usize) -> f32) -> Re
             bytes.extend(block.iter().map(|&v| v as u8));
         }
     }
-    Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(
-        GgmlDType::Q8_0,
-        &bytes,
-        vec![n, k],
-        &Device::Cpu,
-    )?)
+    Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &bytes, vec![n, k], &Device::Cpu)?)
 }
 
 /// The hot input channels' weight columns, `[n_hot, N]`, contiguous (a column of the row-major
@@ -178,15 +170,7 @@ pub struct ShadowLinear {
 
 impl std::fmt::Debug for ShadowLinear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "ShadowLinear({} [{}, {}], {} hot, shadow {})",
-            self.name,
-            self.n,
-            self.k,
-            self.n_hot(),
-            self.shadow
-        )
+        write!(f, "ShadowLinear({} [{}, {}], {} hot, shadow {})", self.name, self.n, self.k, self.n_hot(), self.shadow)
     }
 }
 
@@ -204,17 +188,10 @@ impl ShadowLinear {
         let (n, k) = source.dims();
         let data = source.matrix()?;
         if data.len() != n * k || n == 0 || k == 0 {
-            return Err(Error::Input(format!(
-                "{name}: weight from {} has {} values, not [{n}, {k}]",
-                source.describe(),
-                data.len()
-            )));
+            return Err(Error::Input(format!("{name}: weight from {} has {} values, not [{n}, {k}]", source.describe(), data.len())));
         }
         if let Some(b) = bias.as_ref().filter(|b| b.len() != n) {
-            return Err(Error::Input(format!(
-                "{name}: bias has {} values, weight has {n} outputs",
-                b.len()
-            )));
+            return Err(Error::Input(format!("{name}: bias has {} values, weight has {n} outputs", b.len())));
         }
         let (q, scales) = NpuWeight::quantize(&data, n, k, weights);
         let row_scales: Vec<f32> = (0..n).map(|r| scales.row(r)).collect();
@@ -230,32 +207,19 @@ impl ShadowLinear {
         };
         let (int8, decode) = match (decode, checkpoint) {
             (_, Some(t)) => (Int8::Raw(Arc::new(q)), QMatMul::from_qtensor(t)?),
-            (DecodeWeights::F32, None) => (
-                Int8::Raw(Arc::new(q)),
-                QMatMul::Tensor(Tensor::from_vec(data, (n, k), &Device::Cpu)?),
-            ),
+            (DecodeWeights::F32, None) => (Int8::Raw(Arc::new(q)), QMatMul::Tensor(Tensor::from_vec(data, (n, k), &Device::Cpu)?)),
             (_, None) if k % 32 == 0 => {
                 let t = Arc::new(q8_0_blocks(&q, n, k, |r| row_scales[r])?);
                 (Int8::Q8_0(t.clone()), QMatMul::QTensor(t))
             }
             (_, None) => {
                 tracing::warn!(linear = %name, k, "input width is not whole Q8_0 blocks of 32: decode runs the INT8 weight dequantized to F32");
-                let deq: Vec<f32> = q
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &v)| v as f32 * row_scales[i / k])
-                    .collect();
-                (
-                    Int8::Raw(Arc::new(q)),
-                    QMatMul::Tensor(Tensor::from_vec(deq, (n, k), &Device::Cpu)?),
-                )
+                let deq: Vec<f32> = q.iter().enumerate().map(|(i, &v)| v as f32 * row_scales[i / k]).collect();
+                (Int8::Raw(Arc::new(q)), QMatMul::Tensor(Tensor::from_vec(deq, (n, k), &Device::Cpu)?))
             }
         };
         let npu = NpuWeight { int8, scales };
-        let bias_t = bias
-            .as_ref()
-            .map(|b| Tensor::from_slice(b, n, &Device::Cpu))
-            .transpose()?;
+        let bias_t = bias.as_ref().map(|b| Tensor::from_slice(b, n, &Device::Cpu)).transpose()?;
         Ok(ShadowLinear {
             name,
             n,
@@ -266,10 +230,7 @@ impl ShadowLinear {
             bias,
             bias_t,
             decode,
-            hot: HotColumns {
-                slot: vec![COLD; k],
-                cols: vec![],
-            },
+            hot: HotColumns { slot: vec![COLD; k], cols: vec![] },
             shadow: true,
             cold_reads: AtomicU64::new(0),
         })
@@ -289,47 +250,22 @@ impl ShadowLinear {
     pub fn add_to_graph(&self, g: &mut Graph, suffix: &str, x: TensorId) -> Result<TensorId> {
         let wname = format!("{}{suffix}.weight", self.name);
         let w = match g.tensor(x).dtype {
-            DType::F32 => g.constant(
-                &wname,
-                &[self.n, self.k],
-                StaticData::F32(Arc::new(self.source.matrix()?)),
-                None,
-            ),
+            DType::F32 => g.constant(&wname, &[self.n, self.k], StaticData::F32(Arc::new(self.source.matrix()?)), None),
             _ => match &self.npu.scales {
-                Scales::PerChannel(s) => {
-                    g.constant_per_channel(&wname, &[self.n, self.k], self.npu.values()?, s.clone())
-                }
-                Scales::PerTensor(q) => g.constant(
-                    &wname,
-                    &[self.n, self.k],
-                    StaticData::I8(self.npu.values()?),
-                    Some(*q),
-                ),
+                Scales::PerChannel(s) => g.constant_per_channel(&wname, &[self.n, self.k], self.npu.values()?, s.clone()),
+                Scales::PerTensor(q) => g.constant(&wname, &[self.n, self.k], StaticData::I8(self.npu.values()?), Some(*q)),
             },
         };
-        Ok(g.fully_connected(
-            &format!("{}{suffix}", self.name),
-            x,
-            w,
-            None,
-            DType::F32,
-            None,
-        ))
+        Ok(g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None))
     }
 
     /// Keep these input channels' columns contiguous (the hot set; see [`HotColumns`]).
     pub fn set_hot(&mut self, channels: &[u32]) -> Result<()> {
-        let mut hot = HotColumns {
-            slot: vec![COLD; self.k],
-            cols: Vec::with_capacity(channels.len() * self.n),
-        };
+        let mut hot = HotColumns { slot: vec![COLD; self.k], cols: Vec::with_capacity(channels.len() * self.n) };
         for &c in channels {
             let c = c as usize;
             if c >= self.k {
-                return Err(Error::Input(format!(
-                    "{}: hot channel {c} beyond {} inputs",
-                    self.name, self.k
-                )));
+                return Err(Error::Input(format!("{}: hot channel {c} beyond {} inputs", self.name, self.k)));
             }
             if hot.slot[c] == COLD {
                 hot.slot[c] = (hot.cols.len() / self.n) as u32;
@@ -355,9 +291,7 @@ impl ShadowLinear {
     pub fn decode_bytes(&self) -> usize {
         let own = match &self.decode {
             QMatMul::QTensor(t) => t.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
-                t.elem_count() * t.dtype().size_in_bytes()
-            }
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.elem_count() * t.dtype().size_in_bytes(),
         };
         own + match &self.npu.int8 {
             Int8::Q8_0(_) => 0,
@@ -382,8 +316,7 @@ impl ShadowLinear {
     pub fn finish(&self, outliers: &Outliers, y: &mut [f32]) -> Result<()> {
         let n = self.n;
         if let Some(b) = &self.bias {
-            y.chunks_exact_mut(n)
-                .for_each(|row| row.iter_mut().zip(b).for_each(|(v, b)| *v += b));
+            y.chunks_exact_mut(n).for_each(|row| row.iter_mut().zip(b).for_each(|(v, b)| *v += b));
         }
         if !self.shadow || outliers.is_empty() {
             return Ok(());
@@ -414,19 +347,10 @@ impl ShadowLinear {
                 }
                 s => &self.hot.cols[s as usize * n..(s as usize + 1) * n],
             };
-            cols.insert(
-                c,
-                q.iter()
-                    .zip(&self.row_scales)
-                    .map(|(&q, s)| q as f32 * s)
-                    .collect(),
-            );
+            cols.insert(c, q.iter().zip(&self.row_scales).map(|(&q, s)| q as f32 * s).collect());
         }
         for (r, c, v) in outliers.iter() {
-            y[r * n..(r + 1) * n]
-                .iter_mut()
-                .zip(&cols[&c])
-                .for_each(|(y, w)| *y += v * w);
+            y[r * n..(r + 1) * n].iter_mut().zip(&cols[&c]).for_each(|(y, w)| *y += v * w);
         }
         Ok(())
     }
@@ -447,15 +371,8 @@ mod tests {
     use crate::outlier::InMemoryWeight;
 
     fn weight(n: usize, k: usize) -> Arc<dyn WeightSource> {
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * (1.0 + (i / k) as f32))
-            .collect();
-        Arc::new(InMemoryWeight {
-            name: "w".into(),
-            w: Arc::new(w),
-            n,
-            k,
-        })
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * (1.0 + (i / k) as f32)).collect();
+        Arc::new(InMemoryWeight { name: "w".into(), w: Arc::new(w), n, k })
     }
 
     #[test]
@@ -465,62 +382,31 @@ mod tests {
         for wq in [WeightQuant::PerChannel, WeightQuant::PerTensor] {
             let lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Q8_0).unwrap();
             let (want, scales) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq);
-            assert!(
-                matches!(lin.npu.int8, Int8::Q8_0(_)),
-                "K = 64 is whole blocks"
-            );
+            assert!(matches!(lin.npu.int8, Int8::Q8_0(_)), "K = 64 is whole blocks");
             assert_eq!(*lin.npu.values().unwrap(), want);
             // Decode multiplies by those values times the f16-rounded channel scale.
             let x = Tensor::ones((1, k), candle_core::DType::F32, &Device::Cpu).unwrap();
-            let got: Vec<f32> = lin
-                .forward(&x)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let got: Vec<f32> = lin.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
             for (r, g) in got.iter().enumerate() {
                 let s = half::f16::from_f32(scales.row(r)).to_f32();
                 let e: f32 = want[r * k..(r + 1) * k].iter().map(|&q| q as f32 * s).sum();
                 // candle's Q8_0 kernel quantizes the activations (ones: exact) and sums in f32.
-                assert!(
-                    (g - e).abs() <= 1e-4 * e.abs().max(1.0),
-                    "row {r}: {g} vs {e}"
-                );
+                assert!((g - e).abs() <= 1e-4 * e.abs().max(1.0), "row {r}: {g} vs {e}");
             }
         }
     }
 
     #[test]
     fn a_width_not_in_whole_blocks_keeps_raw_int8() {
-        let lin = ShadowLinear::new(
-            "l",
-            weight(3, 40),
-            None,
-            WeightQuant::PerChannel,
-            DecodeWeights::Q8_0,
-        )
-        .unwrap();
+        let lin = ShadowLinear::new("l", weight(3, 40), None, WeightQuant::PerChannel, DecodeWeights::Q8_0).unwrap();
         assert!(matches!(lin.npu.int8, Int8::Raw(_)));
         assert_eq!(lin.npu.values().unwrap().len(), 120);
-        assert_eq!(
-            lin.forward(&Tensor::zeros((2, 40), candle_core::DType::F32, &Device::Cpu).unwrap())
-                .unwrap()
-                .dims(),
-            &[2, 3]
-        );
+        assert_eq!(lin.forward(&Tensor::zeros((2, 40), candle_core::DType::F32, &Device::Cpu).unwrap()).unwrap().dims(), &[2, 3]);
     }
 
     #[test]
     fn a_bias_of_the_wrong_length_is_an_error() {
-        let e = ShadowLinear::new(
-            "l",
-            weight(3, 32),
-            Some(vec![0.0; 4]),
-            WeightQuant::PerChannel,
-            DecodeWeights::Q8_0,
-        )
-        .unwrap_err();
+        let e = ShadowLinear::new("l", weight(3, 32), Some(vec![0.0; 4]), WeightQuant::PerChannel, DecodeWeights::Q8_0).unwrap_err();
         assert!(e.to_string().contains("bias has 4 values"), "{e}");
     }
 }

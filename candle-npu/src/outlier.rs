@@ -84,18 +84,8 @@ impl InputPoint {
         // beyond [lo, hi]: clip at the grid's ends so the two halves add up exactly.
         let (glo, ghi) = quant.float_range(crate::graph::DType::U8);
         let (lo, hi) = if hi > lo { (glo, ghi) } else { (0.0, 0.0) };
-        let stats = PointCounters {
-            per_channel: (0..channels).map(|_| AtomicU64::new(0)).collect(),
-            ..Default::default()
-        };
-        InputPoint {
-            name: name.into(),
-            lo,
-            hi,
-            quant,
-            hot: mask,
-            stats,
-        }
+        let stats = PointCounters { per_channel: (0..channels).map(|_| AtomicU64::new(0)).collect(), ..Default::default() };
+        InputPoint { name: name.into(), lo, hi, quant, hot: mask, stats }
     }
 
     /// Quantize the first `valid_rows` rows of `x` (`[rows, channels]`) for the NPU and extract
@@ -120,12 +110,7 @@ impl InputPoint {
     /// path's half alone.
     pub fn extract(&self, x: &[f32], valid_rows: usize) -> Outliers {
         let cols = self.hot.len();
-        let mut out = Outliers {
-            cols,
-            row_start: vec![0],
-            channel: vec![],
-            value: vec![],
-        };
+        let mut out = Outliers { cols, row_start: vec![0], channel: vec![], value: vec![] };
         let mut in_hot = 0u64;
         for row in x.chunks_exact(cols).take(valid_rows) {
             for (c, &v) in row.iter().enumerate() {
@@ -139,12 +124,8 @@ impl InputPoint {
             }
             out.row_start.push(out.channel.len() as u32);
         }
-        self.stats
-            .elements
-            .fetch_add((valid_rows * cols) as u64, Ordering::Relaxed);
-        self.stats
-            .outliers
-            .fetch_add(out.value.len() as u64, Ordering::Relaxed);
+        self.stats.elements.fetch_add((valid_rows * cols) as u64, Ordering::Relaxed);
+        self.stats.outliers.fetch_add(out.value.len() as u64, Ordering::Relaxed);
         self.stats.in_hot.fetch_add(in_hot, Ordering::Relaxed);
         out
     }
@@ -159,18 +140,11 @@ impl InputPoint {
 
     /// Outliers seen per input channel since the point was made (or last reset).
     pub fn channel_outliers(&self) -> Vec<u64> {
-        self.stats
-            .per_channel
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .collect()
+        self.stats.per_channel.iter().map(|c| c.load(Ordering::Relaxed)).collect()
     }
 
     pub fn reset_stats(&self) {
-        self.stats
-            .per_channel
-            .iter()
-            .for_each(|c| c.store(0, Ordering::Relaxed));
+        self.stats.per_channel.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         self.stats.elements.store(0, Ordering::Relaxed);
         self.stats.outliers.store(0, Ordering::Relaxed);
         self.stats.in_hot.store(0, Ordering::Relaxed);
@@ -235,12 +209,7 @@ impl InMemoryWeight {
     /// A source over a `[N, K]` F32 tensor.
     pub fn from_tensor(name: impl Into<String>, w: &candle_core::Tensor) -> Result<Self> {
         let (n, k) = w.dims2()?;
-        Ok(InMemoryWeight {
-            name: name.into(),
-            w: std::sync::Arc::new(w.flatten_all()?.to_vec1::<f32>()?),
-            n,
-            k,
-        })
+        Ok(InMemoryWeight { name: name.into(), w: std::sync::Arc::new(w.flatten_all()?.to_vec1::<f32>()?), n, k })
     }
 }
 

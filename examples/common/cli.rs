@@ -128,20 +128,15 @@ struct Args {
 /// model used when neither --model, --model-id nor --which is given (`None`: one is required).
 pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
     let device = match args.executor {
         ExecutorKind::Host => NpuDevice::host(),
         ExecutorKind::Hexagon => {
-            let cache = (!args.no_graph_cache).then(|| {
-                args.graph_cache
-                    .clone()
-                    .unwrap_or_else(|| candle_npu_models::assets::dir().join("graph-cache"))
-            });
+            let cache =
+                (!args.no_graph_cache).then(|| args.graph_cache.clone().unwrap_or_else(|| candle_npu_models::assets::dir().join("graph-cache")));
             let config = HtpConfig {
                 soc_model: args.soc,
                 cache_dir: cache,
@@ -151,8 +146,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
                 }),
                 ..Default::default()
             };
-            NpuDevice::hexagon(config)
-                .context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?
+            NpuDevice::hexagon(config).context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?
         }
     };
     let chunk_len = args.chunk_len.unwrap_or(match args.executor {
@@ -163,21 +157,19 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         (Some(p), _, _) => p.clone(),
         (None, Some(id), _) => candle_npu_models::hf::resolve_model_id(id, None)?,
         (None, None, Some(w)) if w.family() == family => w.path()?,
-        (None, None, Some(w)) => bail!("--which {} is a {} model: use --example {}", w.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default(), w.family(), w.family()),
+        (None, None, Some(w)) => bail!(
+            "--which {} is a {} model: use --example {}",
+            w.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default(),
+            w.family(),
+            w.family()
+        ),
         (None, None, None) => bail!("no {family} weights are fetched by scripts/setup.sh: pass --model <GGUF or HF folder> or --model-id org/name"),
     };
     if !path.exists() {
-        bail!(
-            "model {} not found: run scripts/setup.sh, or pass --model",
-            path.display()
-        );
+        bail!("model {} not found: run scripts/setup.sh, or pass --model", path.display());
     }
     let opts = LoadOptions {
-        precision: if args.f32_prefill {
-            Precision::F32
-        } else {
-            Precision::W8A8
-        },
+        precision: if args.f32_prefill { Precision::F32 } else { Precision::W8A8 },
         decode_weights: match args.decode_weights {
             DecodeFormat::Q8_0 => DecodeWeights::Q8_0,
             DecodeFormat::Checkpoint => DecodeWeights::Checkpoint,
@@ -185,15 +177,9 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         ..Default::default()
     };
     let t = Instant::now();
-    let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts)
-        .with_context(|| format!("loading {}", path.display()))?;
+    let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts).with_context(|| format!("loading {}", path.display()))?;
     if p.model.spec().family != family {
-        bail!(
-            "{} is a {} model: use --example {}",
-            path.display(),
-            p.model.spec().family,
-            p.model.spec().family
-        );
+        bail!("{} is a {} model: use --example {}", path.display(), p.model.spec().family, p.model.spec().family);
     }
     eprintln!(
         "loaded {} in {:.1}s ({} executor; {})",
@@ -204,19 +190,14 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     );
 
     let bar = indicatif::ProgressBar::hidden();
-    p.ensure_profile(
-        args.profile.as_deref(),
-        chunk_len,
-        CalibrationSet::default(),
-        |i, n| {
-            if bar.is_hidden() {
-                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-                bar.set_length(n as u64);
-                bar.set_message("calibrating activation ranges on Wikipedia text");
-            }
-            bar.set_position(i as u64);
-        },
-    )?;
+    p.ensure_profile(args.profile.as_deref(), chunk_len, CalibrationSet::default(), |i, n| {
+        if bar.is_hidden() {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            bar.set_length(n as u64);
+            bar.set_message("calibrating activation ranges on Wikipedia text");
+        }
+        bar.set_position(i as u64);
+    })?;
     bar.finish_and_clear();
     eprintln!("profile ready ({})", candle_npu_models::memory::describe());
 
@@ -243,22 +224,15 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     eprintln!("graphs ready ({})", candle_npu_models::memory::describe());
     if device.executor_name() == "htp" {
         // On x86 the HTP is an emulator (~0.3-1 GMAC/s): a 256-row chunk takes minutes.
-        let bar = indicatif::ProgressBar::new(0)
-            .with_message(format!("prefill of {} tokens on the HTP", tokens.len()));
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg}: {bar:30} {pos}/{len} layers ({elapsed})",
-            )
-            .expect("template"),
-        );
-        p.model
-            .set_prefill_progress(Some(Box::new(move |done, total| {
-                bar.set_length(total as u64);
-                bar.set_position(done as u64);
-                if done == total {
-                    bar.finish_and_clear();
-                }
-            })));
+        let bar = indicatif::ProgressBar::new(0).with_message(format!("prefill of {} tokens on the HTP", tokens.len()));
+        bar.set_style(indicatif::ProgressStyle::with_template("{msg}: {bar:30} {pos}/{len} layers ({elapsed})").expect("template"));
+        p.model.set_prefill_progress(Some(Box::new(move |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            if done == total {
+                bar.finish_and_clear();
+            }
+        })));
     }
     let before = device.stats();
     let t = Instant::now();
@@ -283,11 +257,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         generated.push(next);
     }
     let decode_s = t.elapsed().as_secs_f64();
-    let body: Vec<u32> = generated
-        .iter()
-        .copied()
-        .filter(|t| !p.stop_tokens.contains(t))
-        .collect();
+    let body: Vec<u32> = generated.iter().copied().filter(|t| !p.stop_tokens.contains(t)).collect();
     let text = p.decode_text(&body)?;
     println!("{}", text.get(printed..).unwrap_or(""));
     println!(
@@ -300,10 +270,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         prefill_stats.executions - before.executions
     );
     let decoded = generated.len().saturating_sub(1);
-    println!(
-        "{decoded} tokens generated: {:.2} token/s",
-        decoded as f64 / decode_s.max(1e-9)
-    );
+    println!("{decoded} tokens generated: {:.2} token/s", decoded as f64 / decode_s.max(1e-9));
     println!("memory: {}", candle_npu_models::memory::describe());
     print_qnn_profile(&device);
     Ok(())
@@ -319,12 +286,7 @@ fn print_qnn_profile(device: &NpuDevice) {
     for g in &profiles {
         let stage = g.graph.split('.').nth(2).unwrap_or(&g.graph).to_string();
         let e = stages.entry(stage).or_default();
-        *e = (
-            e.0 + 1,
-            e.1 + g.prepare_us,
-            e.2 + g.executions,
-            e.3 + g.execute_us,
-        );
+        *e = (e.0 + 1, e.1 + g.prepare_us, e.2 + g.executions, e.3 + g.execute_us);
     }
     println!(
         "
@@ -333,10 +295,6 @@ QNN profile (QNN's own times; on x86 these are emulator times):"
     println!("| stage | graphs | finalize/load ms | executions | execute ms |");
     println!("|---|---|---|---|---|");
     for (stage, (n, prep, execs, exec)) in stages {
-        println!(
-            "| {stage} | {n} | {:.1} | {execs} | {:.1} |",
-            prep as f64 / 1e3,
-            exec as f64 / 1e3
-        );
+        println!("| {stage} | {n} | {:.1} | {execs} | {:.1} |", prep as f64 / 1e3, exec as f64 / 1e3);
     }
 }

@@ -24,10 +24,7 @@ pub struct Mapped {
 
 impl Mapped {
     pub fn whole(name: impl Into<String>) -> Self {
-        Mapped {
-            name: name.into(),
-            rows: None,
-        }
+        Mapped { name: name.into(), rows: None }
     }
 }
 
@@ -55,14 +52,14 @@ pub trait Checkpoint {
                 if start + len > n {
                     return Err(Error::Model {
                         path: self.path().to_path_buf(),
-                        reason: format!("tensor '{}' has {n} rows, rows {start}..{} were asked for (a config that does not match the weights?)", m.name, start + len),
+                        reason: format!(
+                            "tensor '{}' has {n} rows, rows {start}..{} were asked for (a config that does not match the weights?)",
+                            m.name,
+                            start + len
+                        ),
                     });
                 }
-                Ok(Arc::new(Rows {
-                    inner: w,
-                    start,
-                    len,
-                }))
+                Ok(Arc::new(Rows { inner: w, start, len }))
             }
         }
     }
@@ -86,12 +83,7 @@ impl WeightSource for Rows {
         Ok(all.split_off(self.start * k))
     }
     fn describe(&self) -> String {
-        format!(
-            "rows {}..{} of {}",
-            self.start,
-            self.start + self.len,
-            self.inner.describe()
-        )
+        format!("rows {}..{} of {}", self.start, self.start + self.len, self.inner.describe())
     }
 }
 
@@ -105,14 +97,8 @@ pub struct GgufCheckpoint {
 
 impl GgufCheckpoint {
     pub fn new(g: Arc<Gguf>) -> Result<Self> {
-        let f = std::fs::File::open(&g.path).map_err(|e| Error::Model {
-            path: g.path.clone(),
-            reason: format!("cannot open: {e}"),
-        })?;
-        Ok(GgufCheckpoint {
-            g,
-            file: Arc::new(f),
-        })
+        let f = std::fs::File::open(&g.path).map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot open: {e}") })?;
+        Ok(GgufCheckpoint { g, file: Arc::new(f) })
     }
     pub fn gguf(&self) -> &Gguf {
         &self.g
@@ -157,39 +143,19 @@ pub struct GgufWeight {
 
 impl GgufWeight {
     pub fn new(g: &Gguf, file: Arc<std::fs::File>, tensor: &str) -> Result<Self> {
-        let info = g
-            .content
-            .tensor_infos
-            .get(tensor)
-            .ok_or_else(|| Error::MissingTensor {
-                path: g.path.clone(),
-                name: tensor.to_string(),
-            })?;
+        let info = g.content.tensor_infos.get(tensor).ok_or_else(|| Error::MissingTensor { path: g.path.clone(), name: tensor.to_string() })?;
         let dims = info.shape.dims();
-        let bad = |reason: String| Error::Model {
-            path: g.path.clone(),
-            reason: format!("tensor '{tensor}': {reason}"),
-        };
+        let bad = |reason: String| Error::Model { path: g.path.clone(), reason: format!("tensor '{tensor}': {reason}") };
         let &[n, k] = dims else {
             return Err(bad(format!("expected a matrix, shape {dims:?}")));
         };
         let dtype = info.ggml_dtype;
         if k % dtype.block_size() != 0 {
-            return Err(bad(format!(
-                "rows of {k} are not whole blocks of {dtype:?}"
-            )));
+            return Err(bad(format!("rows of {k} are not whole blocks of {dtype:?}")));
         }
         // In bounds: Gguf::open checked every tensor against the file's length.
         let offset = (g.content.tensor_data_offset + info.offset) as usize;
-        Ok(GgufWeight {
-            file,
-            path: g.path.clone(),
-            name: tensor.to_string(),
-            offset,
-            dtype,
-            n,
-            k,
-        })
+        Ok(GgufWeight { file, path: g.path.clone(), name: tensor.to_string(), offset, dtype, n, k })
     }
 
     fn row_bytes(&self) -> usize {
@@ -200,16 +166,8 @@ impl GgufWeight {
     fn read(&self) -> Result<QTensor> {
         let mut bytes = vec![0u8; self.n * self.row_bytes()];
         std::os::unix::fs::FileExt::read_exact_at(&*self.file, &mut bytes, self.offset as u64)
-            .map_err(|e| Error::Model {
-                path: self.path.clone(),
-                reason: format!("reading tensor '{}': {e}", self.name),
-            })?;
-        Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(
-            self.dtype,
-            &bytes,
-            vec![self.n, self.k],
-            &Device::Cpu,
-        )?)
+            .map_err(|e| Error::Model { path: self.path.clone(), reason: format!("reading tensor '{}': {e}", self.name) })?;
+        Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(self.dtype, &bytes, vec![self.n, self.k], &Device::Cpu)?)
     }
 }
 
@@ -219,11 +177,7 @@ impl WeightSource for GgufWeight {
     }
 
     fn matrix(&self) -> Result<Vec<f32>> {
-        Ok(self
-            .read()?
-            .dequantize(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
+        Ok(self.read()?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
     }
 
     fn quantized(&self) -> Result<Option<QTensor>> {
@@ -246,43 +200,25 @@ pub struct SafetensorsCheckpoint {
 impl SafetensorsCheckpoint {
     /// Map every `*.safetensors` file in `dir`.
     pub fn open(dir: &Path) -> Result<Self> {
-        let bad = |reason: String| Error::Model {
-            path: dir.to_path_buf(),
-            reason,
-        };
-        let entries =
-            std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read the folder: {e}")))?;
-        let mut files: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
+        let bad = |reason: String| Error::Model { path: dir.to_path_buf(), reason };
+        let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read the folder: {e}")))?;
+        let mut files: Vec<PathBuf> =
+            entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect();
         files.sort();
         if files.is_empty() {
             return Err(bad("no *.safetensors file in the folder".into()));
         }
         // SAFETY: the checkpoint files are opened read-only and must not be modified while the
         // model is loaded (candle's documented condition for mmaped safetensors).
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }
-            .map_err(|e| bad(format!("safetensors: {e}")))?;
-        Ok(SafetensorsCheckpoint {
-            dir: dir.to_path_buf(),
-            vb,
-        })
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }.map_err(|e| bad(format!("safetensors: {e}")))?;
+        Ok(SafetensorsCheckpoint { dir: dir.to_path_buf(), vb })
     }
 
     fn get(&self, name: &str) -> Result<Tensor> {
         if !self.vb.contains_tensor(name) {
-            return Err(Error::MissingTensor {
-                path: self.dir.clone(),
-                name: name.to_string(),
-            });
+            return Err(Error::MissingTensor { path: self.dir.clone(), name: name.to_string() });
         }
-        self.vb
-            .get_unchecked_dtype(name, DType::F32)
-            .map_err(|e| Error::Model {
-                path: self.dir.clone(),
-                reason: format!("tensor '{name}': {e}"),
-            })
+        self.vb.get_unchecked_dtype(name, DType::F32).map_err(|e| Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': {e}") })
     }
 }
 
@@ -296,40 +232,25 @@ impl Checkpoint for SafetensorsCheckpoint {
     fn vector(&self, name: &str) -> Result<Tensor> {
         let t = self.get(name)?;
         if t.rank() != 1 {
-            return Err(Error::Model {
-                path: self.dir.clone(),
-                reason: format!("tensor '{name}': expected a vector, shape {:?}", t.dims()),
-            });
+            return Err(Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': expected a vector, shape {:?}", t.dims()) });
         }
         Ok(t)
     }
     fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>> {
         let t = self.get(name)?;
-        let (n, k) = t.dims2().map_err(|_| Error::Model {
-            path: self.dir.clone(),
-            reason: format!("tensor '{name}': expected a matrix, shape {:?}", t.dims()),
-        })?;
-        Ok(Arc::new(SafetensorsWeight {
-            vb: self.vb.clone(),
-            dir: self.dir.clone(),
-            name: name.to_string(),
-            n,
-            k,
-        }))
+        let (n, k) = t
+            .dims2()
+            .map_err(|_| Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': expected a matrix, shape {:?}", t.dims()) })?;
+        Ok(Arc::new(SafetensorsWeight { vb: self.vb.clone(), dir: self.dir.clone(), name: name.to_string(), n, k }))
     }
     fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul> {
         let t = self.get(name)?;
         Ok(match decode {
             DecodeWeights::F32 => QMatMul::Tensor(t),
             // A float checkpoint has no quantized form of its own: Q8_0 as for the linears.
-            DecodeWeights::Q8_0 | DecodeWeights::Checkpoint if t.dim(1)? % 32 == 0 => {
-                QMatMul::from_qtensor(QTensor::quantize(&t, GgmlDType::Q8_0)?)?
-            }
+            DecodeWeights::Q8_0 | DecodeWeights::Checkpoint if t.dim(1)? % 32 == 0 => QMatMul::from_qtensor(QTensor::quantize(&t, GgmlDType::Q8_0)?)?,
             DecodeWeights::Q8_0 | DecodeWeights::Checkpoint => {
-                tracing::warn!(
-                    tensor = name,
-                    "embedding width is not whole Q8_0 blocks: kept in F32"
-                );
+                tracing::warn!(tensor = name, "embedding width is not whole Q8_0 blocks: kept in F32");
                 QMatMul::Tensor(t)
             }
         })
@@ -350,11 +271,7 @@ impl WeightSource for SafetensorsWeight {
         (self.n, self.k)
     }
     fn matrix(&self) -> Result<Vec<f32>> {
-        Ok(self
-            .vb
-            .get_unchecked_dtype(&self.name, DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?)
+        Ok(self.vb.get_unchecked_dtype(&self.name, DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
     }
     fn describe(&self) -> String {
         format!("{} in {}", self.name, self.dir.display())

@@ -33,13 +33,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
-use candle_npu::sched::{
-    DagChunk, Node, Policy, Processor, Runner, Schedule, StageDesc, SubgraphDag,
-};
+use candle_npu::sched::{DagChunk, Node, Policy, Processor, Runner, Schedule, StageDesc, SubgraphDag};
 use candle_npu::{
-    Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice,
-    Outliers, PointStats, PreparedGraph, Quant, QuantProfile, Result, ShadowLinear, Tail,
-    TensorData, TensorId, WeightQuant,
+    Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant,
+    QuantProfile, Result, ShadowLinear, Tail, TensorData, TensorId, WeightQuant,
 };
 
 use crate::attention::{attend, KvCache, QkNorm, Rows};
@@ -68,11 +65,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions {
-            precision: Precision::W8A8,
-            decode_weights: DecodeWeights::Q8_0,
-            weights: WeightQuant::PerChannel,
-        }
+        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerChannel }
     }
 }
 
@@ -115,23 +108,11 @@ impl Layer {
     ) -> Result<Tensor> {
         let eps = cfg.rms_eps as f32;
         let h = candle_nn::ops::rms_norm(&x, &self.attn_norm, eps)?;
-        let [q, k, v]: [Tensor; 3] = run(0, &h)?
-            .try_into()
-            .map_err(|_| Error::Input("QKV stage must return three outputs".into()))?;
+        let [q, k, v]: [Tensor; 3] = run(0, &h)?.try_into().map_err(|_| Error::Input("QKV stage must return three outputs".into()))?;
         // Uncontended: a layer's attention runs for one chunk at a time, in chunk order (the
         // schedule's cross-chunk edge).
         let mut kv = kv.lock().unwrap_or_else(|e| e.into_inner());
-        let a = attend(
-            cfg,
-            spec,
-            &spec.layers[l],
-            self.qk_norm.as_ref(),
-            &mut kv,
-            &q,
-            &k,
-            &v,
-            rows,
-        )?;
+        let a = attend(cfg, spec, &spec.layers[l], self.qk_norm.as_ref(), &mut kv, &q, &k, &v, rows)?;
         drop(kv);
         let mut o = run(1, &a)?.remove(0);
         if let Some((post_attn, _)) = &self.post_norms {
@@ -139,9 +120,7 @@ impl Layer {
         }
         let x = (x + o)?;
         let h = candle_nn::ops::rms_norm(&x, &self.ffn_norm, eps)?;
-        let [gate, up]: [Tensor; 2] = run(2, &h)?
-            .try_into()
-            .map_err(|_| Error::Input("gate/up stage must return two outputs".into()))?;
+        let [gate, up]: [Tensor; 2] = run(2, &h)?.try_into().map_err(|_| Error::Input("gate/up stage must return two outputs".into()))?;
         let hidden = (spec.activation.apply(&gate)? * up)?;
         let mut d = run(3, &hidden)?.remove(0);
         if let Some((_, post_ffn)) = &self.post_norms {
@@ -203,11 +182,7 @@ pub struct SchedOptions {
 
 impl Default for SchedOptions {
     fn default() -> Self {
-        SchedOptions {
-            policy: Policy::InOrder,
-            tail: Tail::Pad,
-            npu_threads: None,
-        }
+        SchedOptions { policy: Policy::InOrder, tail: Tail::Pad, npu_threads: None }
     }
 }
 
@@ -243,11 +218,7 @@ impl Model {
     ) -> Result<Self> {
         check_spec(&cfg, &spec, ckpt)?;
         let vector = |name: String| ckpt.vector(&names(&name).name);
-        let (hd, q_rows, kv_rows) = (
-            cfg.head_dim,
-            cfg.n_head * cfg.head_dim,
-            cfg.n_kv_head * cfg.head_dim,
-        );
+        let (hd, q_rows, kv_rows) = (cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
             let lin = |name: &str, shape: (usize, usize), bias: bool| -> Result<ShadowLinear> {
@@ -256,11 +227,7 @@ impl Model {
                 if src.dims() != shape {
                     return Err(Error::Model {
                         path: ckpt.path().to_path_buf(),
-                        reason: format!(
-                            "{}: shape {:?}, the config implies {shape:?}",
-                            src.describe(),
-                            src.dims()
-                        ),
+                        reason: format!("{}: shape {:?}, the config implies {shape:?}", src.describe(), src.dims()),
                     });
                 }
                 let b = match bias {
@@ -271,16 +238,9 @@ impl Model {
             };
             let (h, f, b) = (cfg.hidden, cfg.ffn, spec.qkv_bias);
             let stages = [
-                vec![
-                    lin("attn_q", (q_rows, h), b)?,
-                    lin("attn_k", (kv_rows, h), b)?,
-                    lin("attn_v", (kv_rows, h), b)?,
-                ],
+                vec![lin("attn_q", (q_rows, h), b)?, lin("attn_k", (kv_rows, h), b)?, lin("attn_v", (kv_rows, h), b)?],
                 vec![lin("attn_output", (h, q_rows), false)?],
-                vec![
-                    lin("ffn_gate", (f, h), false)?,
-                    lin("ffn_up", (f, h), false)?,
-                ],
+                vec![lin("ffn_gate", (f, h), false)?, lin("ffn_up", (f, h), false)?],
                 vec![lin("ffn_down", (h, f), false)?],
             ];
             let norm = |name: &str, len: usize| -> Result<Tensor> {
@@ -296,21 +256,8 @@ impl Model {
             layers.push(Layer {
                 attn_norm: norm("attn_norm", h)?,
                 ffn_norm: norm("ffn_norm", h)?,
-                qk_norm: spec
-                    .qk_norm
-                    .then(|| {
-                        Ok::<_, Error>(QkNorm {
-                            q: norm("attn_q_norm", hd)?,
-                            k: norm("attn_k_norm", hd)?,
-                        })
-                    })
-                    .transpose()?,
-                post_norms: spec
-                    .post_norms
-                    .then(|| {
-                        Ok::<_, Error>((norm("post_attention_norm", h)?, norm("post_ffw_norm", h)?))
-                    })
-                    .transpose()?,
+                qk_norm: spec.qk_norm.then(|| Ok::<_, Error>(QkNorm { q: norm("attn_q_norm", hd)?, k: norm("attn_k_norm", hd)? })).transpose()?,
+                post_norms: spec.post_norms.then(|| Ok::<_, Error>((norm("post_attention_norm", h)?, norm("post_ffw_norm", h)?))).transpose()?,
                 stages,
             });
         }
@@ -378,10 +325,7 @@ impl Model {
     /// linear keeps. Every shadow path is on; see [`Model::prune_shadow`].
     pub fn set_profile(&mut self, profile: QuantProfile) -> Result<()> {
         if profile.model_id != self.model_id {
-            return Err(Error::Input(format!(
-                "quant profile was calibrated for model {}, this model is {}",
-                profile.model_id, self.model_id
-            )));
+            return Err(Error::Input(format!("quant profile was calibrated for model {}, this model is {}", profile.model_id, self.model_id)));
         }
         let mut a16 = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter_mut().enumerate() {
@@ -391,10 +335,7 @@ impl Model {
                 let p = profile.point(&name)?;
                 let k = lins[0].dims().1;
                 if p.channels != k {
-                    return Err(Error::Input(format!(
-                        "quant profile point {name} has {} channels, the model {k}",
-                        p.channels
-                    )));
+                    return Err(Error::Input(format!("quant profile point {name} has {} channels, the model {k}", p.channels)));
                 }
                 for lin in lins.iter_mut() {
                     lin.set_hot(&p.hot)?;
@@ -417,18 +358,10 @@ impl Model {
     /// tight ranges and pruning half the layers raised perplexity 57x).
     pub fn set_shadow_layers(&mut self, on: &[bool]) -> Result<()> {
         if on.len() != self.layers.len() {
-            return Err(Error::Input(format!(
-                "shadow mask of {} layers for a model of {}",
-                on.len(),
-                self.layers.len()
-            )));
+            return Err(Error::Input(format!("shadow mask of {} layers for a model of {}", on.len(), self.layers.len())));
         }
         for (layer, &on) in self.layers.iter_mut().zip(on) {
-            layer
-                .stages
-                .iter_mut()
-                .flatten()
-                .for_each(|lin| lin.set_shadow(on));
+            layer.stages.iter_mut().flatten().for_each(|lin| lin.set_shadow(on));
         }
         let Some(profile) = &self.profile else {
             self.shadow_on = on.to_vec();
@@ -469,9 +402,7 @@ impl Model {
     /// importance (from the profile); returns the layers kept.
     pub fn prune_shadow(&mut self, rate: f64) -> Result<Vec<bool>> {
         if !(0.0..=1.0).contains(&rate) {
-            return Err(Error::Input(format!(
-                "pruning rate {rate} is not within 0..=1"
-            )));
+            return Err(Error::Input(format!("pruning rate {rate} is not within 0..=1")));
         }
         let n = self.layers.len();
         let imp = match &self.profile {
@@ -490,11 +421,7 @@ impl Model {
 
     /// Outlier statistics of every quantization point since the profile was set (or reset).
     pub fn point_stats(&self) -> Vec<(String, PointStats)> {
-        self.points
-            .iter()
-            .flatten()
-            .map(|p| (p.name.clone(), p.stats()))
-            .collect()
+        self.points.iter().flatten().map(|p| (p.name.clone(), p.stats())).collect()
     }
     /// The CPU time the shadow path took since the last call (its share of prefill time).
     pub fn take_shadow_time(&mut self) -> std::time::Duration {
@@ -502,17 +429,12 @@ impl Model {
     }
 
     pub fn reset_point_stats(&self) {
-        self.points
-            .iter()
-            .flatten()
-            .for_each(InputPoint::reset_stats);
+        self.points.iter().flatten().for_each(InputPoint::reset_stats);
     }
 
     /// Forget the KV cache.
     pub fn clear(&mut self) {
-        self.kv
-            .iter_mut()
-            .for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).clear());
+        self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).clear());
         self.pos = 0;
     }
 
@@ -534,11 +456,7 @@ impl Model {
     /// every stage's input is observed. Not through float NPU graphs: those would hold an F32
     /// copy of every weight (600 MiB of the main job's peak for SmolLM2), and on an HTP they
     /// compute in FP16. `progress` is called after each sequence.
-    pub fn calibrate(
-        &mut self,
-        sequences: &[Vec<u32>],
-        mut progress: impl FnMut(usize),
-    ) -> Result<Calibrator> {
+    pub fn calibrate(&mut self, sequences: &[Vec<u32>], mut progress: impl FnMut(usize)) -> Result<Calibrator> {
         let mut cal = Calibrator::default();
         for (i, seq) in sequences.iter().enumerate() {
             self.clear();
@@ -555,12 +473,7 @@ impl Model {
     /// when that layer's shadow path is pruned (its inputs back to min/max), all others on: what
     /// pruning it costs. Runs W8A8 prefill on the host executor (1 + layers passes); needs a
     /// profile, and stores the result in it (where [`Model::prune_shadow`] reads it).
-    pub fn measure_importance(
-        &mut self,
-        sequences: &[Vec<u32>],
-        chunk_len: usize,
-        mut progress: impl FnMut(usize, usize),
-    ) -> Result<Vec<f32>> {
+    pub fn measure_importance(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize, usize)) -> Result<Vec<f32>> {
         let n = self.layers.len();
         let kept = self.shadow_on.clone();
         let r = self.on_host(|m| {
@@ -608,11 +521,7 @@ impl Model {
                 m.run_prefill(seq, chunk_len, Precision::W8A8, false)?;
                 progress(i + 1);
             }
-            Ok(m.points
-                .iter()
-                .flatten()
-                .map(|p| (p.name.clone(), p.channel_outliers()))
-                .collect())
+            Ok(m.points.iter().flatten().map(|p| (p.name.clone(), p.channel_outliers())).collect())
         });
         self.reset_point_stats();
         self.set_shadow_layers(&kept)?;
@@ -627,9 +536,7 @@ impl Model {
     /// Prepare the NPU stage graphs for `chunk_len` now (otherwise the first prefill does it).
     pub fn prepare(&mut self, chunk_len: usize) -> Result<()> {
         if chunk_len == 0 {
-            return Err(Error::Input(
-                "chunk length 0: use a positive --chunk-len (e.g. 256)".into(),
-            ));
+            return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
         }
         self.check_profile(self.precision)?;
         self.graphs_for(chunk_len, self.precision).map(|_| ())
@@ -637,9 +544,7 @@ impl Model {
 
     fn check_profile(&self, precision: Precision) -> Result<()> {
         if precision != Precision::F32 && self.profile.is_none() {
-            return Err(Error::Input(format!(
-                "{precision:?} prefill needs a quant profile: calibrate or load one first"
-            )));
+            return Err(Error::Input(format!("{precision:?} prefill needs a quant profile: calibrate or load one first")));
         }
         Ok(())
     }
@@ -675,33 +580,17 @@ impl Model {
         self.check_tokens(tokens)?;
         let n = tokens.len();
         if n == 0 || self.pos + n > self.cfg.context_len {
-            return Err(Error::Input(format!(
-                "{n} tokens at position {} do not fit the context of {}",
-                self.pos, self.cfg.context_len
-            )));
+            return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
         }
         let mut x = self.embed_rows(tokens)?;
         let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?;
-        let Model {
-            cfg,
-            spec,
-            layers,
-            kv,
-            ..
-        } = self;
+        let Model { cfg, spec, layers, kv, .. } = self;
         for (l, layer) in layers.iter().enumerate() {
             let mut run = |s: usize, h: &Tensor| {
                 if let Some(cal) = cal.as_deref_mut() {
-                    cal.observe(
-                        &point(l, POINTS[s]),
-                        &h.flatten_all()?.to_vec1::<f32>()?,
-                        h.dim(1)?,
-                    );
+                    cal.observe(&point(l, POINTS[s]), &h.flatten_all()?.to_vec1::<f32>()?, h.dim(1)?);
                 }
-                layer.stages[s]
-                    .iter()
-                    .map(|lin| lin.forward(h))
-                    .collect::<Result<Vec<_>>>()
+                layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>()
             };
             x = layer.forward(cfg, spec, l, x, &rows, &kv[l], &mut run)?;
         }
@@ -725,27 +614,13 @@ impl Model {
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         match tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            Some(t) => Err(Error::Input(format!(
-                "token id {t} is outside the vocabulary of {}",
-                self.cfg.vocab
-            ))),
+            Some(t) => Err(Error::Input(format!("token id {t} is outside the vocabulary of {}", self.cfg.vocab))),
             None => Ok(()),
         }
     }
 
-    fn run_prefill(
-        &mut self,
-        tokens: &[u32],
-        chunk_len: usize,
-        precision: Precision,
-        all_logits: bool,
-    ) -> Result<Tensor> {
-        let plan = ChunkPlan::new(
-            tokens.len(),
-            chunk_len,
-            self.cfg.context_len,
-            self.sched.tail,
-        )?;
+    fn run_prefill(&mut self, tokens: &[u32], chunk_len: usize, precision: Precision, all_logits: bool) -> Result<Tensor> {
+        let plan = ChunkPlan::new(tokens.len(), chunk_len, self.cfg.context_len, self.sched.tail)?;
         self.check_tokens(tokens)?;
         self.check_profile(precision)?;
         self.clear();
@@ -755,11 +630,7 @@ impl Model {
         };
         let dag = self.dag(&plan)?;
         let npu_pool = self.npu_pool()?;
-        let runner = Runner::new(
-            &dag,
-            &|n: &Node| self.estimate(n),
-            self.sched.policy.clone(),
-        )?;
+        let runner = Runner::new(&dag, &|n: &Node| self.estimate(n), self.sched.policy.clone())?;
         let total = plan.chunks.len() * self.layers.len();
         let done = std::sync::atomic::AtomicUsize::new(0);
         let progress = Mutex::new(self.progress.take());
@@ -799,9 +670,7 @@ impl Model {
                     self.shadow_time += shadow;
                     out_rows.push(rows);
                 }
-                Err(e) if first_err.is_none() || e.to_string().contains("another stage") => {
-                    first_err = first_err.or(Some(e))
-                }
+                Err(e) if first_err.is_none() || e.to_string().contains("another stage") => first_err = first_err.or(Some(e)),
                 Err(e) => first_err = Some(e),
             }
         }
@@ -810,10 +679,7 @@ impl Model {
         }
         self.last_run = Some((dag.clone(), runner.schedule()));
         self.pos = tokens.len();
-        let rows: Vec<Tensor> = out_rows
-            .into_iter()
-            .filter(|r| r.dim(0).is_ok_and(|n| n > 0))
-            .collect();
+        let rows: Vec<Tensor> = out_rows.into_iter().filter(|r| r.dim(0).is_ok_and(|n| n > 0)).collect();
         self.logits(&Tensor::cat(&rows, 0)?)
     }
 
@@ -835,12 +701,7 @@ impl Model {
     ) -> Result<(Tensor, Duration)> {
         let n_layer = self.layers.len();
         let node = |l: usize, s: usize| {
-            dag.node_at(chunk.index, l, s).ok_or_else(|| {
-                Error::Input(format!(
-                    "sched: no node for chunk {} layer {l} stage {s}",
-                    chunk.index
-                ))
-            })
+            dag.node_at(chunk.index, l, s).ok_or_else(|| Error::Input(format!("sched: no node for chunk {} layer {l} stage {s}", chunk.index)))
         };
         let (m, n_valid) = (chunk.padded_len, chunk.len);
         let mut cpu = Some(runner.acquire(node(0, 0)?)?);
@@ -863,11 +724,7 @@ impl Model {
             };
             let mut run = |s: usize, h: &Tensor| -> Result<Vec<Tensor>> {
                 // The CPU node after this stage: the next stage's input, or the next layer's.
-                let next = if s + 1 < Model::NPU_STAGES_PER_LAYER {
-                    node(l, 2 * s + 2)?
-                } else {
-                    node(l + 1, 0)?
-                };
+                let next = if s + 1 < Model::NPU_STAGES_PER_LAYER { node(l, 2 * s + 2)? } else { node(l + 1, 0)? };
                 let ys = match graphs {
                     Some(graphs) if !chunk.margin => {
                         let (input, outliers) = stage.prepare(s, h)?;
@@ -888,10 +745,7 @@ impl Model {
                     _ => {
                         cpu = None;
                         let linears = runner.acquire(node(l, 2 * s + 1)?)?;
-                        let ys = layer.stages[s]
-                            .iter()
-                            .map(|lin| lin.forward(h))
-                            .collect::<Result<Vec<_>>>()?;
+                        let ys = layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>()?;
                         drop(linears);
                         cpu = Some(runner.acquire(next)?);
                         ys
@@ -918,24 +772,9 @@ impl Model {
     /// The prefill DAG of `plan`: per layer the 4 NPU stages with the CPU stage before each,
     /// and a CPU tail per chunk (see the module docs for what each CPU stage does).
     fn dag(&self, plan: &ChunkPlan) -> Result<SubgraphDag> {
-        let stages: Vec<StageDesc> = LAYER_STAGES
-            .iter()
-            .map(|&(name, p)| StageDesc::new(name, p, name == "attn"))
-            .collect();
-        let chunks: Vec<DagChunk> = plan
-            .chunks
-            .iter()
-            .map(|c| DagChunk {
-                rows: c.padded_len,
-                margin: c.margin,
-            })
-            .collect();
-        SubgraphDag::new(
-            &stages,
-            self.layers.len(),
-            Some(StageDesc::new("tail", Processor::Cpu, false)),
-            &chunks,
-        )
+        let stages: Vec<StageDesc> = LAYER_STAGES.iter().map(|&(name, p)| StageDesc::new(name, p, name == "attn")).collect();
+        let chunks: Vec<DagChunk> = plan.chunks.iter().map(|c| DagChunk { rows: c.padded_len, margin: c.margin }).collect();
+        SubgraphDag::new(&stages, self.layers.len(), Some(StageDesc::new("tail", Processor::Cpu, false)), &chunks)
     }
 
     /// A stage's estimated seconds on this machine, for the policies that rank by cost. Only
@@ -952,21 +791,10 @@ impl Model {
         }
         match n.stage {
             s if s % 2 == 1 => {
-                let macs: usize = self.layers[n.layer].stages[s / 2]
-                    .iter()
-                    .map(|l| l.dims().0 * l.dims().1)
-                    .sum();
-                rows * macs as f64
-                    / if n.processor == Processor::Npu {
-                        NPU_MACS
-                    } else {
-                        CPU_MACS
-                    }
+                let macs: usize = self.layers[n.layer].stages[s / 2].iter().map(|l| l.dims().0 * l.dims().1).sum();
+                rows * macs as f64 / if n.processor == Processor::Npu { NPU_MACS } else { CPU_MACS }
             }
-            2 => {
-                rows * (n.start + n.rows) as f64 * (2 * c.n_head * c.head_dim) as f64 / CPU_MACS
-                    + rows * c.hidden as f64 * 4.0 * ELEM
-            }
+            2 => rows * (n.start + n.rows) as f64 * (2 * c.n_head * c.head_dim) as f64 / CPU_MACS + rows * c.hidden as f64 * 4.0 * ELEM,
             6 => rows * c.ffn as f64 * 4.0 * ELEM,
             _ => rows * c.hidden as f64 * 4.0 * ELEM,
         }
@@ -985,11 +813,7 @@ impl Model {
             .num_threads(threads)
             .thread_name(|i| format!("npu-queue-{i}"))
             .build()
-            .map_err(|e| {
-                Error::Input(format!(
-                    "cannot start the NPU queue's {threads} threads: {e}"
-                ))
-            })?;
+            .map_err(|e| Error::Input(format!("cannot start the NPU queue's {threads} threads: {e}")))?;
         let pool = Arc::new(pool);
         self.npu_pool = Some((threads, pool.clone()));
         Ok(Some(pool))
@@ -1007,22 +831,13 @@ impl Model {
         self.last_run.as_ref()
     }
 
-    fn graphs_for(
-        &mut self,
-        chunk_len: usize,
-        precision: Precision,
-    ) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
+    fn graphs_for(&mut self, chunk_len: usize, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
         if let Some(g) = self.graphs.get(&(chunk_len, precision)) {
             return Ok(g.clone());
         }
         let t = std::time::Instant::now();
         let graphs = (0..self.cfg.n_layer)
-            .map(|l| {
-                self.layer_graphs(l, chunk_len, precision)?
-                    .iter()
-                    .map(|g| self.device.prepare(g))
-                    .collect::<Result<Vec<_>>>()
-            })
+            .map(|l| self.layer_graphs(l, chunk_len, precision)?.iter().map(|g| self.device.prepare(g)).collect::<Result<Vec<_>>>())
             .collect::<Result<Vec<_>>>()?;
         tracing::info!(
             chunk_len,
@@ -1049,9 +864,7 @@ impl Model {
                 let mut g = Graph::new(format!("blk.{l}.{}.m{m}", STAGE_NAMES[s]));
                 let x: TensorId = match precision {
                     Precision::F32 => g.input("x", &[m, k], DType::F32, None),
-                    Precision::W8A8 => {
-                        g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant))
-                    }
+                    Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
                     Precision::W8A16 => g.input("x", &[m, k], DType::U16, Some(self.a16[l][s])),
                 };
                 for lin in lins {
@@ -1069,43 +882,19 @@ impl Model {
 
 /// A config and spec the engine can run, or an error naming the checkpoint and what is wrong.
 fn check_spec(cfg: &Config, spec: &FamilySpec, ckpt: &dyn Checkpoint) -> Result<()> {
-    let bad = |reason: String| {
-        Err(Error::Model {
-            path: ckpt.path().to_path_buf(),
-            reason,
-        })
-    };
-    let sizes = [
-        cfg.n_layer,
-        cfg.hidden,
-        cfg.n_head,
-        cfg.n_kv_head,
-        cfg.head_dim,
-        cfg.ffn,
-        cfg.vocab,
-        cfg.context_len,
-    ];
+    let bad = |reason: String| Err(Error::Model { path: ckpt.path().to_path_buf(), reason });
+    let sizes = [cfg.n_layer, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn, cfg.vocab, cfg.context_len];
     if sizes.contains(&0) {
         return bad(format!("config has a zero size: {cfg:?}"));
     }
     if cfg.n_head % cfg.n_kv_head != 0 {
-        return bad(format!(
-            "{} attention heads are not a multiple of {} KV heads",
-            cfg.n_head, cfg.n_kv_head
-        ));
+        return bad(format!("{} attention heads are not a multiple of {} KV heads", cfg.n_head, cfg.n_kv_head));
     }
     if spec.layers.len() != cfg.n_layer {
-        return bad(format!(
-            "{} layer specs for {} layers",
-            spec.layers.len(),
-            cfg.n_layer
-        ));
+        return bad(format!("{} layer specs for {} layers", spec.layers.len(), cfg.n_layer));
     }
     if spec.rope_dims == 0 || spec.rope_dims % 2 != 0 || spec.rope_dims > cfg.head_dim {
-        return bad(format!(
-            "RoPE over {} dimensions of a head of {}",
-            spec.rope_dims, cfg.head_dim
-        ));
+        return bad(format!("RoPE over {} dimensions of a head of {}", spec.rope_dims, cfg.head_dim));
     }
     if spec.layers.iter().any(|l| l.window == Some(0)) {
         return bad("a sliding window of 0 positions".into());
@@ -1132,58 +921,33 @@ impl Stage<'_> {
     /// The NPU input of stage `s` from the CPU activation `h` (`[m, K]`), and its outliers.
     fn prepare(&mut self, s: usize, h: &Tensor) -> Result<(TensorData, Outliers)> {
         let vals = h.flatten_all()?.to_vec1::<f32>()?;
-        let missing = || {
-            Error::Input(format!(
-                "{:?} prefill of layer {} without a quant profile",
-                self.precision, self.l
-            ))
-        };
+        let missing = || Error::Input(format!("{:?} prefill of layer {} without a quant profile", self.precision, self.l));
         Ok(match self.precision {
             Precision::F32 => (TensorData::F32(vals), Outliers::default()),
             Precision::W8A8 => {
                 let point = &self.points.ok_or_else(missing)?[s];
                 let t = Instant::now();
                 // A pruned stage skips extraction (its outliers would go unused).
-                let o = if self.shadow {
-                    point.extract(&vals, self.rows.n_valid)
-                } else {
-                    Outliers::default()
-                };
+                let o = if self.shadow { point.extract(&vals, self.rows.n_valid) } else { Outliers::default() };
                 self.shadow_time += t.elapsed();
                 (TensorData::U8(point.clip_quantize(&vals)), o)
             }
-            Precision::W8A16 => (
-                TensorData::from_f32(&vals, DType::U16, Some(self.a16.ok_or_else(missing)?[s])),
-                Outliers::default(),
-            ),
+            Precision::W8A16 => (TensorData::from_f32(&vals, DType::U16, Some(self.a16.ok_or_else(missing)?[s])), Outliers::default()),
         })
     }
 
     /// Stage `s`'s NPU outputs as `[m, N]` tensors, one per linear, with bias and shadow added.
-    fn finish(
-        &mut self,
-        s: usize,
-        outs: Vec<TensorData>,
-        outliers: &Outliers,
-    ) -> Result<Vec<Tensor>> {
+    fn finish(&mut self, s: usize, outs: Vec<TensorData>, outliers: &Outliers) -> Result<Vec<Tensor>> {
         let t = Instant::now();
         let ys = self.layer.stages[s]
             .iter()
             .zip(outs)
             .map(|(lin, out)| {
                 let TensorData::F32(mut y) = out else {
-                    return Err(Error::Input(format!(
-                        "NPU stage of {} returned {:?}, expected F32",
-                        lin.name(),
-                        out.dtype()
-                    )));
+                    return Err(Error::Input(format!("NPU stage of {} returned {:?}, expected F32", lin.name(), out.dtype())));
                 };
                 lin.finish(outliers, &mut y)?;
-                Ok(Tensor::from_vec(
-                    y,
-                    (self.rows.m, lin.dims().0),
-                    &Device::Cpu,
-                )?)
+                Ok(Tensor::from_vec(y, (self.rows.m, lin.dims().0), &Device::Cpu)?)
             })
             .collect();
         if !outliers.is_empty() {
@@ -1199,15 +963,9 @@ pub fn mean_nll(logits: &Tensor, tokens: &[u32]) -> Result<f64> {
     let lp = candle_nn::ops::log_softmax(logits, D::Minus1)?;
     let lp: Vec<Vec<f32>> = lp.to_vec2()?;
     if tokens.len() < 2 || lp.len() < tokens.len() - 1 {
-        return Err(Error::Input(format!(
-            "need at least 2 tokens and one logit row per token, got {} and {}",
-            tokens.len(),
-            lp.len()
-        )));
+        return Err(Error::Input(format!("need at least 2 tokens and one logit row per token, got {} and {}", tokens.len(), lp.len())));
     }
-    let nll: f64 = (0..tokens.len() - 1)
-        .map(|i| -lp[i][tokens[i + 1] as usize] as f64)
-        .sum();
+    let nll: f64 = (0..tokens.len() - 1).map(|i| -lp[i][tokens[i + 1] as usize] as f64).sum();
     Ok(nll / (tokens.len() - 1) as f64)
 }
 

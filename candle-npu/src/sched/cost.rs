@@ -171,9 +171,7 @@ mod tests {
             }
         }
         let t = TableCosts::fit_with_context(&s).unwrap();
-        for (got, want) in
-            [(t.get("qkv", Processor::Npu).unwrap(), qkv), (t.get("attn", Processor::Cpu).unwrap(), attn)]
-        {
+        for (got, want) in [(t.get("qkv", Processor::Npu).unwrap(), qkv), (t.get("attn", Processor::Cpu).unwrap(), attn)] {
             assert!(close(got.a, want.a) && close(got.b, want.b) && close(got.c, want.c), "{got:?} vs {want:?}");
         }
         assert!(t.get("qkv", Processor::Cpu).is_none());

@@ -91,12 +91,7 @@ pub struct SubgraphDag {
 impl SubgraphDag {
     /// Builds the DAG: per chunk the chain `layer 0 stages, layer 1 stages, .., tail`, plus
     /// `(c - 1, l, s) -> (c, l, s)` for every stage that reads the KV cache.
-    pub fn new(
-        layer_stages: &[StageDesc],
-        n_layer: usize,
-        tail: Option<StageDesc>,
-        chunks: &[DagChunk],
-    ) -> Result<Self> {
+    pub fn new(layer_stages: &[StageDesc], n_layer: usize, tail: Option<StageDesc>, chunks: &[DagChunk]) -> Result<Self> {
         if layer_stages.is_empty() {
             return Err(Error::Input("sched: empty per-layer stage list (a layer needs at least one stage)".into()));
         }

@@ -41,37 +41,18 @@ pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn chunks(rows: &[usize]) -> Vec<DagChunk> {
-        rows.iter()
-            .map(|&rows| DagChunk {
-                rows,
-                margin: false,
-            })
-            .collect()
+        rows.iter().map(|&rows| DagChunk { rows, margin: false }).collect()
     }
 
     /// The model's layer: attn_in, qkv, attn, o, ffn_in, gate_up, act, down, plus a CPU tail.
     pub(crate) fn llm_dag(chunks: &[DagChunk], n_layer: usize) -> SubgraphDag {
         use Processor::{Cpu, Npu};
-        let stages: Vec<StageDesc> = [
-            ("attn_in", Cpu),
-            ("qkv", Npu),
-            ("attn", Cpu),
-            ("o", Npu),
-            ("ffn_in", Cpu),
-            ("gate_up", Npu),
-            ("act", Cpu),
-            ("down", Npu),
-        ]
-        .into_iter()
-        .map(|(n, p)| StageDesc::new(n, p, n == "attn"))
-        .collect();
-        SubgraphDag::new(
-            &stages,
-            n_layer,
-            Some(StageDesc::new("tail", Cpu, false)),
-            chunks,
-        )
-        .unwrap()
+        let stages: Vec<StageDesc> =
+            [("attn_in", Cpu), ("qkv", Npu), ("attn", Cpu), ("o", Npu), ("ffn_in", Cpu), ("gate_up", Npu), ("act", Cpu), ("down", Npu)]
+                .into_iter()
+                .map(|(n, p)| StageDesc::new(n, p, n == "attn"))
+                .collect();
+        SubgraphDag::new(&stages, n_layer, Some(StageDesc::new("tail", Cpu, false)), chunks).unwrap()
     }
 
     fn random_costs(dag: &SubgraphDag, seed: u64) -> Vec<f64> {
@@ -86,14 +67,7 @@ pub(crate) mod tests {
     /// Minimum makespan over the semi-active schedules of all topological orders (which include
     /// an optimal one): independent of the branch and bound, for tiny DAGs.
     fn brute_force(dag: &SubgraphDag, cost: &[f64]) -> f64 {
-        fn go(
-            dag: &SubgraphDag,
-            cost: &[f64],
-            end: &mut Vec<f64>,
-            free: [f64; 2],
-            left: usize,
-            best: &mut f64,
-        ) {
+        fn go(dag: &SubgraphDag, cost: &[f64], end: &mut Vec<f64>, free: [f64; 2], left: usize, best: &mut f64) {
             if left == 0 {
                 *best = best.min(free[0].max(free[1]));
                 return;
@@ -103,11 +77,7 @@ pub(crate) mod tests {
                     continue;
                 }
                 let p = dag.node(NodeId(i)).processor.index();
-                let start = dag
-                    .preds(NodeId(i))
-                    .iter()
-                    .map(|q| end[q.0])
-                    .fold(free[p], f64::max);
+                let start = dag.preds(NodeId(i)).iter().map(|q| end[q.0]).fold(free[p], f64::max);
                 end[i] = start + cost[i];
                 let mut f = free;
                 f[p] = end[i];
@@ -116,59 +86,24 @@ pub(crate) mod tests {
             }
         }
         let mut best = f64::INFINITY;
-        go(
-            dag,
-            cost,
-            &mut vec![f64::NAN; dag.len()],
-            [0.0; 2],
-            dag.len(),
-            &mut best,
-        );
+        go(dag, cost, &mut vec![f64::NAN; dag.len()], [0.0; 2], dag.len(), &mut best);
         best
     }
 
     #[test]
     fn every_policy_validates_on_random_costs() {
         for seed in 0..20 {
-            let dag = llm_dag(
-                &[
-                    DagChunk {
-                        rows: 8,
-                        margin: false,
-                    },
-                    DagChunk {
-                        rows: 8,
-                        margin: false,
-                    },
-                    DagChunk {
-                        rows: 3,
-                        margin: true,
-                    },
-                ],
-                2,
-            );
+            let dag = llm_dag(&[DagChunk { rows: 8, margin: false }, DagChunk { rows: 8, margin: false }, DagChunk { rows: 3, margin: true }], 2);
             let c = random_costs(&dag, seed);
             let mut policies = Policy::heuristics();
-            policies.push(Policy::Contribution(ContributionWeights {
-                own_cost: 0.5,
-                npu_unlocks_cpu: 2.0,
-                ..Default::default()
-            }));
-            policies.push(Policy::Planned(
-                simulate(&dag, &table(&c), &Policy::CriticalPath)
-                    .unwrap()
-                    .order(),
-            ));
+            policies.push(Policy::Contribution(ContributionWeights { own_cost: 0.5, npu_unlocks_cpu: 2.0, ..Default::default() }));
+            policies.push(Policy::Planned(simulate(&dag, &table(&c), &Policy::CriticalPath).unwrap().order()));
             for p in &policies {
                 let s = simulate(&dag, &table(&c), p).unwrap();
-                s.validate(&dag)
-                    .unwrap_or_else(|e| panic!("{}: {e}", p.name()));
+                s.validate(&dag).unwrap_or_else(|e| panic!("{}: {e}", p.name()));
                 let total: f64 = c.iter().sum();
                 assert!((s.busy[0] + s.busy[1] - total).abs() < 1e-9);
-                assert!(
-                    s.bubble_rate(Processor::Npu) >= 0.0
-                        && s.utilization(Processor::Cpu) <= 1.0 + 1e-12
-                );
+                assert!(s.bubble_rate(Processor::Npu) >= 0.0 && s.utilization(Processor::Cpu) <= 1.0 + 1e-12);
             }
         }
     }
@@ -179,49 +114,28 @@ pub(crate) mod tests {
         let c = random_costs(&dag, 7);
         let s = simulate(&dag, &table(&c), &Policy::InOrder).unwrap();
         assert!((s.makespan - c.iter().sum::<f64>()).abs() < 1e-9);
-        assert_eq!(
-            s.order(),
-            dag.nodes().iter().map(|n| n.id).collect::<Vec<_>>()
-        );
+        assert_eq!(s.order(), dag.nodes().iter().map(|n| n.id).collect::<Vec<_>>());
     }
 
     #[test]
     fn out_of_order_beats_in_order_by_hand() {
         // Per chunk: CPU "a" then NPU "b", 1 s each, no KV edge. In order: 4 s. Out of order,
         // chunk 1's "a" runs on the CPU while chunk 0's "b" runs on the NPU: 3 s, the optimum.
-        let stages = [
-            StageDesc::new("a", Processor::Cpu, false),
-            StageDesc::new("b", Processor::Npu, false),
-        ];
+        let stages = [StageDesc::new("a", Processor::Cpu, false), StageDesc::new("b", Processor::Npu, false)];
         let dag = SubgraphDag::new(&stages, 1, None, &chunks(&[1, 1])).unwrap();
         let one = |_: &Node| 1.0;
-        assert_eq!(
-            simulate(&dag, &one, &Policy::InOrder).unwrap().makespan,
-            4.0
-        );
-        for p in [
-            Policy::Fifo,
-            Policy::Contribution(Default::default()),
-            Policy::CriticalPath,
-        ] {
+        assert_eq!(simulate(&dag, &one, &Policy::InOrder).unwrap().makespan, 4.0);
+        for p in [Policy::Fifo, Policy::Contribution(Default::default()), Policy::CriticalPath] {
             let s = simulate(&dag, &one, &p).unwrap();
             assert_eq!(s.makespan, 3.0, "{}", p.name());
             assert!((s.bubble_rate(Processor::Npu) - 1.0 / 3.0).abs() < 1e-12);
         }
-        assert_eq!(
-            optimal(&dag, &one, 1000, Duration::from_secs(1))
-                .unwrap()
-                .makespan,
-            3.0
-        );
+        assert_eq!(optimal(&dag, &one, 1000, Duration::from_secs(1)).unwrap().makespan, 3.0);
     }
 
     #[test]
     fn contribution_picks_largest_unlocked_npu_work() {
-        let stages = [
-            StageDesc::new("a", Processor::Cpu, false),
-            StageDesc::new("b", Processor::Npu, false),
-        ];
+        let stages = [StageDesc::new("a", Processor::Cpu, false), StageDesc::new("b", Processor::Npu, false)];
         let dag = SubgraphDag::new(&stages, 1, None, &chunks(&[1, 1])).unwrap();
         // c0.b = 1 s, c1.b = 9 s: starting c1.a first unlocks more NPU work.
         let cost = |n: &Node| {
@@ -236,18 +150,9 @@ pub(crate) mod tests {
         let paper = Policy::Contribution(Default::default());
         assert_eq!(paper.pick(&ctx, Processor::Cpu, &ready), Some(NodeId(2)));
         assert_eq!(paper.pick(&ctx, Processor::Npu, &ready), None);
-        assert_eq!(
-            Policy::Fifo.pick(&ctx, Processor::Cpu, &ready),
-            Some(NodeId(0))
-        );
-        assert_eq!(
-            Policy::InOrder.pick(&ctx, Processor::Cpu, &[NodeId(2)]),
-            None
-        );
-        let flipped = Policy::Contribution(ContributionWeights {
-            cpu_unlocks_npu: -1.0,
-            ..Default::default()
-        });
+        assert_eq!(Policy::Fifo.pick(&ctx, Processor::Cpu, &ready), Some(NodeId(0)));
+        assert_eq!(Policy::InOrder.pick(&ctx, Processor::Cpu, &[NodeId(2)]), None);
+        let flipped = Policy::Contribution(ContributionWeights { cpu_unlocks_npu: -1.0, ..Default::default() });
         assert_eq!(flipped.pick(&ctx, Processor::Cpu, &ready), Some(NodeId(0)));
     }
 
@@ -258,26 +163,15 @@ pub(crate) mod tests {
             let (n_chunk, n_layer) = (rng.random_range(2..=3), rng.random_range(1..=2));
             let dag = llm_dag(&chunks(&vec![4; n_chunk]), n_layer);
             let c = random_costs(&dag, 1000 + case);
-            let opt = optimal(&dag, &table(&c), 5_000_000, Duration::from_secs(20)).unwrap_or_else(
-                || panic!("case {case}: {n_chunk} chunks x {n_layer} layers did not finish"),
-            );
+            let opt = optimal(&dag, &table(&c), 5_000_000, Duration::from_secs(20))
+                .unwrap_or_else(|| panic!("case {case}: {n_chunk} chunks x {n_layer} layers did not finish"));
             opt.validate(&dag).unwrap();
             for p in Policy::heuristics() {
                 let h = simulate(&dag, &table(&c), &p).unwrap().makespan;
-                assert!(
-                    opt.makespan <= h + 1e-9,
-                    "case {case}: optimum {} > {} {h}",
-                    opt.makespan,
-                    p.name()
-                );
+                assert!(opt.makespan <= h + 1e-9, "case {case}: optimum {} > {} {h}", opt.makespan, p.name());
             }
             let replay = simulate(&dag, &table(&c), &Policy::Planned(opt.order())).unwrap();
-            assert!(
-                (replay.makespan - opt.makespan).abs() < 1e-9,
-                "case {case}: replay {} vs {}",
-                replay.makespan,
-                opt.makespan
-            );
+            assert!((replay.makespan - opt.makespan).abs() < 1e-9, "case {case}: replay {} vs {}", replay.makespan, opt.makespan);
         }
     }
 
@@ -291,33 +185,17 @@ pub(crate) mod tests {
         ];
         let mut strict = 0;
         for seed in 0..30 {
-            let dag = SubgraphDag::new(
-                &stages,
-                1,
-                Some(StageDesc::new("t", Processor::Cpu, false)),
-                &chunks(&[2, 2, 2]),
-            )
-            .unwrap();
+            let dag = SubgraphDag::new(&stages, 1, Some(StageDesc::new("t", Processor::Cpu, false)), &chunks(&[2, 2, 2])).unwrap();
             let c = random_costs(&dag, seed);
             let want = brute_force(&dag, &c);
             let got = optimal(&dag, &table(&c), 1_000_000, Duration::from_secs(10)).unwrap();
             got.validate(&dag).unwrap();
-            assert!(
-                (got.makespan - want).abs() < 1e-9,
-                "seed {seed}: b&b {} vs brute force {want}",
-                got.makespan
-            );
-            let best_heuristic = Policy::heuristics()
-                .iter()
-                .map(|p| simulate(&dag, &table(&c), p).unwrap().makespan)
-                .fold(f64::INFINITY, f64::min);
+            assert!((got.makespan - want).abs() < 1e-9, "seed {seed}: b&b {} vs brute force {want}", got.makespan);
+            let best_heuristic = Policy::heuristics().iter().map(|p| simulate(&dag, &table(&c), p).unwrap().makespan).fold(f64::INFINITY, f64::min);
             strict += usize::from(want < best_heuristic - 1e-9);
         }
         // The search must find better schedules than the incumbent, not just return it.
-        assert!(
-            strict > 0,
-            "no case where the optimum beats every heuristic"
-        );
+        assert!(strict > 0, "no case where the optimum beats every heuristic");
     }
 
     #[test]
@@ -332,22 +210,13 @@ pub(crate) mod tests {
         wrong.slices[0].processor = Processor::Npu;
         let mut missing = s.clone();
         missing.slices.pop();
-        for (bad, what) in [
-            (twice, "twice"),
-            (early, "before its input"),
-            (wrong, "instead of"),
-            (missing, "never runs"),
-        ] {
+        for (bad, what) in [(twice, "twice"), (early, "before its input"), (wrong, "instead of"), (missing, "never runs")] {
             let e = bad.validate(&dag).unwrap_err().to_string();
             assert!(e.contains(what), "{e}");
         }
-        let stall = simulate(&dag, &|_: &Node| 1.0, &Policy::Planned(vec![NodeId(0)]))
-            .unwrap_err()
-            .to_string();
+        let stall = simulate(&dag, &|_: &Node| 1.0, &Policy::Planned(vec![NodeId(0)])).unwrap_err().to_string();
         assert!(stall.contains("stalled"), "{stall}");
-        let nan = simulate(&dag, &TableCosts::new(), &Policy::Fifo)
-            .unwrap_err()
-            .to_string();
+        let nan = simulate(&dag, &TableCosts::new(), &Policy::Fifo).unwrap_err().to_string();
         assert!(nan.contains("c0.l0.attn_in"), "{nan}");
     }
 
@@ -356,17 +225,7 @@ pub(crate) mod tests {
     #[test]
     #[ignore]
     fn optimal_limits() {
-        for (n_chunk, n_layer) in [
-            (2, 2),
-            (3, 2),
-            (4, 2),
-            (3, 3),
-            (5, 2),
-            (6, 2),
-            (8, 2),
-            (4, 4),
-            (8, 4),
-        ] {
+        for (n_chunk, n_layer) in [(2, 2), (3, 2), (4, 2), (3, 3), (5, 2), (6, 2), (8, 2), (4, 4), (8, 4)] {
             let dag = llm_dag(&chunks(&vec![4; n_chunk]), n_layer);
             let (mut done, mut worst, mut gain) = (0, Duration::ZERO, 0.0f64);
             for seed in 0..20 {
@@ -376,9 +235,7 @@ pub(crate) mod tests {
                 worst = worst.max(t.elapsed());
                 if let Some(o) = opt {
                     done += 1;
-                    let h = simulate(&dag, &table(&c), &Policy::Contribution(Default::default()))
-                        .unwrap()
-                        .makespan;
+                    let h = simulate(&dag, &table(&c), &Policy::Contribution(Default::default())).unwrap().makespan;
                     gain = gain.max(h / o.makespan - 1.0);
                 }
             }

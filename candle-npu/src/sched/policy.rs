@@ -97,10 +97,7 @@ impl Policy {
             Policy::CriticalPath => best_by(&mut cands, &|id| ctx.rank[id.0]).map(|b| b.1),
             Policy::Contribution(w) => best_by(&mut cands, &|g| ctx.contribution(w, g)).map(|b| b.1),
             Policy::Planned(order) => {
-                let next = order
-                    .iter()
-                    .copied()
-                    .find(|&id| id.0 < dag.len() && dag.node(id).processor == processor && !ctx.done[id.0])?;
+                let next = order.iter().copied().find(|&id| id.0 < dag.len() && dag.node(id).processor == processor && !ctx.done[id.0])?;
                 cands.find(|&id| id == next)
             }
         }
@@ -182,9 +179,7 @@ impl<'a> PickContext<'a> {
     /// `C(g)` of [`ContributionWeights`].
     pub fn contribution(&self, w: &ContributionWeights, g: NodeId) -> f64 {
         let from = self.dag.node(g).processor;
-        let unlocked =
-            self.dag.succs(g).iter().filter(|s| self.dag.preds(**s).iter().all(|&p| p == g || self.done[p.0]));
-        w.own_cost * self.cost[g.0]
-            + unlocked.map(|s| w.weight(from, self.dag.node(*s).processor) * self.cost[s.0]).sum::<f64>()
+        let unlocked = self.dag.succs(g).iter().filter(|s| self.dag.preds(**s).iter().all(|&p| p == g || self.done[p.0]));
+        w.own_cost * self.cost[g.0] + unlocked.map(|s| w.weight(from, self.dag.node(*s).processor) * self.cost[s.0]).sum::<f64>()
     }
 }

@@ -51,21 +51,8 @@ impl<'a> Runner<'a> {
         for (i, _) in preds_left.iter().enumerate().filter(|(_, &p)| p == 0) {
             ctx.mark_ready(NodeId(i), 0.0);
         }
-        let state = State {
-            ctx,
-            waiting: vec![],
-            preds_left,
-            busy: [false; 2],
-            slices: Vec::with_capacity(dag.len()),
-            aborted: false,
-        };
-        Ok(Runner {
-            dag,
-            policy,
-            state: Mutex::new(state),
-            wake: Condvar::new(),
-            t0: Instant::now(),
-        })
+        let state = State { ctx, waiting: vec![], preds_left, busy: [false; 2], slices: Vec::with_capacity(dag.len()), aborted: false };
+        Ok(Runner { dag, policy, state: Mutex::new(state), wake: Condvar::new(), t0: Instant::now() })
     }
 
     pub fn dag(&self) -> &'a SubgraphDag {
@@ -82,11 +69,7 @@ impl<'a> Runner<'a> {
     /// chunk failed) or the node is not in the DAG.
     pub fn acquire(&self, node: NodeId) -> Result<Grant<'_, 'a>> {
         if node.0 >= self.dag.len() {
-            return Err(Error::Input(format!(
-                "sched: node {} is not in the DAG of {} nodes",
-                node.0,
-                self.dag.len()
-            )));
+            return Err(Error::Input(format!("sched: node {} is not in the DAG of {} nodes", node.0, self.dag.len())));
         }
         let p = self.dag.node(node).processor;
         let mut s = self.lock();
@@ -97,26 +80,14 @@ impl<'a> Runner<'a> {
         loop {
             if s.aborted {
                 s.waiting.retain(|&w| w != node);
-                return Err(Error::Input(format!(
-                    "sched: {} not run: another stage of this prefill failed",
-                    self.dag.node(node).name
-                )));
+                return Err(Error::Input(format!("sched: {} not run: another stage of this prefill failed", self.dag.node(node).name)));
             }
             if !s.busy[p.index()] && s.preds_left[node.0] == 0 {
-                let ready: Vec<NodeId> = s
-                    .waiting
-                    .iter()
-                    .copied()
-                    .filter(|&w| s.preds_left[w.0] == 0 && self.dag.node(w).processor == p)
-                    .collect();
+                let ready: Vec<NodeId> = s.waiting.iter().copied().filter(|&w| s.preds_left[w.0] == 0 && self.dag.node(w).processor == p).collect();
                 if self.policy.pick(&s.ctx, p, &ready) == Some(node) {
                     s.busy[p.index()] = true;
                     s.waiting.retain(|&w| w != node);
-                    return Ok(Grant {
-                        runner: self,
-                        node,
-                        start: self.t0.elapsed().as_secs_f64(),
-                    });
+                    return Ok(Grant { runner: self, node, start: self.t0.elapsed().as_secs_f64() });
                 }
             }
             s = self.wake.wait(s).unwrap_or_else(|e| e.into_inner());
@@ -146,12 +117,7 @@ impl<'a> Runner<'a> {
                 s.ctx.mark_ready(next, end);
             }
         }
-        s.slices.push(Slice {
-            node,
-            processor,
-            start,
-            end,
-        });
+        s.slices.push(Slice { node, processor, start, end });
         drop(s);
         self.wake.notify_all();
     }
@@ -179,8 +145,7 @@ mod tests {
     /// Every chunk's thread walks its nodes; each records the order nodes started in and checks
     /// that at most one node per processor runs at a time and every predecessor ended first.
     fn run(dag: &SubgraphDag, policy: Policy) -> Vec<NodeId> {
-        let runner =
-            Runner::new(dag, &|n: &crate::sched::Node| (n.stage + 1) as f64, policy).unwrap();
+        let runner = Runner::new(dag, &|n: &crate::sched::Node| (n.stage + 1) as f64, policy).unwrap();
         let running = [AtomicUsize::new(0), AtomicUsize::new(0)];
         let order = Mutex::new(vec![]);
         std::thread::scope(|s| {
@@ -189,12 +154,7 @@ mod tests {
                 s.spawn(move || {
                     for n in dag.nodes().iter().filter(|n| n.chunk == c) {
                         let g = runner.acquire(n.id).unwrap();
-                        assert_eq!(
-                            running[n.processor.index()].fetch_add(1, Ordering::SeqCst),
-                            0,
-                            "{} overlaps",
-                            n.name
-                        );
+                        assert_eq!(running[n.processor.index()].fetch_add(1, Ordering::SeqCst), 0, "{} overlaps", n.name);
                         order.lock().unwrap().push(n.id);
                         std::thread::sleep(std::time::Duration::from_micros(50));
                         running[n.processor.index()].fetch_sub(1, Ordering::SeqCst);
@@ -214,12 +174,7 @@ mod tests {
             let order = run(&dag, policy.clone());
             let mut sorted = order.clone();
             sorted.sort();
-            assert_eq!(
-                sorted,
-                (0..dag.len()).map(NodeId).collect::<Vec<_>>(),
-                "{}",
-                policy.name()
-            );
+            assert_eq!(sorted, (0..dag.len()).map(NodeId).collect::<Vec<_>>(), "{}", policy.name());
             if policy == Policy::InOrder {
                 assert_eq!(order, sorted, "in-order runs nodes in id order");
             }

@@ -81,13 +81,7 @@ impl Schedule {
             for p in dag.preds(n.id) {
                 let Some(ps) = at[p.0] else { continue };
                 if s.start < ps.end - tol {
-                    return bad(format!(
-                        "{} starts at {} before its input {} ends at {}",
-                        n.name,
-                        s.start,
-                        dag.node(*p).name,
-                        ps.end
-                    ));
+                    return bad(format!("{} starts at {} before its input {} ends at {}", n.name, s.start, dag.node(*p).name, ps.end));
                 }
             }
         }
@@ -259,9 +253,10 @@ impl Bnb<'_> {
             if !self.end[i].is_nan() {
                 continue;
             }
-            let h = self.dag.preds(NodeId(i)).iter().fold(self.free[self.proc[i]], |h, p| {
-                h.max(if self.end[p.0].is_nan() { self.head[p.0] + self.ctx.cost(*p) } else { self.end[p.0] })
-            });
+            let h =
+                self.dag.preds(NodeId(i)).iter().fold(self.free[self.proc[i]], |h, p| {
+                    h.max(if self.end[p.0].is_nan() { self.head[p.0] + self.ctx.cost(*p) } else { self.end[p.0] })
+                });
             self.head[i] = h;
             let (rank, p) = (self.ctx.rank(NodeId(i)), self.proc[i]);
             lb = lb.max(h + rank);
@@ -335,15 +330,10 @@ impl Bnb<'_> {
             return;
         };
         let m = self.proc[first];
-        let mut branch: Vec<(f64, usize)> = ready
-            .iter()
-            .filter(|r| self.proc[r.2] == m && (r.0 < c_star || r.2 == first))
-            .map(|r| (r.0, r.2))
-            .collect();
+        let mut branch: Vec<(f64, usize)> =
+            ready.iter().filter(|r| self.proc[r.2] == m && (r.0 < c_star || r.2 == first)).map(|r| (r.0, r.2)).collect();
         // Earliest start first, then the longest path: good schedules early tighten the bound.
-        branch.sort_by(|a, b| {
-            a.0.total_cmp(&b.0).then(self.ctx.rank(NodeId(b.1)).total_cmp(&self.ctx.rank(NodeId(a.1))))
-        });
+        branch.sort_by(|a, b| a.0.total_cmp(&b.0).then(self.ctx.rank(NodeId(b.1)).total_cmp(&self.ctx.rank(NodeId(a.1)))));
         for (est, i) in branch {
             let cost = self.ctx.cost(NodeId(i));
             let saved = (self.free[m], self.remaining[m]);
