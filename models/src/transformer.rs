@@ -661,23 +661,24 @@ impl Model {
             })
         };
         self.progress = progress.into_inner().unwrap_or_else(|e| e.into_inner());
-        // The first failure is the cause; the others are "another stage failed".
         let mut out_rows = Vec::with_capacity(results.len());
-        let mut first_err = None;
+        let mut errors = vec![];
         for r in results {
             match r {
                 Ok((rows, shadow)) => {
                     self.shadow_time += shadow;
                     out_rows.push(rows);
                 }
-                Err(e) if first_err.is_none() || e.to_string().contains("another stage") => first_err = first_err.or(Some(e)),
-                Err(e) => first_err = Some(e),
+                Err(e) => errors.push(e),
             }
         }
-        if let Some(e) = first_err {
-            return Err(e);
+        // The cause, not the chunks the runner stopped because of it ("another stage failed").
+        if let Some(i) = errors.iter().position(|e| !e.to_string().contains("another stage")).or((!errors.is_empty()).then_some(0)) {
+            return Err(errors.swap_remove(i));
         }
-        self.last_run = Some((dag.clone(), runner.schedule()));
+        let schedule = runner.schedule();
+        drop(runner);
+        self.last_run = Some((dag, schedule));
         self.pos = tokens.len();
         let rows: Vec<Tensor> = out_rows.into_iter().filter(|r| r.dim(0).is_ok_and(|n| n > 0)).collect();
         self.logits(&Tensor::cat(&rows, 0)?)
