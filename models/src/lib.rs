@@ -30,4 +30,4 @@ pub mod transformer;
 pub use candle_npu::{DecodeWeights, WeightQuant};
 pub use pipeline::{CalibrationSet, Pipeline};
 pub use spec::{Config, FamilySpec};
-pub use transformer::{LoadOptions, Model, Precision, SchedOptions};
+pub use transformer::{prefill_dag, LoadOptions, Model, Precision, SchedOptions};

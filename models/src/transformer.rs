@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
-use candle_npu::sched::{DagChunk, Node, Policy, Processor, Runner, Schedule, StageDesc, SubgraphDag};
+use candle_npu::sched::{AnalyticCosts, DagChunk, LayerShape, Policy, Processor, Rates, Runner, Schedule, StageDesc, SubgraphDag};
 use candle_npu::{
     Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant,
     QuantProfile, Result, ShadowLinear, Tail, TensorData, TensorId, WeightQuant,
@@ -204,6 +204,14 @@ const LAYER_STAGES: [(&str, Processor); 8] = [
     ("act", Processor::Cpu),
     ("down", Processor::Npu),
 ];
+
+/// The prefill DAG of `plan` for `n_layer` layers: per layer the 4 NPU stages with the CPU stage
+/// before each ([`LAYER_STAGES`]), and a CPU tail per chunk (final rows out).
+pub fn prefill_dag(plan: &ChunkPlan, n_layer: usize) -> Result<SubgraphDag> {
+    let stages: Vec<StageDesc> = LAYER_STAGES.iter().map(|&(name, p)| StageDesc::new(name, p, name == "attn")).collect();
+    let chunks: Vec<DagChunk> = plan.chunks.iter().map(|c| DagChunk { rows: c.padded_len, margin: c.margin }).collect();
+    SubgraphDag::new(&stages, n_layer, Some(StageDesc::new("tail", Processor::Cpu, false)), &chunks)
+}
 
 impl Model {
     /// Build a model from `ckpt`, whose tensors `names` maps from the engine's (GGUF) names.
@@ -628,9 +636,9 @@ impl Model {
             true => Some(self.graphs_for(chunk_len, precision)?),
             false => None,
         };
-        let dag = self.dag(&plan)?;
+        let dag = prefill_dag(&plan, self.layers.len())?;
         let npu_pool = self.npu_pool()?;
-        let runner = Runner::new(&dag, &|n: &Node| self.estimate(n), self.sched.policy.clone())?;
+        let runner = Runner::new(&dag, &self.estimate(), self.sched.policy.clone())?;
         let total = plan.chunks.len() * self.layers.len();
         let done = std::sync::atomic::AtomicUsize::new(0);
         let progress = Mutex::new(self.progress.take());
@@ -770,35 +778,16 @@ impl Model {
         Ok((out, shadow_time))
     }
 
-    /// The prefill DAG of `plan`: per layer the 4 NPU stages with the CPU stage before each,
-    /// and a CPU tail per chunk (see the module docs for what each CPU stage does).
-    fn dag(&self, plan: &ChunkPlan) -> Result<SubgraphDag> {
-        let stages: Vec<StageDesc> = LAYER_STAGES.iter().map(|&(name, p)| StageDesc::new(name, p, name == "attn")).collect();
-        let chunks: Vec<DagChunk> = plan.chunks.iter().map(|c| DagChunk { rows: c.padded_len, margin: c.margin }).collect();
-        SubgraphDag::new(&stages, self.layers.len(), Some(StageDesc::new("tail", Processor::Cpu, false)), &chunks)
+    /// The layer's shapes, for analytic stage costs ([`AnalyticCosts`]).
+    pub fn layer_shape(&self) -> LayerShape {
+        let c = &self.cfg;
+        LayerShape { hidden: c.hidden, ffn: c.ffn, n_head: c.n_head, n_kv_head: c.n_kv_head, head_dim: c.head_dim }
     }
 
-    /// A stage's estimated seconds on this machine, for the policies that rank by cost. Only
-    /// the ratios matter; the rates are rough single-core figures of the build machine (host
-    /// INT8 GEMM ~25 GMAC/s, F32 attention ~10 GFLOP/s, elementwise passes ~1 ns per value).
-    fn estimate(&self, n: &Node) -> f64 {
-        const NPU_MACS: f64 = 25e9;
-        const CPU_MACS: f64 = 10e9;
-        const ELEM: f64 = 1e-9;
-        let c = &self.cfg;
-        let rows = n.rows as f64;
-        if n.layer >= self.layers.len() {
-            return rows * c.hidden as f64 * ELEM; // tail
-        }
-        match n.stage {
-            s if s % 2 == 1 => {
-                let macs: usize = self.layers[n.layer].stages[s / 2].iter().map(|l| l.dims().0 * l.dims().1).sum();
-                rows * macs as f64 / if n.processor == Processor::Npu { NPU_MACS } else { CPU_MACS }
-            }
-            2 => rows * (n.start + n.rows) as f64 * (2 * c.n_head * c.head_dim) as f64 / CPU_MACS + rows * c.hidden as f64 * 4.0 * ELEM,
-            6 => rows * c.ffn as f64 * 4.0 * ELEM,
-            _ => rows * c.hidden as f64 * 4.0 * ELEM,
-        }
+    /// Stage costs for the policies that rank by cost: analytic, with the host's rough rates
+    /// (only their ratios matter to a ranking).
+    fn estimate(&self) -> AnalyticCosts {
+        AnalyticCosts { shape: self.layer_shape(), rates: Rates::HOST }
     }
 
     fn npu_pool(&mut self) -> Result<Option<Arc<rayon::ThreadPool>>> {

@@ -24,11 +24,11 @@ mod runtime;
 mod sim;
 mod trace;
 
-pub use cost::{CostModel, LinearCost, TableCosts};
+pub use cost::{AnalyticCosts, CostModel, LayerShape, LinearCost, Rates, TableCosts};
 pub use dag::{DagChunk, Node, NodeId, Processor, StageDesc, SubgraphDag};
 pub use policy::{ContributionWeights, PickContext, Policy};
 pub use runtime::{Grant, Runner};
-pub use sim::{optimal, simulate, Schedule, Slice};
+pub use sim::{lower_bound, optimal, simulate, Schedule, Slice};
 pub use trace::Trace;
 
 #[cfg(test)]
@@ -166,6 +166,8 @@ pub(crate) mod tests {
             let opt = optimal(&dag, &table(&c), 5_000_000, Duration::from_secs(20))
                 .unwrap_or_else(|| panic!("case {case}: {n_chunk} chunks x {n_layer} layers did not finish"));
             opt.validate(&dag).unwrap();
+            let lb = lower_bound(&dag, &table(&c)).unwrap();
+            assert!(lb <= opt.makespan + 1e-9 && lb > 0.5 * opt.makespan, "case {case}: lower bound {lb} vs optimum {}", opt.makespan);
             for p in Policy::heuristics() {
                 let h = simulate(&dag, &table(&c), &p).unwrap().makespan;
                 assert!(opt.makespan <= h + 1e-9, "case {case}: optimum {} > {} {h}", opt.makespan, p.name());

@@ -153,6 +153,19 @@ pub fn simulate(dag: &SubgraphDag, costs: &dyn CostModel, policy: &Policy) -> Re
     Ok(Schedule::from_slices(slices))
 }
 
+/// A lower bound on the makespan of any schedule: the larger of each processor's total work
+/// and the longest path through the DAG. For DAGs too large for [`optimal`], a policy's distance
+/// from it bounds its distance from the optimum.
+pub fn lower_bound(dag: &SubgraphDag, costs: &dyn CostModel) -> Result<f64> {
+    let ctx = PickContext::new(dag, costs)?;
+    let mut work = [0.0; 2];
+    for n in dag.nodes() {
+        work[n.processor.index()] += ctx.cost(n.id);
+    }
+    let path = (0..dag.len()).map(|i| ctx.rank(NodeId(i))).fold(0.0, f64::max);
+    Ok(work[0].max(work[1]).max(path))
+}
+
 /// The minimum-makespan schedule, or `None` when the search hits `node_limit` search nodes or
 /// `time_limit` (or the costs are invalid: [`simulate`] says why).
 ///
