@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_npu::{HtpConfig, NpuDevice, ProfilingLevel};
+use candle_npu::sched::{Policy, Processor, Trace};
+use candle_npu::{ChunkPlan, HtpConfig, NpuDevice, ProfilingLevel, Tail};
 use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use clap::{Parser, ValueEnum};
@@ -32,6 +33,24 @@ enum DecodeFormat {
     Q8_0,
     /// The checkpoint's own quantized tensors (a GGUF's k-quants), beside the INT8 copy.
     Checkpoint,
+}
+
+/// Which ready prefill stage a free processor runs next (`Policy`; `examples/sched.rs` compares them).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum PolicyArg {
+    InOrder,
+    Fifo,
+    Contribution,
+    CriticalPath,
+}
+
+/// Prompt tokens that do not fill a last chunk (`Tail`).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum TailArg {
+    /// Padded to a whole chunk on the NPU.
+    Pad,
+    /// Run on the CPU beside the NPU's chunks (HeteroLLM's margin).
+    Margin,
 }
 
 /// The real models scripts/setup.sh fetches.
@@ -122,6 +141,18 @@ struct Args {
     /// QNN profiling of every graph; prints the graphs' finalize/load and execute times.
     #[arg(long, value_enum)]
     qnn_profile: Option<QnnProfile>,
+    /// Prefill scheduling policy (default: the model's, `SchedOptions::default`).
+    #[arg(long, value_enum)]
+    policy: Option<PolicyArg>,
+    /// What to do with the tokens that do not fill a last chunk (default: the model's).
+    #[arg(long, value_enum)]
+    tail: Option<TailArg>,
+    /// Threads of the NPU queue (with the host executor: its GEMMs' share of the cores).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
+    npu_threads: Option<u16>,
+    /// Write the prefill's schedule as a Chrome/Perfetto trace (JSON; one track per processor).
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 /// A family's example: `family` is the spec name the loaded model must have, `default` the
@@ -132,6 +163,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if let Some(dir) = args.trace.as_ref().and_then(|t| t.parent()).filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.is_dir() {
+            bail!("--trace {}: folder {} does not exist", args.trace.as_ref().map_or(String::new(), |t| t.display().to_string()), dir.display());
+        }
+    }
     let device = match args.executor {
         ExecutorKind::Host => NpuDevice::host(),
         ExecutorKind::Hexagon => {
@@ -211,6 +247,26 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         },
     );
 
+    let mut sched = p.model.sched().clone();
+    if let Some(policy) = args.policy {
+        sched.policy = match policy {
+            PolicyArg::InOrder => Policy::InOrder,
+            PolicyArg::Fifo => Policy::Fifo,
+            PolicyArg::Contribution => Policy::Contribution(Default::default()),
+            PolicyArg::CriticalPath => Policy::CriticalPath,
+        };
+    }
+    if let Some(tail) = args.tail {
+        sched.tail = match tail {
+            TailArg::Pad => Tail::Pad,
+            TailArg::Margin => Tail::Margin,
+        };
+    }
+    if let Some(n) = args.npu_threads {
+        sched.npu_threads = Some(n as usize);
+    }
+    p.model.set_sched(sched);
+
     let t = Instant::now();
     p.model.prepare(chunk_len)?;
     let s = device.stats();
@@ -222,10 +278,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         s.graphs_loaded
     );
     eprintln!("graphs ready ({})", candle_npu_models::memory::describe());
-    if device.executor_name() == "htp" {
-        // On x86 the HTP is an emulator (~0.3-1 GMAC/s): a 256-row chunk takes minutes.
-        let bar = indicatif::ProgressBar::new(0).with_message(format!("prefill of {} tokens on the HTP", tokens.len()));
-        bar.set_style(indicatif::ProgressStyle::with_template("{msg}: {bar:30} {pos}/{len} layers ({elapsed})").expect("template"));
+    if device.executor_name() == "htp" || tokens.len() > 2 * chunk_len {
+        // On x86 the HTP is an emulator (~0.3-1 GMAC/s): a 256-row chunk takes minutes; on the
+        // host a long prompt takes seconds.
+        let bar = indicatif::ProgressBar::new(0).with_message(format!("prefill of {} tokens on the {}", tokens.len(), device.executor_name()));
+        bar.set_style(indicatif::ProgressStyle::with_template("{msg}: {bar:30} {pos}/{len} chunk layers ({elapsed})").expect("template"));
         p.model.set_prefill_progress(Some(Box::new(move |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
@@ -239,6 +296,16 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let logits = p.model.prefill(&tokens, chunk_len)?;
     let prefill_s = t.elapsed().as_secs_f64();
     let prefill_stats = device.stats();
+    if let (Some(path), Some((dag, schedule))) = (&args.trace, p.model.last_run()) {
+        Trace::from_schedule(dag, schedule).write(path)?;
+        eprintln!(
+            "trace of {} stages written to {} (bubbles: NPU {:.0}%, CPU {:.0}%)",
+            schedule.slices.len(),
+            path.display(),
+            100.0 * schedule.bubble_rate(Processor::Npu),
+            100.0 * schedule.bubble_rate(Processor::Cpu)
+        );
+    }
     let mut next = sampler.sample(&logits)?;
     if args.no_chat_template {
         print!("{}", args.prompt);
@@ -260,12 +327,16 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let body: Vec<u32> = generated.iter().copied().filter(|t| !p.stop_tokens.contains(t)).collect();
     let text = p.decode_text(&body)?;
     println!("{}", text.get(printed..).unwrap_or(""));
+    let plan = ChunkPlan::new(tokens.len(), chunk_len, usize::MAX, p.model.sched().tail)?;
+    let npu_chunks = plan.chunks.iter().filter(|c| !c.margin).count();
     println!(
-        "\n{} prompt tokens processed: {:.2} token/s ({} chunks of {}, {} graphs prepared, {} executed)",
+        "\n{} prompt tokens processed: {:.2} token/s ({npu_chunks} chunks of {}, {} margin rows on the CPU, {} padded rows; {}; {} graphs prepared, {} executed)",
         tokens.len(),
         tokens.len() as f64 / prefill_s,
-        tokens.len().div_ceil(chunk_len),
         chunk_len,
+        plan.margin_tokens(),
+        plan.padded_tokens(),
+        p.model.sched().policy.name(),
         prefill_stats.graphs_prepared - before.graphs_prepared,
         prefill_stats.executions - before.executions
     );

@@ -1,0 +1,365 @@
+//! Out-of-order prefill (llm.npu §3.4, HeteroLLM's margin), measured and simulated on SmolLM2.
+//!
+//! Sections (`--sections`, all by default):
+//! - `real`: prefill tokens/s and NPU/CPU bubble rates of every policy at `--lens`, host
+//!   executor as the NPU: the NPU queue on one core (`npu_threads: 1`) and the CPU stages on the
+//!   other (`RAYON_NUM_THREADS=1`, set here when unset); in-order also with the GEMMs on both
+//!   cores (its best case on this machine). Writes the Gantt chart of in-order vs the fastest
+//!   policy to `--png`, and, with `--trace-dir`, a Perfetto trace per run.
+//! - `ttft` (on its own: every stage gets both cores, as in the CLI): time to first token for
+//!   24-, 100- and 300-token prompts, padded vs margin.
+//! - `sim`: the simulator with (a) stage costs fit on this machine's in-order runs (checked
+//!   against the real runs), and (c) a Snapdragon 8 Gen 3 model ([`Rates::SNAPDRAGON_8_GEN_3`],
+//!   calibrated on llm.npu's published split) for SmolLM2 and the paper's Qwen1.5-1.8B;
+//!   makespan, utilisations and the lower bound per policy at 256/1024/2048 tokens and chunk
+//!   lengths 64/128/256; then the contribution heuristic's sensitivity to its terms.
+//!   (b), the HTP emulator's profile, is `examples/htp_cycles.rs`.
+//!
+//! ```text
+//! cargo run --release --example sched
+//! cargo run --release --example sched -- --sections ttft
+//! ```
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_npu::sched::{
+    lower_bound, simulate, AnalyticCosts, ContributionWeights, CostModel, LayerShape, Policy, Processor, Rates, Schedule, SubgraphDag, TableCosts,
+    Trace,
+};
+use candle_npu::{ChunkPlan, NpuDevice, Tail};
+use candle_npu_models::{assets, prefill_dag, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Which sections to run: real, sim (which needs real), or ttft alone.
+    #[arg(long, value_delimiter = ',', default_value = "real,sim")]
+    sections: Vec<String>,
+    /// Prompt lengths of the throughput tables.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024,2048")]
+    lens: Vec<usize>,
+    /// Rows of the static NPU graphs in the real runs.
+    #[arg(long, default_value_t = 256)]
+    chunk_len: usize,
+    /// Timed runs per configuration (best is kept), after one warm-up.
+    #[arg(long, default_value_t = 2)]
+    reps: usize,
+    /// The Gantt chart of the real runs (in-order vs the fastest policy at the middle length).
+    #[arg(long, default_value = "docs/sched_gantt.png")]
+    png: PathBuf,
+    /// A TrueType font for the chart's labels.
+    #[arg(long, default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")]
+    font: PathBuf,
+    /// Folder for a Chrome/Perfetto trace of every real run.
+    #[arg(long)]
+    trace_dir: Option<PathBuf>,
+}
+
+/// A real-run configuration: a label, the policy, the NPU queue's threads, the tail.
+struct Config {
+    label: String,
+    policy: Policy,
+    npu_threads: usize,
+    tail: Tail,
+}
+
+fn configs(tail: Tail) -> Vec<Config> {
+    let mut v = vec![Config { label: "in-order, GEMMs on 2 cores".into(), policy: Policy::InOrder, npu_threads: 2, tail }];
+    v.extend(Policy::heuristics().into_iter().map(|policy| Config { label: policy.name().into(), policy, npu_threads: 1, tail }));
+    v
+}
+
+/// A finished real run: its best seconds and the DAG and schedule of that run.
+struct Run {
+    secs: f64,
+    dag: SubgraphDag,
+    schedule: Schedule,
+}
+
+fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usize) -> Result<Run> {
+    p.model.set_sched(SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads) });
+    p.model.prefill(tokens, chunk)?;
+    let mut best: Option<Run> = None;
+    for _ in 0..reps {
+        let t = Instant::now();
+        p.model.prefill(tokens, chunk)?;
+        let secs = t.elapsed().as_secs_f64();
+        if best.as_ref().is_none_or(|b| secs < b.secs) {
+            let (dag, schedule) = p.model.last_run().cloned().ok_or_else(|| anyhow!("prefill recorded no schedule"))?;
+            best = Some(Run { secs, dag, schedule });
+        }
+    }
+    best.ok_or_else(|| anyhow!("--reps must be at least 1"))
+}
+
+fn bubbles(s: &Schedule) -> String {
+    format!("{:.0}% / {:.0}%", 100.0 * s.bubble_rate(Processor::Npu), 100.0 * s.bubble_rate(Processor::Cpu))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(bad) = args.sections.iter().find(|s| !["real", "ttft", "sim"].contains(&s.as_str())) {
+        bail!("unknown section '{bad}': choose from real, ttft, sim");
+    }
+    let ttft_only = args.sections.iter().all(|s| s == "ttft");
+    if !ttft_only && args.sections.iter().any(|s| s == "ttft") {
+        bail!("run --sections ttft on its own: it uses every core for each stage, the others give each processor one");
+    }
+    // Before anything starts rayon's global pool: the CPU stages get one core, the NPU queue its own.
+    if !ttft_only && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+    }
+    if args.reps == 0 || args.lens.is_empty() || args.lens.contains(&0) {
+        bail!("--reps and every --lens value must be at least 1");
+    }
+    let on = |s: &str| args.sections.iter().any(|x| x == s);
+    let dev = NpuDevice::host();
+    let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+    let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts)?;
+    p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {})?;
+    let max_len = args.lens.iter().copied().max().unwrap_or(0).max(300);
+    let mut text = vec![];
+    for a in assets::wiki_heldout(400)? {
+        text.extend(p.encode(&a, false)?);
+        if text.len() >= max_len {
+            break;
+        }
+    }
+    if text.len() < max_len {
+        bail!("the held-out Wikipedia text has {} tokens, fewer than --lens needs ({max_len})", text.len());
+    }
+    println!("SmolLM2-135M, host executor W8A8, RAYON_NUM_THREADS={}", std::env::var("RAYON_NUM_THREADS").unwrap_or_default());
+
+    let mut fit_runs: Vec<Run> = vec![];
+    let mut real: BTreeMap<(usize, String), f64> = BTreeMap::new();
+    if on("real") {
+        println!("\n## Real runs: prefill tokens/s (NPU / CPU bubble rate), chunk {}, best of {}", args.chunk_len, args.reps);
+        print!("| policy |");
+        args.lens.iter().for_each(|n| print!(" {n} tokens |"));
+        println!("\n|---|{}", "---|".repeat(args.lens.len()));
+        let mut gantt: Vec<(String, SubgraphDag, Schedule)> = vec![];
+        let mid = args.lens[args.lens.len() / 2];
+        let mut rows: Vec<String> = configs(Tail::Margin).iter().map(|c| format!("| {} |", c.label)).collect();
+        for &n in &args.lens {
+            let mut fastest: Option<(String, SubgraphDag, Schedule, f64)> = None;
+            for (i, c) in configs(Tail::Margin).iter().enumerate() {
+                let run = measure(&mut p, c, &text[..n], args.chunk_len, args.reps)?;
+                rows[i] += &format!(" {:.0} ({}) |", n as f64 / run.secs, bubbles(&run.schedule));
+                real.insert((n, c.label.clone()), run.secs);
+                if let Some(dir) = &args.trace_dir {
+                    std::fs::create_dir_all(dir)?;
+                    Trace::from_schedule(&run.dag, &run.schedule).write(dir.join(format!("{}-{n}.json", c.label.replace([' ', ','], "_"))))?;
+                }
+                if n == mid && c.npu_threads == 1 {
+                    if c.policy == Policy::InOrder {
+                        gantt.push((format!("{} ({n} tokens): {:.2} s", c.label, run.secs), run.dag.clone(), run.schedule.clone()));
+                    } else if fastest.as_ref().is_none_or(|f| run.secs < f.3) {
+                        fastest = Some((format!("{} ({n} tokens): {:.2} s", c.label, run.secs), run.dag.clone(), run.schedule.clone(), run.secs));
+                    }
+                }
+                if c.policy == Policy::InOrder && c.npu_threads == 1 {
+                    fit_runs.push(run);
+                }
+            }
+            if let Some((label, dag, s, _)) = fastest {
+                gantt.push((label, dag, s));
+            }
+        }
+        rows.iter().for_each(|r| println!("{r}"));
+        draw_gantt(&args.png, &args.font, &gantt)?;
+        println!("\nGantt chart: {}", args.png.display());
+    }
+
+    if on("ttft") {
+        println!("\n## Time to first token (ms), chunk {}, best of {}", args.chunk_len, args.reps);
+        let lens = [24usize, 100, 300];
+        println!("| plan | {} |\n|---|{}", lens.map(|n| format!("{n} tokens")).join(" | "), "---|".repeat(lens.len()));
+        let plans = [
+            ("padded, in-order (before this issue)", Tail::Pad, Policy::InOrder),
+            ("margin, in-order", Tail::Margin, Policy::InOrder),
+            ("margin, critical-path", Tail::Margin, Policy::CriticalPath),
+        ];
+        for (label, tail, policy) in plans {
+            let mut row = format!("| {label} |");
+            for n in lens {
+                p.model.set_sched(SchedOptions { policy: policy.clone(), tail, npu_threads: None });
+                p.model.prefill(&text[..n], args.chunk_len)?;
+                let mut best = f64::MAX;
+                for _ in 0..args.reps {
+                    let t = Instant::now();
+                    p.model.prefill(&text[..n], args.chunk_len)?;
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                row += &format!(" {:.0} |", 1e3 * best);
+            }
+            println!("{row}");
+        }
+    }
+
+    if on("sim") {
+        let shape = p.model.layer_shape();
+        let n_layer = p.model.config().n_layer;
+        if fit_runs.is_empty() {
+            println!("\n(no real runs: the host table needs --sections real)");
+        } else {
+            // More row sizes, so the fit separates a stage's fixed cost from its per-row cost.
+            for chunk in [64, 128] {
+                let c = Config { label: "in-order".into(), policy: Policy::InOrder, npu_threads: 1, tail: Tail::Margin };
+                fit_runs.push(measure(&mut p, &c, &text[..args.lens[0].max(chunk)], chunk, 1)?);
+            }
+            let host = fit(&fit_runs)?;
+            println!("\n## Simulated, (a) stage costs fit on this machine's in-order runs");
+            println!("Check against the real runs at chunk {} (simulated / measured seconds):", args.chunk_len);
+            for &n in &args.lens {
+                let dag = dag_for(n, args.chunk_len, n_layer)?;
+                let mut line = format!("- {n} tokens:");
+                for c in configs(Tail::Margin).iter().filter(|c| c.npu_threads == 1) {
+                    let sim = simulate(&dag, &host, &c.policy)?.makespan;
+                    line += &format!(" {} {:.2}/{:.2}", c.label, sim, real.get(&(n, c.label.clone())).copied().unwrap_or(f64::NAN));
+                }
+                println!("{line}");
+            }
+            sim_table("host (a)", &host, &args.lens, n_layer)?;
+            sensitivity("host (a)", &host, *args.lens.iter().max().unwrap_or(&1024), 256, n_layer)?;
+        }
+        let phone = AnalyticCosts { shape, rates: Rates::SNAPDRAGON_8_GEN_3 };
+        println!("\n## Simulated, (c) Snapdragon 8 Gen 3 model, SmolLM2-135M");
+        sim_table("phone (c), SmolLM2", &phone, &args.lens, n_layer)?;
+        let qwen15 = AnalyticCosts { shape: LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 }, rates: Rates::SNAPDRAGON_8_GEN_3 };
+        println!("\n## Simulated, (c) Snapdragon 8 Gen 3 model, Qwen1.5-1.8B (24 layers; the paper's model)");
+        sim_table("phone (c), Qwen1.5-1.8B", &qwen15, &args.lens, 24)?;
+        sensitivity("phone (c), Qwen1.5-1.8B", &qwen15, 512, 256, 24)?;
+    }
+    Ok(())
+}
+
+fn dag_for(n: usize, chunk: usize, n_layer: usize) -> Result<SubgraphDag> {
+    Ok(prefill_dag(&ChunkPlan::new(n, chunk, usize::MAX, Tail::Margin)?, n_layer)?)
+}
+
+/// Per-stage cost lines fit on the slices of in-order runs (one stage at a time, no contention).
+fn fit(runs: &[Run]) -> Result<TableCosts> {
+    let mut samples = vec![];
+    for r in runs {
+        for s in &r.schedule.slices {
+            let n = r.dag.node(s.node);
+            samples.push((n.stage_name.clone(), n.processor, n.rows, n.start, s.end - s.start));
+        }
+    }
+    Ok(TableCosts::fit_with_context(&samples)?)
+}
+
+/// Makespan (tokens/s), utilisations and the lower bound per policy, lengths x chunk lengths.
+fn sim_table(label: &str, costs: &dyn CostModel, lens: &[usize], n_layer: usize) -> Result<()> {
+    println!("{label}: simulated tokens/s (NPU / CPU utilisation); `bound` is the makespan lower bound's tokens/s");
+    println!("| prompt, chunk | {} | bound |\n|---|{}---|", Policy::heuristics().iter().map(|p| p.name()).collect::<Vec<_>>().join(" | "), "---|".repeat(4));
+    for &n in lens {
+        for chunk in [64, 128, 256] {
+            let dag = dag_for(n, chunk, n_layer)?;
+            let mut row = format!("| {n}, {chunk} |");
+            for p in Policy::heuristics() {
+                let s = simulate(&dag, costs, &p)?;
+                row += &format!(
+                    " {:.0} ({:.0}% / {:.0}%) |",
+                    n as f64 / s.makespan,
+                    100.0 * s.utilization(Processor::Npu),
+                    100.0 * s.utilization(Processor::Cpu)
+                );
+            }
+            println!("{row} {:.0} |", n as f64 / lower_bound(&dag, costs)?);
+        }
+    }
+    Ok(())
+}
+
+/// The contribution heuristic with each of its terms zeroed or flipped, against the paper's
+/// weights and the other policies, as simulated makespan relative to the paper's weights.
+fn sensitivity(label: &str, costs: &dyn CostModel, n: usize, chunk: usize, n_layer: usize) -> Result<()> {
+    let dag = dag_for(n, chunk, n_layer)?;
+    let base = simulate(&dag, costs, &Policy::Contribution(ContributionWeights::default()))?.makespan;
+    println!("\n{label}, {n} tokens, chunk {chunk}: makespan relative to the paper's contribution weights ({:.3} s)", base);
+    let d = ContributionWeights::default();
+    let variants: Vec<(&str, ContributionWeights)> = vec![
+        ("CPU unlocks NPU: 0", ContributionWeights { cpu_unlocks_npu: 0.0, ..d }),
+        ("CPU unlocks CPU: 0", ContributionWeights { cpu_unlocks_cpu: 0.0, ..d }),
+        ("NPU unlocks NPU: 0", ContributionWeights { npu_unlocks_npu: 0.0, ..d }),
+        ("NPU unlocks CPU: 0", ContributionWeights { npu_unlocks_cpu: 0.0, ..d }),
+        ("NPU terms +1", ContributionWeights { npu_unlocks_npu: 1.0, npu_unlocks_cpu: 1.0, ..d }),
+        ("own cost +1", ContributionWeights { own_cost: 1.0, ..d }),
+        ("own cost -1", ContributionWeights { own_cost: -1.0, ..d }),
+        ("all 0 (lowest id)", ContributionWeights { cpu_unlocks_npu: 0.0, cpu_unlocks_cpu: 0.0, npu_unlocks_npu: 0.0, npu_unlocks_cpu: 0.0, own_cost: 0.0 }),
+    ];
+    let mut line = String::from("|");
+    for (name, w) in variants {
+        line += &format!(" {name}: {:.3} |", simulate(&dag, costs, &Policy::Contribution(w))?.makespan / base);
+    }
+    for p in [Policy::InOrder, Policy::Fifo, Policy::CriticalPath] {
+        line += &format!(" {}: {:.3} |", p.name(), simulate(&dag, costs, &p)?.makespan / base);
+    }
+    line += &format!(" lower bound: {:.3} |", lower_bound(&dag, costs)? / base);
+    println!("{line}");
+    Ok(())
+}
+
+/// One panel per schedule, a row per processor, a bar per node coloured by stage (the tail last); written to a
+/// temporary file and renamed, so a failed run leaves no half-written image.
+fn draw_gantt(png: &Path, font: &Path, runs: &[(String, SubgraphDag, Schedule)]) -> Result<()> {
+    use plotters::prelude::*;
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let bytes = std::fs::read(font).with_context(|| format!("font {} (pass --font)", font.display()))?;
+    plotters::style::register_font("sans", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
+        .map_err(|_| anyhow!("{}: not a TrueType font", font.display()))?;
+    let tmp = png.with_file_name(format!(".{}.partial.png", png.file_stem().and_then(|s| s.to_str()).unwrap_or("gantt")));
+    let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", png.display());
+    let colors: [RGBColor; 9] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+        RGBColor(23, 190, 207),
+    ];
+    let n_layer = runs[0].1.nodes().iter().map(|n| n.layer).max().unwrap_or(0);
+    let t_max = runs.iter().map(|r| r.2.makespan).fold(0.0, f64::max);
+    {
+        let root = BitMapBackend::new(&tmp, (1400, 260 * runs.len() as u32)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        for (area, (title, dag, s)) in root.split_evenly((runs.len(), 1)).iter().zip(runs) {
+            let caption = format!("{title}; bubbles NPU {:.0}%, CPU {:.0}%", 100.0 * s.bubble_rate(Processor::Npu), 100.0 * s.bubble_rate(Processor::Cpu));
+            let mut chart = ChartBuilder::on(area)
+                .caption(caption, ("sans", 18))
+                .margin(10)
+                .x_label_area_size(35)
+                .y_label_area_size(60)
+                .build_cartesian_2d(0f64..t_max, 0f64..2f64)
+                .map_err(|e| err(&e))?;
+            chart
+                .configure_mesh()
+                .disable_y_mesh()
+                .y_labels(2)
+                .y_label_formatter(&|y| if *y < 1.0 { "CPU".into() } else { "NPU".into() })
+                .x_desc("seconds")
+                .label_style(("sans", 14))
+                .draw()
+                .map_err(|e| err(&e))?;
+            chart
+                .draw_series(s.slices.iter().map(|sl| {
+                    let y = if sl.processor == Processor::Npu { 1.1 } else { 0.1 };
+                    let n = dag.node(sl.node);
+                    let color = colors[if n.layer < n_layer { n.stage % 8 } else { 8 }];
+                    Rectangle::new([(sl.start, y), (sl.end, y + 0.8)], color.filled())
+                }))
+                .map_err(|e| err(&e))?;
+        }
+        root.present().map_err(|e| err(&e))?;
+    }
+    std::fs::rename(&tmp, png).with_context(|| format!("renaming {} to {}", tmp.display(), png.display()))?;
+    Ok(())
+}
