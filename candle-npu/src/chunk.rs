@@ -42,6 +42,7 @@ pub enum Tail {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkPlan {
     pub prompt_len: usize,
+    /// The largest graph size.
     pub chunk_len: usize,
     pub chunks: Vec<Chunk>,
 }
@@ -50,24 +51,48 @@ impl ChunkPlan {
     /// Plan `prompt_len` tokens in chunks of `chunk_len`, for a model with `context_len`
     /// positions, the remainder padded or run as a CPU margin.
     pub fn new(prompt_len: usize, chunk_len: usize, context_len: usize, tail: Tail) -> Result<Self> {
+        Self::with_sizes(prompt_len, &[chunk_len], context_len, tail)
+    }
+
+    /// Plan with several graph sizes (HeteroLLM's multi-size graphs): as many chunks of the
+    /// largest size as fit, then of the next, and so on; what is shorter than the smallest size
+    /// is padded to it or run as a CPU margin. E.g. 300 tokens with sizes 256 and 32: one chunk
+    /// of 256, one of 32 and a margin of 12.
+    pub fn with_sizes(prompt_len: usize, sizes: &[usize], context_len: usize, tail: Tail) -> Result<Self> {
         if prompt_len == 0 {
             return Err(Error::Input("empty prompt: prefill needs at least one token".into()));
         }
-        if chunk_len == 0 {
-            return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
+        if sizes.is_empty() || sizes.contains(&0) {
+            return Err(Error::Input(format!("chunk length 0 or none in {sizes:?}: use positive lengths (e.g. --chunk-len 256)")));
         }
         if prompt_len > context_len {
             return Err(Error::Input(format!("prompt of {prompt_len} tokens is longer than the model's context of {context_len} tokens")));
         }
-        let chunks = (0..prompt_len.div_ceil(chunk_len))
-            .map(|index| {
-                let start = index * chunk_len;
-                let len = chunk_len.min(prompt_len - start);
-                let margin = len < chunk_len && tail == Tail::Margin;
-                Chunk { index, start, len, padded_len: if margin { len } else { chunk_len }, margin }
-            })
-            .collect();
-        Ok(ChunkPlan { prompt_len, chunk_len, chunks })
+        let mut sizes = sizes.to_vec();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.dedup();
+        let mut chunks: Vec<Chunk> = vec![];
+        let mut start = 0;
+        for &size in &sizes {
+            while prompt_len - start >= size {
+                chunks.push(Chunk { index: chunks.len(), start, len: size, padded_len: size, margin: false });
+                start += size;
+            }
+        }
+        if start < prompt_len {
+            let (len, smallest) = (prompt_len - start, sizes[sizes.len() - 1]);
+            let margin = tail == Tail::Margin;
+            chunks.push(Chunk { index: chunks.len(), start, len, padded_len: if margin { len } else { smallest }, margin });
+        }
+        Ok(ChunkPlan { prompt_len, chunk_len: sizes[0], chunks })
+    }
+
+    /// The graph sizes the plan's NPU chunks use.
+    pub fn npu_sizes(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.chunks.iter().filter(|c| !c.margin).map(|c| c.padded_len).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 
     pub fn padded_tokens(&self) -> usize {
@@ -118,6 +143,21 @@ mod tests {
     fn one_token_and_chunk_longer_than_prompt() {
         let p = ChunkPlan::new(1, 256, 8192, Tail::Pad).unwrap();
         assert_eq!(p.chunks, vec![Chunk { index: 0, start: 0, len: 1, padded_len: 256, margin: false }]);
+    }
+
+    #[test]
+    fn several_sizes_fill_from_the_largest() {
+        let p = ChunkPlan::with_sizes(300, &[32, 256], 8192, Tail::Margin).unwrap();
+        assert_eq!(
+            p.chunks.iter().map(|c| (c.start, c.len, c.padded_len, c.margin)).collect::<Vec<_>>(),
+            vec![(0, 256, 256, false), (256, 32, 32, false), (288, 12, 12, true)]
+        );
+        assert_eq!((p.chunk_len, p.padded_tokens(), p.margin_tokens(), p.npu_sizes()), (256, 0, 12, vec![32, 256]));
+        let p = ChunkPlan::with_sizes(100, &[256, 32], 8192, Tail::Pad).unwrap();
+        assert_eq!(p.chunks.iter().map(|c| (c.len, c.padded_len)).collect::<Vec<_>>(), vec![(32, 32), (32, 32), (32, 32), (4, 32)]);
+        assert_eq!(p.padded_tokens(), 28);
+        assert!(ChunkPlan::with_sizes(10, &[], 8192, Tail::Pad).is_err());
+        assert!(ChunkPlan::with_sizes(10, &[32, 0], 8192, Tail::Pad).is_err());
     }
 
     #[test]
