@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin};
 use crate::graph::{check_buffer, check_input_count, DType, Graph, TensorData};
 
@@ -133,6 +133,7 @@ impl NpuDevice {
         };
         Ok(PreparedGraph {
             name: graph.name.clone(),
+            rows: graph.inputs.first().and_then(|&i| graph.tensor(i).shape.first().copied()).unwrap_or(1),
             inputs: sig(&graph.inputs),
             outputs: sig(&graph.outputs),
             exec,
@@ -144,6 +145,8 @@ impl NpuDevice {
 /// A compiled graph bound to its device. Execute it as often as needed with new inputs.
 pub struct PreparedGraph {
     name: String,
+    /// The first dimension of the first input: the row count the graph was prepared for.
+    rows: usize,
     inputs: Vec<(String, DType, usize)>,
     outputs: Vec<(String, DType, usize)>,
     exec: Box<dyn ExecutableGraph>,
@@ -169,14 +172,37 @@ impl PreparedGraph {
     /// Run the graph. Inputs in the graph's input order; every buffer is checked against its
     /// tensor's type and size first (QNN does not check, and would overrun).
     pub fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>> {
+        self.run(inputs, None)
+    }
+
+    /// Whether [`Self::execute_rows`] works (see [`ExecutableGraph::any_rows`]).
+    pub fn any_rows(&self) -> bool {
+        self.exec.any_rows()
+    }
+
+    /// Run the graph on `rows` rows in place of its own first dimension (a CPU margin on the
+    /// host's graphs); an error for graphs whose shapes are static (any NPU's).
+    pub fn execute_rows(&self, inputs: &[&TensorData], rows: usize) -> Result<Vec<TensorData>> {
+        if !self.exec.any_rows() {
+            return Err(Error::Input(format!("graph {}: its shapes are static, it cannot run {rows} rows", self.name)));
+        }
+        self.run(inputs, Some(rows))
+    }
+
+    fn run(&self, inputs: &[&TensorData], rows: Option<usize>) -> Result<Vec<TensorData>> {
         check_input_count(&self.name, self.inputs.len(), inputs.len())?;
+        // Buffer sizes scale with the rows: the signature's count is for `self.rows`.
+        let size = |n: usize| rows.map_or(n, |r| n / self.rows.max(1) * r);
         for ((name, dtype, n), data) in self.inputs.iter().zip(inputs) {
-            check_buffer(&self.name, name, *dtype, *n, data)?;
+            check_buffer(&self.name, name, *dtype, size(*n), data)?;
         }
         let t = Instant::now();
-        let out = self.exec.execute(inputs)?;
+        let out = match rows {
+            Some(r) => self.exec.execute_rows(inputs, r)?,
+            None => self.exec.execute(inputs)?,
+        };
         for ((name, dtype, n), data) in self.outputs.iter().zip(&out) {
-            check_buffer(&self.name, name, *dtype, *n, data)?;
+            check_buffer(&self.name, name, *dtype, size(*n), data)?;
         }
         let c = &self.device.inner.counters;
         c.executions.fetch_add(1, Ordering::Relaxed);

@@ -125,6 +125,12 @@ impl StaticData {
     }
 }
 
+/// A fresh process-unique identity for constant data ([`Graph::set_data_id`]).
+pub fn next_data_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 #[derive(Debug, Clone)]
 pub struct TensorSpec {
     pub name: String,
@@ -138,6 +144,11 @@ pub struct TensorSpec {
     /// each output row's own range: measured on SmolLM2, per-tensor INT8 weights raise perplexity
     /// by 6.8%, per-channel by 0.35%.
     pub channel_scales: Option<Arc<Vec<f32>>>,
+    /// A process-unique identity of a constant's data (see [`Graph::set_data_id`]): an executor
+    /// that transforms constants (the host packs INT8 weights for its GEMM) keeps one transformed
+    /// copy per identity, shared by every graph that uses it, whatever the graph's row count.
+    /// Not in the fingerprint (the data is).
+    pub data_id: Option<u64>,
 }
 
 impl TensorSpec {
@@ -252,6 +263,7 @@ impl Graph {
             kind: TensorKind::Input,
             data: None,
             channel_scales: None,
+            data_id: None,
         });
         self.inputs.push(id);
         id
@@ -267,6 +279,7 @@ impl Graph {
             kind: TensorKind::Static,
             data: Some(data),
             channel_scales: None,
+            data_id: None,
         })
     }
 
@@ -275,6 +288,12 @@ impl Graph {
         let id = self.constant(name, shape, StaticData::I8(data), None);
         self.tensors[id.0].channel_scales = Some(scales);
         id
+    }
+
+    /// Declare that constant `id` holds the data of identity `data_id` (unique in the process,
+    /// e.g. from [`next_data_id`], and never reused for other data): see [`TensorSpec::data_id`].
+    pub fn set_data_id(&mut self, id: TensorId, data_id: u64) {
+        self.tensors[id.0].data_id = Some(data_id);
     }
 
     /// An intermediate tensor; see [`Graph::mark_output`] to make it a graph output.
@@ -287,6 +306,7 @@ impl Graph {
             kind: TensorKind::Intermediate,
             data: None,
             channel_scales: None,
+            data_id: None,
         })
     }
 

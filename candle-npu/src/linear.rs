@@ -166,6 +166,8 @@ pub struct ShadowLinear {
     hot: HotColumns,
     shadow: bool,
     cold_reads: AtomicU64,
+    /// The identity of the INT8 weight in graphs ([`Graph::set_data_id`]): it never changes.
+    npu_id: u64,
 }
 
 impl std::fmt::Debug for ShadowLinear {
@@ -233,6 +235,7 @@ impl ShadowLinear {
             hot: HotColumns { slot: vec![COLD; k], cols: vec![] },
             shadow: true,
             cold_reads: AtomicU64::new(0),
+            npu_id: crate::graph::next_data_id(),
         })
     }
 
@@ -251,10 +254,14 @@ impl ShadowLinear {
         let wname = format!("{}{suffix}.weight", self.name);
         let w = match g.tensor(x).dtype {
             DType::F32 => g.constant(&wname, &[self.n, self.k], StaticData::F32(Arc::new(self.source.matrix()?)), None),
-            _ => match &self.npu.scales {
-                Scales::PerChannel(s) => g.constant_per_channel(&wname, &[self.n, self.k], self.npu.values()?, s.clone()),
-                Scales::PerTensor(q) => g.constant(&wname, &[self.n, self.k], StaticData::I8(self.npu.values()?), Some(*q)),
-            },
+            _ => {
+                let w = match &self.npu.scales {
+                    Scales::PerChannel(s) => g.constant_per_channel(&wname, &[self.n, self.k], self.npu.values()?, s.clone()),
+                    Scales::PerTensor(q) => g.constant(&wname, &[self.n, self.k], StaticData::I8(self.npu.values()?), Some(*q)),
+                };
+                g.set_data_id(w, self.npu_id);
+                w
+            }
         };
         Ok(g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None))
     }

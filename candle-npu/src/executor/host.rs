@@ -1,6 +1,8 @@
 //! Runs graphs on the host CPU with INT8 kernels: the numerical reference for the NPU executors,
 //! and the fast path on machines without an NPU.
 
+use std::sync::{Arc, Mutex, Weak};
+
 use super::{ExecutableGraph, Executor};
 use crate::error::Result;
 use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorKind};
@@ -9,6 +11,25 @@ use crate::kernels::{matmul_f32, PackedF32, PackedI8};
 /// The host executor. It runs every op of the IR.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct HostExecutor;
+
+/// The INT8 weights packed so far in this process, by (data identity, n, k), held weakly: graphs
+/// of several chunk lengths (and every host executor) share one packed copy of a weight whose
+/// constant has a [`crate::graph::TensorSpec::data_id`]; packing does not depend on the rows, and
+/// a copy per graph size would multiply the resident weights. Identities are never reused, so
+/// an entry cannot alias other data; dead entries are dropped on the next insertion.
+static PACKED: Mutex<Vec<((u64, usize, usize), Weak<PackedI8>)>> = Mutex::new(Vec::new());
+
+fn pack_i8(d: &[i8], n: usize, k: usize, id: Option<u64>) -> Arc<PackedI8> {
+    let Some(id) = id else { return Arc::new(PackedI8::new(d, n, k)) };
+    let mut cache = PACKED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = cache.iter().find(|(key, _)| *key == (id, n, k)).and_then(|e| e.1.upgrade()) {
+        return p;
+    }
+    cache.retain(|(_, p)| p.strong_count() > 0);
+    let p = Arc::new(PackedI8::new(d, n, k));
+    cache.push(((id, n, k), Arc::downgrade(&p)));
+    p
+}
 
 impl Executor for HostExecutor {
     fn name(&self) -> &'static str {
@@ -32,7 +53,7 @@ impl Executor for HostExecutor {
                     let fc = match w.data.as_ref().expect("validated constant") {
                         StaticData::F32(d) => Fc::F32 { w: PackedF32::new(d, n, k), bias },
                         StaticData::I8(d) => Fc::W8A8 {
-                            w: PackedI8::new(d, n, k),
+                            w: pack_i8(d, n, k, w.data_id),
                             x_quant: x.quant.expect("validated"),
                             w_scale: match (&w.channel_scales, w.quant) {
                                 (Some(s), _) => WScale::PerChannel(s.to_vec()),
@@ -63,7 +84,7 @@ impl Executor for HostExecutor {
 enum Fc {
     F32 { w: PackedF32, bias: Option<StaticData> },
         /// W8A8 (U8/I8 activations) and W8A16 (U16 activations): I8 weights.
-    W8A8 { w: PackedI8, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
+    W8A8 { w: Arc<PackedI8>, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
 }
 
 enum WScale {
@@ -138,6 +159,26 @@ impl HostGraph {
 
 impl ExecutableGraph for HostGraph {
     fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>> {
+        self.run(inputs, None)
+    }
+
+    /// Graphs of FullyConnected ops only (the model's stage graphs): each output row depends on
+    /// its input row alone, and the kernels take the row count per call.
+    fn any_rows(&self) -> bool {
+        self.steps.iter().all(|s| matches!(s, Step::Fc { .. }))
+    }
+
+    fn execute_rows(&self, inputs: &[&TensorData], rows: usize) -> Result<Vec<TensorData>> {
+        if !self.any_rows() {
+            return Err(crate::Error::Input(format!("graph {}: only FullyConnected graphs run on any row count", self.graph.name)));
+        }
+        self.run(inputs, Some(rows))
+    }
+}
+
+impl HostGraph {
+    /// Runs the steps; `rows` replaces every FullyConnected's row count (see `execute_rows`).
+    fn run(&self, inputs: &[&TensorData], rows: Option<usize>) -> Result<Vec<TensorData>> {
         let g = &self.graph;
         let mut vals: Vec<Option<TensorData>> = vec![None; g.tensors.len()];
         for (&id, &data) in g.inputs.iter().zip(inputs) {
@@ -158,7 +199,7 @@ impl ExecutableGraph for HostGraph {
         for step in &self.steps {
             match step {
                 Step::Fc { fc, input, output, m } => {
-                    let y = self.run_fc(fc, vals[*input].as_ref().expect("validated order"), *m, *output);
+                    let y = self.run_fc(fc, vals[*input].as_ref().expect("validated order"), rows.unwrap_or(*m), *output);
                     vals[*output] = Some(y);
                 }
                 Step::Op(op) => {
@@ -186,4 +227,51 @@ impl ExecutableGraph for HostGraph {
 fn zip_with(mut a: Vec<f32>, b: &[f32], f: impl Fn(f32, f32) -> f32) -> Vec<f32> {
     a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(*x, y));
     a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::next_data_id;
+
+    /// `x [m, 16] (u8) -> FullyConnected(w [8, 16], per channel) -> y [m, 8] (f32)`.
+    fn fc(m: usize, w: &Arc<Vec<i8>>, data_id: Option<u64>) -> Graph {
+        let mut g = Graph::new(format!("fc.m{m}"));
+        let x = g.input("x", &[m, 16], DType::U8, Some(Quant::u8_range(-1.0, 1.0)));
+        let wt = g.constant_per_channel("w", &[8, 16], w.clone(), Arc::new(vec![0.01; 8]));
+        if let Some(id) = data_id {
+            g.set_data_id(wt, id);
+        }
+        let y = g.fully_connected("fc", x, wt, None, DType::F32, None);
+        g.mark_output(y);
+        g
+    }
+
+    fn holders(id: u64) -> usize {
+        PACKED.lock().unwrap().iter().filter(|(key, _)| key.0 == id).map(|(_, p)| p.strong_count()).sum()
+    }
+
+    #[test]
+    fn graphs_of_two_row_counts_share_one_packed_weight() {
+        let w = Arc::new((0..8 * 16).map(|i| (i * 37 % 255) as i8).collect::<Vec<i8>>());
+        let id = next_data_id();
+        let small = HostExecutor.prepare(&fc(4, &w, Some(id))).unwrap();
+        let large = HostExecutor.prepare(&fc(8, &w, Some(id))).unwrap();
+        assert_eq!(holders(id), 2, "one packed copy held by both graphs");
+        // Same rows, same results, whichever graph runs them.
+        let x: Vec<u8> = (0..8 * 16).map(|i| (i * 11 % 256) as u8).collect();
+        let a = small.execute(&[&TensorData::U8(x[..4 * 16].to_vec())]).unwrap();
+        let b = large.execute(&[&TensorData::U8(x.clone())]).unwrap();
+        let (TensorData::F32(a), TensorData::F32(b)) = (&a[0], &b[0]) else { panic!("f32 outputs") };
+        assert_eq!(a[..], b[..4 * 8]);
+        // The 8-row graph on 3 rows: the same rows again.
+        assert!(large.any_rows());
+        let c = large.execute_rows(&[&TensorData::U8(x[..3 * 16].to_vec())], 3).unwrap();
+        assert_eq!(c[0], TensorData::F32(b[..3 * 8].to_vec()));
+        drop((small, large));
+        assert_eq!(holders(id), 0, "the packed copy goes with its last graph");
+        // Without an identity nothing is cached.
+        let _g = HostExecutor.prepare(&fc(4, &w, None)).unwrap();
+        assert_eq!(holders(id), 0);
+    }
 }

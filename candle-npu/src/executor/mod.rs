@@ -36,6 +36,18 @@ pub trait Executor: Send + Sync {
 pub trait ExecutableGraph: Send + Sync {
     fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>>;
 
+    /// Whether [`Self::execute_rows`] works: the graph's ops are row-wise, and its executor does
+    /// not fix the row count at preparation (the host's FullyConnected graphs; not an NPU's).
+    fn any_rows(&self) -> bool {
+        false
+    }
+
+    /// As [`Self::execute`] with `rows` rows in place of the graph's first dimension (of every
+    /// input and output); the caller has checked the buffers. Only when [`Self::any_rows`].
+    fn execute_rows(&self, _inputs: &[&TensorData], _rows: usize) -> Result<Vec<TensorData>> {
+        Err(crate::Error::Input("this graph has static shapes: it runs only on its own row count".into()))
+    }
+
     /// Whether the graph was compiled now or loaded from a prepared-graph cache.
     fn origin(&self) -> Origin {
         Origin::Compiled
