@@ -91,12 +91,16 @@ fn npu_graphs_are_prepared_once_and_shared_by_all_chunks() {
     calibrated(&mut p);
     let tokens = heldout_tokens(&p, 1000);
     let before = dev.stats();
+    // The default plan: 3 chunks of 256, 7 of 32 (the small graphs), 8 margin rows, which run
+    // on the 256-row graphs (the host runs them on any row count).
+    let plan = p.model.plan(1000, 256).unwrap();
+    assert_eq!((plan.npu_sizes(), plan.chunks.len(), plan.margin_tokens(), plan.padded_tokens()), (vec![32, 256], 11, 8, 0), "{plan:?}");
     p.model.prefill(&tokens, 256).unwrap();
     let after = dev.stats();
     let layers = p.model.config().n_layer as u64;
     let per_chunk = layers * Model::NPU_STAGES_PER_LAYER as u64;
-    assert_eq!(after.graphs_prepared - before.graphs_prepared, per_chunk, "graphs prepared = layers x NPU stages, not x chunks");
-    assert_eq!(after.executions - before.executions, per_chunk * 4, "1000 tokens / 256 = 4 chunks");
+    assert_eq!(after.graphs_prepared - before.graphs_prepared, 2 * per_chunk, "graphs prepared = sizes x layers x NPU stages, not x chunks");
+    assert_eq!(after.executions - before.executions, per_chunk * 11, "10 chunks and the margin");
     assert_eq!(after.fallbacks, 0);
     // A second prompt of another length with the same chunk length prepares nothing new.
     p.model.prefill(&tokens[..300], 256).unwrap();

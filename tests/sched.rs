@@ -12,7 +12,7 @@ use common::*;
 
 /// All-position logits of `toks` in chunks of 64, scheduled by `policy` (NPU queue: one thread).
 fn prefill(p: &mut Pipeline, toks: &[u32], tail: Tail, policy: Policy) -> Vec<f32> {
-    p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1) });
+    p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1), small_chunks: vec![] });
     p.model.prefill_all_logits(toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
@@ -52,4 +52,43 @@ fn a_cpu_margin_has_no_padding_and_the_padded_logits() {
     // 2 x 64 on the NPU, 22 rows as a margin: its nodes are all on the CPU.
     let margin_nodes: Vec<_> = dag.nodes().iter().filter(|n| n.chunk == 2).collect();
     assert!(margin_nodes.iter().all(|n| n.processor == candle_npu::Processor::Cpu && n.rows == 22));
+}
+
+#[test]
+fn the_default_plan_has_no_padding_and_small_graphs_keep_the_logits() {
+    let mut p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::F32);
+    for n in [1, 24, 100, 300, 1000] {
+        let plan = p.model.plan(n, 256).unwrap();
+        assert_eq!((plan.padded_tokens(), plan.chunks.iter().map(|c| c.len).sum::<usize>()), (0, n), "{n} tokens: {plan:?}");
+    }
+    let toks = heldout_tokens(&p, 150);
+    let padded = prefill(&mut p, &toks, Tail::Pad, Policy::InOrder);
+    // 2 x 64 and 1 x 16 on the NPU, 6 rows as a margin: the host cost model prefers the 16-row
+    // graph (host INT8 GEMM rate) to 16 more margin rows on the CPU.
+    p.model.set_sched(SchedOptions { small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
+    let plan = p.model.plan(toks.len(), 64).unwrap();
+    assert_eq!((plan.npu_sizes(), plan.margin_tokens(), plan.padded_tokens()), (vec![16, 64], 6, 0), "{plan:?}");
+    for policy in [Policy::InOrder, Policy::CriticalPath] {
+        p.model.set_sched(SchedOptions { policy: policy.clone(), small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
+        let got: Vec<f32> = p.model.prefill_all_logits(&toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let err = rel_max_err(&got, &padded);
+        assert!(err < 1e-4, "{}: graphs of 64 and 16 vs padded 64: {err}", policy.name());
+    }
+}
+
+#[test]
+fn a_host_int8_margin_matches_the_padded_npu_rows() {
+    // With the host executor as the NPU, a W8A8 margin runs the NPU's stage graphs on its own
+    // row count (`execute_rows`): every row's numerics are the padded chunk's.
+    let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    p.ensure_profile(None, 64, CalibrationSet::default(), |_, _| {}).unwrap();
+    let toks = heldout_tokens(&p, 150);
+    let padded = prefill(&mut p, &toks, Tail::Pad, Policy::InOrder);
+    let before = p.model.device().stats();
+    let margin = prefill(&mut p, &toks, Tail::Margin, Policy::CriticalPath);
+    let err = rel_max_err(&margin, &padded);
+    assert!(err < 1e-5, "W8A8 margin vs padded: {err}");
+    let after = p.model.device().stats();
+    assert_eq!(after.executions - before.executions, 3 * 120, "2 chunks and the margin, on the same 120 graphs");
+    assert_eq!(after.graphs_prepared, before.graphs_prepared, "the margin prepares no graph");
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
-use candle_npu::{ChunkPlan, HtpConfig, NpuDevice, ProfilingLevel, Tail};
+use candle_npu::{HtpConfig, NpuDevice, ProfilingLevel, Tail};
 use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use clap::{Parser, ValueEnum};
@@ -327,13 +327,13 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let body: Vec<u32> = generated.iter().copied().filter(|t| !p.stop_tokens.contains(t)).collect();
     let text = p.decode_text(&body)?;
     println!("{}", text.get(printed..).unwrap_or(""));
-    let plan = ChunkPlan::new(tokens.len(), chunk_len, usize::MAX, p.model.sched().tail)?;
-    let npu_chunks = plan.chunks.iter().filter(|c| !c.margin).count();
+    let plan = p.model.plan(tokens.len(), chunk_len)?;
+    let sizes: Vec<String> = plan.npu_sizes().iter().rev().map(|&s| format!("{} x {s}", plan.chunks.iter().filter(|c| !c.margin && c.padded_len == s).count())).collect();
     println!(
-        "\n{} prompt tokens processed: {:.2} token/s ({npu_chunks} chunks of {}, {} margin rows on the CPU, {} padded rows; {}; {} graphs prepared, {} executed)",
+        "\n{} prompt tokens processed: {:.2} token/s (NPU chunks: {}; {} margin rows on the CPU, {} padded rows; {}; {} graphs prepared, {} executed)",
         tokens.len(),
         tokens.len() as f64 / prefill_s,
-        chunk_len,
+        if sizes.is_empty() { "none".to_string() } else { sizes.join(" + ") },
         plan.margin_tokens(),
         plan.padded_tokens(),
         p.model.sched().policy.name(),

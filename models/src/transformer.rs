@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
-use candle_npu::sched::{AnalyticCosts, DagChunk, LayerShape, Policy, Processor, Rates, Runner, Schedule, StageDesc, SubgraphDag};
+use candle_npu::sched::{simulate, AnalyticCosts, DagChunk, LayerShape, Policy, Processor, Rates, Runner, Schedule, StageDesc, SubgraphDag};
 use candle_npu::{
     Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant,
     QuantProfile, Result, ShadowLinear, Tail, TensorData, TensorId, WeightQuant,
@@ -170,6 +170,10 @@ pub struct Model {
 /// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin).
 #[derive(Debug, Clone)]
 pub struct SchedOptions {
+    /// Graph sizes smaller than the chunk length the plan may also use (HeteroLLM's multi-size
+    /// graphs, each prepared once and cached): where the cost model predicts it is faster, the
+    /// rows after the last full chunk run in chunks of these sizes before a margin is left.
+    pub small_chunks: Vec<usize>,
     /// Which ready stage a free processor runs next.
     pub policy: Policy,
     /// Tokens that do not fill a last chunk: padded on the NPU or run on the CPU as a margin.
@@ -182,7 +186,7 @@ pub struct SchedOptions {
 
 impl Default for SchedOptions {
     fn default() -> Self {
-        SchedOptions { policy: Policy::InOrder, tail: Tail::Pad, npu_threads: None }
+        SchedOptions { policy: Policy::InOrder, tail: Tail::Margin, npu_threads: None, small_chunks: vec![32] }
     }
 }
 
@@ -489,7 +493,7 @@ impl Model {
                 m.set_shadow_layers(on)?;
                 let mut total = 0.0;
                 for seq in sequences {
-                    let logits = m.run_prefill(seq, chunk_len, Precision::W8A8, true)?;
+                    let logits = m.run_prefill(seq, &m.npu_only_plan(seq.len(), chunk_len)?, Precision::W8A8, true)?;
                     total += mean_nll(&logits, seq)?;
                 }
                 Ok(total / sequences.len() as f64)
@@ -526,7 +530,7 @@ impl Model {
         self.reset_point_stats();
         let r = self.on_host(|m| {
             for (i, seq) in sequences.iter().enumerate() {
-                m.run_prefill(seq, chunk_len, Precision::W8A8, false)?;
+                m.run_prefill(seq, &m.npu_only_plan(seq.len(), chunk_len)?, Precision::W8A8, false)?;
                 progress(i + 1);
             }
             Ok(m.points.iter().flatten().map(|p| (p.name.clone(), p.channel_outliers())).collect())
@@ -541,13 +545,18 @@ impl Model {
         self.progress = progress;
     }
 
-    /// Prepare the NPU stage graphs for `chunk_len` now (otherwise the first prefill does it).
+    /// Prepare the NPU stage graphs for `chunk_len`, and for the smaller sizes of
+    /// [`SchedOptions::small_chunks`], now (otherwise the first prefill that uses them does).
     pub fn prepare(&mut self, chunk_len: usize) -> Result<()> {
         if chunk_len == 0 {
             return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
         }
         self.check_profile(self.precision)?;
-        self.graphs_for(chunk_len, self.precision).map(|_| ())
+        self.graphs_for(chunk_len, self.precision)?;
+        for size in self.sched.small_chunks.clone().into_iter().filter(|&s| s > 0 && s < chunk_len) {
+            self.graphs_for(size, self.precision)?;
+        }
+        Ok(())
     }
 
     fn check_profile(&self, precision: Precision) -> Result<()> {
@@ -559,13 +568,13 @@ impl Model {
 
     /// Prefill `tokens` (resetting the KV cache) and return the logits of the last token, `[vocab]`.
     pub fn prefill(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
-        let logits = self.run_prefill(tokens, chunk_len, self.precision, false)?;
+        let logits = self.run_prefill(tokens, &self.plan(tokens.len(), chunk_len)?, self.precision, false)?;
         Ok(logits.squeeze(0)?)
     }
 
     /// Prefill and return the logits of every prompt position, `[len, vocab]` (for perplexity).
     pub fn prefill_all_logits(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
-        self.run_prefill(tokens, chunk_len, self.precision, true)
+        self.run_prefill(tokens, &self.plan(tokens.len(), chunk_len)?, self.precision, true)
     }
 
     /// Decode one token at the current position; returns its logits, `[vocab]`.
@@ -627,16 +636,56 @@ impl Model {
         }
     }
 
-    fn run_prefill(&mut self, tokens: &[u32], chunk_len: usize, precision: Precision, all_logits: bool) -> Result<Tensor> {
-        let plan = ChunkPlan::new(tokens.len(), chunk_len, self.cfg.context_len, self.sched.tail)?;
+    /// The chunk plan of a prefill of `n` tokens with NPU graphs of `chunk_len` rows: as many
+    /// full chunks as fit, then, where the cost model ([`Model::estimate`], simulated under the
+    /// current policy) predicts a shorter prefill, chunks of the [`SchedOptions::small_chunks`]
+    /// sizes, and the rest as [`SchedOptions::tail`] says.
+    pub fn plan(&self, n: usize, chunk_len: usize) -> Result<ChunkPlan> {
+        let (ctx, tail) = (self.cfg.context_len, self.sched.tail);
+        let mut sizes = vec![chunk_len];
+        let mut best = ChunkPlan::with_sizes(n, &sizes, ctx, tail)?;
+        let mut small: Vec<usize> = self.sched.small_chunks.iter().copied().filter(|&s| s > 0 && s < chunk_len).collect();
+        small.sort_unstable_by(|a, b| b.cmp(a));
+        if small.is_empty() {
+            return Ok(best);
+        }
+        // A planned order belongs to one DAG; rank the candidates by critical path instead.
+        let policy = match &self.sched.policy {
+            Policy::Planned(_) => Policy::CriticalPath,
+            p => p.clone(),
+        };
+        let costs = self.estimate();
+        let makespan = |plan: &ChunkPlan| -> Result<f64> { Ok(simulate(&prefill_dag(plan, self.layers.len())?, &costs, &policy)?.makespan) };
+        let mut best_time = makespan(&best)?;
+        for s in small {
+            sizes.push(s);
+            let candidate = ChunkPlan::with_sizes(n, &sizes, ctx, tail)?;
+            if candidate != best {
+                let t = makespan(&candidate)?;
+                if t < best_time {
+                    (best, best_time) = (candidate, t);
+                }
+            }
+        }
+        Ok(best)
+    }
+
+    /// Every row on the NPU graphs of one size (a padded last chunk): for measurements of the
+    /// NPU's numerics (importance, outlier counts), which a CPU margin would leave out.
+    fn npu_only_plan(&self, n: usize, chunk_len: usize) -> Result<ChunkPlan> {
+        ChunkPlan::new(n, chunk_len, self.cfg.context_len, Tail::Pad)
+    }
+
+    fn run_prefill(&mut self, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
         self.check_tokens(tokens)?;
         self.check_profile(precision)?;
         self.clear();
-        let graphs = match plan.chunks.iter().any(|c| !c.margin) {
-            true => Some(self.graphs_for(chunk_len, precision)?),
-            false => None,
-        };
-        let dag = prefill_dag(&plan, self.layers.len())?;
+        let mut graphs = HashMap::new();
+        for size in plan.npu_sizes() {
+            graphs.insert(size, self.graphs_for(size, precision)?);
+        }
+        let margin = self.margin_graphs(plan, precision)?;
+        let dag = prefill_dag(plan, self.layers.len())?;
         let npu_pool = self.npu_pool()?;
         let runner = Runner::new(&dag, &self.estimate(), self.sched.policy.clone())?;
         let total = plan.chunks.len() * self.layers.len();
@@ -650,7 +699,11 @@ impl Model {
                     report(d, total);
                 }
             };
-            let r = model.run_chunk(chunk, tokens, precision, all_logits, &runner, &dag, graphs.as_deref(), npu_pool.as_deref(), on_layer);
+            let graphs = match chunk.margin {
+                true => margin.as_deref(),
+                false => graphs.get(&chunk.padded_len).map(|g| &**g),
+            };
+            let r = model.run_chunk(chunk, tokens, precision, all_logits, &runner, &dag, graphs, npu_pool.as_deref(), on_layer);
             if r.is_err() {
                 runner.abort();
             }
@@ -735,13 +788,17 @@ impl Model {
                 // The CPU node after this stage: the next stage's input, or the next layer's.
                 let next = if s + 1 < Model::NPU_STAGES_PER_LAYER { node(l, 2 * s + 2)? } else { node(l + 1, 0)? };
                 let ys = match graphs {
-                    Some(graphs) if !chunk.margin => {
+                    Some(graphs) => {
                         let (input, outliers) = stage.prepare(s, h)?;
                         cpu = None;
                         let outs = {
-                            let _npu = runner.acquire(node(l, 2 * s + 1)?)?;
-                            let exec = || graphs[l][s].execute(&[&input]);
-                            match npu_pool {
+                            // The NPU's grant, or the CPU's for a margin's host graphs.
+                            let _grant = runner.acquire(node(l, 2 * s + 1)?)?;
+                            let exec = || match chunk.margin {
+                                true => graphs[l][s].execute_rows(&[&input], m),
+                                false => graphs[l][s].execute(&[&input]),
+                            };
+                            match npu_pool.filter(|_| !chunk.margin) {
                                 Some(pool) => pool.install(exec)?,
                                 None => exec()?,
                             }
@@ -749,7 +806,7 @@ impl Model {
                         cpu = Some(runner.acquire(next)?);
                         stage.finish(s, outs, &outliers)?
                     }
-                    // A margin: the stage's linears on the CPU with the decode weights.
+                    // A margin without host graphs: the stage's linears on the decode weights.
                     // (Each grant is released before the next is asked for: both are the CPU's.)
                     _ => {
                         cpu = None;
@@ -819,6 +876,20 @@ impl Model {
     /// The last prefill's DAG and schedule (what ran where and when): for traces and bubble rates.
     pub fn last_run(&self) -> Option<&(SubgraphDag, Schedule)> {
         self.last_run.as_ref()
+    }
+
+    /// The graphs a CPU margin runs its linears on: with the host executor as the NPU and a
+    /// quantized prefill, the NPU's own stage graphs, which the host runs on any row count
+    /// ([`PreparedGraph::execute_rows`]): no other weights, the NPU path's numerics, and ~4x the
+    /// speed of candle's Q8_0 matmul at 24-100 rows (measured: 32-40 vs 9-10 GMAC/s on 2 cores).
+    /// Otherwise `None`: the margin runs candle matmuls on the decode weights, as with a Hexagon
+    /// NPU, whose graphs have static shapes and whose weights are not on the host.
+    fn margin_graphs(&mut self, plan: &ChunkPlan, precision: Precision) -> Result<Option<Arc<Vec<Vec<PreparedGraph>>>>> {
+        if precision == Precision::F32 || !plan.chunks.iter().any(|c| c.margin) || self.device.executor_name() != "host" {
+            return Ok(None);
+        }
+        let graphs = self.graphs_for(plan.chunk_len, precision)?;
+        Ok(graphs.iter().flatten().all(PreparedGraph::any_rows).then_some(graphs))
     }
 
     fn graphs_for(&mut self, chunk_len: usize, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
