@@ -6,8 +6,8 @@
 //!   other (`RAYON_NUM_THREADS=1`, set here when unset); in-order also with the GEMMs on both
 //!   cores (its best case on this machine). Writes the Gantt chart of in-order vs the fastest
 //!   policy to `--png`, and, with `--trace-dir`, a Perfetto trace per run.
-//! - `ttft` (on its own: every stage gets both cores, as in the CLI): time to first token for
-//!   24-, 100- and 300-token prompts, padded vs margin.
+//! - `shared` (on its own: every stage may use every core, as in the CLI): time to first token
+//!   for 24-, 100- and 300-token prompts, padded vs margin, and prefill tokens/s per policy.
 //! - `sim`: the simulator with (a) stage costs fit on this machine's in-order runs (checked
 //!   against the real runs), and (c) a Snapdragon 8 Gen 3 model ([`Rates::SNAPDRAGON_8_GEN_3`],
 //!   calibrated on llm.npu's published split) for SmolLM2 and the paper's Qwen1.5-1.8B;
@@ -17,7 +17,7 @@
 //!
 //! ```text
 //! cargo run --release --example sched
-//! cargo run --release --example sched -- --sections ttft
+//! cargo run --release --example sched -- --sections shared
 //! ```
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -34,7 +34,7 @@ use clap::Parser;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Which sections to run: real, sim (which needs real), or ttft alone.
+    /// Which sections to run: real, sim (which needs real), or shared alone.
     #[arg(long, value_delimiter = ',', default_value = "real,sim")]
     sections: Vec<String>,
     /// Prompt lengths of the throughput tables.
@@ -79,7 +79,7 @@ struct Run {
 }
 
 fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usize) -> Result<Run> {
-    p.model.set_sched(SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads) });
+    p.model.set_sched(SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], ..Default::default() });
     p.model.prefill(tokens, chunk)?;
     let mut best: Option<Run> = None;
     for _ in 0..reps {
@@ -100,15 +100,15 @@ fn bubbles(s: &Schedule) -> String {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if let Some(bad) = args.sections.iter().find(|s| !["real", "ttft", "sim"].contains(&s.as_str())) {
-        bail!("unknown section '{bad}': choose from real, ttft, sim");
+    if let Some(bad) = args.sections.iter().find(|s| !["real", "shared", "sim"].contains(&s.as_str())) {
+        bail!("unknown section '{bad}': choose from real, shared, sim");
     }
-    let ttft_only = args.sections.iter().all(|s| s == "ttft");
-    if !ttft_only && args.sections.iter().any(|s| s == "ttft") {
-        bail!("run --sections ttft on its own: it uses every core for each stage, the others give each processor one");
+    let shared_only = args.sections.iter().all(|s| s == "shared");
+    if !shared_only && args.sections.iter().any(|s| s == "shared") {
+        bail!("run --sections shared on its own: it lets every stage use every core, the others give each processor one");
     }
     // Before anything starts rayon's global pool: the CPU stages get one core, the NPU queue its own.
-    if !ttft_only && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+    if !shared_only && std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", "1");
     }
     if args.reps == 0 || args.lens.is_empty() || args.lens.contains(&0) {
@@ -168,33 +168,89 @@ fn main() -> Result<()> {
             }
         }
         rows.iter().for_each(|r| println!("{r}"));
+        // How many chunks FIFO needs in flight (`SchedOptions::chunks_in_flight`: worker threads).
+        let n = *args.lens.iter().max().unwrap_or(&256);
+        let mut line = format!("\nFIFO at {n} tokens by chunks in flight, tokens/s:");
+        for workers in [2, 3, 4, n.div_ceil(args.chunk_len)] {
+            p.model.set_sched(SchedOptions { policy: Policy::Fifo, npu_threads: Some(1), small_chunks: vec![], chunks_in_flight: workers, ..Default::default() });
+            p.model.prefill(&text[..n], args.chunk_len)?;
+            let mut best = f64::MAX;
+            for _ in 0..args.reps {
+                let t = Instant::now();
+                p.model.prefill(&text[..n], args.chunk_len)?;
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            line += &format!(" {workers}: {:.0};", n as f64 / best);
+        }
+        println!("{line}");
         draw_gantt(&args.png, &args.font, &gantt)?;
         println!("\nGantt chart: {}", args.png.display());
     }
 
-    if on("ttft") {
-        println!("\n## Time to first token (ms), chunk {}, best of {}", args.chunk_len, args.reps);
+    if on("shared") {
+        println!("\n## Time to first token, ms: median (best) of {} runs, chunk {}", args.reps, args.chunk_len);
         let lens = [24usize, 100, 300];
         println!("| plan | {} |\n|---|{}", lens.map(|n| format!("{n} tokens")).join(" | "), "---|".repeat(lens.len()));
         let plans = [
-            ("padded, in-order (before this issue)", Tail::Pad, Policy::InOrder),
-            ("margin, in-order", Tail::Margin, Policy::InOrder),
-            ("margin, critical-path", Tail::Margin, Policy::CriticalPath),
+            ("padded, in-order (before this issue)", Tail::Pad, Policy::InOrder, vec![]),
+            ("margin, in-order", Tail::Margin, Policy::InOrder, vec![]),
+            ("margin, critical-path", Tail::Margin, Policy::CriticalPath, vec![]),
+            ("graphs of 256 and 32, margin, in-order (default)", Tail::Margin, Policy::InOrder, vec![32]),
         ];
-        for (label, tail, policy) in plans {
-            let mut row = format!("| {label} |");
-            for n in lens {
-                p.model.set_sched(SchedOptions { policy: policy.clone(), tail, npu_threads: None });
-                p.model.prefill(&text[..n], args.chunk_len)?;
-                let mut best = f64::MAX;
-                for _ in 0..args.reps {
+        // Interleaved (plan by plan, rep by rep), so a noisy neighbour hits every plan alike.
+        let mut ms = vec![vec![vec![]; lens.len()]; plans.len()];
+        for rep in 0..=args.reps {
+            for (i, (_, tail, policy, small_chunks)) in plans.iter().enumerate() {
+                p.model.set_sched(SchedOptions { policy: policy.clone(), tail: *tail, npu_threads: None, small_chunks: small_chunks.clone(), ..Default::default() });
+                for (j, &n) in lens.iter().enumerate() {
                     let t = Instant::now();
                     p.model.prefill(&text[..n], args.chunk_len)?;
-                    best = best.min(t.elapsed().as_secs_f64());
+                    if rep > 0 {
+                        ms[i][j].push(1e3 * t.elapsed().as_secs_f64());
+                    }
                 }
-                row += &format!(" {:.0} |", 1e3 * best);
             }
-            println!("{row}");
+        }
+        for ((label, ..), times) in plans.iter().zip(&mut ms) {
+            let cells: Vec<String> = times
+                .iter_mut()
+                .map(|v| {
+                    v.sort_by(f64::total_cmp);
+                    format!("{:.0} ({:.0})", v[v.len() / 2], v[0])
+                })
+                .collect();
+            println!("| {label} | {} |", cells.join(" | "));
+        }
+
+        // Throughput with every stage free to use both cores (one rayon pool for the NPU's and
+        // the CPU's stages), policies interleaved rep by rep; median (best) tokens/s.
+        let lens: Vec<usize> = args.lens.iter().copied().filter(|&n| n > args.chunk_len).collect();
+        println!("\n## Prefill tokens/s, every stage on both cores: median (best) of {} runs, chunk {}", args.reps, args.chunk_len);
+        println!("| policy | {} |\n|---|{}", lens.iter().map(|n| format!("{n} tokens")).collect::<Vec<_>>().join(" | "), "---|".repeat(lens.len()));
+        let policies = Policy::heuristics();
+        let mut secs = vec![vec![vec![]; lens.len()]; policies.len()];
+        for rep in 0..=args.reps {
+            for (i, policy) in policies.iter().enumerate() {
+                p.model.set_sched(SchedOptions { policy: policy.clone(), npu_threads: None, ..Default::default() });
+                for (j, &n) in lens.iter().enumerate() {
+                    let t = Instant::now();
+                    p.model.prefill(&text[..n], args.chunk_len)?;
+                    if rep > 0 {
+                        secs[i][j].push(t.elapsed().as_secs_f64());
+                    }
+                }
+            }
+        }
+        for (policy, times) in policies.iter().zip(&mut secs) {
+            let cells: Vec<String> = times
+                .iter_mut()
+                .zip(&lens)
+                .map(|(v, &n)| {
+                    v.sort_by(f64::total_cmp);
+                    format!("{:.0} ({:.0})", n as f64 / v[v.len() / 2], n as f64 / v[0])
+                })
+                .collect();
+            println!("| {} | {} |", policy.name(), cells.join(" | "));
         }
     }
 

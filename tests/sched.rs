@@ -12,7 +12,7 @@ use common::*;
 
 /// All-position logits of `toks` in chunks of 64, scheduled by `policy` (NPU queue: one thread).
 fn prefill(p: &mut Pipeline, toks: &[u32], tail: Tail, policy: Policy) -> Vec<f32> {
-    p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1), small_chunks: vec![] });
+    p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1), small_chunks: vec![], ..Default::default() });
     p.model.prefill_all_logits(toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
@@ -63,12 +63,17 @@ fn the_default_plan_has_no_padding_and_small_graphs_keep_the_logits() {
     }
     let toks = heldout_tokens(&p, 150);
     let padded = prefill(&mut p, &toks, Tail::Pad, Policy::InOrder);
-    // 2 x 64 and 1 x 16 on the NPU, 6 rows as a margin: the host cost model prefers the 16-row
-    // graph (host INT8 GEMM rate) to 16 more margin rows on the CPU.
-    p.model.set_sched(SchedOptions { small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
-    let plan = p.model.plan(toks.len(), 64).unwrap();
-    assert_eq!((plan.npu_sizes(), plan.margin_tokens(), plan.padded_tokens()), (vec![16, 64], 6, 0), "{plan:?}");
-    for policy in [Policy::InOrder, Policy::CriticalPath] {
+    // In order, 2 x 64 and 1 x 16 on the NPU and 6 rows as a margin: the host cost model prefers
+    // the 16-row graph (host INT8 GEMM rate) to 16 more margin rows on the CPU after the NPU's
+    // chunks. Out of order the margin overlaps them, and the model keeps all 22 rows there.
+    let mut plan_of = |policy: Policy| {
+        p.model.set_sched(SchedOptions { policy, small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
+        let plan = p.model.plan(toks.len(), 64).unwrap();
+        (plan.npu_sizes(), plan.margin_tokens(), plan.padded_tokens())
+    };
+    assert_eq!(plan_of(Policy::InOrder), (vec![16, 64], 6, 0));
+    assert_eq!(plan_of(Policy::Fifo), (vec![64], 22, 0));
+    for policy in [Policy::InOrder, Policy::Fifo] {
         p.model.set_sched(SchedOptions { policy: policy.clone(), small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
         let got: Vec<f32> = p.model.prefill_all_logits(&toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         let err = rel_max_err(&got, &padded);

@@ -174,6 +174,10 @@ pub struct SchedOptions {
     /// graphs, each prepared once and cached): where the cost model predicts it is faster, the
     /// rows after the last full chunk run in chunks of these sizes before a margin is left.
     pub small_chunks: Vec<usize>,
+    /// Chunks an out-of-order prefill works on at once: its worker threads, each walking one
+    /// chunk's stages. More only add a heap arena each (a thread per chunk cost +45 MiB peak on
+    /// SmolLM2's 3-chunk memory test); fewer limit how far the NPU can run ahead of attention.
+    pub chunks_in_flight: usize,
     /// Which ready stage a free processor runs next.
     pub policy: Policy,
     /// Tokens that do not fill a last chunk: padded on the NPU or run on the CPU as a margin.
@@ -186,7 +190,7 @@ pub struct SchedOptions {
 
 impl Default for SchedOptions {
     fn default() -> Self {
-        SchedOptions { policy: Policy::InOrder, tail: Tail::Margin, npu_threads: None, small_chunks: vec![32] }
+        SchedOptions { policy: Policy::Fifo, tail: Tail::Margin, npu_threads: None, small_chunks: vec![32], chunks_in_flight: 2 }
     }
 }
 
@@ -709,17 +713,36 @@ impl Model {
             }
             r
         };
-        // In order, the chunks run one after another on this thread (a thread per chunk would
-        // only add a heap arena each: +45 MiB peak measured on SmolLM2's 3-chunk memory test).
-        // Otherwise one thread per chunk walks its stages in order, and the runner decides which
-        // of them holds the NPU and which the CPU.
+        // In order, the chunks run one after another on this thread. Otherwise a few workers
+        // take the chunks in order, each walking one chunk's stages, and the runner decides
+        // which of them holds the NPU and which the CPU. The lowest unfinished chunk depends on
+        // no unfinished one, so any number of workers makes progress (see
+        // `SchedOptions::chunks_in_flight` for how many).
         let results: Vec<Result<(Tensor, Duration)>> = if self.sched.policy == Policy::InOrder {
             plan.chunks.iter().map(run).collect()
         } else {
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            let slots: Vec<Mutex<Option<Result<(Tensor, Duration)>>>> = plan.chunks.iter().map(|_| Mutex::new(None)).collect();
+            let work = || loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(chunk) = plan.chunks.get(i) else { break };
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(chunk))).unwrap_or_else(|_| {
+                    runner.abort();
+                    Err(Error::Input(format!("prefill chunk {i} panicked")))
+                });
+                *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            };
+            // This thread is one of the workers.
             std::thread::scope(|s| {
-                let handles: Vec<_> = plan.chunks.iter().map(|chunk| s.spawn(|| run(chunk))).collect();
-                handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::Input("a prefill chunk's thread panicked".into())))).collect()
-            })
+                for _ in 1..plan.chunks.len().min(self.sched.chunks_in_flight.max(1)) {
+                    s.spawn(work);
+                }
+                work();
+            });
+            slots
+                .into_iter()
+                .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| Err(Error::Input("a prefill chunk never ran".into()))))
+                .collect()
         };
         self.progress = progress.into_inner().unwrap_or_else(|e| e.into_inner());
         let mut out_rows = Vec::with_capacity(results.len());
