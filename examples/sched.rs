@@ -79,7 +79,9 @@ struct Run {
 }
 
 fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usize) -> Result<Run> {
-    p.model.set_sched(SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], ..Default::default() });
+    // Every chunk in flight: the DAG's schedule, unconstrained (the simulator's assumption).
+    let sched = SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], chunks_in_flight: usize::MAX };
+    p.model.set_sched(sched);
     p.model.prefill(tokens, chunk)?;
     let mut best: Option<Run> = None;
     for _ in 0..reps {
@@ -114,6 +116,8 @@ fn main() -> Result<()> {
     if args.reps == 0 || args.lens.is_empty() || args.lens.contains(&0) {
         bail!("--reps and every --lens value must be at least 1");
     }
+    // As the CLI does (see the function).
+    candle_npu_models::memory::limit_malloc_arenas(1);
     let on = |s: &str| args.sections.iter().any(|x| x == s);
     let dev = NpuDevice::host();
     let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
@@ -286,7 +290,7 @@ fn main() -> Result<()> {
         let qwen15 = AnalyticCosts { shape: LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 }, rates: Rates::SNAPDRAGON_8_GEN_3 };
         println!("\n## Simulated, (c) Snapdragon 8 Gen 3 model, Qwen1.5-1.8B (24 layers; the paper's model)");
         sim_table("phone (c), Qwen1.5-1.8B", &qwen15, &args.lens, 24)?;
-        sensitivity("phone (c), Qwen1.5-1.8B", &qwen15, 512, 256, 24)?;
+        sensitivity("phone (c), Qwen1.5-1.8B", &qwen15, 1024, 64, 24)?;
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! The memory bound of issue 9: SmolLM2's main job (W8A8 NPU prefill of a long prompt on the
-//! host executor, CPU decode) peaks at no more than 400 MiB resident (llama.cpp runs the same
-//! model as Q8_0 in 356 MB, measured on this machine). Its own test binary: peak RSS is per
-//! process, and cargo runs test binaries one at a time.
+//! host executor, CPU decode) peaks at no more than 430 MiB resident (llama.cpp runs the same
+//! model as Q8_0 in 356 MB through node.js, 179 MiB natively, measured on this machine). Its own
+//! test binary: peak RSS is per process, and cargo runs test binaries one at a time.
 
 mod common;
 
@@ -10,19 +10,26 @@ use candle_npu_models::transformer::argmax;
 use candle_npu_models::{memory, CalibrationSet, DecodeWeights, Precision};
 use common::*;
 
-const BOUND_MIB: u64 = 400;
+/// Was 400 (measured 394 with in-order prefill). Issue 10's out-of-order default keeps 4 chunks
+/// in flight, whose activations coexist, and the peak depends on how the workers interleave:
+/// measured 396-416 MiB over 4 runs (with 2 in flight 397, but FIFO at 2048 tokens runs at 117
+/// instead of 167 tok/s). The bound still fails on a regression of ~15 MiB above that range.
+const BOUND_MIB: u64 = 430;
 
 #[test]
-fn smollm2_main_job_peaks_under_400_mib() {
+fn smollm2_main_job_peaks_under_430_mib() {
     let Some((_, start)) = memory::rss() else {
         eprintln!("skipped: /proc/self/status is not available on this OS");
         return;
     };
+    // As the examples do at start (see the function for why and what it saves).
+    memory::limit_malloc_arenas(1);
     let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
     eprintln!("loaded: {}", memory::describe());
     // The profile as the example gets it: loaded, or calibrated and saved on first use.
     p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {}).unwrap();
-    // A 700-token prompt (three chunks of 256) from a plain text file: the Wikipedia loader
+    // A 700-token prompt (the default plan: 2 chunks of 256, 5 of 32, a 28-row margin; FIFO,
+    // 4 chunks in flight) from a plain text file: the Wikipedia loader
     // would parse 6.5 MB of JSON, which is the test's cost, not the job's.
     let text: String = candle_npu_models::assets::moby_dick().unwrap().chars().skip(20_000).take(4_000).collect();
     let prompt: Vec<u32> = p.encode(&text, false).unwrap().into_iter().take(700).collect();

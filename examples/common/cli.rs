@@ -163,6 +163,8 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    // The prefill's chunk workers share one heap arena (see the function for why).
+    candle_npu_models::memory::limit_malloc_arenas(1);
     if let Some(dir) = args.trace.as_ref().and_then(|t| t.parent()).filter(|d| !d.as_os_str().is_empty()) {
         if !dir.is_dir() {
             bail!("--trace {}: folder {} does not exist", args.trace.as_ref().map_or(String::new(), |t| t.display().to_string()), dir.display());

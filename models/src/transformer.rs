@@ -167,30 +167,34 @@ pub struct Model {
     shadow_time: std::time::Duration,
 }
 
-/// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin).
+/// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin). The defaults were chosen by
+/// measurement (README, "Out-of-order prefill and margins"): FIFO, 4 chunks in flight, graphs of
+/// the chunk length and of 32 rows, the rest a CPU margin.
 #[derive(Debug, Clone)]
 pub struct SchedOptions {
-    /// Graph sizes smaller than the chunk length the plan may also use (HeteroLLM's multi-size
-    /// graphs, each prepared once and cached): where the cost model predicts it is faster, the
-    /// rows after the last full chunk run in chunks of these sizes before a margin is left.
-    pub small_chunks: Vec<usize>,
-    /// Chunks an out-of-order prefill works on at once: its worker threads, each walking one
-    /// chunk's stages. More only add a heap arena each (a thread per chunk cost +45 MiB peak on
-    /// SmolLM2's 3-chunk memory test); fewer limit how far the NPU can run ahead of attention.
-    pub chunks_in_flight: usize,
     /// Which ready stage a free processor runs next.
     pub policy: Policy,
-    /// Tokens that do not fill a last chunk: padded on the NPU or run on the CPU as a margin.
+    /// Tokens that do not fill a last chunk (of the smallest size): padded on the NPU or run on
+    /// the CPU as a margin.
     pub tail: Tail,
     /// Threads of the pool the NPU stages run in (`None`: the caller's, i.e. rayon's global
     /// pool). With the host executor as the NPU, `Some(1)` gives it one core and leaves the
     /// other to the CPU stages (run with `RAYON_NUM_THREADS=1` so candle's CPU kernels take one).
     pub npu_threads: Option<usize>,
+    /// Graph sizes smaller than the chunk length the plan may also use (HeteroLLM's multi-size
+    /// graphs, each prepared once and cached): where the cost model predicts it is faster, the
+    /// rows after the last full chunk run in chunks of these sizes before a margin is left.
+    pub small_chunks: Vec<usize>,
+    /// Chunks an out-of-order prefill works on at once: its worker threads, each walking one
+    /// chunk's stages. Fewer limit how far the NPU can run ahead of attention (FIFO at 2048
+    /// tokens, a core each: 2 give 117 tok/s, 4 give 167, all 8 give 174); each is a thread with
+    /// its own heap arena unless the program shares them ([`crate::memory::limit_malloc_arenas`]).
+    pub chunks_in_flight: usize,
 }
 
 impl Default for SchedOptions {
     fn default() -> Self {
-        SchedOptions { policy: Policy::Fifo, tail: Tail::Margin, npu_threads: None, small_chunks: vec![32], chunks_in_flight: 2 }
+        SchedOptions { policy: Policy::Fifo, tail: Tail::Margin, npu_threads: None, small_chunks: vec![32], chunks_in_flight: 4 }
     }
 }
 
