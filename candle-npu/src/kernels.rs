@@ -12,7 +12,7 @@
 //! 64770 and saturate. The host executor is the numerical reference for the NPU, so it must be
 //! exact: when the kernel may saturate, activations are split as `x = 128*hi + lo` (lo in [0, 127],
 //! hi in {0, 1}); each half is saturation-free (2*127*127 < 32767) and the two products are summed.
-//! That costs a second GEMM on such machines only.
+//! That costs a second GEMM on such machines only (issue 11 replaces it with one exact pass).
 
 use rten_gemm::{GemmExecutor, GemmInputA, GemmInputB, GemmUninitOptions, PackedBMatrix};
 use rten_tensor::NdTensorView;
@@ -58,16 +58,19 @@ impl PackedI8 {
     /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]`, exactly, in i32.
     pub fn matmul_u8(&self, x: &[u8], m: usize, x_offset: i32) -> Vec<i32> {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
-        let mut acc = self.raw(x, m);
-        if int8_gemm(|g| g.may_saturate()) {
+        // A kernel that may saturate gets the two exact halves only (the full product would be
+        // computed and thrown away: 3 GEMMs where the split needs 2).
+        let mut acc = if int8_gemm(|g| g.may_saturate()) {
             let lo: Vec<u8> = x.iter().map(|&v| v & 0x7f).collect();
             let hi: Vec<u8> = x.iter().map(|&v| v >> 7).collect();
-            let acc_lo = self.raw(&lo, m);
-            let acc_hi = self.raw(&hi, m);
-            for ((a, l), h) in acc.iter_mut().zip(acc_lo).zip(acc_hi) {
-                *a = l + 128 * h;
+            let mut acc = self.raw(&lo, m);
+            for (a, h) in acc.iter_mut().zip(self.raw(&hi, m)) {
+                *a += 128 * h;
             }
-        }
+            acc
+        } else {
+            self.raw(x, m)
+        };
         if x_offset != 0 {
             for row in acc.chunks_exact_mut(self.n) {
                 for (a, &s) in row.iter_mut().zip(&self.col_sums) {
