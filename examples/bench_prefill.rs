@@ -12,7 +12,8 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use candle_npu::kernels::{int8_kernel_info, PackedI8};
 use candle_npu::NpuDevice;
-use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use candle_npu::sched::Policy;
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
 use candle_transformers::models::quantized_llama::ModelWeights;
 
 const LENS: [usize; 3] = [64, 256, 1024];
@@ -100,6 +101,40 @@ fn main() -> Result<()> {
     println!("|{:-<42}|{:->10}|{:->10}|{:->10}|", "", "", "", "");
     for (label, tps) in &rows {
         println!("| {:<40} | {:>8.1} | {:>8.1} | {:>8.1} |", label, tps[0], tps[1], tps[2]);
+    }
+
+    // Where an in-order prefill's time goes (every stage alone on both cores), from the
+    // schedule the model records: the NPU stages are the INT8 GEMMs; each CPU stage also
+    // finishes the stage before it (dequantize, shadow outliers, residual).
+    println!("\nIn-order prefill by stage, chunk 256, share of the time (best of {REPS})");
+    println!("| tokens | GEMMs (qkv, o, gate_up, down) | attention (attn) | norm + quantize (attn_in, ffn_in) | SiLU (act) | tail |");
+    println!("|---|---|---|---|---|---|");
+    p.model.set_sched(SchedOptions { policy: Policy::InOrder, ..Default::default() });
+    for n in [256usize, 1024] {
+        let mut best: Option<(f64, std::collections::BTreeMap<String, f64>)> = None;
+        for _ in 0..=REPS {
+            let t = Instant::now();
+            p.model.prefill(&text[..n], 256)?;
+            let secs = t.elapsed().as_secs_f64();
+            let (dag, schedule) = p.model.last_run().ok_or_else(|| anyhow::anyhow!("no schedule recorded"))?;
+            let mut by_stage = std::collections::BTreeMap::new();
+            for sl in &schedule.slices {
+                *by_stage.entry(dag.node(sl.node).stage_name.clone()).or_insert(0.0) += sl.end - sl.start;
+            }
+            if best.as_ref().is_none_or(|b| secs < b.0) {
+                best = Some((secs, by_stage));
+            }
+        }
+        let (secs, st) = best.expect("REPS >= 0 runs");
+        let share = |names: &[&str]| 100.0 * names.iter().map(|k| st.get(*k).copied().unwrap_or(0.0)).sum::<f64>() / secs;
+        println!(
+            "| {n} | {:.0}% | {:.0}% | {:.0}% | {:.0}% | {:.0}% |",
+            share(&["qkv", "o", "gate_up", "down"]),
+            share(&["attn"]),
+            share(&["attn_in", "ffn_in"]),
+            share(&["act"]),
+            share(&["tail"])
+        );
     }
 
     let (kernel, split) = int8_kernel_info();
