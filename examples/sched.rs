@@ -80,7 +80,8 @@ struct Run {
 
 fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usize) -> Result<Run> {
     // Every chunk in flight: the DAG's schedule, unconstrained (the simulator's assumption).
-    let sched = SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], chunks_in_flight: usize::MAX };
+    let sched =
+        SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], chunks_in_flight: usize::MAX };
     p.model.set_sched(sched);
     p.model.prefill(tokens, chunk)?;
     let mut best: Option<Run> = None;
@@ -176,7 +177,13 @@ fn main() -> Result<()> {
         let n = *args.lens.iter().max().unwrap_or(&256);
         let mut line = format!("\nFIFO at {n} tokens by chunks in flight, tokens/s:");
         for workers in [2, 3, 4, n.div_ceil(args.chunk_len)] {
-            p.model.set_sched(SchedOptions { policy: Policy::Fifo, npu_threads: Some(1), small_chunks: vec![], chunks_in_flight: workers, ..Default::default() });
+            p.model.set_sched(SchedOptions {
+                policy: Policy::Fifo,
+                npu_threads: Some(1),
+                small_chunks: vec![],
+                chunks_in_flight: workers,
+                ..Default::default()
+            });
             p.model.prefill(&text[..n], args.chunk_len)?;
             let mut best = f64::MAX;
             for _ in 0..args.reps {
@@ -205,7 +212,13 @@ fn main() -> Result<()> {
         let mut ms = vec![vec![vec![]; lens.len()]; plans.len()];
         for rep in 0..=args.reps {
             for (i, (_, tail, policy, small_chunks)) in plans.iter().enumerate() {
-                p.model.set_sched(SchedOptions { policy: policy.clone(), tail: *tail, npu_threads: None, small_chunks: small_chunks.clone(), ..Default::default() });
+                p.model.set_sched(SchedOptions {
+                    policy: policy.clone(),
+                    tail: *tail,
+                    npu_threads: None,
+                    small_chunks: small_chunks.clone(),
+                    ..Default::default()
+                });
                 for (j, &n) in lens.iter().enumerate() {
                     let t = Instant::now();
                     p.model.prefill(&text[..n], args.chunk_len)?;
@@ -287,7 +300,10 @@ fn main() -> Result<()> {
         let phone = AnalyticCosts { shape, rates: Rates::SNAPDRAGON_8_GEN_3 };
         println!("\n## Simulated, (c) Snapdragon 8 Gen 3 model, SmolLM2-135M");
         sim_table("phone (c), SmolLM2", &phone, &args.lens, n_layer)?;
-        let qwen15 = AnalyticCosts { shape: LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 }, rates: Rates::SNAPDRAGON_8_GEN_3 };
+        let qwen15 = AnalyticCosts {
+            shape: LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 },
+            rates: Rates::SNAPDRAGON_8_GEN_3,
+        };
         println!("\n## Simulated, (c) Snapdragon 8 Gen 3 model, Qwen1.5-1.8B (24 layers; the paper's model)");
         sim_table("phone (c), Qwen1.5-1.8B", &qwen15, &args.lens, 24)?;
         sensitivity("phone (c), Qwen1.5-1.8B", &qwen15, 1024, 64, 24)?;
@@ -314,7 +330,11 @@ fn fit(runs: &[Run]) -> Result<TableCosts> {
 /// Makespan (tokens/s), utilisations and the lower bound per policy, lengths x chunk lengths.
 fn sim_table(label: &str, costs: &dyn CostModel, lens: &[usize], n_layer: usize) -> Result<()> {
     println!("{label}: simulated tokens/s (NPU / CPU utilisation); `bound` is the makespan lower bound's tokens/s");
-    println!("| prompt, chunk | {} | bound |\n|---|{}---|", Policy::heuristics().iter().map(|p| p.name()).collect::<Vec<_>>().join(" | "), "---|".repeat(4));
+    println!(
+        "| prompt, chunk | {} | bound |\n|---|{}---|",
+        Policy::heuristics().iter().map(|p| p.name()).collect::<Vec<_>>().join(" | "),
+        "---|".repeat(4)
+    );
     for &n in lens {
         for chunk in [64, 128, 256] {
             let dag = dag_for(n, chunk, n_layer)?;
@@ -349,7 +369,10 @@ fn sensitivity(label: &str, costs: &dyn CostModel, n: usize, chunk: usize, n_lay
         ("NPU terms +1", ContributionWeights { npu_unlocks_npu: 1.0, npu_unlocks_cpu: 1.0, ..d }),
         ("own cost +1", ContributionWeights { own_cost: 1.0, ..d }),
         ("own cost -1", ContributionWeights { own_cost: -1.0, ..d }),
-        ("all 0 (lowest id)", ContributionWeights { cpu_unlocks_npu: 0.0, cpu_unlocks_cpu: 0.0, npu_unlocks_npu: 0.0, npu_unlocks_cpu: 0.0, own_cost: 0.0 }),
+        (
+            "all 0 (lowest id)",
+            ContributionWeights { cpu_unlocks_npu: 0.0, cpu_unlocks_cpu: 0.0, npu_unlocks_npu: 0.0, npu_unlocks_cpu: 0.0, own_cost: 0.0 },
+        ),
     ];
     let mut line = String::from("|");
     for (name, w) in variants {
@@ -392,7 +415,8 @@ fn draw_gantt(png: &Path, font: &Path, runs: &[(String, SubgraphDag, Schedule)])
         let root = BitMapBackend::new(&tmp, (1400, 260 * runs.len() as u32)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(&e))?;
         for (area, (title, dag, s)) in root.split_evenly((runs.len(), 1)).iter().zip(runs) {
-            let caption = format!("{title}; bubbles NPU {:.0}%, CPU {:.0}%", 100.0 * s.bubble_rate(Processor::Npu), 100.0 * s.bubble_rate(Processor::Cpu));
+            let caption =
+                format!("{title}; bubbles NPU {:.0}%, CPU {:.0}%", 100.0 * s.bubble_rate(Processor::Npu), 100.0 * s.bubble_rate(Processor::Cpu));
             let mut chart = ChartBuilder::on(area)
                 .caption(caption, ("sans", 18))
                 .margin(10)

@@ -260,7 +260,8 @@ mod tests {
             .iter()
             .map(|&n| StageDesc::new(n, if shape.linear_macs(n).is_some() { Processor::Npu } else { Processor::Cpu }, n == "attn"))
             .collect();
-        let dag = SubgraphDag::new(&stages, 24, Some(StageDesc::new("tail", Processor::Cpu, false)), &[DagChunk { rows: 256, margin: false }]).unwrap();
+        let dag =
+            SubgraphDag::new(&stages, 24, Some(StageDesc::new("tail", Processor::Cpu, false)), &[DagChunk { rows: 256, margin: false }]).unwrap();
         let mut total = [0.0; 2];
         for n in dag.nodes() {
             total[n.processor.index()] += costs.cost(n);
