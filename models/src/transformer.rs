@@ -198,6 +198,9 @@ impl Default for SchedOptions {
     }
 }
 
+/// A prefill chunk's rows for the logits and its shadow-path CPU time.
+type ChunkOutput = Result<(Tensor, Duration)>;
+
 /// Called after every (chunk, layer) of a prefill with (done, total).
 pub type Progress = Box<dyn FnMut(usize, usize) + Send + Sync>;
 
@@ -722,11 +725,11 @@ impl Model {
         // which of them holds the NPU and which the CPU. The lowest unfinished chunk depends on
         // no unfinished one, so any number of workers makes progress (see
         // `SchedOptions::chunks_in_flight` for how many).
-        let results: Vec<Result<(Tensor, Duration)>> = if self.sched.policy == Policy::InOrder {
+        let results: Vec<ChunkOutput> = if self.sched.policy == Policy::InOrder {
             plan.chunks.iter().map(run).collect()
         } else {
             let next = std::sync::atomic::AtomicUsize::new(0);
-            let slots: Vec<Mutex<Option<Result<(Tensor, Duration)>>>> = plan.chunks.iter().map(|_| Mutex::new(None)).collect();
+            let slots: Vec<Mutex<Option<ChunkOutput>>> = plan.chunks.iter().map(|_| Mutex::new(None)).collect();
             let work = || loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let Some(chunk) = plan.chunks.get(i) else { break };
@@ -787,7 +790,7 @@ impl Model {
         graphs: Option<&Vec<Vec<PreparedGraph>>>,
         npu_pool: Option<&rayon::ThreadPool>,
         mut on_layer: impl FnMut(),
-    ) -> Result<(Tensor, Duration)> {
+    ) -> ChunkOutput {
         let n_layer = self.layers.len();
         let node = |l: usize, s: usize| {
             dag.node_at(chunk.index, l, s).ok_or_else(|| Error::Input(format!("sched: no node for chunk {} layer {l} stage {s}", chunk.index)))

@@ -17,7 +17,10 @@ pub struct HostExecutor;
 /// constant has a [`crate::graph::TensorSpec::data_id`]; packing does not depend on the rows, and
 /// a copy per graph size would multiply the resident weights. Identities are never reused, so
 /// an entry cannot alias other data; dead entries are dropped on the next insertion.
-static PACKED: Mutex<Vec<((u64, usize, usize), Weak<PackedI8>)>> = Mutex::new(Vec::new());
+static PACKED: Mutex<Vec<(PackKey, Weak<PackedI8>)>> = Mutex::new(Vec::new());
+
+/// (data identity, n, k) of a packed weight.
+type PackKey = (u64, usize, usize);
 
 fn pack_i8(d: &[i8], n: usize, k: usize, id: Option<u64>) -> Arc<PackedI8> {
     let Some(id) = id else { return Arc::new(PackedI8::new(d, n, k)) };
