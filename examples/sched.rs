@@ -206,7 +206,7 @@ fn main() -> Result<()> {
             ("padded, in-order (before this issue)", Tail::Pad, Policy::InOrder, vec![]),
             ("margin, in-order", Tail::Margin, Policy::InOrder, vec![]),
             ("margin, critical-path", Tail::Margin, Policy::CriticalPath, vec![]),
-            ("graphs of 256 and 32, margin, in-order (default)", Tail::Margin, Policy::InOrder, vec![32]),
+            ("graphs of 256 and 32, margin, in-order (the default plan)", Tail::Margin, Policy::InOrder, vec![32]),
         ];
         // Interleaved (plan by plan, rep by rep), so a noisy neighbour hits every plan alike.
         let mut ms = vec![vec![vec![]; lens.len()]; plans.len()];
