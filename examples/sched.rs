@@ -208,65 +208,32 @@ fn main() -> Result<()> {
             ("margin, critical-path", Tail::Margin, Policy::CriticalPath, vec![]),
             ("graphs of 256 and 32, margin, in-order (the default plan)", Tail::Margin, Policy::InOrder, vec![32]),
         ];
-        // Interleaved (plan by plan, rep by rep), so a noisy neighbour hits every plan alike.
-        let mut ms = vec![vec![vec![]; lens.len()]; plans.len()];
-        for rep in 0..=args.reps {
-            for (i, (_, tail, policy, small_chunks)) in plans.iter().enumerate() {
-                p.model.set_sched(SchedOptions {
-                    policy: policy.clone(),
-                    tail: *tail,
-                    npu_threads: None,
-                    small_chunks: small_chunks.clone(),
-                    ..Default::default()
-                });
-                for (j, &n) in lens.iter().enumerate() {
-                    let t = Instant::now();
-                    p.model.prefill(&text[..n], args.chunk_len)?;
-                    if rep > 0 {
-                        ms[i][j].push(1e3 * t.elapsed().as_secs_f64());
-                    }
-                }
-            }
-        }
-        for ((label, ..), times) in plans.iter().zip(&mut ms) {
-            let cells: Vec<String> = times
-                .iter_mut()
-                .map(|v| {
-                    v.sort_by(f64::total_cmp);
-                    format!("{:.0} ({:.0})", v[v.len() / 2], v[0])
-                })
-                .collect();
+        let scheds: Vec<SchedOptions> = plans
+            .iter()
+            .map(|(_, tail, policy, small_chunks)| SchedOptions {
+                policy: policy.clone(),
+                tail: *tail,
+                small_chunks: small_chunks.clone(),
+                ..Default::default()
+            })
+            .collect();
+        let secs = interleaved(&mut p, &scheds, &text, &lens, &args)?;
+        for ((label, ..), times) in plans.iter().zip(&secs) {
+            let cells: Vec<String> = times.iter().map(|v| format!("{:.0} ({:.0})", 1e3 * v[v.len() / 2], 1e3 * v[0])).collect();
             println!("| {label} | {} |", cells.join(" | "));
         }
 
         // Throughput with every stage free to use both cores (one rayon pool for the NPU's and
-        // the CPU's stages), policies interleaved rep by rep; median (best) tokens/s.
+        // the CPU's stages); median (best) tokens/s.
         let lens: Vec<usize> = args.lens.iter().copied().filter(|&n| n > args.chunk_len).collect();
         println!("\n## Prefill tokens/s, every stage on both cores: median (best) of {} runs, chunk {}", args.reps, args.chunk_len);
         println!("| policy | {} |\n|---|{}", lens.iter().map(|n| format!("{n} tokens")).collect::<Vec<_>>().join(" | "), "---|".repeat(lens.len()));
         let policies = Policy::heuristics();
-        let mut secs = vec![vec![vec![]; lens.len()]; policies.len()];
-        for rep in 0..=args.reps {
-            for (i, policy) in policies.iter().enumerate() {
-                p.model.set_sched(SchedOptions { policy: policy.clone(), npu_threads: None, ..Default::default() });
-                for (j, &n) in lens.iter().enumerate() {
-                    let t = Instant::now();
-                    p.model.prefill(&text[..n], args.chunk_len)?;
-                    if rep > 0 {
-                        secs[i][j].push(t.elapsed().as_secs_f64());
-                    }
-                }
-            }
-        }
-        for (policy, times) in policies.iter().zip(&mut secs) {
-            let cells: Vec<String> = times
-                .iter_mut()
-                .zip(&lens)
-                .map(|(v, &n)| {
-                    v.sort_by(f64::total_cmp);
-                    format!("{:.0} ({:.0})", n as f64 / v[v.len() / 2], n as f64 / v[0])
-                })
-                .collect();
+        let scheds: Vec<SchedOptions> = policies.iter().map(|policy| SchedOptions { policy: policy.clone(), ..Default::default() }).collect();
+        let secs = interleaved(&mut p, &scheds, &text, &lens, &args)?;
+        for (policy, times) in policies.iter().zip(&secs) {
+            let cells: Vec<String> =
+                times.iter().zip(&lens).map(|(v, &n)| format!("{:.0} ({:.0})", n as f64 / v[v.len() / 2], n as f64 / v[0])).collect();
             println!("| {} | {} |", policy.name(), cells.join(" | "));
         }
     }
@@ -309,6 +276,26 @@ fn main() -> Result<()> {
         sensitivity("phone (c), Qwen1.5-1.8B", &qwen15, 1024, 64, 24)?;
     }
     Ok(())
+}
+
+/// Prefill seconds of each schedule at each length, sorted, `args.reps` runs after a warm-up;
+/// interleaved (schedule by schedule, rep by rep), so a noisy neighbour hits every one alike.
+fn interleaved(p: &mut Pipeline, scheds: &[SchedOptions], text: &[u32], lens: &[usize], args: &Args) -> Result<Vec<Vec<Vec<f64>>>> {
+    let mut secs = vec![vec![vec![]; lens.len()]; scheds.len()];
+    for rep in 0..=args.reps {
+        for (i, sched) in scheds.iter().enumerate() {
+            p.model.set_sched(sched.clone());
+            for (j, &n) in lens.iter().enumerate() {
+                let t = Instant::now();
+                p.model.prefill(&text[..n], args.chunk_len)?;
+                if rep > 0 {
+                    secs[i][j].push(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+    }
+    secs.iter_mut().flatten().for_each(|v| v.sort_by(f64::total_cmp));
+    Ok(secs)
 }
 
 fn dag_for(n: usize, chunk: usize, n_layer: usize) -> Result<SubgraphDag> {

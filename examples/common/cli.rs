@@ -165,9 +165,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let args = Args::parse();
     // The prefill's chunk workers share one heap arena (see the function for why).
     candle_npu_models::memory::limit_malloc_arenas(1);
-    if let Some(dir) = args.trace.as_ref().and_then(|t| t.parent()).filter(|d| !d.as_os_str().is_empty()) {
-        if !dir.is_dir() {
-            bail!("--trace {}: folder {} does not exist", args.trace.as_ref().map_or(String::new(), |t| t.display().to_string()), dir.display());
+    // Checked before the minutes of work the trace would come after.
+    if let Some(trace) = &args.trace {
+        if let Some(dir) = trace.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+            bail!("--trace {}: folder {} does not exist", trace.display(), dir.display());
         }
     }
     let device = match args.executor {
