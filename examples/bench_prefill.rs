@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use candle_npu::kernels::{int8_kernel_info, PackedI8};
+use candle_npu::kernels::{Int8Kernel, PackedI8};
 use candle_npu::NpuDevice;
 use candle_npu::sched::Policy;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
@@ -137,10 +137,16 @@ fn main() -> Result<()> {
         );
     }
 
-    let (kernel, split) = int8_kernel_info();
-    println!("\nINT8 GEMM (rten-gemm kernel '{kernel}'{}), M = 256, GOPS = 2*M*N*K / s", if split { ", exact split: 2 GEMMs" } else { "" });
-    println!("| {:<22} | {:>8} |", "shape K x N", "GOPS");
-    println!("|{:-<24}|{:->10}|", "", "");
+    // The limit: the cores' multiply pipes. An exact 8-bit product on AVX2 without VNNI needs an
+    // i32 sum per pair of products (`vpmaddwd`, or `vpmaddubsw` plus a `vpmaddwd` by ones), so the
+    // exact limit is the `vpmaddwd` rate; the raw `vpmaddubsw` rate (saturating i16) is the issue's.
+    let limits = peak::measure();
+    if let Some((exact, raw)) = limits {
+        println!("\nMultiply-pipe peak, all {} cores: vpmaddwd (exact) {exact:.0} GOPS, vpmaddubsw (saturating) {raw:.0} GOPS", cores());
+    }
+    println!("\nINT8 GEMM (kernel: {}), M = 256, GOPS = 2*M*N*K / s", Int8Kernel::detect().name());
+    println!("| {:<22} | {:>8} | {:>14} |", "shape K x N", "GOPS", "share of exact");
+    println!("|{:-<24}|{:->10}|{:->16}|", "", "", "");
     let c = p.model.config().clone();
     for (name, k, n) in [("q, o", c.hidden, c.hidden), ("k, v", c.hidden, c.n_kv_head * c.head_dim), ("gate, up", c.hidden, c.ffn), ("down", c.ffn, c.hidden)] {
         let m = 256;
@@ -151,7 +157,80 @@ fn main() -> Result<()> {
             std::hint::black_box(packed.matmul_u8(&x, m, -128));
             Ok(())
         })?;
-        println!("| {:<22} | {:>8.1} |", format!("{name} {k} x {n}"), 2.0 * (m * n * k) as f64 / s / 1e9);
+        let gops = 2.0 * (m * n * k) as f64 / s / 1e9;
+        let share = limits.map_or("-".to_string(), |(exact, _)| format!("{:.0}%", 100.0 * gops / exact));
+        println!("| {:<22} | {:>8.1} | {:>14} |", format!("{name} {k} x {n}"), gops, share);
     }
     Ok(())
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The multiply pipes' peak, measured: 12 independent accumulators, register operands only, one
+/// thread per core, as GOPS (2 per multiply-accumulate) over all cores.
+mod peak {
+    #[cfg(target_arch = "x86_64")]
+    pub fn measure() -> Option<(f64, f64)> {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return None;
+        }
+        // MACs per instruction: vpmaddwd 16 (i16 pairs into i32), vpmaddubsw 32 (u8 x i8 pairs into i16).
+        Some((all_cores(madd_wd, 16), all_cores(madd_ubsw, 32)))
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn measure() -> Option<(f64, f64)> {
+        None
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn all_cores(f: fn(usize), macs: usize) -> f64 {
+        const ITERS: usize = 100_000_000;
+        let threads = super::cores();
+        let t = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| f(ITERS));
+            }
+        });
+        (2 * 12 * macs * ITERS * threads) as f64 / t.elapsed().as_secs_f64() / 1e9
+    }
+
+    /// One loop body: 12 x (multiply into a temporary, add it to an accumulator), like a GEMM tile.
+    macro_rules! peak_loop {
+        ($name:ident, $mul:literal, $add:literal) => {
+            #[cfg(target_arch = "x86_64")]
+            fn $name(iters: usize) {
+                // SAFETY: register-only AVX2 arithmetic (checked by `measure`); every register it
+                // writes is declared clobbered.
+                unsafe {
+                    std::arch::asm!(
+                        "2:",
+                        concat!($mul, " ymm12, ymm13, ymm14"), concat!($add, " ymm0, ymm0, ymm12"),
+                        concat!($mul, " ymm15, ymm13, ymm14"), concat!($add, " ymm1, ymm1, ymm15"),
+                        concat!($mul, " ymm12, ymm13, ymm14"), concat!($add, " ymm2, ymm2, ymm12"),
+                        concat!($mul, " ymm15, ymm13, ymm14"), concat!($add, " ymm3, ymm3, ymm15"),
+                        concat!($mul, " ymm12, ymm13, ymm14"), concat!($add, " ymm4, ymm4, ymm12"),
+                        concat!($mul, " ymm15, ymm13, ymm14"), concat!($add, " ymm5, ymm5, ymm15"),
+                        concat!($mul, " ymm12, ymm13, ymm14"), concat!($add, " ymm6, ymm6, ymm12"),
+                        concat!($mul, " ymm15, ymm13, ymm14"), concat!($add, " ymm7, ymm7, ymm15"),
+                        concat!($mul, " ymm12, ymm13, ymm14"), concat!($add, " ymm8, ymm8, ymm12"),
+                        concat!($mul, " ymm15, ymm13, ymm14"), concat!($add, " ymm9, ymm9, ymm15"),
+                        concat!($mul, " ymm12, ymm13, ymm14"), concat!($add, " ymm10, ymm10, ymm12"),
+                        concat!($mul, " ymm15, ymm13, ymm14"), concat!($add, " ymm11, ymm11, ymm15"),
+                        "dec {n}",
+                        "jnz 2b",
+                        n = inout(reg) iters => _,
+                        out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _, out("ymm4") _, out("ymm5") _,
+                        out("ymm6") _, out("ymm7") _, out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                        out("ymm12") _, out("ymm15") _,
+                    );
+                }
+            }
+        };
+    }
+    peak_loop!(madd_wd, "vpmaddwd", "vpaddd");
+    peak_loop!(madd_ubsw, "vpmaddubsw", "vpaddw");
 }

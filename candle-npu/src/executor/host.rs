@@ -129,15 +129,11 @@ impl HostGraph {
                     let y = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| (a as f64 * c) as f32));
                     return TensorData::F32(y.collect());
                 }
-                // An i8 activation is the u8 one shifted by 128: (q_i8 + off) = (q_i8 + 128) + (off - 128).
-                let (xu, off) = match x {
-                    TensorData::U8(v) => (std::borrow::Cow::Borrowed(v), x_quant.offset),
-                    TensorData::I8(v) if *signed_input => {
-                        (std::borrow::Cow::Owned(v.iter().map(|&q| (q as i16 + 128) as u8).collect()), x_quant.offset - 128)
-                    }
+                let mut acc = match x {
+                    TensorData::U8(v) => w.matmul_u8(v, m, x_quant.offset),
+                    TensorData::I8(v) if *signed_input => w.matmul_i8(v, m, x_quant.offset),
                     _ => unreachable!("validated"),
                 };
-                let mut acc = w.matmul_u8(&xu, m, off);
                 if let Some(StaticData::I32(b)) = bias {
                     acc.chunks_exact_mut(w.n).for_each(|row| row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b));
                 }

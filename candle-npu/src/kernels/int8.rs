@@ -1,0 +1,274 @@
+//! The INT8 GEMM for CPUs whose 8-bit multiply-add saturates (x86 AVX2 without VNNI): exact, in one
+//! pass.
+//!
+//! Why 16-bit lanes: AVX2's 8-bit multiply-add (`vpmaddubsw`) sums two u8 * i8 products into a
+//! *saturating* i16, and a u8 activation against an i8 weight reaches 2 * 255 * 127 > 32767. Its
+//! 16-bit one (`vpmaddwd`) sums two i16 * i16 products into an i32, which 8-bit operands cannot
+//! saturate. Both issue on the same two vector-multiply pipes of a Zen 3 core, and both yield 16
+//! multiply-accumulates per pipe slot (`vpmaddubsw` does 32 but needs a `vpmaddwd` by ones to widen
+//! its i16 sums), so the peak is the same, 32 MACs per cycle per core, with no saturation to work
+//! around. The weights stay i8 in memory and are sign-extended as they are loaded (`vpmovsxbw`, off
+//! the multiply pipes); the activations are widened to i16 once per call, with their offset folded in.
+//!
+//! Layout (GotoBLAS blocking, sized for Zen 3: 32 KiB L1d, 512 KiB L2 per core):
+//! - weights: panels of [`NR`] = 16 columns; in a panel, each pair of K steps is 32 bytes, the 8
+//!   (column, k, k + 1) pairs of columns 0-7, then those of columns 8-15 (one `vpmovsxbw` each);
+//! - activations: row-major i16, K padded to even, rows padded to a multiple of [`MR`];
+//! - a tile of [`MR`] x [`NR`] outputs keeps its 12 accumulators in registers over [`KC`] pairs of K
+//!   (the 8 KiB weight micro-panel stays in L1 while [`MC`] rows of activations, at most 264 KiB,
+//!   stream through from L2).
+//! - threads split the panels (each core reads half of the weights), in the caller's rayon pool.
+
+use rayon::prelude::*;
+
+/// Columns per weight panel (two 8-lane i32 accumulators).
+pub const NR: usize = 16;
+/// Rows per tile: 6 x 2 accumulators + 2 weight registers + 1 broadcast = 15 of 16 ymm registers.
+pub const MR: usize = 6;
+/// K pairs per block: a 16 x 512 weight micro-panel is 8 KiB of L1.
+const KC: usize = 256;
+/// Rows per block: 264 x 512 i16 activations are 264 KiB of L2.
+const MC: usize = 264;
+
+/// Which tile kernel runs. The choice is made once per process ([`Int8Path::detect`]); tests run
+/// every path this machine can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Path {
+    /// `vpmaddwd` on i16 lanes (x86_64 with AVX2).
+    Avx2,
+    /// Plain Rust on the same layout: any CPU (and the AVX2 kernel's cross-check).
+    Portable,
+}
+
+impl Int8Path {
+    /// The fastest path this CPU runs.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Int8Path::Avx2;
+        }
+        Int8Path::Portable
+    }
+
+    fn tile(self) -> unsafe fn(Tile) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Int8Path::Avx2 => tile_avx2,
+            #[cfg(not(target_arch = "x86_64"))]
+            Int8Path::Avx2 => unreachable!("Int8Path::Avx2 is never detected off x86_64"),
+            Int8Path::Portable => tile_portable,
+        }
+    }
+}
+
+/// An INT8 weight `[N, K]` in 16-column panels (see the module docs).
+pub struct Panels {
+    data: Vec<i8>,
+    n: usize,
+    k: usize,
+    /// K rounded up to even.
+    kp: usize,
+}
+
+impl Panels {
+    pub fn new(w: &[i8], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k, "weight is not [N, K]");
+        let kp = k.next_multiple_of(2);
+        let n_panels = n.div_ceil(NR);
+        let mut data = vec![0i8; n_panels * kp * NR];
+        for (col, row) in w.chunks_exact(k).enumerate() {
+            let (p, j) = (col / NR, col % NR);
+            let panel = &mut data[p * kp * NR..(p + 1) * kp * NR];
+            let lane = (j / 8) * 16 + (j % 8) * 2;
+            for (kk, &v) in row.iter().enumerate() {
+                panel[(kk / 2) * 32 + lane + kk % 2] = v;
+            }
+        }
+        Panels { data, n, k, kp }
+    }
+
+    /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]` in i32, on `path`. Exact: every
+    /// `x + x_offset` must fit an i16 (the caller checks; see [`offset_fits`]).
+    pub fn matmul<T: Copy + Into<i32> + Sync>(&self, path: Int8Path, x: &[T], m: usize, x_offset: i32) -> Vec<i32> {
+        assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
+        let mut out = Vec::with_capacity(m * self.n);
+        if m == 0 || self.n == 0 {
+            return out;
+        }
+        WIDENED.with(|cell| {
+            let mut own = Vec::new();
+            // A rayon worker waiting in this call may run another GEMM on its thread: that one
+            // widens into a buffer of its own.
+            let mut borrowed = cell.try_borrow_mut();
+            let a = match borrowed.as_deref_mut() {
+                Ok(buf) => buf,
+                Err(_) => &mut own,
+            };
+            self.widen(x, m, x_offset, a);
+            let a: &[i16] = a;
+            let c = SyncPtr(out.spare_capacity_mut().as_mut_ptr().cast::<i32>());
+            let n_panels = self.n.div_ceil(NR);
+            let threads = rayon::current_num_threads().min(n_panels);
+            let run = |i: usize| {
+                let panels = n_panels * i / threads..n_panels * (i + 1) / threads;
+                // SAFETY: `a` holds `m` rows padded to MR, `out` has capacity m * n, and the panel
+                // ranges of the tasks are disjoint, so each output element is written by one task.
+                unsafe { self.run_panels(path.tile(), a, m, panels, c.get()) }
+            };
+            if threads <= 1 {
+                run(0);
+            } else {
+                (0..threads).into_par_iter().for_each(run);
+            }
+        });
+        // SAFETY: the first K block of every tile wrote all m * n outputs (run_panels).
+        unsafe { out.set_len(m * self.n) };
+        out
+    }
+
+    /// `x + x_offset` as i16, row-major, K padded to even and rows to a multiple of MR with zeros.
+    fn widen<T: Copy + Into<i32>>(&self, x: &[T], m: usize, x_offset: i32, a: &mut Vec<i16>) {
+        let rows = m.next_multiple_of(MR);
+        a.clear();
+        a.resize(rows * self.kp, 0);
+        for (dst, src) in a.chunks_exact_mut(self.kp).zip(x.chunks_exact(self.k)) {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = (s.into() + x_offset) as i16;
+            }
+        }
+    }
+
+    /// Tiles of the panels in `panels`, blocked over K ([`KC`]) and rows ([`MC`]).
+    ///
+    /// # Safety
+    /// `a` holds `m.next_multiple_of(MR)` rows of `kp`; `c` points to `m * n` i32 (maybe
+    /// uninitialized: the first K block writes before any later block reads).
+    unsafe fn run_panels(&self, tile: unsafe fn(Tile), a: &[i16], m: usize, panels: std::ops::Range<usize>, c: *mut i32) {
+        let pairs = self.kp / 2;
+        for t0 in (0..pairs).step_by(KC) {
+            let t1 = (t0 + KC).min(pairs);
+            for r0 in (0..m).step_by(MC) {
+                let r1 = (r0 + MC).min(m);
+                for p in panels.clone() {
+                    let b = self.data.as_ptr().add((p * pairs + t0) * 32);
+                    let cols = NR.min(self.n - p * NR);
+                    for r in (r0..r1).step_by(MR) {
+                        tile(Tile {
+                            a: a.as_ptr().add(r * self.kp + 2 * t0),
+                            a_stride: self.kp,
+                            b,
+                            pairs: t1 - t0,
+                            c: c.add(r * self.n + p * NR),
+                            ldc: self.n,
+                            rows: MR.min(r1 - r),
+                            cols,
+                            accumulate: t0 > 0,
+                        })
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether `x + offset` fits an i16 for every u8 or i8 `x` (the folded-offset precondition).
+pub fn offset_fits(offset: i32) -> bool {
+    (i16::MIN as i32 + 128..=i16::MAX as i32 - 255).contains(&offset)
+}
+
+thread_local! {
+    /// The widened activations of this thread's last call: reused, so the hot path does not allocate.
+    static WIDENED: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A raw output pointer shared by the tasks of one GEMM (they write disjoint columns).
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut i32);
+// SAFETY: the tasks that share it write disjoint elements (see `Panels::matmul`).
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// A method (not a field access), so that closures capture the whole `Sync` wrapper.
+    fn get(self) -> *mut i32 {
+        self.0
+    }
+}
+
+/// One MR x NR output tile over `pairs` pairs of K.
+struct Tile {
+    /// Row 0 of the activations at this K block; MR rows, `a_stride` i16 apart (rows past `rows`
+    /// are padding and may be read).
+    a: *const i16,
+    a_stride: usize,
+    /// The panel at this K block: 32 bytes per pair.
+    b: *const i8,
+    pairs: usize,
+    /// Output row 0, column 0 of the tile; rows `ldc` apart.
+    c: *mut i32,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    /// Add to the outputs (a later K block) instead of writing them.
+    accumulate: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn tile_avx2(t: Tile) {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_si256(); 2 * MR];
+    let a = t.a.cast::<i32>();
+    let stride = t.a_stride / 2;
+    for p in 0..t.pairs {
+        // Columns 0-7 and 8-15, each lane pair (w[col, k], w[col, k + 1]) as i16.
+        let b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(t.b.add(32 * p).cast()));
+        let b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(t.b.add(32 * p + 16).cast()));
+        for r in 0..MR {
+            // (x[r, k], x[r, k + 1]) in every i32 lane.
+            let x = _mm256_set1_epi32(a.add(r * stride + p).read_unaligned());
+            acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(x, b0));
+            acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(x, b1));
+        }
+    }
+    for r in 0..t.rows {
+        let c = t.c.add(r * t.ldc);
+        if t.cols == NR {
+            let (mut lo, mut hi) = (acc[2 * r], acc[2 * r + 1]);
+            if t.accumulate {
+                lo = _mm256_add_epi32(lo, _mm256_loadu_si256(c.cast()));
+                hi = _mm256_add_epi32(hi, _mm256_loadu_si256(c.add(8).cast()));
+            }
+            _mm256_storeu_si256(c.cast(), lo);
+            _mm256_storeu_si256(c.add(8).cast(), hi);
+        } else {
+            let mut row = [0i32; NR];
+            _mm256_storeu_si256(row.as_mut_ptr().cast(), acc[2 * r]);
+            _mm256_storeu_si256(row.as_mut_ptr().add(8).cast(), acc[2 * r + 1]);
+            store_row(c, &row[..t.cols], t.accumulate);
+        }
+    }
+}
+
+unsafe fn tile_portable(t: Tile) {
+    let mut acc = [[0i32; NR]; MR];
+    for p in 0..t.pairs {
+        let b = std::slice::from_raw_parts(t.b.add(32 * p), 32);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let (x0, x1) = (*t.a.add(r * t.a_stride + 2 * p) as i32, *t.a.add(r * t.a_stride + 2 * p + 1) as i32);
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let lane = (j / 8) * 16 + (j % 8) * 2;
+                *acc += x0 * b[lane] as i32 + x1 * b[lane + 1] as i32;
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate().take(t.rows) {
+        store_row(t.c.add(r * t.ldc), &acc[..t.cols], t.accumulate);
+    }
+}
+
+unsafe fn store_row(c: *mut i32, row: &[i32], accumulate: bool) {
+    for (j, &v) in row.iter().enumerate() {
+        *c.add(j) = if accumulate { *c.add(j) + v } else { v };
+    }
+}

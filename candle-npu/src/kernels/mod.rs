@@ -1,0 +1,330 @@
+//! INT8 and F32 GEMM kernels for the host executor.
+//!
+//! INT8 is exact in one pass on every CPU (the host executor is the NPU's numerical reference):
+//! - x86_64 whose 8-bit multiply-add saturates (AVX2 without VNNI, this project's build machine):
+//!   our own kernel on 16-bit lanes, [`int8`]; its module docs say why it loses no speed.
+//! - Elsewhere, rten-gemm, whose kernels there cannot saturate: AVX-512 VNNI (`vpdpbusd`), Arm
+//!   dotprod / i8mm / NEON, and its generic kernel. rten's Arm kernels are not built here (x86_64
+//!   only); nothing of ours is Arm-specific, and [`int8::Int8Path::Portable`] runs anywhere.
+//!
+//! F32 and the INT8 weights on the rten route use rten-gemm: a safe API that prepacks the weight
+//! ("B") matrix once, at prepare time, as on the NPU. Measured on the 2-core build machine for
+//! 1024x2048x2048 (issue 2): rten-gemm 443 GOPS, pire-gemm 592 GOPS but column-major output only and
+//! an unsafe API, gemmkit 456 GOPS without Arm SDOT. `benches/prefill.rs` has the model's shapes.
+
+pub mod int8;
+
+use std::sync::OnceLock;
+
+use int8::{Int8Path, Panels};
+use rten_gemm::{GemmExecutor, GemmInputA, GemmInputB, GemmUninitOptions, PackedBMatrix};
+use rten_tensor::NdTensorView;
+
+// rten's executors are not `Sync`; one per thread. Every thread picks the same kernel (the best
+// the CPU supports), so weights packed on one thread are valid on all.
+thread_local! {
+    static INT8: GemmExecutor<u8, i8, i32> = GemmExecutor::default();
+    static F32: GemmExecutor<f32, f32, f32> = GemmExecutor::default();
+}
+
+fn int8_gemm<R>(f: impl FnOnce(&GemmExecutor<u8, i8, i32>) -> R) -> R {
+    INT8.with(f)
+}
+
+fn f32_gemm<R>(f: impl FnOnce(&GemmExecutor<f32, f32, f32>) -> R) -> R {
+    F32.with(f)
+}
+
+/// Which INT8 GEMM a [`PackedI8`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Kernel {
+    /// Ours, on 16-bit lanes (see [`int8`]).
+    Own(Int8Path),
+    /// rten-gemm's best kernel for this CPU. Exact only where it cannot saturate.
+    Rten,
+}
+
+impl Int8Kernel {
+    /// The kernel [`PackedI8::new`] uses: rten's where it is exact, else ours.
+    pub fn detect() -> Self {
+        static KERNEL: OnceLock<Int8Kernel> = OnceLock::new();
+        *KERNEL.get_or_init(|| if int8_gemm(|g| g.may_saturate()) { Int8Kernel::Own(Int8Path::detect()) } else { Int8Kernel::Rten })
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Int8Kernel::Own(Int8Path::Avx2) => "own avx2 (vpmaddwd, i16 lanes)".into(),
+            Int8Kernel::Own(Int8Path::Portable) => "own portable".into(),
+            Int8Kernel::Rten => format!("rten-gemm {}", int8_gemm(|g| g.kernel_name().to_string())),
+        }
+    }
+}
+
+/// A static INT8 weight `[N, K]`, prepacked for `x[M, K] @ w^T`.
+pub struct PackedI8 {
+    packed: Packed,
+    pub n: usize,
+    pub k: usize,
+    /// Per output column `sum_k w[n, k]`, to apply an activation offset after the GEMM.
+    pub col_sums: Vec<i32>,
+}
+
+enum Packed {
+    Own(Panels, Int8Path),
+    Rten(PackedBMatrix<i8>),
+}
+
+impl PackedI8 {
+    pub fn new(w: &[i8], n: usize, k: usize) -> Self {
+        Self::with_kernel(w, n, k, Int8Kernel::detect())
+    }
+
+    /// Packed for `kernel` (tests run every kernel this machine can run).
+    pub fn with_kernel(w: &[i8], n: usize, k: usize, kernel: Int8Kernel) -> Self {
+        assert_eq!(w.len(), n * k, "weight is not [N, K]");
+        let packed = match kernel {
+            Int8Kernel::Own(path) => Packed::Own(Panels::new(w, n, k), path),
+            Int8Kernel::Rten => {
+                let view = NdTensorView::from_data([n, k], w);
+                Packed::Rten(int8_gemm(|g| g.prepack_b(view.transposed())))
+            }
+        };
+        let col_sums = w.chunks_exact(k.max(1)).map(|row| row.iter().map(|&v| v as i32).sum()).collect();
+        PackedI8 { packed, n, k, col_sums }
+    }
+
+    /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]`, exactly, in i32.
+    pub fn matmul_u8(&self, x: &[u8], m: usize, x_offset: i32) -> Vec<i32> {
+        assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
+        match &self.packed {
+            Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset),
+            Packed::Rten(b) => self.add_offset(rten_u8(b, self.n, self.k, x, m), x_offset),
+        }
+    }
+
+    /// As [`Self::matmul_u8`], for i8 activations.
+    pub fn matmul_i8(&self, x: &[i8], m: usize, x_offset: i32) -> Vec<i32> {
+        assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
+        match &self.packed {
+            Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset),
+            // rten takes u8: (q + off) = (q + 128) + (off - 128).
+            Packed::Rten(_) => self.matmul_u8(&x.iter().map(|&q| (q as i16 + 128) as u8).collect::<Vec<_>>(), m, x_offset - 128),
+        }
+    }
+
+    /// Our kernel folds the offset into the widened activations when it fits an i16 (it always
+    /// does for QNN's 8-bit offsets); the column sums apply any rest.
+    fn folded<T: Copy + Into<i32> + Sync>(&self, p: &Panels, path: Int8Path, x: &[T], m: usize, x_offset: i32) -> Vec<i32> {
+        let fold = if int8::offset_fits(x_offset) { x_offset } else { 0 };
+        self.add_offset(p.matmul(path, x, m, fold), x_offset - fold)
+    }
+
+    fn add_offset(&self, mut acc: Vec<i32>, x_offset: i32) -> Vec<i32> {
+        if x_offset != 0 {
+            for row in acc.chunks_exact_mut(self.n) {
+                for (a, &s) in row.iter_mut().zip(&self.col_sums) {
+                    *a += x_offset * s;
+                }
+            }
+        }
+        acc
+    }
+
+    /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]` for u16 activations (W8A16), exactly,
+    /// in i64 (the sum can exceed i32: 1536 * 65535 * 127 > 2^31). A u16 is `256 * hi + lo` with
+    /// two u8 halves, so this is two of the u8 GEMMs above.
+    pub fn matmul_u16(&self, x: &[u16], m: usize, x_offset: i32) -> Vec<i64> {
+        assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
+        let lo: Vec<u8> = x.iter().map(|&v| v as u8).collect();
+        let hi: Vec<u8> = x.iter().map(|&v| (v >> 8) as u8).collect();
+        let (acc_lo, acc_hi) = (self.matmul_u8(&lo, m, 0), self.matmul_u8(&hi, m, 0));
+        let mut acc: Vec<i64> = acc_lo.iter().zip(&acc_hi).map(|(&l, &h)| l as i64 + 256 * h as i64).collect();
+        if x_offset != 0 {
+            for row in acc.chunks_exact_mut(self.n) {
+                for (a, &s) in row.iter_mut().zip(&self.col_sums) {
+                    *a += x_offset as i64 * s as i64;
+                }
+            }
+        }
+        acc
+    }
+}
+
+fn rten_u8(b: &PackedBMatrix<i8>, n: usize, k: usize, x: &[u8], m: usize) -> Vec<i32> {
+    let mut out = Vec::with_capacity(m * n);
+    let a = NdTensorView::from_data([m, k], x);
+    int8_gemm(|g| {
+        g.gemm_uninit(&mut out.spare_capacity_mut()[..m * n], GemmInputA::Unpacked(a), GemmInputB::Packed(b), GemmUninitOptions::default())
+            .map(|_| ())
+    })
+    .expect("shapes checked by the caller");
+    // SAFETY: gemm_uninit initialized all m*n outputs.
+    unsafe { out.set_len(m * n) };
+    out
+}
+
+/// A static F32 weight `[N, K]`, prepacked for `x[M, K] @ w^T` (float passthrough mode).
+pub struct PackedF32 {
+    packed: PackedBMatrix<f32>,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl PackedF32 {
+    pub fn new(w: &[f32], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k, "weight is not [N, K]");
+        let view = NdTensorView::from_data([n, k], w);
+        PackedF32 { packed: f32_gemm(|g| g.prepack_b(view.transposed())), n, k }
+    }
+
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
+        let mut out = Vec::with_capacity(m * self.n);
+        let a = NdTensorView::from_data([m, self.k], x);
+        f32_gemm(|g| {
+            g.gemm_uninit(
+                &mut out.spare_capacity_mut()[..m * self.n],
+                GemmInputA::Unpacked(a),
+                GemmInputB::Packed(&self.packed),
+                GemmUninitOptions::default(),
+            )
+            .map(|_| ())
+        })
+        .expect("shapes checked above");
+        // SAFETY: gemm_uninit initialized all m*n outputs.
+        unsafe { out.set_len(m * self.n) };
+        out
+    }
+}
+
+/// Plain f32 `a[M, K] @ b[K, N]` (or `b^T` when `b` is `[N, K]`), for dynamic MatMul.
+pub fn matmul_f32(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, transpose_b: bool) -> Vec<f32> {
+    let mut out = Vec::with_capacity(m * n);
+    let av = NdTensorView::from_data([m, k], a);
+    let bv = if transpose_b { NdTensorView::from_data([n, k], b).transposed() } else { NdTensorView::from_data([k, n], b) };
+    f32_gemm(|g| {
+        g.gemm_uninit(&mut out.spare_capacity_mut()[..m * n], GemmInputA::Unpacked(av), GemmInputB::Unpacked(bv), GemmUninitOptions::default())
+            .map(|_| ())
+    })
+    .expect("shapes checked by the caller");
+    // SAFETY: gemm_uninit initialized all m*n outputs.
+    unsafe { out.set_len(m * n) };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Every INT8 kernel this machine runs exactly: ours (AVX2 where detected, portable always),
+    /// and rten's where it cannot saturate.
+    fn exact_kernels() -> Vec<Int8Kernel> {
+        let mut ks = vec![Int8Kernel::Own(Int8Path::Portable)];
+        if Int8Path::detect() == Int8Path::Avx2 {
+            ks.push(Int8Kernel::Own(Int8Path::Avx2));
+        }
+        if !int8_gemm(|g| g.may_saturate()) {
+            ks.push(Int8Kernel::Rten);
+        }
+        ks
+    }
+
+    fn reference<T: Copy + Into<i32>>(x: &[T], w: &[i8], m: usize, k: usize, n: usize, off: i32) -> Vec<i32> {
+        let mut want = vec![0i32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                want[i * n + j] = (0..k).map(|t| (x[i * k + t].into() + off) * w[j * k + t] as i32).sum();
+            }
+        }
+        want
+    }
+
+    #[test]
+    fn the_default_int8_kernel_is_exact_here() {
+        // This machine's kind (AVX2 without VNNI) must get our kernel, not rten's saturating one.
+        let k = Int8Kernel::detect();
+        assert!(exact_kernels().contains(&k), "{k:?} is not exact on this CPU");
+    }
+
+    #[test]
+    fn int8_gemm_is_exact_at_the_saturation_corners() {
+        // 255 (u8) and -128 (i8) activations against +-127 weights: the worst cases for
+        // vpmaddubsw, in runs of equal signs, so that pairs saturate if anything does.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let (m, k, n) = (7, 96, 33);
+        let w: Vec<i8> = (0..n * k).map(|i| match i % 4 { 0 | 1 => 127, 2 => -127, _ => rng.random_range(-127..=127) }).collect();
+        let xu: Vec<u8> = (0..m * k).map(|i| if i % 3 != 2 { 255 } else { rng.random() }).collect();
+        let xi: Vec<i8> = (0..m * k).map(|i| if i % 3 != 2 { -128 } else { rng.random() }).collect();
+        for kernel in exact_kernels() {
+            let p = PackedI8::with_kernel(&w, n, k, kernel);
+            for off in [0, -128, -255, -17, 40_000] {
+                assert_eq!(p.matmul_u8(&xu, m, off), reference(&xu, &w, m, k, n, off), "{kernel:?} u8 offset {off}");
+                assert_eq!(p.matmul_i8(&xi, m, off), reference(&xi, &w, m, k, n, off), "{kernel:?} i8 offset {off}");
+            }
+        }
+    }
+
+    #[test]
+    fn int8_gemm_is_exact_on_every_blocking_edge() {
+        // Odd K, K over several K blocks (KC pairs), rows past one row block (MC), partial tiles
+        // (M % MR, N % NR), one row, one column.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        for (m, k, n) in [(1, 1, 1), (5, 7, 17), (13, 1201, 40), (300, 64, 31), (6, 2 * 512 + 2, 16)] {
+            let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
+            let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
+            let want = reference(&x, &w, m, k, n, -99);
+            for kernel in exact_kernels() {
+                assert_eq!(PackedI8::with_kernel(&w, n, k, kernel).matmul_u8(&x, m, -99), want, "{kernel:?} {m}x{k}x{n}");
+            }
+        }
+    }
+
+    #[test]
+    fn int8_gemm_splits_columns_over_a_pool() {
+        // Several threads, each a disjoint range of panels: the same result as one thread.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (m, k, n) = (20, 64, 16 * 7 + 3);
+        let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
+        let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
+        let p = PackedI8::new(&w, n, k);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        assert_eq!(pool.install(|| p.matmul_u8(&x, m, -3)), reference(&x, &w, m, k, n, -3));
+    }
+
+    #[test]
+    fn u16_gemm_is_exact_beyond_i32() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        // K large and values at the extremes: the exact sum needs more than 32 bits.
+        let (m, k, n) = (3, 1536, 5);
+        let x: Vec<u16> = (0..m * k).map(|i| if i % 3 == 0 { 65535 } else { rng.random_range(0..=65535) }).collect();
+        let w: Vec<i8> = (0..n * k).map(|i| if i % 2 == 0 { 127 } else { rng.random_range(-127..=127) }).collect();
+        let p = PackedI8::new(&w, n, k);
+        for off in [0, -32768, -1234] {
+            let acc = p.matmul_u16(&x, m, off);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: i64 = (0..k).map(|t| (x[i * k + t] as i64 + off as i64) * w[j * k + t] as i64).sum();
+                    assert_eq!(acc[i * n + j], want, "({i}, {j}) offset {off}");
+                }
+            }
+        }
+        assert!(p.matmul_u16(&vec![65535; k], 1, 0)[0] > i32::MAX as i64, "the test must exercise sums beyond i32");
+    }
+
+    #[test]
+    fn f32_gemm_matches_naive() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        let (m, k, n) = (5, 64, 9);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let y = PackedF32::new(&w, n, k).matmul(&x, m);
+        let y2 = matmul_f32(&x, &w, m, k, n, true);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|t| x[i * k + t] * w[j * k + t]).sum();
+                assert!((y[i * n + j] - want).abs() < 1e-4 && (y2[i * n + j] - want).abs() < 1e-4);
+            }
+        }
+    }
+}
