@@ -3,7 +3,10 @@
 //! why it stays on the CPU while the position-free linears run as shared static graphs.
 
 use candle_core::{Device, Tensor};
+use candle_npu::kernels::matmul_f32;
+use candle_npu::kernels::rows::softmax_scaled;
 use candle_npu::Result;
+use rayon::prelude::*;
 
 use crate::spec::{Config, FamilySpec, LayerSpec, RopeLayout};
 
@@ -16,34 +19,38 @@ pub struct Rows {
     /// Tokens the KV cache will hold after this pass (its allocation).
     pub reserve: usize,
     /// (base, cos, sin), each table `[m, rope_dims / 2]`.
-    rope: Vec<(f32, Tensor, Tensor)>,
+    rope: Vec<(f32, Vec<f32>, Vec<f32>)>,
 }
 
 impl Rows {
     pub fn new(spec: &FamilySpec, start: usize, m: usize, n_valid: usize, reserve: usize) -> Result<Self> {
-        let mut rope: Vec<(f32, Tensor, Tensor)> = vec![];
+        let mut rope: Vec<(f32, Vec<f32>, Vec<f32>)> = vec![];
         for l in &spec.layers {
             if !rope.iter().any(|(b, _, _)| *b == l.rope_base) {
-                let (cos, sin) = rope_tables(spec.rope_dims, l.rope_base, start, m)?;
+                let (cos, sin) = rope_tables(spec.rope_dims, l.rope_base, start, m);
                 rope.push((l.rope_base, cos, sin));
             }
         }
         Ok(Rows { start, m, n_valid, reserve, rope })
     }
 
-    fn tables(&self, base: f32) -> (&Tensor, &Tensor) {
+    fn tables(&self, base: f32) -> (&[f32], &[f32]) {
         let (_, c, s) = self.rope.iter().find(|(b, _, _)| *b == base).expect("a table for every layer's base (Rows::new)");
         (c, s)
     }
 }
 
-/// One layer's keys and values, `[kv_heads, capacity, head_dim]` each, filled to `len`. Grown
-/// in place: appending a chunk by concatenation would copy the whole cache per chunk and leave
-/// every earlier size free in the heap (measured on SmolLM2: 60 MiB resident after a 700-token
-/// prefill whose cache holds 32 MiB).
+/// One layer's keys and values, `[kv_heads, capacity, head_dim]` each (a head's keys are one
+/// contiguous matrix for the score GEMM), filled to `len`. Grown in place: appending a chunk by
+/// concatenation would copy the whole cache per chunk and leave every earlier size free in the
+/// heap (measured on SmolLM2: 60 MiB resident after a 700-token prefill whose cache holds 32 MiB).
 #[derive(Default)]
 pub struct KvCache {
-    kv: Option<(Tensor, Tensor)>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    heads: usize,
+    head_dim: usize,
+    cap: usize,
     len: usize,
 }
 
@@ -53,38 +60,41 @@ impl KvCache {
         *self = KvCache::default();
     }
 
-    fn capacity(&self) -> usize {
-        self.kv.as_ref().map_or(0, |(k, _)| k.dim(1).unwrap_or(0))
+    /// Append `n` tokens of `k`, `v` (`[n, kv_heads, head_dim]`); room for `reserve` tokens in
+    /// all is made at once when known (a prefill's length), else the capacity grows by `GROW`
+    /// tokens (not by a factor: after a long prompt, +50% would be the job's peak; a copy per 256
+    /// decoded tokens costs little).
+    fn append(&mut self, k: &[f32], v: &[f32], n: usize, heads: usize, head_dim: usize, reserve: usize) {
+        let need = self.len + n;
+        if need > self.cap || (heads, head_dim) != (self.heads, self.head_dim) {
+            const GROW: usize = 256;
+            let cap = need.max(reserve).max(self.cap + GROW);
+            let (len, old_cap) = (self.len, self.cap);
+            let grow = |old: &[f32]| {
+                let mut t = vec![0f32; heads * cap * head_dim];
+                for h in 0..heads.min(self.heads) {
+                    let src = &old[h * old_cap * head_dim..][..len * head_dim];
+                    t[h * cap * head_dim..][..len * head_dim].copy_from_slice(src);
+                }
+                t
+            };
+            (self.k, self.v) = (grow(&self.k), grow(&self.v));
+            (self.heads, self.head_dim, self.cap) = (heads, head_dim, cap);
+        }
+        for (dst, src) in [(&mut self.k, k), (&mut self.v, v)] {
+            for (t, row) in src.chunks_exact(heads * head_dim).take(n).enumerate() {
+                for (h, x) in row.chunks_exact(head_dim).enumerate() {
+                    dst[(h * self.cap + self.len + t) * head_dim..][..head_dim].copy_from_slice(x);
+                }
+            }
+        }
+        self.len = need;
     }
 
-    /// Append `k`, `v` (`[kv_heads, n, head_dim]`); room for `reserve` tokens in all is made
-    /// at once when known (a prefill's length), else the capacity grows by `GROW` tokens (not
-    /// by a factor: after a long prompt, +50% would be the job's peak; a copy per 256 decoded
-    /// tokens costs little).
-    fn append(&mut self, k: &Tensor, v: &Tensor, reserve: usize) -> Result<(Tensor, Tensor)> {
-        let (heads, n, hd) = k.dims3()?;
-        let need = self.len + n;
-        if need > self.capacity() {
-            const GROW: usize = 256;
-            let cap = need.max(reserve).max(self.capacity() + GROW);
-            let grow = |old: Option<&Tensor>| -> Result<Tensor> {
-                let t = Tensor::zeros((heads, cap, hd), k.dtype(), &Device::Cpu)?;
-                if let Some(old) = old.filter(|_| self.len > 0) {
-                    t.slice_set(&old.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
-                }
-                Ok(t)
-            };
-            let (ok, ov) = match &self.kv {
-                Some((a, b)) => (Some(a), Some(b)),
-                None => (None, None),
-            };
-            self.kv = Some((grow(ok)?, grow(ov)?));
-        }
-        let (kc, vc) = self.kv.as_ref().expect("allocated above");
-        kc.slice_set(&k.contiguous()?, 1, self.len)?;
-        vc.slice_set(&v.contiguous()?, 1, self.len)?;
-        self.len = need;
-        Ok((kc.narrow(1, 0, need)?, vc.narrow(1, 0, need)?))
+    /// Tokens `from..to` of head `h`: `[to - from, head_dim]` keys and values.
+    fn head(&self, h: usize, from: usize, to: usize) -> (&[f32], &[f32]) {
+        let range = (h * self.cap + from) * self.head_dim..(h * self.cap + to) * self.head_dim;
+        (&self.k[range.clone()], &self.v[range])
     }
 }
 
@@ -100,67 +110,110 @@ pub struct QkNorm {
 #[allow(clippy::too_many_arguments)]
 pub fn attend(c: &Config, spec: &FamilySpec, layer: &LayerSpec, qk_norm: Option<&QkNorm>, cache: &mut KvCache, q: &Tensor, k: &Tensor, v: &Tensor, rows: &Rows) -> Result<Tensor> {
     let (nh, nkv, hd, m) = (c.n_head, c.n_kv_head, c.head_dim, rows.m);
-    let heads = |t: &Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape((m, n, hd))?) };
-    let (mut q, mut k) = (heads(q, nh)?, heads(k, nkv)?);
+    let (mut q, mut k) = (q.reshape((m, nh, hd))?, k.reshape((m, nkv, hd))?);
     if let Some(n) = qk_norm {
         q = candle_nn::ops::rms_norm(&q.contiguous()?, &n.q, c.rms_eps as f32)?;
         k = candle_nn::ops::rms_norm(&k.contiguous()?, &n.k, c.rms_eps as f32)?;
     }
-    // [1, heads, m, hd] for candle's RoPE kernels.
-    let to_bhtd = |t: Tensor| -> Result<Tensor> { Ok(t.transpose(0, 1)?.contiguous()?.unsqueeze(0)?) };
+    let rows_of = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+    let (mut q, mut k, v) = (rows_of(&q)?, rows_of(&k)?, rows_of(v)?);
     let (cos, sin) = rows.tables(layer.rope_base);
-    let q = rope(spec, &to_bhtd(q)?, cos, sin)?.squeeze(0)?;
-    let k = rope(spec, &to_bhtd(k)?, cos, sin)?.squeeze(0)?;
-    let v = to_bhtd(heads(v, nkv)?)?.squeeze(0)?;
-    let (k, v) = cache.append(&k.narrow(1, 0, rows.n_valid)?, &v.narrow(1, 0, rows.n_valid)?, rows.reserve)?;
-    let t = k.dim(1)?;
-    // Grouped-query attention without copying K/V: fold each KV head's query heads into rows,
-    // and attend one KV head at a time so the score matrices of only one are alive at once
-    // (for SmolLM2 at 700 tokens: 2 MiB instead of 6, three times over: scores, masked, softmax).
-    let groups = nh / nkv;
-    let qg = q.reshape((nkv, groups * m, hd))?;
-    let mask: Vec<f32> = (0..groups * m)
-        .flat_map(|r| {
-            let pos = rows.start + r % m;
-            (0..t).map(move |j| if j <= pos && layer.window.is_none_or(|w| pos - j < w) { 0.0 } else { f32::NEG_INFINITY })
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (groups * m, t), &Device::Cpu)?;
-    let ys = (0..nkv)
-        .map(|h| {
-            let scores = (qg.get(h)?.matmul(&k.get(h)?.t()?)? * spec.attn_scale)?;
-            let p = candle_nn::ops::softmax_last_dim(&(scores + &mask)?)?;
-            Ok(p.matmul(&v.get(h)?)?) // [groups*m, hd]
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let y = Tensor::stack(&ys, 0)?; // [nkv, groups*m, hd]
-    Ok(y.reshape((nh, m, hd))?.transpose(0, 1)?.reshape((m, nh * hd))?)
+    rope(spec, &mut q, nh, hd, cos, sin);
+    rope(spec, &mut k, nkv, hd, cos, sin);
+    cache.append(&k, &v, rows.n_valid, nkv, hd, rows.reserve);
+    let out = causal(&q, cache, rows, nh, layer.window, spec.attn_scale as f32);
+    Ok(Tensor::from_vec(out, (m, nh * hd), &Device::Cpu)?)
 }
 
-/// RoPE over the first `spec.rope_dims` of each head of `x` (`[1, heads, m, hd]`).
-fn rope(spec: &FamilySpec, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let hd = x.dim(3)?;
-    let apply = |x: &Tensor| -> Result<Tensor> {
-        Ok(match spec.rope {
-            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(x, cos, sin)?,
-            RopeLayout::Neox => candle_nn::rotary_emb::rope(x, cos, sin)?,
-        })
-    };
-    if spec.rope_dims == hd {
-        return apply(x);
+/// Query rows per attention task: small enough that a chunk of 256 rows makes 8 tasks per KV
+/// head (the cores stay busy, and a block's key range ends at its own last row).
+const ROW_BLOCK: usize = 32;
+
+/// Block-causal grouped-query attention of the rows' queries (`q`: `[m, n_head, head_dim]`, after
+/// RoPE) over the cache. Each task is one KV head and one block of query rows, with the query
+/// heads that share the KV head stacked as rows of one GEMM (no K/V copies); its keys end at the
+/// block's last position and start at its first row's window, so the masked part of a score
+/// matrix is never computed except inside the diagonal block, where each row's softmax simply
+/// ends at its own position. No mask is materialized. Returns `[m, n_head * head_dim]`.
+fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usize>, scale: f32) -> Vec<f32> {
+    let (nkv, hd, m, t) = (cache.heads, cache.head_dim, rows.m, cache.len);
+    let groups = nh / nkv;
+    let blocks = m.div_ceil(ROW_BLOCK);
+    if t == 0 {
+        return vec![0.0; m * nh * hd];
     }
-    let r = spec.rope_dims;
-    let rotated = apply(&x.narrow(3, 0, r)?.contiguous()?)?;
-    Ok(Tensor::cat(&[&rotated, &x.narrow(3, r, hd - r)?], 3)?)
+    // Keys visible from row `r`: `lo(r)..hi(r)`. Padding rows past the prompt see what its last
+    // token sees (never nothing, which would make their softmax 0 / 0; their outputs are unused).
+    let pos = |r: usize| (rows.start + r).min(t - 1);
+    let lo = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w));
+    let hi = |r: usize| pos(r) + 1;
+    let tasks: Vec<Vec<f32>> = (0..nkv * blocks)
+        .into_par_iter()
+        .map(|task| {
+            let (h, b) = (task / blocks, task % blocks);
+            let (r0, r1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+            let rb = r1 - r0;
+            let (kb, ke) = (lo(r0), hi(r1 - 1));
+            let (keys, values) = cache.head(h, kb, ke);
+            let n = ke - kb;
+            // [groups * rb, hd]: query head h * groups + g of row r0 + i at row g * rb + i.
+            let mut qs = Vec::with_capacity(groups * rb * hd);
+            for g in 0..groups {
+                for r in r0..r1 {
+                    qs.extend_from_slice(&q[(r * nh + h * groups + g) * hd..][..hd]);
+                }
+            }
+            let mut p = matmul_f32(&qs, keys, groups * rb, hd, n, true);
+            for (i, row) in p.chunks_exact_mut(n).enumerate() {
+                let r = r0 + i % rb;
+                let (a, z) = (lo(r) - kb, hi(r) - kb);
+                softmax_scaled(&mut row[a..z], scale);
+                row[..a].fill(0.0);
+                row[z..].fill(0.0);
+            }
+            matmul_f32(&p, values, groups * rb, n, hd, false)
+        })
+        .collect();
+    let mut out = vec![0f32; m * nh * hd];
+    for (task, o) in tasks.iter().enumerate() {
+        let (h, b) = (task / blocks, task % blocks);
+        let (r0, r1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+        for g in 0..groups {
+            for (i, r) in (r0..r1).enumerate() {
+                out[(r * nh + h * groups + g) * hd..][..hd].copy_from_slice(&o[(g * (r1 - r0) + i) * hd..][..hd]);
+            }
+        }
+    }
+    out
+}
+
+/// RoPE, in place, over the first `spec.rope_dims` of each head of `x` (`[m, heads, hd]`), row
+/// `r` at the table's row `r`: pairs `(2i, 2i + 1)` (interleaved) or `(i, i + dims / 2)` (NeoX),
+/// rotated by the angle of frequency `i`, as candle's `rope_i` / `rope` kernels do.
+fn rope(spec: &FamilySpec, x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
+    let half = spec.rope_dims / 2;
+    for (r, row) in x.chunks_exact_mut(heads * hd).enumerate() {
+        let (cos, sin) = (&cos[r * half..][..half], &sin[r * half..][..half]);
+        for head in row.chunks_exact_mut(hd) {
+            for i in 0..half {
+                let (a, b) = match spec.rope {
+                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    RopeLayout::Neox => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos[i] - x1 * sin[i];
+                head[b] = x0 * sin[i] + x1 * cos[i];
+            }
+        }
+    }
 }
 
 /// cos/sin of RoPE for positions `start..start+n`, `[n, dims/2]`, computed as candle's models
 /// do (f32 inverse frequencies, f32 products).
-fn rope_tables(dims: usize, base: f32, start: usize, n: usize) -> Result<(Tensor, Tensor)> {
-    let half = dims / 2;
+fn rope_tables(dims: usize, base: f32, start: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
     let inv: Vec<f32> = (0..dims).step_by(2).map(|i| 1f32 / base.powf(i as f32 / dims as f32)).collect();
-    let mut cos = Vec::with_capacity(n * half);
-    let mut sin = Vec::with_capacity(n * half);
+    let mut cos = Vec::with_capacity(n * inv.len());
+    let mut sin = Vec::with_capacity(n * inv.len());
     for p in start..start + n {
         for &f in &inv {
             let a = p as f32 * f;
@@ -168,6 +221,5 @@ fn rope_tables(dims: usize, base: f32, start: usize, n: usize) -> Result<(Tensor
             sin.push(a.sin());
         }
     }
-    let dev = &Device::Cpu;
-    Ok((Tensor::from_vec(cos, (n, half), dev)?, Tensor::from_vec(sin, (n, half), dev)?))
+    (cos, sin)
 }

@@ -13,6 +13,7 @@
 //! an unsafe API, gemmkit 456 GOPS without Arm SDOT. `benches/prefill.rs` has the model's shapes.
 
 pub mod int8;
+pub mod rows;
 
 use std::sync::OnceLock;
 
