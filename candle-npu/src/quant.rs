@@ -13,11 +13,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::graph::Quant;
 
-/// Quantize floats to u8 (round to nearest, saturate) under `q`.
+/// Quantize floats to u8 (round to nearest, ties away from zero; saturate) under `q`.
 pub fn quantize_u8(values: &[f32], q: Quant) -> Vec<u8> {
-    let inv = 1.0 / q.scale;
-    let off = q.offset as f32;
-    values.iter().map(|&v| ((v * inv).round() - off).clamp(0.0, 255.0) as u8).collect()
+    crate::kernels::rows::quantize_u8(values, 1.0 / q.scale, q.offset as f32)
 }
 
 /// Per-tensor symmetric INT8 quantization of a weight: `w ~= q * scale`, `q` in [-127, 127].

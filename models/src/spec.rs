@@ -3,7 +3,8 @@
 //! the two into one list of stages per layer; a family file only fills them in and names its
 //! checkpoint's tensors.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
+use candle_npu::kernels::rows::{gelu_tanh_mul, silu_mul, with_f32};
 use candle_npu::Result;
 
 /// Sizes of a decoder-only transformer.
@@ -30,6 +31,21 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// `act(gate) * up` in one pass over f32 rows (candle's ops take two, with libm's `exp`).
+    pub fn gated(self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        if gate.dtype() != DType::F32 || up.dtype() != DType::F32 || gate.shape() != up.shape() {
+            return Ok((self.apply(gate)? * up)?);
+        }
+        let y = with_f32(gate, |g| {
+            with_f32(up, |u| match self {
+                Activation::Silu => silu_mul(g, u),
+                Activation::GeluTanh => gelu_tanh_mul(g, u),
+            })
+        })??;
+        Ok(Tensor::from_vec(y, gate.shape(), gate.device())?)
+    }
+
+
     pub fn apply(self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Activation::Silu => candle_nn::ops::silu(x)?,

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
+use candle_npu::kernels::rows::with_f32;
 use candle_npu::sched::{simulate, AnalyticCosts, DagChunk, LayerShape, Policy, Processor, Rates, Runner, Schedule, StageDesc, SubgraphDag};
 use candle_npu::{
     Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant,
@@ -121,7 +122,7 @@ impl Layer {
         let x = (x + o)?;
         let h = candle_nn::ops::rms_norm(&x, &self.ffn_norm, eps)?;
         let [gate, up]: [Tensor; 2] = run(2, &h)?.try_into().map_err(|_| Error::Input("gate/up stage must return two outputs".into()))?;
-        let hidden = (spec.activation.apply(&gate)? * up)?;
+        let hidden = spec.activation.gated(&gate, &up)?;
         let mut d = run(3, &hidden)?.remove(0);
         if let Some((_, post_ffn)) = &self.post_norms {
             d = candle_nn::ops::rms_norm(&d, post_ffn, eps)?;
@@ -1011,19 +1012,27 @@ struct Stage<'a> {
 impl Stage<'_> {
     /// The NPU input of stage `s` from the CPU activation `h` (`[m, K]`), and its outliers.
     fn prepare(&mut self, s: usize, h: &Tensor) -> Result<(TensorData, Outliers)> {
-        let vals = h.flatten_all()?.to_vec1::<f32>()?;
         let missing = || Error::Input(format!("{:?} prefill of layer {} without a quant profile", self.precision, self.l));
         Ok(match self.precision {
-            Precision::F32 => (TensorData::F32(vals), Outliers::default()),
+            Precision::F32 => (TensorData::F32(h.flatten_all()?.to_vec1::<f32>()?), Outliers::default()),
             Precision::W8A8 => {
                 let point = &self.points.ok_or_else(missing)?[s];
-                let t = Instant::now();
-                // A pruned stage skips extraction (its outliers would go unused).
-                let o = if self.shadow { point.extract(&vals, self.rows.n_valid) } else { Outliers::default() };
-                self.shadow_time += t.elapsed();
-                (TensorData::U8(point.clip_quantize(&vals)), o)
+                // The quantized input and the outliers straight from the activation's storage.
+                let (shadow, n_valid) = (self.shadow, self.rows.n_valid);
+                let (x, o, secs) = with_f32(h, |vals| {
+                    let t = Instant::now();
+                    // A pruned stage skips extraction (its outliers would go unused).
+                    let o = if shadow { point.extract(vals, n_valid) } else { Outliers::default() };
+                    let secs = t.elapsed();
+                    (TensorData::U8(point.clip_quantize(vals)), o, secs)
+                })?;
+                self.shadow_time += secs;
+                (x, o)
             }
-            Precision::W8A16 => (TensorData::from_f32(&vals, DType::U16, Some(self.a16.ok_or_else(missing)?[s])), Outliers::default()),
+            Precision::W8A16 => {
+                let q = self.a16.ok_or_else(missing)?[s];
+                (with_f32(h, |vals| TensorData::from_f32(vals, DType::U16, Some(q)))?, Outliers::default())
+            }
         })
     }
 

@@ -1,6 +1,7 @@
 //! Runs graphs on the host CPU with INT8 kernels: the numerical reference for the NPU executors,
 //! and the fast path on machines without an NPU.
 
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex, Weak};
 
 use super::{ExecutableGraph, Executor};
@@ -137,19 +138,18 @@ impl HostGraph {
                 if let Some(StaticData::I32(b)) = bias {
                     acc.chunks_exact_mut(w.n).for_each(|row| row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b));
                 }
-                match (w_scale, spec.dtype, spec.quant) {
+                let col: Vec<f32> = match w_scale {
                     // The accumulator itself (QNN SFIXED_POINT_32 with scale s_x * s_w).
-                    (WScale::PerTensor(s), DType::I32, Some(q)) if q.offset == 0 && q.scale == x_quant.scale * s => TensorData::I32(acc),
-                    (WScale::PerTensor(s), dtype, quant) => {
-                        let acc_scale = x_quant.scale * s;
-                        let f: Vec<f32> = acc.iter().map(|&a| a as f32 * acc_scale).collect();
-                        TensorData::from_f32(&f, dtype, quant)
+                    WScale::PerTensor(s) if spec.dtype == DType::I32 && spec.quant == Some(Quant { scale: x_quant.scale * s, offset: 0 }) => {
+                        return TensorData::I32(acc);
                     }
-                    (WScale::PerChannel(s), dtype, quant) => {
-                        let col: Vec<f32> = s.iter().map(|&s| x_quant.scale * s).collect();
-                        let f: Vec<f32> = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| a as f32 * c)).collect();
-                        TensorData::from_f32(&f, dtype, quant)
-                    }
+                    WScale::PerTensor(s) => vec![x_quant.scale * s; w.n],
+                    WScale::PerChannel(s) => s.iter().map(|&s| x_quant.scale * s).collect(),
+                };
+                let f = dequantize_in_place(acc, &col);
+                match spec.dtype {
+                    DType::F32 => TensorData::F32(f),
+                    dtype => TensorData::from_f32(&f, dtype, spec.quant),
                 }
             }
         }
@@ -179,11 +179,12 @@ impl HostGraph {
     /// Runs the steps; `rows` replaces every FullyConnected's row count (see `execute_rows`).
     fn run(&self, inputs: &[&TensorData], rows: Option<usize>) -> Result<Vec<TensorData>> {
         let g = &self.graph;
-        let mut vals: Vec<Option<TensorData>> = vec![None; g.tensors.len()];
+        // Inputs are borrowed, never copied.
+        let mut vals: Vec<Option<Cow<TensorData>>> = vec![None; g.tensors.len()];
         for (&id, &data) in g.inputs.iter().zip(inputs) {
-            vals[id.0] = Some(data.clone());
+            vals[id.0] = Some(Cow::Borrowed(data));
         }
-        let f32_of = |vals: &[Option<TensorData>], id: usize| -> Vec<f32> {
+        let f32_of = |vals: &[Option<Cow<TensorData>>], id: usize| -> Vec<f32> {
             let t = &g.tensors[id];
             if t.kind == TensorKind::Static {
                 match t.data.as_ref().expect("constant") {
@@ -199,7 +200,7 @@ impl HostGraph {
             match step {
                 Step::Fc { fc, input, output, m } => {
                     let y = self.run_fc(fc, vals[*input].as_ref().expect("validated order"), rows.unwrap_or(*m), *output);
-                    vals[*output] = Some(y);
+                    vals[*output] = Some(Cow::Owned(y));
                 }
                 Step::Op(op) => {
                     let out = op.output().0;
@@ -215,12 +216,27 @@ impl HostGraph {
                         Op::FullyConnected { .. } => unreachable!("compiled into Step::Fc"),
                     };
                     let spec = &g.tensors[out];
-                    vals[out] = Some(TensorData::from_f32(&y, spec.dtype, spec.quant));
+                    vals[out] = Some(Cow::Owned(TensorData::from_f32(&y, spec.dtype, spec.quant)));
                 }
             }
         }
-        Ok(g.outputs.iter().map(|o| vals[o.0].take().expect("validated: outputs are produced")).collect())
+        Ok(g.outputs.iter().map(|o| vals[o.0].take().expect("validated: outputs are produced").into_owned()).collect())
     }
+}
+
+/// `acc[m, n] * col[n]` as f32, in the accumulator's own allocation (an i32 and an f32 have one
+/// size and alignment): the stage outputs are the largest buffers of a prefill, and a second one
+/// per GEMM would be written once and freed.
+fn dequantize_in_place(acc: Vec<i32>, col: &[f32]) -> Vec<f32> {
+    let mut acc = std::mem::ManuallyDrop::new(acc);
+    for row in acc.chunks_exact_mut(col.len()) {
+        for (a, &c) in row.iter_mut().zip(col) {
+            *a = (*a as f32 * c).to_bits() as i32;
+        }
+    }
+    // SAFETY: same allocation, length and capacity, reinterpreted between two 4-byte plain types
+    // of equal alignment; every element was rewritten as an f32's bits above.
+    unsafe { Vec::from_raw_parts(acc.as_mut_ptr().cast::<f32>(), acc.len(), acc.capacity()) }
 }
 
 fn zip_with(mut a: Vec<f32>, b: &[f32], f: impl Fn(f32, f32) -> f32) -> Vec<f32> {

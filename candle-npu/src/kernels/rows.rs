@@ -1,4 +1,4 @@
-//! Row kernels of the CPU stages (softmax), written once in plain Rust and compiled twice: for the
+//! Row kernels of the CPU stages (softmax, the activation quantizer, gated activations), written once in plain Rust and compiled twice: for the
 //! build's baseline and, chosen at run time, for AVX2 + FMA. The crate is built for the x86-64
 //! baseline (SSE2, 4 lanes), and the CPU stages run on every machine, so the wide version is
 //! picked per call (`is_x86_feature_detected` caches its answer) rather than by a build flag.
@@ -10,20 +10,84 @@
 
 const LANES: usize = 8;
 
-/// `row = softmax(scale * row)`, in place.
-pub fn softmax_scaled(row: &mut [f32], scale: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has the features the function is compiled for.
-        return unsafe { softmax_avx2(row, scale) };
-    }
-    softmax(row, scale)
+/// `f` on the values of a CPU f32 tensor, borrowed (no copy when it is contiguous, which the
+/// stage outputs are; `to_vec1` would copy each of them once more).
+pub fn with_f32<R>(t: &candle_core::Tensor, f: impl FnOnce(&[f32]) -> R) -> crate::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Err(crate::Error::Input(format!("expected a CPU tensor, got one on {:?}", t.device())));
+    };
+    let values = cpu.as_slice::<f32>()?;
+    let (from, to) = layout.contiguous_offsets().expect("contiguous() above");
+    Ok(f(&values[from..to]))
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_avx2(row: &mut [f32], scale: f32) {
-    softmax(row, scale)
+/// `pub fn $name(..) -> R`, running `$generic` (an `#[inline(always)]` fn) compiled for AVX2 + FMA
+/// where the CPU has them, else as built. LLVM contracts no mul + add into an FMA by itself, so
+/// both copies give the same bits.
+macro_rules! multiversion {
+    ($(#[$doc:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $generic:ident;) => {
+        $(#[$doc])*
+        pub fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn wide($($arg: $ty),*) -> $ret {
+                    $generic($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU has the features `wide` is compiled for.
+                    return unsafe { wide($($arg),*) };
+                }
+            }
+            $generic($($arg),*)
+        }
+    };
+}
+
+multiversion! {
+    /// `row = softmax(scale * row)`, in place (`scale > 0`).
+    pub fn softmax_scaled(row: &mut [f32], scale: f32) -> () = softmax;
+}
+
+multiversion! {
+    /// `clamp(round(v * inv_scale) - offset, 0, 255)` per value (the activation quantizer). `round`
+    /// has no SSE2 instruction: on the baseline build it is a libm call per value.
+    pub fn quantize_u8(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> = quantize;
+}
+
+multiversion! {
+    /// `silu(gate) * up` (Llama's FFN), one pass.
+    pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> = silu_mul_generic;
+}
+
+multiversion! {
+    /// `gelu_tanh(gate) * up` (Gemma's FFN, PyTorch's tanh approximation), one pass.
+    pub fn gelu_tanh_mul(gate: &[f32], up: &[f32]) -> Vec<f32> = gelu_tanh_mul_generic;
+}
+
+#[inline(always)]
+fn silu_mul_generic(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    gate.iter().zip(up).map(|(&g, &u)| g / (1.0 + exp(-g)) * u).collect()
+}
+
+#[inline(always)]
+fn gelu_tanh_mul_generic(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    // 0.5 x (1 + tanh(y)) = x - x / (e^(2y) + 1), y = sqrt(2 / pi) (x + 0.044715 x^3).
+    const S: f32 = 0.797_884_6;
+    gate.iter()
+        .zip(up)
+        .map(|(&x, &u)| {
+            let y = S * (x + 0.044_715 * x * x * x);
+            (x - x / (exp(2.0 * y) + 1.0)) * u
+        })
+        .collect()
+}
+
+#[inline(always)]
+fn quantize(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> {
+    values.iter().map(|&v| ((v * inv_scale).round() - offset).clamp(0.0, 255.0) as u8).collect()
 }
 
 #[inline(always)]
@@ -68,12 +132,13 @@ fn lanes_fold(row: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; LANE
     acc
 }
 
-/// `e^x` for `x <= 0` (within 2 ulp of libm; flushes below `e^-87`, the smallest normal, to that):
+/// `e^x` within 2 ulp of libm on `[-87, 88]`, clamped to it (`e^-87` is near the smallest normal,
+/// `e^88` near the largest float):
 /// `e^x = 2^n * e^r` with `n = round(x / ln 2)`, `|r| <= ln 2 / 2`, and `e^r` by Cephes' degree-6
 /// polynomial.
 #[inline(always)]
 fn exp(x: f32) -> f32 {
-    let x = x.max(-87.0);
+    let x = x.clamp(-87.0, 88.0);
     // Round to nearest by the 1.5 * 2^23 trick (SSE2 has no vector round).
     const MAGIC: f32 = 12_582_912.0;
     let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
@@ -96,12 +161,41 @@ mod tests {
     #[test]
     fn exp_is_within_2_ulp_of_libm() {
         let mut worst = 0f32;
-        for i in 0..=870_000 {
-            let x = -(i as f32) * 1e-4;
+        for i in -870_000..=880_000 {
+            let x = i as f32 * 1e-4;
             let (got, want) = (exp(x), x.exp());
             worst = worst.max((got - want).abs() / want);
         }
         assert!(worst < 2.5e-7, "worst relative error {worst}");
+    }
+
+    #[test]
+    fn quantize_rounds_ties_away_and_saturates_on_every_path() {
+        let xs: Vec<f32> = (-600..600).map(|i| i as f32 * 0.25).chain([f32::NAN, f32::INFINITY, f32::NEG_INFINITY]).collect();
+        let want: Vec<u8> = xs.iter().map(|&v| ((v * 2.0).round() + 128.0).clamp(0.0, 255.0) as u8).collect();
+        assert_eq!(quantize(&xs, 2.0, -128.0), want);
+        assert_eq!(quantize_u8(&xs, 2.0, -128.0), want);
+        // Ties: 0.5 -> 1, -0.5 -> -1 (+128).
+        assert_eq!(quantize_u8(&[0.25, -0.25], 2.0, -128.0), vec![129, 127]);
+    }
+
+    #[test]
+    fn gated_activations_match_their_definitions() {
+        let gate: Vec<f32> = (-4000..4000).map(|i| i as f32 * 0.01).chain([-100.0, 100.0]).collect();
+        let up: Vec<f32> = gate.iter().map(|g| 1.5 - g * 0.1).collect();
+        let silu = silu_mul(&gate, &up);
+        let gelu = gelu_tanh_mul(&gate, &up);
+        for (i, (&g, &u)) in gate.iter().zip(&up).enumerate() {
+            let (x, u) = (g as f64, u as f64);
+            let want_silu = x / (1.0 + (-x).exp()) * u;
+            let want_gelu = 0.5 * x * (1.0 + (0.797_884_560_8 * (x + 0.044715 * x * x * x)).tanh()) * u;
+            for (got, want) in [(silu[i], want_silu), (gelu[i], want_gelu)] {
+                // 2e-6 relative, plus one f32 ulp of x * u: for very negative x, GELU's
+                // 1 + tanh(y) cancels to a few ulp of x (candle's f32 GELU does the same).
+                let tol = 2e-6 * want.abs() + f32::EPSILON as f64 * (x * u).abs();
+                assert!((got as f64 - want).abs() <= tol, "x = {x}: {got} vs {want}");
+            }
+        }
     }
 
     #[test]
