@@ -69,25 +69,33 @@ multiversion! {
 
 #[inline(always)]
 fn silu_mul_generic(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    gate.iter().zip(up).map(|(&g, &u)| g / (1.0 + exp(-g)) * u).collect()
+    map2(gate, up, |g, u| g / (1.0 + exp(-g)) * u)
 }
 
 #[inline(always)]
 fn gelu_tanh_mul_generic(gate: &[f32], up: &[f32]) -> Vec<f32> {
     // 0.5 x (1 + tanh(y)) = x - x / (e^(2y) + 1), y = sqrt(2 / pi) (x + 0.044715 x^3).
     const S: f32 = 0.797_884_6;
-    gate.iter()
-        .zip(up)
-        .map(|(&x, &u)| {
-            let y = S * (x + 0.044_715 * x * x * x);
-            (x - x / (exp(2.0 * y) + 1.0)) * u
-        })
-        .collect()
+    map2(gate, up, |x, u| (x - x / (exp(2.0 * S * (x + 0.044_715 * x * x * x)) + 1.0)) * u)
+}
+
+/// `f(a[i], b[i])` for every i, as a plain loop: `collect()` would put the loop in a separate
+/// (baseline-compiled) function outside the multiversioned caller.
+#[inline(always)]
+fn map2<A: Copy, B: Copy, T>(a: &[A], b: &[B], f: impl Fn(A, B) -> T) -> Vec<T> {
+    assert_eq!(a.len(), b.len(), "map2 over slices of different lengths");
+    let mut out = Vec::with_capacity(a.len());
+    for (o, (&x, &y)) in out.spare_capacity_mut().iter_mut().zip(a.iter().zip(b)) {
+        o.write(f(x, y));
+    }
+    // SAFETY: the loop wrote all a.len() elements (capacity a.len(), b as long as a).
+    unsafe { out.set_len(a.len()) };
+    out
 }
 
 #[inline(always)]
 fn quantize(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> {
-    values.iter().map(|&v| ((v * inv_scale).round() - offset).clamp(0.0, 255.0) as u8).collect()
+    map2(values, values, |v, _| ((v * inv_scale).round() - offset).clamp(0.0, 255.0) as u8)
 }
 
 #[inline(always)]
