@@ -9,13 +9,13 @@
 //! scale), which candle's CPU kernels run for decode and from which the NPU graph's INT8 weight
 //! is copied when a graph is built.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use crate::kernels::rows::axpy;
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
 use crate::outlier::{Outliers, WeightSource};
@@ -338,10 +338,13 @@ impl ShadowLinear {
             )));
         }
         // Each distinct channel's column once, dequantized to f32: hot ones from their
-        // contiguous copy, cold ones read strided from the weight.
-        let mut cols: HashMap<usize, Vec<f32>> = HashMap::new();
+        // contiguous copy, cold ones read strided from the weight. `at[c]` is channel c's
+        // column in `cols` (a dense index: one lookup per outlier, no hashing).
+        const ABSENT: u32 = u32::MAX;
+        let mut at = vec![ABSENT; self.k];
+        let mut cols: Vec<f32> = Vec::new();
         for (_, c, _) in outliers.iter() {
-            if cols.contains_key(&c) {
+            if at[c] != ABSENT {
                 continue;
             }
             let cold;
@@ -354,10 +357,12 @@ impl ShadowLinear {
                 }
                 s => &self.hot.cols[s as usize * n..(s as usize + 1) * n],
             };
-            cols.insert(c, q.iter().zip(&self.row_scales).map(|(&q, s)| q as f32 * s).collect());
+            at[c] = (cols.len() / n) as u32;
+            cols.extend(q.iter().zip(&self.row_scales).map(|(&q, s)| q as f32 * s));
         }
         for (r, c, v) in outliers.iter() {
-            y[r * n..(r + 1) * n].iter_mut().zip(&cols[&c]).for_each(|(y, w)| *y += v * w);
+            let col = &cols[at[c] as usize * n..][..n];
+            axpy(&mut y[r * n..(r + 1) * n], v, col);
         }
         Ok(())
     }

@@ -47,14 +47,29 @@ macro_rules! multiversion {
 }
 
 multiversion! {
-    /// `row = softmax(scale * row)`, in place (`scale > 0`).
-    pub fn softmax_scaled(row: &mut [f32], scale: f32) -> () = softmax;
+    /// The numerators of `softmax(scale * row)`, in place, and their sum (`scale > 0`): the
+    /// softmax is `row / sum`. Attention multiplies the row by V next, and divides the product
+    /// (head_dim values) instead of the row (one value per key): one pass fewer.
+    pub fn softmax_numerators(row: &mut [f32], scale: f32) -> f32 = softmax;
 }
 
 multiversion! {
     /// `clamp(round(v * inv_scale) - offset, 0, 255)` per value (the activation quantizer). `round`
     /// has no SSE2 instruction: on the baseline build it is a libm call per value.
     pub fn quantize_u8(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> = quantize;
+}
+
+multiversion! {
+    /// `y += a * x` (the shadow path's outlier times its weight column).
+    pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) -> () = axpy_generic;
+}
+
+#[inline(always)]
+fn axpy_generic(y: &mut [f32], a: f32, x: &[f32]) {
+    assert_eq!(y.len(), x.len(), "axpy over slices of different lengths");
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
 }
 
 multiversion! {
@@ -99,9 +114,9 @@ fn quantize(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> {
 }
 
 #[inline(always)]
-fn softmax(row: &mut [f32], scale: f32) {
+fn softmax(row: &mut [f32], scale: f32) -> f32 {
     if row.is_empty() {
-        return;
+        return 0.0;
     }
     let max = lanes_fold(row, f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
     let max = max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -120,8 +135,7 @@ fn softmax(row: &mut [f32], scale: f32) {
         *v = exp(*v * scale - shift);
         sum += *v;
     }
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|v| *v *= inv);
+    sum
 }
 
 /// `f` folded over the row in `LANES` independent lanes (the remainder into lane 0).
@@ -216,11 +230,10 @@ mod tests {
             let z: f64 = row.iter().map(|&v| ((scale * (v - max)) as f64).exp()).sum();
             let want: Vec<f64> = row.iter().map(|&v| ((scale * (v - max)) as f64).exp() / z).collect();
             let mut paths: Vec<Vec<f32>> = vec![row.clone(), row.clone()];
-            softmax(&mut paths[0], scale);
-            softmax_scaled(&mut paths[1], scale);
-            for got in paths {
-                for (g, w) in got.iter().zip(&want) {
-                    assert!((*g as f64 - w).abs() <= 1e-6 * w.max(1e-3), "len {len}: {g} vs {w}");
+            let sums = [softmax(&mut paths[0], scale), softmax_numerators(&mut paths[1], scale)];
+            for (got, sum) in paths.iter().zip(sums) {
+                for (g, w) in got.iter().map(|g| g / sum).zip(&want) {
+                    assert!((g as f64 - w).abs() <= 1e-6 * w.max(1e-3), "len {len}: {g} vs {w}");
                 }
             }
         }
