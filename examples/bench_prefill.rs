@@ -1,6 +1,8 @@
 //! Prefill throughput, side by side in one run on SmolLM2-135M:
 //! this engine (host executor, W8A8) vs candle-transformers' `quantized_llama` with F32 and Q8_0
-//! weights, at 64, 256 and 1024 prompt tokens; plus the INT8 GEMM's GOPS on the model's shapes.
+//! weights, and llama.cpp with Q8_0 weights when the Python package `llama-cpp-python` is
+//! installed, at 64, 256 and 1024 prompt tokens; where an in-order prefill's time goes, by stage;
+//! and the INT8 GEMM's GOPS on the model's shapes against the multiply pipes' measured peak.
 //!
 //! ```text
 //! cargo run --release --example bench_prefill
@@ -69,7 +71,7 @@ fn main() -> Result<()> {
     let mut text = vec![];
     for a in assets::wiki_heldout(400)? {
         text.extend(p.encode(&a, false)?);
-        if text.len() > 1024 {
+        if text.len() > 2048 {
             break;
         }
     }
@@ -96,11 +98,21 @@ fn main() -> Result<()> {
         }
         rows.push((label.to_string(), tps));
     }
+    match llama_cpp(&requantized(GgmlDType::Q8_0)?, &text)? {
+        Some(tps) => rows.push(("llama.cpp (llama-cpp-python), Q8_0 weights".to_string(), tps)),
+        None => println!("llama.cpp row: not measured (`pip install llama-cpp-python` adds it)"),
+    }
     println!("\nPrefill, SmolLM2-135M, tokens/s (best of {REPS} after a warm-up), {} threads", std::thread::available_parallelism()?);
     println!("| {:<40} | {:>8} | {:>8} | {:>8} |", "engine", LENS[0], LENS[1], LENS[2]);
     println!("|{:-<42}|{:->10}|{:->10}|{:->10}|", "", "", "", "");
     for (label, tps) in &rows {
         println!("| {:<40} | {:>8.1} | {:>8.1} | {:>8.1} |", label, tps[0], tps[1], tps[2]);
+    }
+    if let Some((_, llama)) = rows.iter().find(|(l, _)| l.starts_with("llama.cpp")) {
+        for (label, tps) in rows.iter().filter(|(l, _)| l.starts_with("candle-npu")) {
+            let r: Vec<String> = tps.iter().zip(llama).map(|(a, b)| format!("{:.2}x", a / b)).collect();
+            println!("{label} / llama.cpp: {} at {:?} tokens", r.join(", "), LENS);
+        }
     }
 
     // Where an in-order prefill's time goes (every stage alone on both cores), from the
@@ -110,7 +122,7 @@ fn main() -> Result<()> {
     println!("| tokens | GEMMs (qkv, o, gate_up, down) | attention (attn) | norm + quantize (attn_in, ffn_in) | SiLU (act) | tail |");
     println!("|---|---|---|---|---|---|");
     p.model.set_sched(SchedOptions { policy: Policy::InOrder, ..Default::default() });
-    for n in [256usize, 1024] {
+    for n in [256usize, 1024, 2048] {
         let mut best: Option<(f64, std::collections::BTreeMap<String, f64>)> = None;
         for _ in 0..=REPS {
             let t = Instant::now();
@@ -162,6 +174,45 @@ fn main() -> Result<()> {
         println!("| {:<22} | {:>8.1} | {:>14} |", format!("{name} {k} x {n}"), gops, share);
     }
     Ok(())
+}
+
+/// llama.cpp's prefill tok/s at `LENS` on the same tokens and threads, best of `REPS` after a
+/// warm-up, through the Python package `llama-cpp-python` when it is installed (never in CI).
+fn llama_cpp(gguf: &std::path::Path, tokens: &[u32]) -> Result<Option<Vec<f64>>> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    const SCRIPT: &str = r#"
+import json, sys, time
+from llama_cpp import Llama
+path, threads, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+toks = json.load(sys.stdin)
+# llama-bench's defaults: batches of 512.
+llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512, verbose=False)
+for n in map(int, sys.argv[4:]):
+    times = []
+    for _ in range(reps + 1):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(toks[:n])
+        times.append(time.perf_counter() - t)
+    print(n / min(times[1:]), flush=True)
+"#;
+    let installed = Command::new("python3").args(["-c", "import llama_cpp"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+    if !installed {
+        return Ok(None);
+    }
+    let mut child = Command::new("python3")
+        .args(["-c", SCRIPT, &gguf.display().to_string(), &cores().to_string(), &REPS.to_string()])
+        .args(LENS.map(|n| n.to_string()))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    child.stdin.take().expect("piped").write_all(serde_json::to_string(tokens)?.as_bytes())?;
+    let out = child.wait_with_output()?;
+    anyhow::ensure!(out.status.success(), "llama-cpp-python run failed ({})", out.status);
+    let tps = String::from_utf8(out.stdout)?.lines().map(|l| l.trim().parse::<f64>()).collect::<Result<Vec<_>, _>>()?;
+    anyhow::ensure!(tps.len() == LENS.len(), "llama-cpp-python printed {} rates for {} lengths", tps.len(), LENS.len());
+    Ok(Some(tps))
 }
 
 fn cores() -> usize {

@@ -82,9 +82,9 @@ fn llama_and_qwen2_against_candle_in_f16() {
 
 /// `DecodeWeights::Checkpoint`: our CPU path over the GGUF's own k-quant tensors against
 /// candle's quantized Qwen2 over the same tensors (neither dequantized): the same matmul
-/// kernels, so the logits agree up to F32 rounding in the non-matmul ops (which can move a value
-/// across a rounding step of the kernels' 8-bit activation quantization), and greedy decode
-/// gives the same tokens.
+/// kernels, so the logits agree up to F32 rounding in the non-matmul ops, which the kernels'
+/// 8-bit activation quantization amplifies (a value moved across a rounding step changes a
+/// whole matmul row), and greedy decode gives the same tokens.
 fn checkpoint_decode_weights_match_candle_quantized_qwen2() {
     use candle_transformers::models::quantized_qwen2 as qwen2;
     let path = assets::qwen25_coder_05b().unwrap();
@@ -98,9 +98,19 @@ fn checkpoint_decode_weights_match_candle_quantized_qwen2() {
     let l = p.model.forward_cpu(&toks).unwrap();
     let got: Vec<f32> = l.get(l.dim(0).unwrap() - 1).unwrap().to_vec1().unwrap();
     let err = rel_max_err(&got, &want);
-    eprintln!("checkpoint decode weights vs candle quantized_qwen2: {err:e}");
-    // Measured bit-identical (0); the bound allows another summation order in candle.
-    assert!(err <= 1e-5, "logits differ by {err}");
+    // The size of that amplification, measured on candle alone: its own logits with the prompt
+    // fed in two parts (the last 5 tokens through the KV cache: other shapes, the same math).
+    let mut r2 = build(path.clone(), "", |c, f| qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
+    let n = toks.len();
+    let part = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    r2.forward(&part(&toks[..n - 5]), 0).unwrap();
+    let split: Vec<f32> = r2.forward(&part(&toks[n - 5..]), n - 5).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let gap = rel_max_err(&split, &want);
+    eprintln!("checkpoint decode weights vs candle quantized_qwen2: {err:e} (candle vs itself, prompt in two parts: {gap:e})");
+    // Bit-identical (0) while our attention and activations were candle's ops; with our own
+    // kernels (a polynomial exp, another GEMM order) measured 1.79e-2 against candle's own 2.22e-2.
+    // Within 2x candle's own gap: the same order as rounding alone, not a different computation.
+    assert!(err <= 2.0 * gap, "logits differ by {err}; candle's own rounding moves them by {gap}");
     let (mut ours, mut theirs) = (vec![top1(&got)], vec![top1(&want)]);
     for i in 0..16 {
         let l = p.model.decode(*ours.last().unwrap()).unwrap();
