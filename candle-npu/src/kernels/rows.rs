@@ -110,7 +110,13 @@ fn map2<A: Copy, B: Copy, T>(a: &[A], b: &[B], f: impl Fn(A, B) -> T) -> Vec<T> 
 
 #[inline(always)]
 fn quantize(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> {
-    map2(values, values, |v, _| ((v * inv_scale).round() - offset).clamp(0.0, 255.0) as u8)
+    map2(values, values, |v, _| {
+        // `max` maps NaN to 0 (as the saturating `as u8` would), so the value is a number in
+        // [0, 255] and the unchecked conversion vectorizes (`as` saturates one lane at a time).
+        let q = ((v * inv_scale).round() - offset).max(0.0).min(255.0);
+        // SAFETY: q is finite and in [0, 255].
+        unsafe { q.to_int_unchecked::<i32>() as u8 }
+    })
 }
 
 #[inline(always)]
@@ -173,7 +179,10 @@ fn exp(x: f32) -> f32 {
     p = p * r + 0.166_666_65;
     p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
-    e * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    // 2^n from the bits of n + 127 + 2^23, whose low mantissa bits are the integer n + 127:
+    // shifted into the exponent field (the rest shifts out). `n as i32` would saturate, which
+    // the vectorizer lowers one lane at a time.
+    e * f32::from_bits((n + 8_388_735.0).to_bits().wrapping_shl(23))
 }
 
 #[cfg(test)]
