@@ -113,6 +113,7 @@ fn quantize(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> {
     map2(values, values, |v, _| {
         // `max` maps NaN to 0 (as the saturating `as u8` would), so the value is a number in
         // [0, 255] and the unchecked conversion vectorizes (`as` saturates one lane at a time).
+        #[allow(clippy::manual_clamp)] // clamp keeps NaN, which the conversion must not see
         let q = ((v * inv_scale).round() - offset).max(0.0).min(255.0);
         // SAFETY: q is finite and in [0, 255].
         unsafe { q.to_int_unchecked::<i32>() as u8 }
