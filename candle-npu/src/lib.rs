@@ -11,7 +11,7 @@
 //! - [`chunk`]: the [`ChunkPlan`] that makes graphs shareable across chunks.
 //! - [`sched`]: the [`SubgraphDag`] of (chunk, stage) nodes, scheduling [`Policy`]s, simulation, the
 //!   optimum, and [`Trace`] (out-of-order subgraph execution, llm.npu §3.4).
-//! - [`kernels`]: INT8 / F32 GEMM for the host.
+//! - [`kernels`]: the host's exact INT8 GEMM, F32 GEMM, and the CPU stages' row kernels.
 
 pub mod cache;
 pub mod chunk;
