@@ -75,34 +75,45 @@ fn main() -> Result<()> {
             break;
         }
     }
-    let mut rows: Vec<(String, Vec<f64>)> = vec![];
-    for chunk in [256usize, 64] {
-        let mut tps = vec![];
-        for n in LENS {
-            let s = best(|| Ok(p.model.prefill(&text[..n], chunk).map(|_| ())?))?;
-            tps.push(n as f64 / s);
+    // Every engine at every length once per round, rounds interleaved: the machine's speed
+    // drifts over minutes, and a ratio is only meaningful between runs close in time.
+    let mut candle = [("candle quantized_llama, F32 weights", GgmlDType::F32), ("candle quantized_llama, Q8_0 weights", GgmlDType::Q8_0)]
+        .map(|(label, dtype)| candle_model(dtype).map(|m| (label, m)))
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
+    let mut llama = LlamaCpp::start(&requantized(GgmlDType::Q8_0)?, &text)?;
+    if llama.is_none() {
+        println!("llama.cpp row: not measured (`pip install llama-cpp-python` adds it)");
+    }
+    let labels: Vec<String> = [256usize, 64]
+        .map(|c| format!("candle-npu host W8A8, chunk {c}"))
+        .into_iter()
+        .chain(candle.iter().map(|(l, _)| l.to_string()))
+        .chain(llama.as_ref().map(|_| "llama.cpp (llama-cpp-python), Q8_0 weights".to_string()))
+        .collect();
+    let mut fastest = vec![[f64::MAX; LENS.len()]; labels.len()];
+    for round in 0..=REPS {
+        for (e, fastest) in fastest.iter_mut().enumerate() {
+            for (i, &n) in LENS.iter().enumerate() {
+                let t = Instant::now();
+                match e {
+                    0 | 1 => drop(p.model.prefill(&text[..n], [256, 64][e])?),
+                    2 | 3 => {
+                        let m = &mut candle[e - 2].1;
+                        m.clear_kv_cache();
+                        m.forward(&Tensor::new(&text[..n], &Device::Cpu)?.unsqueeze(0)?, 0)?;
+                    }
+                    _ => llama.as_mut().expect("a row only when running").prefill(n)?,
+                }
+                // Round 0 is the warm-up (it also prepares the NPU graphs).
+                if round > 0 {
+                    fastest[i] = fastest[i].min(t.elapsed().as_secs_f64());
+                }
+            }
         }
-        rows.push((format!("candle-npu host W8A8, chunk {chunk}"), tps));
     }
-    for (label, dtype) in [("candle quantized_llama, F32 weights", GgmlDType::F32), ("candle quantized_llama, Q8_0 weights", GgmlDType::Q8_0)] {
-        let mut m = candle_model(dtype)?;
-        let mut tps = vec![];
-        for n in LENS {
-            let x = Tensor::new(&text[..n], &Device::Cpu)?.unsqueeze(0)?;
-            let s = best(|| {
-                m.clear_kv_cache();
-                m.forward(&x, 0)?;
-                Ok(())
-            })?;
-            tps.push(n as f64 / s);
-        }
-        rows.push((label.to_string(), tps));
-    }
-    match llama_cpp(&requantized(GgmlDType::Q8_0)?, &text)? {
-        Some(tps) => rows.push(("llama.cpp (llama-cpp-python), Q8_0 weights".to_string(), tps)),
-        None => println!("llama.cpp row: not measured (`pip install llama-cpp-python` adds it)"),
-    }
-    println!("\nPrefill, SmolLM2-135M, tokens/s (best of {REPS} after a warm-up), {} threads", std::thread::available_parallelism()?);
+    let rows: Vec<(String, Vec<f64>)> = labels.into_iter().zip(&fastest).map(|(l, b)| (l, LENS.iter().zip(b).map(|(&n, s)| n as f64 / s).collect())).collect();
+    println!("\nPrefill, SmolLM2-135M, tokens/s (best of {REPS} interleaved rounds after a warm-up), {} threads", std::thread::available_parallelism()?);
     println!("| {:<40} | {:>8} | {:>8} | {:>8} |", "engine", LENS[0], LENS[1], LENS[2]);
     println!("|{:-<42}|{:->10}|{:->10}|{:->10}|", "", "", "", "");
     for (label, tps) in &rows {
@@ -176,43 +187,61 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// llama.cpp's prefill tok/s at `LENS` on the same tokens and threads, best of `REPS` after a
-/// warm-up, through the Python package `llama-cpp-python` when it is installed (never in CI).
-fn llama_cpp(gguf: &std::path::Path, tokens: &[u32]) -> Result<Option<Vec<f64>>> {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
+/// llama.cpp through the Python package `llama-cpp-python` (never in CI): one process for the
+/// whole run, told the tokens once, then a prompt length per line; it answers with the seconds
+/// its prefill took (same threads, batches of 512 as llama-bench).
+struct LlamaCpp {
+    child: std::process::Child,
+    answers: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl LlamaCpp {
     const SCRIPT: &str = r#"
 import json, sys, time
 from llama_cpp import Llama
-path, threads, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-toks = json.load(sys.stdin)
-# llama-bench's defaults: batches of 512.
+path, threads = sys.argv[1], int(sys.argv[2])
+toks = json.loads(sys.stdin.readline())
 llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512, verbose=False)
-for n in map(int, sys.argv[4:]):
-    times = []
-    for _ in range(reps + 1):
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(toks[:n])
-        times.append(time.perf_counter() - t)
-    print(n / min(times[1:]), flush=True)
+for line in sys.stdin:
+    n = int(line)
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(toks[:n])
+    print(time.perf_counter() - t, flush=True)
 "#;
-    let installed = Command::new("python3").args(["-c", "import llama_cpp"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
-    if !installed {
-        return Ok(None);
+
+    /// `None` when the package is not installed.
+    fn start(gguf: &std::path::Path, tokens: &[u32]) -> Result<Option<Self>> {
+        use std::io::{BufRead, Write};
+        use std::process::{Command, Stdio};
+        let installed = Command::new("python3").args(["-c", "import llama_cpp"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+        if !installed {
+            return Ok(None);
+        }
+        let mut child = Command::new("python3")
+            .args(["-c", Self::SCRIPT, &gguf.display().to_string(), &cores().to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        writeln!(child.stdin.as_mut().expect("piped"), "{}", serde_json::to_string(tokens)?)?;
+        let answers = std::io::BufReader::new(child.stdout.take().expect("piped")).lines();
+        Ok(Some(LlamaCpp { child, answers }))
     }
-    let mut child = Command::new("python3")
-        .args(["-c", SCRIPT, &gguf.display().to_string(), &cores().to_string(), &REPS.to_string()])
-        .args(LENS.map(|n| n.to_string()))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()?;
-    child.stdin.take().expect("piped").write_all(serde_json::to_string(tokens)?.as_bytes())?;
-    let out = child.wait_with_output()?;
-    anyhow::ensure!(out.status.success(), "llama-cpp-python run failed ({})", out.status);
-    let tps = String::from_utf8(out.stdout)?.lines().map(|l| l.trim().parse::<f64>()).collect::<Result<Vec<_>, _>>()?;
-    anyhow::ensure!(tps.len() == LENS.len(), "llama-cpp-python printed {} rates for {} lengths", tps.len(), LENS.len());
-    Ok(Some(tps))
+
+    fn prefill(&mut self, n: usize) -> Result<()> {
+        use std::io::Write;
+        writeln!(self.child.stdin.as_mut().expect("piped"), "{n}")?;
+        let line = self.answers.next().ok_or_else(|| anyhow::anyhow!("llama-cpp-python exited ({:?})", self.child.try_wait()))??;
+        line.trim().parse::<f64>().map_err(|e| anyhow::anyhow!("llama-cpp-python answered {line:?}: {e}"))?;
+        Ok(())
+    }
+}
+
+impl Drop for LlamaCpp {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take()); // EOF: the script's loop ends
+        let _ = self.child.wait();
+    }
 }
 
 fn cores() -> usize {
