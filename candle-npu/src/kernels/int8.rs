@@ -76,7 +76,7 @@ impl Panels {
         let kp = k.next_multiple_of(2);
         let n_panels = n.div_ceil(NR);
         let mut data = vec![0i8; n_panels * kp * NR];
-        for (col, row) in w.chunks_exact(k).enumerate() {
+        for (col, row) in w.chunks_exact(k.max(1)).enumerate() {
             let (p, j) = (col / NR, col % NR);
             let panel = &mut data[p * kp * NR..(p + 1) * kp * NR];
             let lane = (j / 8) * 16 + (j % 8) * 2;
@@ -91,10 +91,10 @@ impl Panels {
     /// `x + x_offset` must fit an i16 (the caller checks; see [`offset_fits`]).
     pub fn matmul<T: Copy + Into<i32> + Sync>(&self, path: Int8Path, x: &[T], m: usize, x_offset: i32) -> Vec<i32> {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
-        let mut out = Vec::with_capacity(m * self.n);
-        if m == 0 || self.n == 0 {
-            return out;
+        if m == 0 || self.n == 0 || self.k == 0 {
+            return vec![0; m * self.n];
         }
+        let mut out = Vec::with_capacity(m * self.n);
         WIDENED.with(|cell| {
             let mut own = Vec::new();
             // A rayon worker waiting in this call may run another GEMM on its thread: that one

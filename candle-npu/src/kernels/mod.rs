@@ -271,7 +271,7 @@ mod tests {
         // Odd K, K over several K blocks (KC pairs), rows past one row block (MC), partial tiles
         // (M % MR, N % NR), one row, one column.
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        for (m, k, n) in [(1, 1, 1), (5, 7, 17), (13, 1201, 40), (300, 64, 31), (6, 2 * 512 + 2, 16)] {
+        for (m, k, n) in [(1, 1, 1), (5, 7, 17), (13, 1201, 40), (300, 64, 31), (6, 2 * 512 + 2, 16), (3, 0, 5), (0, 4, 5)] {
             let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
             let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
             let want = reference(&x, &w, m, k, n, -99);
