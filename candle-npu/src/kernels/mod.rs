@@ -18,7 +18,7 @@ pub mod rows;
 use std::sync::OnceLock;
 
 use int8::{Int8Path, Panels};
-use rten_gemm::{GemmExecutor, GemmInputA, GemmInputB, GemmUninitOptions, PackedBMatrix};
+use rten_gemm::{GemmExecutor, GemmInT, GemmInputA, GemmInputB, GemmOutT, GemmUninitOptions, PackedBMatrix};
 use rten_tensor::NdTensorView;
 
 // rten's executors are not `Sync`; one per thread. Every thread picks the same kernel (the best
@@ -152,13 +152,13 @@ impl PackedI8 {
 }
 
 fn rten_u8(b: &PackedBMatrix<i8>, n: usize, k: usize, x: &[u8], m: usize) -> Vec<i32> {
+    int8_gemm(|g| rten_gemm(g, m, n, GemmInputA::Unpacked(NdTensorView::from_data([m, k], x)), GemmInputB::Packed(b)))
+}
+
+/// The `m * n` outputs of one rten GEMM, in a new vector (written once, never zeroed first).
+fn rten_gemm<L: GemmInT, R: GemmInT, O: GemmOutT>(g: &GemmExecutor<L, R, O>, m: usize, n: usize, a: GemmInputA<L>, b: GemmInputB<R>) -> Vec<O> {
     let mut out = Vec::with_capacity(m * n);
-    let a = NdTensorView::from_data([m, k], x);
-    int8_gemm(|g| {
-        g.gemm_uninit(&mut out.spare_capacity_mut()[..m * n], GemmInputA::Unpacked(a), GemmInputB::Packed(b), GemmUninitOptions::default())
-            .map(|_| ())
-    })
-    .expect("shapes checked by the caller");
+    g.gemm_uninit(&mut out.spare_capacity_mut()[..m * n], a, b, GemmUninitOptions::default()).expect("shapes checked by the caller");
     // SAFETY: gemm_uninit initialized all m*n outputs.
     unsafe { out.set_len(m * n) };
     out
@@ -180,37 +180,16 @@ impl PackedF32 {
 
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
-        let mut out = Vec::with_capacity(m * self.n);
-        let a = NdTensorView::from_data([m, self.k], x);
-        f32_gemm(|g| {
-            g.gemm_uninit(
-                &mut out.spare_capacity_mut()[..m * self.n],
-                GemmInputA::Unpacked(a),
-                GemmInputB::Packed(&self.packed),
-                GemmUninitOptions::default(),
-            )
-            .map(|_| ())
-        })
-        .expect("shapes checked above");
-        // SAFETY: gemm_uninit initialized all m*n outputs.
-        unsafe { out.set_len(m * self.n) };
-        out
+        let a = GemmInputA::Unpacked(NdTensorView::from_data([m, self.k], x));
+        f32_gemm(|g| rten_gemm(g, m, self.n, a, GemmInputB::Packed(&self.packed)))
     }
 }
 
 /// Plain f32 `a[M, K] @ b[K, N]` (or `b^T` when `b` is `[N, K]`), for dynamic MatMul.
 pub fn matmul_f32(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, transpose_b: bool) -> Vec<f32> {
-    let mut out = Vec::with_capacity(m * n);
     let av = NdTensorView::from_data([m, k], a);
     let bv = if transpose_b { NdTensorView::from_data([n, k], b).transposed() } else { NdTensorView::from_data([k, n], b) };
-    f32_gemm(|g| {
-        g.gemm_uninit(&mut out.spare_capacity_mut()[..m * n], GemmInputA::Unpacked(av), GemmInputB::Unpacked(bv), GemmUninitOptions::default())
-            .map(|_| ())
-    })
-    .expect("shapes checked by the caller");
-    // SAFETY: gemm_uninit initialized all m*n outputs.
-    unsafe { out.set_len(m * n) };
-    out
+    f32_gemm(|g| rten_gemm(g, m, n, GemmInputA::Unpacked(av), GemmInputB::Unpacked(bv)))
 }
 
 #[cfg(test)]
