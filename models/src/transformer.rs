@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{DType as CDType, Device, Module, Tensor, D};
-use candle_npu::kernels::rows::with_f32;
+use candle_npu::kernels::rows::{self, with_f32};
 use candle_npu::sched::{simulate, AnalyticCosts, DagChunk, LayerShape, Policy, Processor, Rates, Runner, Schedule, StageDesc, SubgraphDag};
 use candle_npu::{
     Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant,
@@ -94,21 +94,22 @@ impl Layer {
         self.stages.iter().flatten()
     }
 
-    /// The layer, written once: `x` (`[m, hidden]`) through attention and FFN. `run(s, h)`
-    /// computes the linears of stage `s` on `h`: the NPU stage graph with its shadow outliers
-    /// in prefill, candle CPU matmuls in decode. Everything else here runs on the CPU.
+    /// The layer, written once: the residual stream (`[m, hidden]`) through attention and FFN.
+    /// `run(s, h)` computes the linears of stage `s` on `h`: the NPU stage graph with its shadow
+    /// outliers in prefill, candle CPU matmuls in decode. Everything else here runs on the CPU.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         cfg: &Config,
         spec: &FamilySpec,
         l: usize,
-        x: Tensor,
+        x: &mut Residual,
         rows: &Rows,
         kv: &Mutex<KvCache>,
         run: &mut StageFn<'_>,
-    ) -> Result<Tensor> {
+    ) -> Result<()> {
         let eps = cfg.rms_eps as f32;
-        let h = candle_nn::ops::rms_norm(&x, &self.attn_norm, eps)?;
+        let h = x.add_norm(&self.attn_norm, eps)?;
         let [q, k, v]: [Tensor; 3] = run(0, &h)?.try_into().map_err(|_| Error::Input("QKV stage must return three outputs".into()))?;
         // Uncontended: a layer's attention runs for one chunk at a time, in chunk order (the
         // schedule's cross-chunk edge).
@@ -119,15 +120,61 @@ impl Layer {
         if let Some((post_attn, _)) = &self.post_norms {
             o = candle_nn::ops::rms_norm(&o, post_attn, eps)?;
         }
-        let x = (x + o)?;
-        let h = candle_nn::ops::rms_norm(&x, &self.ffn_norm, eps)?;
+        x.push(o)?;
+        let h = x.add_norm(&self.ffn_norm, eps)?;
         let [gate, up]: [Tensor; 2] = run(2, &h)?.try_into().map_err(|_| Error::Input("gate/up stage must return two outputs".into()))?;
         let hidden = spec.activation.gated(&gate, &up)?;
         let mut d = run(3, &hidden)?.remove(0);
         if let Some((_, post_ffn)) = &self.post_norms {
             d = candle_nn::ops::rms_norm(&d, post_ffn, eps)?;
         }
-        Ok((x + d)?)
+        x.push(d)
+    }
+}
+
+/// The residual stream between blocks: `x` plus a block's output not added yet, so that the add
+/// and the next RMSNorm are one pass over the rows ([`rows::add_rms_norm`]), also across layers:
+/// a layer's FFN output is added by the next layer's first norm.
+struct Residual {
+    x: Tensor,
+    pending: Option<Tensor>,
+}
+
+impl Residual {
+    fn new(x: Tensor) -> Self {
+        Residual { x, pending: None }
+    }
+
+    /// A block's output, to be added to the stream.
+    fn push(&mut self, d: Tensor) -> Result<()> {
+        if let Some(p) = self.pending.replace(d) {
+            self.x = (&self.x + p)?;
+        }
+        Ok(())
+    }
+
+    /// Adds what is pending and returns the stream's rows normalized by `w` (f32 rows, as
+    /// prefill and decode have, in one pass; other dtypes take candle's two ops).
+    fn add_norm(&mut self, w: &Tensor, eps: f32) -> Result<Tensor> {
+        let Some(d) = self.pending.take() else { return Ok(candle_nn::ops::rms_norm(&self.x, w, eps)?) };
+        let x = &self.x;
+        if [x.dtype(), d.dtype(), w.dtype()] != [CDType::F32; 3] || x.shape() != d.shape() || x.dim(D::Minus1)? != w.elem_count() {
+            self.x = (x + d)?;
+            return Ok(candle_nn::ops::rms_norm(&self.x, w, eps)?);
+        }
+        let mut sum = x.flatten_all()?.to_vec1::<f32>()?;
+        let h = with_f32(&d, |d| with_f32(w, |w| rows::add_rms_norm(&mut sum, d, w, eps)))??;
+        let (shape, dev) = (x.shape().clone(), x.device().clone());
+        self.x = Tensor::from_vec(sum, &shape, &dev)?;
+        Ok(Tensor::from_vec(h, shape, &dev)?)
+    }
+
+    /// The stream with everything added.
+    fn finish(mut self) -> Result<Tensor> {
+        if let Some(d) = self.pending.take() {
+            self.x = (&self.x + d)?;
+        }
+        Ok(self.x)
     }
 }
 
@@ -611,7 +658,7 @@ impl Model {
         if n == 0 || self.pos + n > self.cfg.context_len {
             return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
         }
-        let mut x = self.embed_rows(tokens)?;
+        let mut x = Residual::new(self.embed_rows(tokens)?);
         let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?;
         let Model { cfg, spec, layers, kv, .. } = self;
         for (l, layer) in layers.iter().enumerate() {
@@ -621,10 +668,10 @@ impl Model {
                 }
                 layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>()
             };
-            x = layer.forward(cfg, spec, l, x, &rows, &kv[l], &mut run)?;
+            layer.forward(cfg, spec, l, &mut x, &rows, &kv[l], &mut run)?;
         }
         self.pos += n;
-        Ok(x)
+        x.finish()
     }
 
     /// Embeddings of `tokens`, `[n, hidden]` (scaled as the family says).
@@ -800,7 +847,7 @@ impl Model {
         let mut cpu = Some(runner.acquire(node(0, 0)?)?);
         let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
         ids.resize(m, 0);
-        let mut x = self.embed_rows(&ids)?;
+        let mut x = Residual::new(self.embed_rows(&ids)?);
         let rows = Rows::new(&self.spec, chunk.start, m, n_valid, tokens.len())?;
         let mut shadow_time = Duration::ZERO;
         for l in 0..n_layer {
@@ -850,10 +897,11 @@ impl Model {
                 };
                 Ok(ys)
             };
-            x = layer.forward(&self.cfg, &self.spec, l, x, &rows, &self.kv[l], &mut run)?;
+            layer.forward(&self.cfg, &self.spec, l, &mut x, &rows, &self.kv[l], &mut run)?;
             shadow_time += stage.shadow_time;
             on_layer();
         }
+        let x = x.finish()?;
         let last = chunk.start + chunk.len == tokens.len();
         let out = if all_logits {
             x.narrow(0, 0, n_valid)?

@@ -60,6 +60,42 @@ multiversion! {
 }
 
 multiversion! {
+    /// The residual add and the next RMSNorm in one pass over each row: `x += d`, then
+    /// `x / sqrt(mean(x^2) + eps) * w` (candle's `rms_norm`, in its order of operations) for each
+    /// row of `w.len()` values. Returns the normalized rows.
+    pub fn add_rms_norm(x: &mut [f32], d: &[f32], w: &[f32], eps: f32) -> Vec<f32> = add_rms_norm_generic;
+}
+
+#[inline(always)]
+fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let n = w.len();
+    assert!(n > 0 && x.len() == d.len() && x.len() % n == 0, "add_rms_norm: {} + {} values in rows of {n}", x.len(), d.len());
+    let mut out = Vec::with_capacity(x.len());
+    for (row, (x, d)) in out.spare_capacity_mut().chunks_exact_mut(n).zip(x.chunks_exact_mut(n).zip(d.chunks_exact(n))) {
+        let mut sums = [0f32; LANES];
+        let (mut xc, mut dc) = (x.chunks_exact_mut(LANES), d.chunks_exact(LANES));
+        for (x, d) in (&mut xc).zip(&mut dc) {
+            for ((x, &d), s) in x.iter_mut().zip(d).zip(&mut sums) {
+                *x += d;
+                *s += *x * *x;
+            }
+        }
+        let mut sum: f32 = sums.iter().sum();
+        for (x, &d) in xc.into_remainder().iter_mut().zip(dc.remainder()) {
+            *x += d;
+            sum += *x * *x;
+        }
+        let m = (sum / n as f32 + eps).sqrt();
+        for ((o, &x), &w) in row.iter_mut().zip(x.iter()).zip(w) {
+            o.write(x / m * w);
+        }
+    }
+    // SAFETY: the rows above wrote all x.len() values (x.len() is a multiple of n).
+    unsafe { out.set_len(x.len()) };
+    out
+}
+
+multiversion! {
     /// `y += a * x` (the shadow path's outlier times its weight column).
     pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) -> () = axpy_generic;
 }
@@ -226,6 +262,25 @@ mod tests {
                 // 1 + tanh(y) cancels to a few ulp of x (candle's f32 GELU does the same).
                 let tol = 2e-6 * want.abs() + f32::EPSILON as f64 * (x * u).abs();
                 assert!((got as f64 - want).abs() <= tol, "x = {x}: {got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn add_rms_norm_matches_its_definition() {
+        let (rows, n) = (3, 21);
+        let x0: Vec<f32> = (0..rows * n).map(|i| ((i * 37 % 29) as f32 - 14.0) * 0.3).collect();
+        let d: Vec<f32> = (0..rows * n).map(|i| ((i * 11 % 7) as f32 - 3.0) * 0.5).collect();
+        let w: Vec<f32> = (0..n).map(|i| 0.5 + i as f32 * 0.1).collect();
+        let mut x = x0.clone();
+        let h = add_rms_norm(&mut x, &d, &w, 1e-5);
+        for r in 0..rows {
+            let sum: f64 = (0..n).map(|i| ((x0[r * n + i] + d[r * n + i]) as f64).powi(2)).sum();
+            let m = (sum / n as f64 + 1e-5).sqrt();
+            for i in 0..n {
+                let xi = (x0[r * n + i] + d[r * n + i]) as f64;
+                assert_eq!(x[r * n + i], x0[r * n + i] + d[r * n + i]);
+                assert!((h[r * n + i] as f64 - xi / m * w[i] as f64).abs() < 1e-5, "row {r} col {i}");
             }
         }
     }
