@@ -148,11 +148,15 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
     let pos = |r: usize| (rows.start + r).min(t - 1);
     let lo = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w));
     let hi = |r: usize| pos(r) + 1;
+    // Task `task`: KV head `h`, query rows `r0..r1`.
+    let task_rows = |task: usize| {
+        let b = task % blocks;
+        (task / blocks, b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m))
+    };
     let tasks: Vec<Vec<f32>> = (0..nkv * blocks)
         .into_par_iter()
         .map(|task| {
-            let (h, b) = (task / blocks, task % blocks);
-            let (r0, r1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+            let (h, r0, r1) = task_rows(task);
             let rb = r1 - r0;
             let (kb, ke) = (lo(r0), hi(r1 - 1));
             let (keys, values) = cache.head(h, kb, ke);
@@ -182,8 +186,7 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
         .collect();
     let mut out = vec![0f32; m * nh * hd];
     for (task, o) in tasks.iter().enumerate() {
-        let (h, b) = (task / blocks, task % blocks);
-        let (r0, r1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+        let (h, r0, r1) = task_rows(task);
         for g in 0..groups {
             for (i, r) in (r0..r1).enumerate() {
                 out[(r * nh + h * groups + g) * hd..][..hd].copy_from_slice(&o[(g * (r1 - r0) + i) * hd..][..hd]);
