@@ -1,4 +1,5 @@
-//! INT8 GEMM of the host executor on SmolLM2's prefill shapes (chunk of 256 rows).
+//! INT8 GEMM of the host executor on SmolLM2's prefill shapes (chunk of 256 rows), and the whole
+//! SmolLM2 prefill on the host executor.
 //! The side-by-side prefill table is `cargo run --release --example bench_prefill`.
 use candle_npu::kernels::PackedI8;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -16,5 +17,30 @@ fn gemm(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, gemm);
+/// The whole engine: SmolLM2-135M prefill on the host executor (W8A8, chunk 256, default
+/// schedule), the figure `bench_prefill` compares with llama.cpp. Here for A/B runs of two
+/// builds (`--save-baseline` / `--baseline`), without the other engines.
+fn prefill(c: &mut Criterion) {
+    use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+    let dev = candle_npu::NpuDevice::host();
+    let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+    let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts).expect("SmolLM2 (run scripts/setup.sh)");
+    p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {}).expect("quant profile");
+    let mut text = vec![];
+    for a in assets::wiki_heldout(400).expect("held-out text") {
+        text.extend(p.encode(&a, false).expect("tokenizer"));
+        if text.len() > 1024 {
+            break;
+        }
+    }
+    let mut g = c.benchmark_group("prefill_smollm2_w8a8");
+    g.sample_size(10);
+    for n in [256, 1024] {
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(format!("{n}_tokens"), |b| b.iter(|| p.model.prefill(&text[..n], 256).expect("prefill")));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, gemm, prefill);
 criterion_main!(benches);
