@@ -14,10 +14,11 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
-use crate::kernels::rows::axpy;
+use crate::kernels::rows::{axpy, rows_per_task};
 use crate::outlier::{Outliers, WeightSource};
 use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel};
 
@@ -360,10 +361,15 @@ impl ShadowLinear {
             at[c] = (cols.len() / n) as u32;
             cols.extend(q.iter().zip(&self.row_scales).map(|(&q, s)| q as f32 * s));
         }
-        for (r, c, v) in outliers.iter() {
-            let col = &cols[at[c] as usize * n..][..n];
-            axpy(&mut y[r * n..(r + 1) * n], v, col);
-        }
+        // Blocks of rows over the rayon pool.
+        let block = rows_per_task(outliers.rows(), n);
+        y[..outliers.rows() * n].par_chunks_mut(block * n).enumerate().for_each(|(b, rows)| {
+            for (i, row) in rows.chunks_exact_mut(n).enumerate() {
+                for (c, v) in outliers.row(b * block + i) {
+                    axpy(row, v, &cols[at[c] as usize * n..][..n]);
+                }
+            }
+        });
         Ok(())
     }
 

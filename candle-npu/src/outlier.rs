@@ -17,8 +17,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use rayon::prelude::*;
+
 use crate::error::Result;
 use crate::graph::Quant;
+use crate::kernels::rows::rows_per_task;
 use crate::quant::quantize_u8;
 
 /// Where one NPU linear input is quantized: the clip range, its u8 quantization, and which
@@ -109,11 +112,24 @@ impl InputPoint {
     /// The outliers of the first `valid_rows` rows of `x` (`[rows, channels]`): the shadow
     /// path's half alone.
     pub fn extract(&self, x: &[f32], valid_rows: usize) -> Outliers {
+        // Blocks of rows over the rayon pool.
+        let cols = self.hot.len();
+        let block = rows_per_task(valid_rows, cols);
+        let x = &x[..(valid_rows * cols).min(x.len())];
+        let parts: Vec<Outliers> = x.par_chunks((block * cols).max(1)).map(|rows| self.extract_rows(rows)).collect();
+        Outliers::concat(cols, parts)
+    }
+
+    /// [`Self::extract`] of every row of `x`, in one pass.
+    fn extract_rows(&self, x: &[f32]) -> Outliers {
         let cols = self.hot.len();
         let mut out = Outliers { cols, row_start: vec![0], channel: vec![], value: vec![] };
+        if cols == 0 {
+            return out;
+        }
         let mut in_hot = 0u64;
         const BLOCK: usize = 16;
-        for row in x.chunks_exact(cols).take(valid_rows) {
+        for row in x.chunks_exact(cols) {
             for (b, block) in row.chunks(BLOCK).enumerate() {
                 // Outliers are rare: a branch-free test per block (it vectorizes) skips most.
                 if block.iter().fold(true, |inside, &v| inside & (v >= self.lo) & (v <= self.hi)) {
@@ -132,7 +148,7 @@ impl InputPoint {
             }
             out.row_start.push(out.channel.len() as u32);
         }
-        self.stats.elements.fetch_add((valid_rows * cols) as u64, Ordering::Relaxed);
+        self.stats.elements.fetch_add((x.len() / cols * cols) as u64, Ordering::Relaxed);
         self.stats.outliers.fetch_add(out.value.len() as u64, Ordering::Relaxed);
         self.stats.in_hot.fetch_add(in_hot, Ordering::Relaxed);
         out
@@ -179,6 +195,27 @@ impl Outliers {
     pub fn is_empty(&self) -> bool {
         self.value.is_empty()
     }
+    /// (channel, value) of row `r`'s outliers (none past the last row).
+    pub fn row(&self, r: usize) -> impl Iterator<Item = (usize, f32)> + '_ {
+        let (a, b) = match r < self.rows() {
+            true => (self.row_start[r] as usize, self.row_start[r + 1] as usize),
+            false => (0, 0),
+        };
+        self.channel[a..b].iter().zip(&self.value[a..b]).map(|(&c, &v)| (c as usize, v))
+    }
+
+    /// The rows of `parts`, one after another.
+    pub fn concat(cols: usize, parts: Vec<Outliers>) -> Outliers {
+        let mut out = Outliers { cols, row_start: vec![0], channel: vec![], value: vec![] };
+        for p in parts {
+            let base = out.channel.len() as u32;
+            out.row_start.extend(p.row_start[1..].iter().map(|s| base + s));
+            out.channel.extend(p.channel);
+            out.value.extend(p.value);
+        }
+        out
+    }
+
     /// (row, channel, value) of every outlier.
     pub fn iter(&self) -> impl Iterator<Item = (usize, usize, f32)> + '_ {
         (0..self.rows()).flat_map(move |r| {
@@ -253,5 +290,23 @@ mod tests {
         let s = p.stats();
         assert_eq!((s.elements, s.outliers, s.in_hot), (8, 2, 1));
         assert_eq!(s.hot_hit_rate(), 0.5);
+    }
+
+    #[test]
+    fn extraction_over_the_pool_gives_what_one_pass_does() {
+        // Enough rows for several blocks; the valid rows end inside a block.
+        let (rows, cols, valid) = (1000, 64, 777);
+        let p = InputPoint::new("t", -1.0, 1.0, cols, &[]);
+        assert!(rows_per_task(rows, cols) < valid, "the test must split");
+        let x: Vec<f32> = (0..rows * cols).map(|i| if i % 37 == 0 { (i % 11) as f32 - 5.0 } else { 0.1 }).collect();
+        let (q, o) = p.quantize(&x, valid);
+        assert_eq!(q, p.clip_quantize(&x));
+        assert_eq!(o, p.extract_rows(&x[..valid * cols]));
+        assert_eq!(o.rows(), valid);
+        assert!(o.len() > 1000, "outliers in every block: {}", o.len());
+        let want: Vec<(usize, f32)> = x[..cols].iter().map(|&v| v - v.clamp(p.lo, p.hi)).enumerate().filter(|&(_, r)| r != 0.0).collect();
+        assert_eq!(o.row(0).collect::<Vec<_>>(), want);
+        assert!(!want.is_empty());
+        assert_eq!(o.row(valid).count(), 0);
     }
 }

@@ -4,9 +4,12 @@
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, Weak};
 
+use rayon::prelude::*;
+
 use super::{ExecutableGraph, Executor};
 use crate::error::Result;
 use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorKind};
+use crate::kernels::rows::rows_per_task;
 use crate::kernels::{matmul_f32, PackedF32, PackedI8};
 
 /// The host executor. It runs every op of the IR.
@@ -229,11 +232,15 @@ impl HostGraph {
 /// per GEMM would be written once and freed.
 fn dequantize_in_place(acc: Vec<i32>, col: &[f32]) -> Vec<f32> {
     let mut acc = std::mem::ManuallyDrop::new(acc);
-    for row in acc.chunks_exact_mut(col.len()) {
-        for (a, &c) in row.iter_mut().zip(col) {
-            *a = (*a as f32 * c).to_bits() as i32;
+    let n = col.len().max(1);
+    let block = rows_per_task(acc.len() / n, n) * n;
+    acc.par_chunks_mut(block).for_each(|rows| {
+        for row in rows.chunks_exact_mut(n) {
+            for (a, &c) in row.iter_mut().zip(col) {
+                *a = (*a as f32 * c).to_bits() as i32;
+            }
         }
-    }
+    });
     // SAFETY: same allocation, length and capacity, reinterpreted between two 4-byte plain types
     // of equal alignment; every element was rewritten as an f32's bits above.
     unsafe { Vec::from_raw_parts(acc.as_mut_ptr().cast::<f32>(), acc.len(), acc.capacity()) }

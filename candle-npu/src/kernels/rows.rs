@@ -8,6 +8,10 @@
 //! libm's `expf` is a call per element, and a softmax over a 1024-token prompt's scores takes 4.7
 //! million of them per layer (SmolLM2).
 
+use std::mem::MaybeUninit;
+
+use rayon::prelude::*;
+
 const LANES: usize = 8;
 
 /// `f` on the values of a CPU f32 tensor, borrowed (no copy when it is contiguous, which the
@@ -27,9 +31,9 @@ pub fn with_f32<R>(t: &candle_core::Tensor, f: impl FnOnce(&[f32]) -> R) -> crat
 /// where the CPU has them, else as built. LLVM contracts no mul + add into an FMA by itself, so
 /// both copies give the same bits.
 macro_rules! multiversion {
-    ($(#[$doc:meta])* pub fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $generic:ident;) => {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $generic:ident;) => {
         $(#[$doc])*
-        pub fn $name($($arg: $ty),*) -> $ret {
+        $vis fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
@@ -53,25 +57,47 @@ multiversion! {
     pub fn softmax_numerators(row: &mut [f32], scale: f32) -> f32 = softmax;
 }
 
-multiversion! {
-    /// `clamp(round(v * inv_scale) - offset, 0, 255)` per value (the activation quantizer). `round`
-    /// has no SSE2 instruction: on the baseline build it is a libm call per value.
-    pub fn quantize_u8(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> = quantize;
+/// `clamp(round(v * inv_scale) - offset, 0, 255)` per value (the activation quantizer), over the
+/// rayon pool.
+pub fn quantize_u8(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> {
+    par_collect(values.len(), block_len(values.len()), |at, out| quantize_into(&values[at..at + out.len()], inv_scale, offset, out))
 }
 
 multiversion! {
-    /// The residual add and the next RMSNorm in one pass over each row: `x += d`, then
-    /// `x / sqrt(mean(x^2) + eps) * w` (candle's `rms_norm`, in its order of operations) for each
-    /// row of `w.len()` values. Returns the normalized rows.
-    pub fn add_rms_norm(x: &mut [f32], d: &[f32], w: &[f32], eps: f32) -> Vec<f32> = add_rms_norm_generic;
+    /// [`quantize_u8`] of one block. `round` has no SSE2 instruction: on the baseline build it is
+    /// a libm call per value.
+    fn quantize_into(values: &[f32], inv_scale: f32, offset: f32, out: &mut [MaybeUninit<u8>]) -> usize = quantize;
+}
+
+/// The residual add and the next RMSNorm in one pass over each row: `x += d`, then
+/// `x / sqrt(mean(x^2) + eps) * w` (candle's `rms_norm`, in its order of operations) for each
+/// row of `w.len()` values, blocks of rows over the rayon pool. Returns the normalized rows.
+pub fn add_rms_norm(x: &mut [f32], d: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let n = w.len();
+    assert!(n > 0 && x.len() == d.len() && x.len() % n == 0, "add_rms_norm: {} + {} values in rows of {n}", x.len(), d.len());
+    let block = rows_per_task(x.len() / n, n) * n;
+    let len = x.len();
+    let mut out = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len]
+        .par_chunks_mut(block)
+        .zip(x.par_chunks_mut(block).zip(d.par_chunks(block)))
+        .for_each(|(out, (x, d))| add_rms_norm_rows(x, d, w, eps, out));
+    // SAFETY: the blocks cover all `len` values, and `add_rms_norm_rows` writes all of its block
+    // (its rows are whole: `block` and `len` are multiples of `n`); a panic propagates before this.
+    unsafe { out.set_len(len) };
+    out
+}
+
+multiversion! {
+    /// [`add_rms_norm`] of whole rows into `out` (as long as `x`).
+    fn add_rms_norm_rows(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) -> () = add_rms_norm_generic;
 }
 
 #[inline(always)]
-fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     let n = w.len();
-    assert!(n > 0 && x.len() == d.len() && x.len() % n == 0, "add_rms_norm: {} + {} values in rows of {n}", x.len(), d.len());
-    let mut out = Vec::with_capacity(x.len());
-    for (row, (x, d)) in out.spare_capacity_mut().chunks_exact_mut(n).zip(x.chunks_exact_mut(n).zip(d.chunks_exact(n))) {
+    assert!(out.len() == x.len() && x.len() % n == 0, "add_rms_norm: rows of {n} into {} of {} values", out.len(), x.len());
+    for (row, (x, d)) in out.chunks_exact_mut(n).zip(x.chunks_exact_mut(n).zip(d.chunks_exact(n))) {
         let mut sums = [0f32; LANES];
         let (mut xc, mut dc) = (x.chunks_exact_mut(LANES), d.chunks_exact(LANES));
         for (x, d) in (&mut xc).zip(&mut dc) {
@@ -90,9 +116,6 @@ fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32) -> Vec<f3
             o.write(x / m * w);
         }
     }
-    // SAFETY: the rows above wrote all x.len() values (x.len() is a multiple of n).
-    unsafe { out.set_len(x.len()) };
-    out
 }
 
 multiversion! {
@@ -108,45 +131,85 @@ fn axpy_generic(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-multiversion! {
-    /// `silu(gate) * up` (Llama's FFN), one pass.
-    pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> = silu_mul_generic;
+/// `silu(gate) * up` (Llama's FFN), one pass, over the rayon pool.
+pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    assert_eq!(gate.len(), up.len(), "silu_mul over slices of different lengths");
+    par_collect(gate.len(), block_len(gate.len()), |at, out| silu_mul_into(&gate[at..], &up[at..], out))
+}
+
+/// `gelu_tanh(gate) * up` (Gemma's FFN, PyTorch's tanh approximation), one pass, over the rayon
+/// pool.
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    assert_eq!(gate.len(), up.len(), "gelu_tanh_mul over slices of different lengths");
+    par_collect(gate.len(), block_len(gate.len()), |at, out| gelu_tanh_mul_into(&gate[at..], &up[at..], out))
 }
 
 multiversion! {
-    /// `gelu_tanh(gate) * up` (Gemma's FFN, PyTorch's tanh approximation), one pass.
-    pub fn gelu_tanh_mul(gate: &[f32], up: &[f32]) -> Vec<f32> = gelu_tanh_mul_generic;
+    fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize = silu_mul_generic;
+}
+
+multiversion! {
+    fn gelu_tanh_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize = gelu_tanh_mul_generic;
 }
 
 #[inline(always)]
-fn silu_mul_generic(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    map2(gate, up, |g, u| g / (1.0 + exp(-g)) * u)
+fn silu_mul_generic(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
+    map2(gate, up, out, |g, u| g / (1.0 + exp(-g)) * u)
 }
 
 #[inline(always)]
-fn gelu_tanh_mul_generic(gate: &[f32], up: &[f32]) -> Vec<f32> {
+fn gelu_tanh_mul_generic(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
     // 0.5 x (1 + tanh(y)) = x - x / (e^(2y) + 1), y = sqrt(2 / pi) (x + 0.044715 x^3).
     const S: f32 = 0.797_884_6;
-    map2(gate, up, |x, u| (x - x / (exp(2.0 * S * (x + 0.044_715 * x * x * x)) + 1.0)) * u)
+    map2(gate, up, out, |x, u| (x - x / (exp(2.0 * S * (x + 0.044_715 * x * x * x)) + 1.0)) * u)
 }
 
-/// `f(a[i], b[i])` for every i, as a plain loop: `collect()` would put the loop in a separate
-/// (baseline-compiled) function outside the multiversioned caller.
-#[inline(always)]
-fn map2<A: Copy, B: Copy, T>(a: &[A], b: &[B], f: impl Fn(A, B) -> T) -> Vec<T> {
-    assert_eq!(a.len(), b.len(), "map2 over slices of different lengths");
-    let mut out = Vec::with_capacity(a.len());
-    for (o, (&x, &y)) in out.spare_capacity_mut().iter_mut().zip(a.iter().zip(b)) {
-        o.write(f(x, y));
-    }
-    // SAFETY: the loop wrote all a.len() elements (capacity a.len(), b as long as a).
-    unsafe { out.set_len(a.len()) };
+/// The CPU stages' row kernels split their rows over the rayon pool, which the GEMMs use too: an
+/// in-order prefill would otherwise leave one core idle for every CPU stage. A task is at least
+/// this many values (below that, the split costs more than it saves: a decode's one row runs
+/// inline) and there are up to four tasks a thread (an even split would wait on the slowest).
+const MIN_TASK_VALUES: usize = 16 * 1024;
+
+/// Rows per task for `rows` rows of `len` values each (see [`MIN_TASK_VALUES`]).
+pub fn rows_per_task(rows: usize, len: usize) -> usize {
+    let min = MIN_TASK_VALUES.div_ceil(len.max(1));
+    rows.div_ceil(4 * rayon::current_num_threads()).max(min).max(1)
+}
+
+/// Values per task for `len` values without rows.
+fn block_len(len: usize) -> usize {
+    rows_per_task(len, 1)
+}
+
+/// `len` values made by `fill(at, out)`, which writes the block of values `at..at + out.len()`
+/// and returns how many it wrote, on blocks of `block` values over the rayon pool.
+fn par_collect<T: Send>(len: usize, block: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) -> usize + Sync) -> Vec<T> {
+    let mut out = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len].par_chunks_mut(block.max(1)).enumerate().for_each(|(i, out)| {
+        let n = fill(i * block, out);
+        assert_eq!(n, out.len(), "a row kernel wrote {n} of its block's {} values", out.len());
+    });
+    // SAFETY: every block was written whole (asserted above; a panic propagates before this).
+    unsafe { out.set_len(len) };
     out
 }
 
+/// `out[i] = f(a[i], b[i])` for every i of `out` (`a` and `b` at least as long), as a plain loop:
+/// `collect()` would put the loop in a separate (baseline-compiled) function outside the
+/// multiversioned caller. Returns how many values it wrote.
 #[inline(always)]
-fn quantize(values: &[f32], inv_scale: f32, offset: f32) -> Vec<u8> {
-    map2(values, values, |v, _| {
+fn map2<A: Copy, B: Copy, T>(a: &[A], b: &[B], out: &mut [MaybeUninit<T>], f: impl Fn(A, B) -> T) -> usize {
+    let mut n = 0;
+    for (o, (&x, &y)) in out.iter_mut().zip(a.iter().zip(b)) {
+        o.write(f(x, y));
+        n += 1;
+    }
+    n
+}
+
+#[inline(always)]
+fn quantize(values: &[f32], inv_scale: f32, offset: f32, out: &mut [MaybeUninit<u8>]) -> usize {
+    map2(values, values, out, |v, _| {
         // `max` maps NaN to 0 (as the saturating `as u8` would), so the value is a number in
         // [0, 255] and the unchecked conversion vectorizes (`as` saturates one lane at a time).
         #[allow(clippy::manual_clamp)] // clamp keeps NaN, which the conversion must not see
@@ -241,7 +304,9 @@ mod tests {
     fn quantize_rounds_ties_away_and_saturates_on_every_path() {
         let xs: Vec<f32> = (-600..600).map(|i| i as f32 * 0.25).chain([f32::NAN, f32::INFINITY, f32::NEG_INFINITY]).collect();
         let want: Vec<u8> = xs.iter().map(|&v| ((v * 2.0).round() + 128.0).clamp(0.0, 255.0) as u8).collect();
-        assert_eq!(quantize(&xs, 2.0, -128.0), want);
+        let mut out = vec![MaybeUninit::new(0); xs.len()];
+        assert_eq!(quantize(&xs, 2.0, -128.0, &mut out), xs.len());
+        assert_eq!(out.iter().map(|v| unsafe { v.assume_init() }).collect::<Vec<u8>>(), want);
         assert_eq!(quantize_u8(&xs, 2.0, -128.0), want);
         // Ties: 0.5 -> 1, -0.5 -> -1 (+128).
         assert_eq!(quantize_u8(&[0.25, -0.25], 2.0, -128.0), vec![129, 127]);
@@ -283,6 +348,34 @@ mod tests {
                 assert!((h[r * n + i] as f64 - xi / m * w[i] as f64).abs() < 1e-5, "row {r} col {i}");
             }
         }
+    }
+
+    #[test]
+    fn blocks_over_the_pool_give_the_one_block_result() {
+        // Sizes of many tasks, with a last block shorter than the others.
+        let (rows, n) = (301, 97);
+        let a: Vec<f32> = (0..rows * n).map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.01).collect();
+        let b: Vec<f32> = (0..rows * n).map(|i| ((i * 104_729 % 997) as f32 - 498.0) * 0.003).collect();
+        let w: Vec<f32> = (0..n).map(|i| 0.5 + i as f32 * 0.01).collect();
+        assert!(rows_per_task(rows, n) < rows && block_len(a.len()) < a.len(), "the test must split");
+        let one_block = |f: &dyn Fn(&mut [MaybeUninit<f32>]) -> usize| {
+            let mut out = vec![MaybeUninit::new(f32::NAN); a.len()];
+            assert_eq!(f(&mut out), a.len());
+            out.iter().map(|v| unsafe { v.assume_init() }).collect::<Vec<f32>>()
+        };
+        assert_eq!(silu_mul(&a, &b), one_block(&|o| silu_mul_into(&a, &b, o)));
+        assert_eq!(gelu_tanh_mul(&a, &b), one_block(&|o| gelu_tanh_mul_into(&a, &b, o)));
+        let mut q = vec![MaybeUninit::new(0); a.len()];
+        assert_eq!(quantize_into(&a, 40.0, -128.0, &mut q), a.len());
+        assert_eq!(quantize_u8(&a, 40.0, -128.0), q.iter().map(|v| unsafe { v.assume_init() }).collect::<Vec<u8>>());
+        let (mut x1, mut x2) = (a.clone(), a.clone());
+        let h1 = add_rms_norm(&mut x1, &b, &w, 1e-5);
+        let h2 = one_block(&|o| {
+            add_rms_norm_rows(&mut x2.clone(), &b, &w, 1e-5, o);
+            o.len()
+        });
+        add_rms_norm_rows(&mut x2, &b, &w, 1e-5, &mut vec![MaybeUninit::new(0.0); a.len()]);
+        assert_eq!((h1, x1), (h2, x2));
     }
 
     #[test]
