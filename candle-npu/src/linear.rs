@@ -343,11 +343,16 @@ impl ShadowLinear {
         // column in `cols` (a dense index: one lookup per outlier, no hashing).
         const ABSENT: u32 = u32::MAX;
         let mut at = vec![ABSENT; self.k];
-        let mut cols: Vec<f32> = Vec::new();
+        let mut channels = vec![];
         for (_, c, _) in outliers.iter() {
-            if at[c] != ABSENT {
-                continue;
+            if at[c] == ABSENT {
+                at[c] = channels.len() as u32;
+                channels.push(c);
             }
+        }
+        // The columns over the rayon pool (a busy down projection has outliers in most channels).
+        let mut cols = vec![0f32; channels.len() * n];
+        cols.par_chunks_mut(n.max(1)).zip(channels.par_iter()).try_for_each(|(col, &c)| -> Result<()> {
             let cold;
             let q: &[i8] = match self.hot.slot[c] {
                 COLD => {
@@ -358,9 +363,9 @@ impl ShadowLinear {
                 }
                 s => &self.hot.cols[s as usize * n..(s as usize + 1) * n],
             };
-            at[c] = (cols.len() / n) as u32;
-            cols.extend(q.iter().zip(&self.row_scales).map(|(&q, s)| q as f32 * s));
-        }
+            col.iter_mut().zip(q.iter().zip(&self.row_scales)).for_each(|(o, (&q, s))| *o = q as f32 * s);
+            Ok(())
+        })?;
         // Blocks of rows over the rayon pool.
         let block = rows_per_task(outliers.rows(), n);
         y[..outliers.rows() * n].par_chunks_mut(block * n).enumerate().for_each(|(b, rows)| {
