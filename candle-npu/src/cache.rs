@@ -18,12 +18,15 @@
 //! # File format (little endian)
 //!
 //! ```text
-//! magic "CNPUGRF1" | key [32] | n_meta u32 | meta u32 * n_meta | payload_len u64
-//! | payload_sha256 [32] | payload
+//! magic "CNPUGRF2" | key [32] | n_meta u32 | meta u32 * n_meta | payload_len u64 | payload
+//! | sha256 [32] of everything before it
 //! ```
 //!
 //! `meta` is the executor's small side table (for QNN: the tensor ids of the graph's inputs and
-//! outputs, which a context binary does not give back without QNN's System library).
+//! outputs, which a context binary does not give back without QNN's System library). The
+//! checksum covers every byte read back, the side table included: a damaged id would bind a
+//! graph's buffers wrongly without any error. ("CNPUGRF1" files hashed the payload alone; they
+//! are rebuilt.)
 //!
 //! # Failure policy
 //!
@@ -41,7 +44,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 
-const MAGIC: &[u8; 8] = b"CNPUGRF1";
+const MAGIC: &[u8; 8] = b"CNPUGRF2";
 /// Side tables are a handful of tensor ids; anything larger is a corrupt length field.
 const MAX_META: u32 = 1 << 16;
 
@@ -125,16 +128,17 @@ impl GraphCache {
     pub fn store(&self, name: &str, key: &CacheKey, meta: &[u32], payload: &[u8]) -> Result<PathBuf> {
         let path = self.path(name, key);
         std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+        let mut header = Vec::with_capacity(52 + 4 * meta.len());
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&key.0);
+        header.extend_from_slice(&(meta.len() as u32).to_le_bytes());
+        meta.iter().for_each(|m| header.extend_from_slice(&m.to_le_bytes()));
+        header.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        let sum = Sha256::new().chain_update(&header).chain_update(payload).finalize();
         write_atomic(&path, |f| {
-            f.write_all(MAGIC)?;
-            f.write_all(&key.0)?;
-            f.write_all(&(meta.len() as u32).to_le_bytes())?;
-            for m in meta {
-                f.write_all(&m.to_le_bytes())?;
-            }
-            f.write_all(&(payload.len() as u64).to_le_bytes())?;
-            f.write_all(&Sha256::digest(payload))?;
-            f.write_all(payload)
+            f.write_all(&header)?;
+            f.write_all(payload)?;
+            f.write_all(&sum)
         })?;
         Ok(path)
     }
@@ -145,15 +149,11 @@ impl GraphCache {
 /// process, writer and moment (two containers sharing the folder can have the same pid), and
 /// `create_new` refuses to reuse a name rather than truncate another writer's.
 pub(crate) fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>) -> Result<()> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let tmp = dir.join(format!(
-        ".{}.tmp.{}.{}.{nanos}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
-        std::process::id(),
-        TMP_SEQ.fetch_add(1, Ordering::Relaxed)
-    ));
+    let tmp = temp_path(path);
     let run = || -> std::io::Result<()> {
+        if path.is_dir() {
+            return Err(std::io::Error::other("is a folder, not a file"));
+        }
         let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         let mut f = std::io::BufWriter::new(file);
         write(&mut f)?;
@@ -166,6 +166,30 @@ pub(crate) fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWrit
         }
         Error::io(path, e)
     })
+}
+
+/// A temporary name next to `path`, unique per process, writer and moment (two containers
+/// sharing the folder can have the same pid).
+fn temp_path(path: &Path) -> PathBuf {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    dir.join(format!(
+        ".{}.tmp.{}.{}.{nanos}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
+        std::process::id(),
+        TMP_SEQ.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// Checks, before long work whose result goes to `path`, that [`write_atomic`] could write it:
+/// `path` is not a folder, and its folder exists and takes a new file (one is made and removed).
+pub fn check_writable(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Err(Error::io(path, std::io::Error::other("is a folder, not a file")));
+    }
+    let tmp = temp_path(path);
+    std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| Error::io(path, e))?;
+    std::fs::remove_file(&tmp).map_err(|e| Error::io(&tmp, e))
 }
 
 /// Reads `n` bytes at `*at`, advancing it.
@@ -182,8 +206,16 @@ fn take<'a>(bytes: &'a [u8], at: &mut usize, n: usize, what: &str) -> std::resul
 fn parse(bytes: &[u8], key: &CacheKey) -> std::result::Result<CachedGraph, String> {
     let at = &mut 0;
     if take(bytes, at, 8, "magic")? != MAGIC {
-        return Err("not a candle-npu graph cache file (bad magic)".into());
+        return Err("not a candle-npu graph cache file of this version (bad magic)".into());
     }
+    // The checksum first: everything parsed below is covered by it.
+    let Some(body) = bytes.len().checked_sub(32).filter(|&n| n >= 8) else {
+        return Err(format!("truncated: {} bytes", bytes.len()));
+    };
+    if Sha256::digest(&bytes[..body]).as_slice() != &bytes[body..] {
+        return Err("corrupt: checksum mismatch".into());
+    }
+    let bytes = &bytes[..body];
     if take(bytes, at, 32, "key")? != key.0 {
         return Err(format!("holds another graph's key (expected {key:?})"));
     }
@@ -193,14 +225,10 @@ fn parse(bytes: &[u8], key: &CacheKey) -> std::result::Result<CachedGraph, Strin
     }
     let meta = take(bytes, at, 4 * n_meta as usize, "meta")?.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
     let len = u64::from_le_bytes(take(bytes, at, 8, "payload length")?.try_into().expect("8 bytes"));
-    let sum = take(bytes, at, 32, "checksum")?;
     let len = usize::try_from(len).map_err(|_| format!("corrupt: payload length {len}"))?;
     let payload = take(bytes, at, len, "payload")?;
     if *at != bytes.len() {
         return Err(format!("corrupt: {} trailing bytes", bytes.len() - *at));
-    }
-    if Sha256::digest(payload).as_slice() != sum {
-        return Err("corrupt: payload checksum mismatch".into());
     }
     Ok(CachedGraph { meta, payload: payload.to_vec() })
 }
@@ -248,12 +276,31 @@ mod tests {
                 other => panic!("expected invalid, got {other:?}"),
             }
         };
-        assert!(invalid(&good[..good.len() - 1]).contains("truncated"));
+        assert!(invalid(&good[..good.len() - 1]).contains("checksum"));
         assert!(invalid(&good[..20]).contains("truncated"));
         assert!(invalid(&[]).contains("truncated"));
-        let mut flipped = good.clone();
-        *flipped.last_mut().unwrap() ^= 1;
-        assert!(invalid(&flipped).contains("checksum"));
+        // Any byte after the magic, the side table's included, is covered by the checksum.
+        for at in [8, 40, 44, 48, 56, good.len() / 2, good.len() - 1] {
+            let mut flipped = good.clone();
+            flipped[at] ^= 1;
+            assert!(invalid(&flipped).contains("checksum"), "byte {at}");
+        }
+        // Well sealed but inconsistent: the fields are still checked.
+        let sealed = |mut body: Vec<u8>| {
+            let sum = Sha256::digest(&body);
+            body.extend_from_slice(&sum);
+            body
+        };
+        let body = good[..good.len() - 32].to_vec();
+        let mut extra = body.clone();
+        extra.push(0);
+        assert!(invalid(&sealed(extra)).contains("trailing"));
+        let mut count = body.clone();
+        count[40..44].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(invalid(&sealed(count)).contains("meta count"));
+        let mut len = body.clone();
+        len[48..56].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(invalid(&sealed(len)).contains("payload"));
         let mut magic = good.clone();
         magic[0] = b'X';
         assert!(invalid(&magic).contains("magic"));
@@ -262,9 +309,6 @@ mod tests {
         let other_path = cache.store("g", &other, &[7], &[5u8; 4096]).unwrap();
         let why = invalid(&std::fs::read(other_path).unwrap());
         assert!(why.contains("another graph's key") && why.contains(&path.display().to_string()), "{why}");
-        let mut long = good.clone();
-        long.push(0);
-        assert!(invalid(&long).contains("trailing"));
         std::fs::remove_dir_all(cache.dir()).unwrap();
     }
 

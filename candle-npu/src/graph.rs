@@ -426,17 +426,78 @@ impl Graph {
         }
     }
 
+    fn invalid_tensor(&self, shapes: String, reason: impl Into<String>) -> Error {
+        Error::InvalidGraph { graph: self.name.clone(), op: "-".into(), shapes, reason: reason.into() }
+    }
+
+    /// What must hold before anything is looked up by id (a graph's fields are public, and the
+    /// executors index by these ids): every id in range, every tensor's size representable,
+    /// constants with data of their type, the graph's inputs exactly its Input tensors and its
+    /// outputs listed once, and every op writing a tensor of its own.
+    fn validate_structure(&self) -> Result<()> {
+        let n = self.tensors.len();
+        for (i, op) in self.ops.iter().enumerate() {
+            if let Some(id) = op.inputs().into_iter().chain([op.output()]).find(|id| id.0 >= n) {
+                return Err(Error::InvalidGraph {
+                    graph: self.name.clone(),
+                    op: op.name().into(),
+                    shapes: format!("op #{i}"),
+                    reason: format!("tensor id {} out of range ({n} tensors)", id.0),
+                });
+            }
+        }
+        for (what, ids) in [("input", &self.inputs), ("output", &self.outputs)] {
+            let mut seen = vec![false; n];
+            for id in ids.iter() {
+                if id.0 >= n {
+                    return Err(self.invalid_tensor(format!("graph {what} #{}", id.0), format!("tensor id out of range ({n} tensors)")));
+                }
+                if std::mem::replace(&mut seen[id.0], true) {
+                    return Err(self.invalid_tensor(self.tensor(*id).to_string(), format!("listed twice as a graph {what}")));
+                }
+            }
+        }
+        for (i, t) in self.tensors.iter().enumerate() {
+            let bytes = t.shape.iter().try_fold(t.dtype.size_in_bytes(), |a, &d| a.checked_mul(d));
+            if bytes.is_none_or(|b| b > isize::MAX as usize) {
+                return Err(self.invalid_tensor(t.to_string(), "the shape's size in bytes overflows"));
+            }
+            // (An input marked as an output too has the Output kind.)
+            let listed = self.inputs.contains(&TensorId(i));
+            if (t.kind == TensorKind::Input && !listed) || (listed && !matches!(t.kind, TensorKind::Input | TensorKind::Output)) {
+                return Err(self.invalid_tensor(t.to_string(), "the graph's inputs must be its Input tensors, each listed once"));
+            }
+            match (&t.kind, &t.data) {
+                (TensorKind::Static, None) => return Err(self.invalid_tensor(t.to_string(), "constant without data")),
+                (TensorKind::Static, Some(d)) if d.dtype() != t.dtype => {
+                    return Err(self.invalid_tensor(t.to_string(), format!("constant data is {:?}, the tensor {:?}", d.dtype(), t.dtype)));
+                }
+                _ => {}
+            }
+        }
+        let mut produced = vec![false; n];
+        for op in &self.ops {
+            let out = op.output();
+            if !matches!(self.tensor(out).kind, TensorKind::Intermediate | TensorKind::Output) {
+                return Err(self.invalid(op, "writes an input or a constant"));
+            }
+            if std::mem::replace(&mut produced[out.0], true) {
+                return Err(self.invalid(op, "writes a tensor another op produces"));
+            }
+            if op.inputs().contains(&out) {
+                return Err(self.invalid(op, "reads its own output"));
+            }
+        }
+        Ok(())
+    }
+
     /// Check shapes, types and quantization parameters of every op, and that every tensor an op
     /// reads is an input, a constant, or produced by an earlier op.
     pub fn validate(&self) -> Result<()> {
         if self.outputs.is_empty() {
-            return Err(Error::InvalidGraph {
-                graph: self.name.clone(),
-                op: "-".into(),
-                shapes: String::new(),
-                reason: "graph has no outputs".into(),
-            });
+            return Err(self.invalid_tensor(String::new(), "graph has no outputs"));
         }
+        self.validate_structure()?;
         let mut ready: Vec<bool> = self
             .tensors
             .iter()
@@ -450,40 +511,23 @@ impl Graph {
                     && t.shape.first() == Some(&s.len())
                     && s.iter().all(|v| v.is_finite() && *v > 0.0);
                 if !ok {
-                    return Err(Error::InvalidGraph {
-                        graph: self.name.clone(),
-                        op: "-".into(),
-                        shapes: t.to_string(),
-                        reason: "per-channel scales need a constant I8 tensor without per-tensor quant, one finite scale > 0 per row".into(),
-                    });
+                    return Err(self.invalid_tensor(
+                        t.to_string(),
+                        "per-channel scales need a constant I8 tensor without per-tensor quant, one finite scale > 0 per row",
+                    ));
                 }
             }
             if t.dtype.is_quantized() && t.quant.is_none() && t.channel_scales.is_none() {
-                return Err(Error::InvalidGraph {
-                    graph: self.name.clone(),
-                    op: "-".into(),
-                    shapes: t.to_string(),
-                    reason: "quantized tensor without scale/offset".into(),
-                });
+                return Err(self.invalid_tensor(t.to_string(), "quantized tensor without scale/offset"));
             }
             if let Some(q) = t.quant {
                 if !(q.scale.is_finite() && q.scale > 0.0) {
-                    return Err(Error::InvalidGraph {
-                        graph: self.name.clone(),
-                        op: "-".into(),
-                        shapes: t.to_string(),
-                        reason: format!("scale must be finite and > 0, got {}", q.scale),
-                    });
+                    return Err(self.invalid_tensor(t.to_string(), format!("scale must be finite and > 0, got {}", q.scale)));
                 }
             }
             if let Some(d) = &t.data {
                 if d.len() != t.elem_count() {
-                    return Err(Error::InvalidGraph {
-                        graph: self.name.clone(),
-                        op: "-".into(),
-                        shapes: t.to_string(),
-                        reason: format!("constant has {} elements, shape needs {}", d.len(), t.elem_count()),
-                    });
+                    return Err(self.invalid_tensor(t.to_string(), format!("constant has {} elements, shape needs {}", d.len(), t.elem_count())));
                 }
             }
         }
@@ -512,6 +556,9 @@ impl Graph {
                     if !(float || w8a8 || w8a16) {
                         return Err(self.invalid(op, "supported: F32 x F32, U8/I8 x I8 (W8A8), or U16 x I8 (W8A16)"));
                     }
+                    if (w8a8 || w8a16) && x.quant.is_none() {
+                        return Err(self.invalid(op, "a quantized input needs one scale and offset (per tensor)"));
+                    }
                     if w8a16 && (bias.is_some() || o.dtype != DType::F32) {
                         return Err(self.invalid(op, "W8A16 takes no bias and has an F32 output (its accumulator exceeds 32 bits)"));
                     }
@@ -530,7 +577,10 @@ impl Graph {
                             return Err(self.invalid(op, "a bias with per-channel weights is not supported: add it to the output"));
                         }
                         if w8a8 {
-                            let expect = x.quant.unwrap().scale * w.quant.unwrap().scale;
+                            let (Some(xq), Some(wq)) = (x.quant, w.quant) else {
+                                return Err(self.invalid(op, "a W8A8 bias needs per-tensor input and weight scales"));
+                            };
+                            let expect = xq.scale * wq.scale;
                             let ok = b.dtype == DType::I32
                                 && b.quant.is_some_and(|q| q.offset == 0 && ((q.scale - expect) / expect).abs() < 1e-5);
                             if !ok {
@@ -580,12 +630,7 @@ impl Graph {
         }
         for &o in &self.outputs {
             if !ready[o.0] {
-                return Err(Error::InvalidGraph {
-                    graph: self.name.clone(),
-                    op: "-".into(),
-                    shapes: self.tensor(o).to_string(),
-                    reason: "output is never produced".into(),
-                });
+                return Err(self.invalid_tensor(self.tensor(o).to_string(), "output is never produced"));
             }
         }
         Ok(())
@@ -695,7 +740,8 @@ pub fn check_input_count(graph: &str, expected: usize, got: usize) -> Result<()>
 
 #[inline]
 pub(crate) fn quantize_one(v: f32, q: Quant, lo: i64, hi: i64) -> i64 {
-    let x = (v / q.scale).round() as i64 - q.offset as i64;
+    // `as i64` saturates (+inf to i64::MAX): the offset must not wrap it around.
+    let x = ((v / q.scale).round() as i64).saturating_sub(q.offset as i64);
     x.clamp(lo, hi)
 }
 
@@ -762,6 +808,34 @@ mod tests {
         g.mark_output(y);
         assert!(g.validate().unwrap_err().to_string().contains("before it is produced"));
         assert!(Graph::new("empty").validate().unwrap_err().to_string().contains("no outputs"));
+    }
+
+    #[test]
+    fn malformed_structure_is_an_error_not_a_panic() {
+        type Edit = fn(&mut Graph);
+        let cases: [(Edit, &str); 9] = [
+            (|g| g.outputs.push(TensorId(99)), "out of range"),
+            (|g| g.inputs.push(TensorId(99)), "out of range"),
+            (|g| g.ops.push(Op::Sigmoid { input: TensorId(0), output: TensorId(1000) }), "tensor id 1000 out of range"),
+            (|g| g.outputs.push(g.outputs[0]), "listed twice"),
+            (|g| g.inputs.clear(), "the graph's inputs"),
+            (|g| g.tensors[1].data = None, "constant without data"),
+            (|g| g.tensors[1].dtype = DType::I32, "constant data is F32, the tensor I32"),
+            (|g| g.tensors[0].shape = vec![1 << 40, 1 << 40], "overflows"),
+            (|g| g.ops.push(g.ops[0].clone()), "another op produces"),
+        ];
+        for (edit, why) in cases {
+            let mut g = fc_graph(DType::F32, DType::F32);
+            edit(&mut g);
+            let err = g.validate().unwrap_err().to_string();
+            assert!(err.contains(why) && err.contains("graph 't'"), "{why}: {err}");
+        }
+        // An op writing a constant, or its own input.
+        let mut g = fc_graph(DType::F32, DType::F32);
+        g.ops.push(Op::Sigmoid { input: TensorId(0), output: TensorId(1) });
+        assert!(g.validate().unwrap_err().to_string().contains("writes an input or a constant"));
+        // Quantizing +inf under a negative offset saturates at the top, never wraps to the bottom.
+        assert_eq!(quantize_one(f32::INFINITY, Quant { scale: 1.0, offset: -128 }, 0, 255), 255);
     }
 
     #[test]

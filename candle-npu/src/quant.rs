@@ -8,6 +8,7 @@
 //! with values beyond the range in calibration) and each layer's measured importance.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -266,12 +267,47 @@ impl QuantProfile {
         Ok(Quant::u8_range(p.lo, p.hi))
     }
 
-    /// Writes atomically (temporary file, then rename): a crash never leaves half a profile.
+    /// Why the profile cannot be used, if it cannot: every range finite and ordered, a clip range
+    /// of some width wherever calibration saw more than one value (a zero-width one would send
+    /// every value down the CPU's shadow path), hot channels sorted, unique and in range, and
+    /// importance finite. (Whether it fits a model is `Model::set_profile`'s check.)
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        for (name, p) in &self.points {
+            let bad = |why: String| Err(format!("point {name}: {why}"));
+            if ![p.lo, p.hi, p.min, p.max].iter().all(|v| v.is_finite()) || !(p.hi - p.lo).is_finite() {
+                return bad(format!("range not finite (clip {}..{}, seen {}..{})", p.lo, p.hi, p.min, p.max));
+            }
+            if p.lo > p.hi || p.min > p.max {
+                return bad(format!("range inverted (clip {}..{}, seen {}..{})", p.lo, p.hi, p.min, p.max));
+            }
+            if p.lo == p.hi && p.min < p.max {
+                return bad(format!("zero-width clip range {}..{} over values seen in {}..{}", p.lo, p.hi, p.min, p.max));
+            }
+            if !(0.0..=1.0).contains(&p.beyond) {
+                return bad(format!("share beyond the range {} is not within 0..=1", p.beyond));
+            }
+            if p.channels == 0 {
+                return bad("0 channels".into());
+            }
+            if let Some(w) = p.hot.windows(2).find(|w| w[0] >= w[1]) {
+                return bad(format!("hot channels not sorted and unique ({} then {})", w[0], w[1]));
+            }
+            if let Some(&c) = p.hot.iter().find(|&&c| c as usize >= p.channels) {
+                return bad(format!("hot channel {c} of {} channels", p.channels));
+            }
+        }
+        if let Some((l, v)) = self.importance.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(format!("importance of layer {l} is {v}"));
+        }
+        Ok(())
+    }
+
+    /// Writes atomically (a unique temporary file, synced, then renamed): a crash or a second
+    /// writer never leaves half a profile. A profile that would not load again is an error here.
     pub fn save(&self, path: &Path) -> Result<()> {
-        let json = serde_json::to_vec_pretty(self).expect("profile serializes");
-        let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
-        std::fs::write(&tmp, json).map_err(|e| Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+        self.validate().map_err(|reason| Error::Profile { path: path.to_path_buf(), reason: format!("not saved: {reason}") })?;
+        let json = serde_json::to_vec_pretty(self).map_err(|e| Error::Profile { path: path.to_path_buf(), reason: e.to_string() })?;
+        crate::cache::write_atomic(path, |f| f.write_all(&json))
     }
 
     /// Load a profile and check it was made for `model_id` by a build that reads its format.
@@ -285,6 +321,7 @@ impl QuantProfile {
             None => return Err(bad("not a quant profile: no format field".into())),
         }
         let p: QuantProfile = serde_json::from_value(v).map_err(|e| bad(format!("not a quant profile: {e}")))?;
+        p.validate().map_err(|why| bad(format!("{why}; delete it to recalibrate")))?;
         if p.model_id != model_id {
             return Err(bad(format!(
                 "calibrated for model {}, not this model ({model_id}); delete it or pass the right --profile",
@@ -338,6 +375,49 @@ mod tests {
         assert!(prof.select_hot(&counts, 1.5).is_err());
         assert!(prof.select_hot(&[("p".to_string(), vec![1, 2])], 0.9).unwrap_err().to_string().contains("2 channels"));
         assert!(prof.select_hot(&[("q".to_string(), vec![1])], 0.9).is_err());
+    }
+
+    #[test]
+    fn profiles_that_cannot_be_used_are_refused_on_save_and_load() {
+        let mut cal = Calibrator::default();
+        cal.observe("p", &[-1.0, 0.5, 2.0, 3.0], 2);
+        let good = cal.finish("m".into(), ClipMethod::MinMax);
+        assert_eq!(good.validate(), Ok(()));
+        let dir = std::env::temp_dir().join(format!("candle-npu-profile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.json");
+        good.save(&path).unwrap();
+        assert_eq!(QuantProfile::load(&path, "m").unwrap().points, good.points);
+        type Edit = fn(&mut PointProfile);
+        let cases: [(Edit, &str); 7] = [
+            (|p| p.hi = f32::INFINITY, "not finite"),
+            (|p| p.lo = f32::NAN, "not finite"),
+            (|p| (p.lo, p.hi) = (1.0, -1.0), "inverted"),
+            (|p| (p.lo, p.hi) = (0.0, 0.0), "zero-width"),
+            (|p| p.hot = vec![1, 0], "not sorted"),
+            (|p| p.hot = vec![0, 7], "hot channel 7 of 2"),
+            (|p| p.beyond = -0.5, "within 0..=1"),
+        ];
+        for (edit, why) in cases {
+            let mut bad = good.clone();
+            edit(bad.points.get_mut("p").unwrap());
+            let err = bad.save(&path).unwrap_err().to_string();
+            assert!(err.contains(why) && err.contains("point p") && err.contains("not saved"), "{err}");
+            // Written by hand (JSON has no NaN or inf: those are written as null), it does not load.
+            // 1e39 reads back as an f32 infinity.
+            let mut v = serde_json::to_value(&bad).unwrap();
+            for f in ["lo", "hi"] {
+                if v["points"]["p"][f].is_null() {
+                    v["points"]["p"][f] = serde_json::json!(1e39);
+                }
+            }
+            std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+            let err = QuantProfile::load(&path, "m").unwrap_err().to_string();
+            assert!(err.contains("point p") && err.contains("delete it"), "{err}");
+        }
+        // Nothing but the profile is left in the folder: the temporary files were renamed.
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
 use candle_npu::{HtpConfig, NpuDevice, ProfilingLevel, Tail};
-use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, TextStream};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use clap::{Parser, ValueEnum};
 
@@ -99,21 +99,22 @@ struct Args {
     tokenizer: Option<PathBuf>,
     #[arg(long, default_value = "What is the capital of France?")]
     prompt: String,
-    /// Tokens to generate.
+    /// Tokens to generate (0: the prefill alone, e.g. to time it).
     #[arg(long, short = 'n', default_value_t = 64)]
     sample_len: usize,
-    /// Sampling temperature; greedy when absent.
-    #[arg(long)]
+    /// Sampling temperature, >= 0; greedy when absent or 0.
+    #[arg(long, value_parser = temperature)]
     temperature: Option<f64>,
-    #[arg(long)]
+    /// Nucleus sampling: the smallest set of tokens holding this probability, in (0, 1].
+    #[arg(long, value_parser = top_p, requires = "temperature")]
     top_p: Option<f64>,
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
     /// Rows of the static NPU graphs; the prompt is cut into chunks of this length. Default:
     /// 256, except 32 for `--executor hexagon` on x86, where the HTP is an emulator (~0.3-1
     /// GMAC/s: one 256-row chunk of SmolLM2 took about 4 minutes there, a 32-row one 30 s).
-    #[arg(long)]
-    chunk_len: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_CHUNK_LEN as i64))]
+    chunk_len: Option<u32>,
     #[arg(long, value_enum, default_value = "host")]
     executor: ExecutorKind,
     /// Use the prompt as is, without the model's chat template.
@@ -155,6 +156,24 @@ struct Args {
     trace: Option<PathBuf>,
 }
 
+/// The longest static graph a chunk may have: beyond it a chunk's activations alone take
+/// hundreds of MB, and no NPU takes it.
+const MAX_CHUNK_LEN: u32 = 8192;
+
+fn temperature(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err(format!("'{s}' is not a temperature: a number >= 0 (0: greedy)")),
+    }
+}
+
+fn top_p(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("'{s}' is not a top-p: a probability in (0, 1]")),
+    }
+}
+
 /// A family's example: `family` is the spec name the loaded model must have, `default` the
 /// model used when neither --model, --model-id nor --which is given (`None`: one is required).
 pub fn run(family: &str, default: Option<Which>) -> Result<()> {
@@ -188,10 +207,13 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             NpuDevice::hexagon(config).context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?
         }
     };
-    let chunk_len = args.chunk_len.unwrap_or(match args.executor {
-        ExecutorKind::Hexagon if cfg!(target_arch = "x86_64") => 32,
-        _ => 256,
-    });
+    let chunk_len = args.chunk_len.map_or(
+        match args.executor {
+            ExecutorKind::Hexagon if cfg!(target_arch = "x86_64") => 32,
+            _ => 256,
+        },
+        |c| c as usize,
+    );
     let path = match (&args.model, &args.model_id, args.which.or(default)) {
         (Some(p), _, _) => p.clone(),
         (None, Some(id), _) => candle_npu_models::hf::resolve_model_id(id, None)?,
@@ -228,6 +250,15 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         candle_npu_models::memory::describe()
     );
 
+    // The prompt and the options checked against the model before the calibration, which can
+    // take minutes.
+    let tokens = p.encode(&args.prompt, !args.no_chat_template)?;
+    let context = p.model.config().context_len;
+    if chunk_len > context {
+        bail!("--chunk-len {chunk_len} is longer than the model's context ({context} tokens)");
+    }
+    p.model.plan(tokens.len(), chunk_len).context("the prompt")?;
+
     let bar = indicatif::ProgressBar::hidden();
     p.ensure_profile(args.profile.as_deref(), chunk_len, CalibrationSet::default(), |i, n| {
         if bar.is_hidden() {
@@ -240,11 +271,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     bar.finish_and_clear();
     eprintln!("profile ready ({})", candle_npu_models::memory::describe());
 
-    let tokens = p.encode(&args.prompt, !args.no_chat_template)?;
     let mut sampler = LogitsProcessor::from_sampling(
         args.seed,
         match (args.temperature, args.top_p) {
             (None, _) => Sampling::ArgMax,
+            (Some(t), _) if t < 1e-7 => Sampling::ArgMax,
             (Some(temperature), None) => Sampling::All { temperature },
             (Some(temperature), Some(p)) => Sampling::TopP { p, temperature },
         },
@@ -309,27 +340,38 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             100.0 * schedule.bubble_rate(Processor::Cpu)
         );
     }
-    let mut next = sampler.sample(&logits)?;
     if args.no_chat_template {
         print!("{}", args.prompt);
     } else {
         println!("> {}", args.prompt);
     }
-    let mut generated = vec![next];
-    let mut printed = 0;
+    // Up to --sample-len tokens, a stop token, or the end of the context.
+    let room = context.saturating_sub(tokens.len());
+    let mut stream = TextStream::new();
+    let mut generated = 0;
     let t = Instant::now();
-    while generated.len() < args.sample_len && !p.stop_tokens.contains(&next) {
-        let text = p.decode_text(&generated)?;
-        print!("{}", &text[printed..]);
-        printed = text.len();
-        std::io::stdout().flush()?;
-        next = sampler.sample(&p.model.decode(next)?)?;
-        generated.push(next);
+    let mut logits = logits;
+    while generated < args.sample_len {
+        let next = sampler.sample(&logits)?;
+        generated += 1;
+        if p.stop_tokens.contains(&next) {
+            break;
+        }
+        if let Some(text) = stream.next(&p.tokenizer, next)? {
+            print!("{text}");
+            std::io::stdout().flush()?;
+        }
+        if generated == args.sample_len {
+            break;
+        }
+        if generated > room {
+            eprintln!("\n(stopped: the model's context of {context} tokens is full)");
+            break;
+        }
+        logits = p.model.decode(next)?;
     }
     let decode_s = t.elapsed().as_secs_f64();
-    let body: Vec<u32> = generated.iter().copied().filter(|t| !p.stop_tokens.contains(t)).collect();
-    let text = p.decode_text(&body)?;
-    println!("{}", text.get(printed..).unwrap_or(""));
+    println!("{}", stream.finish(&p.tokenizer)?.unwrap_or_default());
     let plan = p.model.plan(tokens.len(), chunk_len)?;
     let sizes: Vec<String> = plan.npu_sizes().iter().rev().map(|&s| format!("{} x {s}", plan.chunks.iter().filter(|c| !c.margin && c.padded_len == s).count())).collect();
     println!(
@@ -343,7 +385,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         prefill_stats.graphs_prepared - before.graphs_prepared,
         prefill_stats.executions - before.executions
     );
-    let decoded = generated.len().saturating_sub(1);
+    let decoded = generated.saturating_sub(1);
     println!("{decoded} tokens generated: {:.2} token/s", decoded as f64 / decode_s.max(1e-9));
     println!("memory: {}", candle_npu_models::memory::describe());
     print_qnn_profile(&device);

@@ -28,6 +28,6 @@ pub mod tokenizer;
 pub mod transformer;
 
 pub use candle_npu::{DecodeWeights, WeightQuant};
-pub use pipeline::{CalibrationSet, Pipeline};
+pub use pipeline::{CalibrationSet, Pipeline, TextStream};
 pub use spec::{Config, FamilySpec};
 pub use transformer::{prefill_dag, LoadOptions, Model, Precision, SchedOptions};

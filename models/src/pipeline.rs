@@ -110,7 +110,7 @@ impl Pipeline {
     }
 
     pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer.decode(ids, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))
+        decode(&self.tokenizer, ids)
     }
 
     /// For W8A8 and W8A16: load the profile at `path` (default: next to the model), or calibrate on
@@ -129,6 +129,8 @@ impl Pipeline {
             tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");
             self.model.set_profile(p)?;
         } else {
+            // Before the minutes of calibration, not after.
+            candle_npu::cache::check_writable(&path)?;
             let p = self.calibrate(chunk_len, set, progress)?;
             p.save(&path)?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "saved quant profile");
@@ -167,6 +169,10 @@ impl Pipeline {
     }
 
     pub fn calibration_sequences(&self, set: CalibrationSet) -> Result<Vec<Vec<u32>>> {
+        if set.sequences == 0 || set.seq_len == 0 || set.seq_len > self.model.config().context_len {
+            let (n, len, ctx) = (set.sequences, set.seq_len, self.model.config().context_len);
+            return Err(Error::Input(format!("calibration on {n} sequences of {len} tokens: need at least one of 1..={ctx} tokens")));
+        }
         let ids = self.encode_texts(crate::assets::wiki_calibration(set.sequences * set.seq_len / 40 + 8)?, set.sequences * set.seq_len)?;
         let seqs: Vec<Vec<u32>> = ids.chunks_exact(set.seq_len).take(set.sequences).map(<[u32]>::to_vec).collect();
         if seqs.is_empty() {
@@ -197,4 +203,56 @@ impl Pipeline {
         ids.truncate(n);
         Ok(ids)
     }
+}
+
+/// Generated text as it comes, never splitting a character: a token may hold part of a
+/// multi-byte character (byte-level BPE, byte fallback), and a text ending in such a part
+/// decodes to U+FFFD. As candle's `TokenOutputStream`, each step decodes the tokens since the
+/// last text it gave out twice (without and with the new token) and gives the difference; it
+/// waits while the text ends in U+FFFD (candle's waits for an alphanumeric last character).
+#[derive(Debug, Default)]
+pub struct TextStream {
+    tokens: Vec<u32>,
+    /// Tokens before `prev` are given out; `prev..current` is the context of the next step.
+    prev: usize,
+    current: usize,
+}
+
+impl TextStream {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `token`; the text that is complete now, if any.
+    pub fn next(&mut self, tok: &Tokenizer, token: u32) -> Result<Option<String>> {
+        let before = decode(tok, &self.tokens[self.prev..self.current])?;
+        self.tokens.push(token);
+        let text = decode(tok, &self.tokens[self.prev..])?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok(None);
+        }
+        match text.strip_prefix(before.as_str()) {
+            Some(new) if !new.is_empty() => {
+                let new = new.to_string();
+                (self.prev, self.current) = (self.current, self.tokens.len());
+                Ok(Some(new))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The text not given out yet (at the end of generation).
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
+        let before = decode(tok, &self.tokens[self.prev..self.current])?;
+        let text = decode(tok, &self.tokens[self.prev..])?;
+        self.prev = self.tokens.len();
+        self.current = self.prev;
+        // If the tokenizer rewrote the context, the whole window: never a slice inside a character.
+        let rest = text.strip_prefix(before.as_str()).unwrap_or(&text);
+        Ok((!rest.is_empty()).then(|| rest.to_string()))
+    }
+}
+
+fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
+    tok.decode(ids, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))
 }

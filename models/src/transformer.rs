@@ -398,16 +398,25 @@ impl Model {
         if profile.model_id != self.model_id {
             return Err(Error::Input(format!("quant profile was calibrated for model {}, this model is {}", profile.model_id, self.model_id)));
         }
+        // All checked before anything changes: a bad profile leaves the model as it was.
+        profile.validate().map_err(|why| Error::Input(format!("quant profile: {why}")))?;
+        if !profile.importance.is_empty() && profile.importance.len() != self.layers.len() {
+            return Err(Error::Input(format!("quant profile: importance of {} layers, the model has {}", profile.importance.len(), self.layers.len())));
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (s, lins) in layer.stages.iter().enumerate() {
+                let name = point(l, POINTS[s]);
+                let (channels, k) = (profile.point(&name)?.channels, lins[0].dims().1);
+                if channels != k {
+                    return Err(Error::Input(format!("quant profile point {name} has {channels} channels, the model {k}")));
+                }
+            }
+        }
         let mut a16 = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter_mut().enumerate() {
             let mut row16 = [Quant::symmetric(1.0); 4];
             for (s, lins) in layer.stages.iter_mut().enumerate() {
-                let name = point(l, POINTS[s]);
-                let p = profile.point(&name)?;
-                let k = lins[0].dims().1;
-                if p.channels != k {
-                    return Err(Error::Input(format!("quant profile point {name} has {} channels, the model {k}", p.channels)));
-                }
+                let p = profile.point(&point(l, POINTS[s]))?;
                 for lin in lins.iter_mut() {
                     lin.set_hot(&p.hot)?;
                 }
