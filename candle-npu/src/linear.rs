@@ -196,6 +196,14 @@ impl ShadowLinear {
         if let Some(b) = bias.as_ref().filter(|b| b.len() != n) {
             return Err(Error::Input(format!("{name}: bias has {} values, weight has {n} outputs", b.len())));
         }
+        // A NaN or infinite weight would quantize to a row of zeros on the NPU and stay NaN on the
+        // CPU: the two paths would disagree without a word.
+        if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Input(format!("{name}: weight from {} has {} at [{}, {}]", source.describe(), data[i], i / k, i % k)));
+        }
+        if let Some(i) = bias.iter().flatten().position(|v| !v.is_finite()) {
+            return Err(Error::Input(format!("{name}: bias has a non-finite value at [{i}]")));
+        }
         let (q, scales) = NpuWeight::quantize(&data, n, k, weights);
         let row_scales: Vec<f32> = (0..n).map(|r| scales.row(r)).collect();
         let checkpoint = match decode {
@@ -212,6 +220,9 @@ impl ShadowLinear {
             (_, Some(t)) => (Int8::Raw(Arc::new(q)), QMatMul::from_qtensor(t)?),
             (DecodeWeights::F32, None) => (Int8::Raw(Arc::new(q)), QMatMul::Tensor(Tensor::from_vec(data, (n, k), &Device::Cpu)?)),
             (_, None) if k % 32 == 0 => {
+                if let Some(r) = row_scales.iter().position(|&s| s > half::f16::MAX.to_f32()) {
+                    return Err(Error::Input(format!("{name}: row {r}'s weights (scale {}) are beyond Q8_0's f16 scales", row_scales[r])));
+                }
                 let t = Arc::new(q8_0_blocks(&q, n, k, |r| row_scales[r])?);
                 (Int8::Q8_0(t.clone()), QMatMul::QTensor(t))
             }

@@ -103,7 +103,7 @@ struct Args {
     #[arg(long, short = 'n', default_value_t = 64)]
     sample_len: usize,
     /// Sampling temperature, >= 0; greedy when absent or 0.
-    #[arg(long, value_parser = temperature)]
+    #[arg(long, value_parser = temperature, allow_hyphen_values = true)]
     temperature: Option<f64>,
     /// Nucleus sampling: the smallest set of tokens holding this probability, in (0, 1].
     #[arg(long, value_parser = top_p, requires = "temperature")]

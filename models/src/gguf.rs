@@ -25,17 +25,33 @@ impl Gguf {
         let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
         let file_len = file.metadata().map_err(|e| bad(e.to_string()))?.len();
         let mut reader = BufReader::new(file);
-        let content = gguf_file::Content::read(&mut reader).map_err(|e| bad(format!("not a valid GGUF file: {e}")))?;
-        // Check every tensor's bytes lie inside the file now, so a truncated download is reported
-        // here and not as a read error deep inside model loading.
+        // candle's reader trusts a few header values (an alignment of 0 divides by zero): a panic
+        // in it is this file's fault, reported as such.
+        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gguf_file::Content::read(&mut reader)));
+        let content = match read {
+            Ok(r) => r.map_err(|e| bad(format!("not a valid GGUF file: {e}")))?,
+            Err(_) => return Err(bad("not a valid GGUF file: its header made the GGUF reader fail (e.g. an alignment of 0)".into())),
+        };
+        // Every tensor's shape and bytes checked now, with checked arithmetic (header values are
+        // the file's word, and a product that wraps would pass the bounds check), so a truncated
+        // or damaged file is reported here and not deep inside model loading.
         for (name, info) in &content.tensor_infos {
-            let elems = info.shape.elem_count();
-            let bytes = elems / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
-            let end = content.tensor_data_offset + info.offset + bytes as u64;
-            if end > file_len {
-                return Err(bad(format!(
-                    "truncated: tensor '{name}' ends at byte {end} but the file has {file_len} bytes (re-run scripts/setup.sh)"
-                )));
+            let dims = info.shape.dims();
+            if dims.is_empty() || dims.contains(&0) {
+                return Err(bad(format!("tensor '{name}' has shape {dims:?}: every tensor needs 1 to 4 dimensions, none of them 0")));
+            }
+            let (block, size) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
+            let elems = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64));
+            let bytes = elems.filter(|e| e % block as u64 == 0).and_then(|e| (e / block as u64).checked_mul(size as u64));
+            let end = bytes.and_then(|b| content.tensor_data_offset.checked_add(info.offset)?.checked_add(b));
+            match end {
+                None => return Err(bad(format!("tensor '{name}': shape {dims:?} of {:?} at offset {} is not a valid size", info.ggml_dtype, info.offset))),
+                Some(end) if end > file_len => {
+                    return Err(bad(format!(
+                        "truncated: tensor '{name}' ends at byte {end} but the file has {file_len} bytes (re-run scripts/setup.sh)"
+                    )))
+                }
+                Some(_) => {}
             }
         }
         Ok(Gguf { path: path.to_path_buf(), content, reader: std::sync::Mutex::new(reader) })
@@ -104,14 +120,17 @@ impl Gguf {
         let n_head = u("attention.head_count")?;
         let vocab = match self.opt_u32(&format!("{arch}.vocab_size"))? {
             Some(v) => v as usize,
-            None => self.content.tensor_infos.get("token_embd.weight").map(|t| t.shape.dims()[0]).ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: "token_embd.weight".into() })?,
+            None => match self.content.tensor_infos.get("token_embd.weight") {
+                Some(t) => t.shape.dims().first().copied().unwrap_or(0),
+                None => return Err(Error::MissingTensor { path: self.path.clone(), name: "token_embd.weight".into() }),
+            },
         };
         let head_dim = match self.opt_u32(&format!("{arch}.attention.key_length"))? {
             Some(d) => d as usize,
             None if n_head > 0 => hidden / n_head,
             None => 0,
         };
-        Ok(Config {
+        let cfg = Config {
             n_layer: u("block_count")?,
             hidden,
             n_head,
@@ -121,6 +140,12 @@ impl Gguf {
             vocab,
             rms_eps: self.f32(&format!("{arch}.attention.layer_norm_rms_epsilon"))? as f64,
             context_len: u("context_length")?,
-        })
+        };
+        cfg.validate().map_err(|why| Error::Model { path: self.path.clone(), reason: format!("metadata under '{arch}.': {why}") })?;
+        // A block count below the file's layers would silently drop the rest.
+        if self.has_tensor(&format!("blk.{}.attn_norm.weight", cfg.n_layer)) {
+            return Err(Error::Model { path: self.path.clone(), reason: format!("{arch}.block_count is {} but the file has more layers", cfg.n_layer) });
+        }
+        Ok(cfg)
     }
 }

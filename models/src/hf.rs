@@ -73,7 +73,7 @@ impl HfConfig {
         if n_head == 0 {
             return Err(self.bad("num_attention_heads is 0".into()));
         }
-        Ok(Config {
+        let cfg = Config {
             n_layer: self.usize("num_hidden_layers")?,
             hidden,
             n_head,
@@ -83,7 +83,9 @@ impl HfConfig {
             vocab: self.usize("vocab_size")?,
             rms_eps: self.f64("rms_norm_eps")?,
             context_len: self.usize("max_position_embeddings")?,
-        })
+        };
+        cfg.validate().map_err(|why| self.bad(why))?;
+        Ok(cfg)
     }
 
     /// The FFN activation: the families here use SiLU; anything else is not what they compute.

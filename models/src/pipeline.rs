@@ -80,6 +80,7 @@ impl Pipeline {
         for s in template.stop_strings() {
             stop_tokens.extend(tok.token_to_id(s));
         }
+        check_tokenizer(&tok, &model, &stop_tokens, path)?;
         Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: path.to_path_buf() })
     }
 
@@ -94,6 +95,7 @@ impl Pipeline {
         for s in template.stop_strings() {
             stop_tokens.extend(tok.token_to_id(s));
         }
+        check_tokenizer(&tok, &model, &stop_tokens, dir)?;
         Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: dir.to_path_buf() })
     }
 
@@ -203,6 +205,21 @@ impl Pipeline {
         ids.truncate(n);
         Ok(ids)
     }
+}
+
+/// A tokenizer that can produce ids the model has no embedding for (or stop ids it can never
+/// sample) belongs to another model: an error, not garbage or a generation that never stops.
+fn check_tokenizer(tok: &Tokenizer, model: &Model, stop: &[u32], path: &Path) -> Result<()> {
+    let vocab = model.config().vocab;
+    let n = tok.get_vocab_size(true);
+    let bad = |reason: String| Err(Error::Model { path: path.to_path_buf(), reason });
+    if n > vocab {
+        return bad(format!("the tokenizer has {n} tokens, the model's vocabulary {vocab}: a tokenizer of another model?"));
+    }
+    if let Some(s) = stop.iter().find(|&&s| s as usize >= vocab) {
+        return bad(format!("stop token id {s} is beyond the model's vocabulary of {vocab}"));
+    }
+    Ok(())
 }
 
 /// Generated text as it comes, never splitting a character: a token may hold part of a

@@ -21,6 +21,39 @@ pub struct Config {
     pub context_len: usize,
 }
 
+impl Config {
+    /// Why the engine cannot run these sizes, if it cannot (checked as a checkpoint is opened,
+    /// before any of its sizes is used): every size positive and within what a decoder of up to
+    /// tens of billions of parameters has (a header value beyond that is damage, and would size
+    /// allocations), heads in whole KV groups, and an RMSNorm epsilon that is a small positive
+    /// number in f32.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let limits = [
+            ("layers", self.n_layer, 1 << 10),
+            ("hidden size", self.hidden, 1 << 16),
+            ("attention heads", self.n_head, 1 << 10),
+            ("KV heads", self.n_kv_head, 1 << 10),
+            ("head size", self.head_dim, 1 << 12),
+            ("FFN size", self.ffn, 1 << 18),
+            ("vocabulary", self.vocab, 1 << 22),
+            ("context length", self.context_len, 1 << 24),
+        ];
+        for (what, v, max) in limits {
+            if v == 0 || v > max {
+                return Err(format!("{what} {v} is not within 1..={max}"));
+            }
+        }
+        if self.n_head % self.n_kv_head != 0 {
+            return Err(format!("{} attention heads are not a multiple of {} KV heads", self.n_head, self.n_kv_head));
+        }
+        let eps = self.rms_eps as f32;
+        if !(eps.is_finite() && eps > 0.0 && eps < 1.0) {
+            return Err(format!("RMSNorm epsilon {eps} is not a number in (0, 1)"));
+        }
+        Ok(())
+    }
+}
+
 /// The FFN's gate activation: `act(gate) * up`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {

@@ -289,6 +289,23 @@ impl Model {
     ) -> Result<Self> {
         check_spec(&cfg, &spec, ckpt)?;
         let vector = |name: String| ckpt.vector(&names(&name).name);
+        // The tables and the final norm first: their shapes tell a wrong config before the layers'
+        // quantization takes its seconds.
+        let embed = ckpt.table(&names("token_embd.weight").name, opts.decode_weights)?;
+        let lm_head = match ckpt.contains(&names("output.weight").name) {
+            true => ckpt.table(&names("output.weight").name, opts.decode_weights)?,
+            false => embed.clone(), // tied
+        };
+        let final_norm = vector("output_norm.weight".into())?;
+        for (name, dims, want) in [
+            ("token_embd.weight", qmatmul_dims(&embed), vec![cfg.vocab, cfg.hidden]),
+            ("output.weight", qmatmul_dims(&lm_head), vec![cfg.vocab, cfg.hidden]),
+            ("output_norm.weight", final_norm.dims().to_vec(), vec![cfg.hidden]),
+        ] {
+            if dims != want {
+                return Err(Error::Model { path: ckpt.path().to_path_buf(), reason: format!("{name}: shape {dims:?}, the config implies {want:?}") });
+            }
+        }
         let (hd, q_rows, kv_rows) = (cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
@@ -332,12 +349,6 @@ impl Model {
                 stages,
             });
         }
-        let embed = ckpt.table(&names("token_embd.weight").name, opts.decode_weights)?;
-        let lm_head = match ckpt.contains(&names("output.weight").name) {
-            true => ckpt.table(&names("output.weight").name, opts.decode_weights)?,
-            false => embed.clone(), // tied
-        };
-        let final_norm = vector("output_norm.weight".into())?;
         let n = cfg.n_layer;
         Ok(Model {
             cfg,
@@ -1029,16 +1040,17 @@ impl Model {
     pub const NPU_STAGES_PER_LAYER: usize = 4;
 }
 
+fn qmatmul_dims(m: &QMatMul) -> Vec<usize> {
+    match m {
+        QMatMul::QTensor(q) => q.shape().dims().to_vec(),
+        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims().to_vec(),
+    }
+}
+
 /// A config and spec the engine can run, or an error naming the checkpoint and what is wrong.
 fn check_spec(cfg: &Config, spec: &FamilySpec, ckpt: &dyn Checkpoint) -> Result<()> {
     let bad = |reason: String| Err(Error::Model { path: ckpt.path().to_path_buf(), reason });
-    let sizes = [cfg.n_layer, cfg.hidden, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn, cfg.vocab, cfg.context_len];
-    if sizes.contains(&0) {
-        return bad(format!("config has a zero size: {cfg:?}"));
-    }
-    if cfg.n_head % cfg.n_kv_head != 0 {
-        return bad(format!("{} attention heads are not a multiple of {} KV heads", cfg.n_head, cfg.n_kv_head));
-    }
+    cfg.validate().or_else(bad)?;
     if spec.layers.len() != cfg.n_layer {
         return bad(format!("{} layer specs for {} layers", spec.layers.len(), cfg.n_layer));
     }
@@ -1047,6 +1059,14 @@ fn check_spec(cfg: &Config, spec: &FamilySpec, ckpt: &dyn Checkpoint) -> Result<
     }
     if spec.layers.iter().any(|l| l.window == Some(0)) {
         return bad("a sliding window of 0 positions".into());
+    }
+    // f32 RoPE tables: a base of 0, a negative or a non-finite one gives NaN or constant angles.
+    if let Some(l) = spec.layers.iter().find(|l| !(l.rope_base.is_finite() && l.rope_base > 1.0)) {
+        return bad(format!("RoPE base {} is not a finite number > 1", l.rope_base));
+    }
+    let scales = [("attention scale", Some(spec.attn_scale)), ("embedding scale", spec.embed_scale)];
+    if let Some((what, v)) = scales.into_iter().find_map(|(w, v)| v.filter(|v| !(v.is_finite() && *v > 0.0)).map(|v| (w, v))) {
+        return bad(format!("{what} {v} is not a finite number > 0"));
     }
     Ok(())
 }
@@ -1122,7 +1142,12 @@ pub fn mean_nll(logits: &Tensor, tokens: &[u32]) -> Result<f64> {
     if tokens.len() < 2 || lp.len() < tokens.len() - 1 {
         return Err(Error::Input(format!("need at least 2 tokens and one logit row per token, got {} and {}", tokens.len(), lp.len())));
     }
-    let nll: f64 = (0..tokens.len() - 1).map(|i| -lp[i][tokens[i + 1] as usize] as f64).sum();
+    let mut nll = 0f64;
+    for i in 0..tokens.len() - 1 {
+        let t = tokens[i + 1];
+        let lp = lp[i].get(t as usize).ok_or_else(|| Error::Input(format!("token {t} is beyond the {} logits of a row", lp[i].len())))?;
+        nll -= *lp as f64;
+    }
     Ok(nll / (tokens.len() - 1) as f64)
 }
 

@@ -1,0 +1,369 @@
+//! Bad input, as a careless or hostile user gives it: every case is an `Err` (or, for the
+//! command line, an exit with a message) whose text names the cause. None panics, none runs on
+//! with a wrong result.
+//!
+//! Model files are damaged copies of a tiny Llama GGUF written here (seeded weights, two layers),
+//! so that each case loads in milliseconds; the command-line cases run the `llama` example on
+//! SmolLM2 (`scripts/setup.sh`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use candle_npu::cache::{CacheKey, GraphCache, Lookup};
+use candle_npu::{DType, Graph, NpuDevice, QuantProfile, TensorId};
+use candle_npu_models::gguf::Gguf;
+use candle_npu_models::{assets, families, DecodeWeights, LoadOptions, Model, Precision, TextStream};
+
+const HIDDEN: usize = 64;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const FFN: usize = 128;
+const LAYERS: usize = 2;
+const VOCAB: usize = 96;
+
+/// A fresh folder for one test's files.
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("candle-npu-bad-input-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+type Metadata = Vec<(String, Value)>;
+type Tensors = Vec<(String, Tensor)>;
+
+/// Seeded uniform values in `[-scale / 2, scale / 2)` (xorshift).
+fn seeded(shape: &[usize], scale: f32, seed: &mut u64) -> Tensor {
+    let v: Vec<f32> = (0..shape.iter().product::<usize>())
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// The tiny Llama's metadata and tensors (seeded: every file is the same model).
+fn tiny_llama() -> (Metadata, Tensors) {
+    let md = vec![
+        ("general.architecture".to_string(), Value::String("llama".into())),
+        ("llama.embedding_length".into(), Value::U32(HIDDEN as u32)),
+        ("llama.attention.head_count".into(), Value::U32(HEADS as u32)),
+        ("llama.attention.head_count_kv".into(), Value::U32(KV_HEADS as u32)),
+        ("llama.block_count".into(), Value::U32(LAYERS as u32)),
+        ("llama.feed_forward_length".into(), Value::U32(FFN as u32)),
+        ("llama.context_length".into(), Value::U32(128)),
+        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-5)),
+        ("llama.rope.freq_base".into(), Value::F32(10_000.0)),
+    ];
+    let seed = &mut 0x2545_f491_4f6c_dd1du64;
+    let norm = |seed: &mut u64| (seeded(&[HIDDEN], 0.2, seed) + 1.0).unwrap();
+    let kv = KV_HEADS * HIDDEN / HEADS;
+    let mut ts = vec![("token_embd.weight".to_string(), seeded(&[VOCAB, HIDDEN], 1.0, seed)), ("output_norm.weight".into(), norm(seed))];
+    for l in 0..LAYERS {
+        for (name, shape) in [
+            ("attn_q", [HIDDEN, HIDDEN]),
+            ("attn_k", [kv, HIDDEN]),
+            ("attn_v", [kv, HIDDEN]),
+            ("attn_output", [HIDDEN, HIDDEN]),
+            ("ffn_gate", [FFN, HIDDEN]),
+            ("ffn_up", [FFN, HIDDEN]),
+            ("ffn_down", [HIDDEN, FFN]),
+        ] {
+            ts.push((format!("blk.{l}.{name}.weight"), seeded(&shape, 0.3, seed)));
+        }
+        for name in ["attn_norm", "ffn_norm"] {
+            ts.push((format!("blk.{l}.{name}.weight"), norm(seed)));
+        }
+    }
+    (md, ts)
+}
+
+/// The tiny Llama as a GGUF file at `path`, after `edit` changed its metadata and tensors.
+fn write_gguf(path: &Path, edit: impl FnOnce(&mut Metadata, &mut Tensors)) -> PathBuf {
+    let (mut md, mut ts) = tiny_llama();
+    edit(&mut md, &mut ts);
+    let qs: Vec<(String, QTensor)> = ts.iter().map(|(n, t)| (n.clone(), QTensor::quantize(t, GgmlDType::F32).unwrap())).collect();
+    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let qs: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(path).unwrap(), &md, &qs).unwrap();
+    path.to_path_buf()
+}
+
+fn set(md: &mut Metadata, key: &str, v: Value) {
+    match md.iter_mut().find(|(k, _)| k == key) {
+        Some(e) => e.1 = v,
+        None => md.push((key.to_string(), v)),
+    }
+}
+
+fn float_opts() -> LoadOptions {
+    LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() }
+}
+
+fn load(path: &Path) -> candle_npu::Result<Model> {
+    families::load_gguf(Arc::new(Gguf::open(path)?), &NpuDevice::host(), float_opts())
+}
+
+/// The error `r` must be, naming `cause` (and, for files, the path).
+fn error_naming<T>(r: candle_npu::Result<T>, cause: &str, path: Option<&Path>) -> String {
+    let Err(e) = r else { panic!("expected an error naming '{cause}', got Ok") };
+    let msg = e.to_string();
+    assert!(msg.contains(cause), "error does not name '{cause}': {msg}");
+    if let Some(p) = path {
+        assert!(msg.contains(&p.display().to_string()), "error does not name the file: {msg}");
+    }
+    msg
+}
+
+#[test]
+fn the_undamaged_tiny_model_loads_and_runs() {
+    // What every case below damages: without the damage, it loads and computes finite logits.
+    let dir = scratch("ok");
+    let mut m = load(&write_gguf(&dir.join("m.gguf"), |_, _| {})).unwrap();
+    let logits: Vec<f32> = m.prefill(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1().unwrap();
+    assert_eq!(logits.len(), VOCAB);
+    assert!(logits.iter().all(|v| v.is_finite()));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn damaged_model_metadata_is_an_error_naming_it() {
+    let dir = scratch("md");
+    type Edit = fn(&mut Metadata, &mut Tensors);
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        ("no layers", |md, _| set(md, "llama.block_count", Value::U32(0)), "layers 0 is not within"),
+        ("4 billion layers", |md, _| set(md, "llama.block_count", Value::U32(u32::MAX)), "layers 4294967295 is not within"),
+        ("fewer layers than the file", |md, _| set(md, "llama.block_count", Value::U32(1)), "block_count is 1 but the file has more layers"),
+        ("huge hidden size", |md, _| set(md, "llama.embedding_length", Value::U32(1 << 30)), "hidden size 1073741824"),
+        ("heads not in KV groups", |md, _| set(md, "llama.attention.head_count_kv", Value::U32(3)), "not a multiple of 3 KV heads"),
+        ("zero KV heads", |md, _| set(md, "llama.attention.head_count_kv", Value::U32(0)), "KV heads 0"),
+        ("NaN epsilon", |md, _| set(md, "llama.attention.layer_norm_rms_epsilon", Value::F32(f32::NAN)), "epsilon NaN"),
+        ("negative epsilon", |md, _| set(md, "llama.attention.layer_norm_rms_epsilon", Value::F32(-1e-5)), "epsilon -0.00001 "),
+        ("epsilon 0", |md, _| set(md, "llama.attention.layer_norm_rms_epsilon", Value::F32(0.0)), "epsilon 0"),
+        ("RoPE base 0", |md, _| set(md, "llama.rope.freq_base", Value::F32(0.0)), "RoPE base 0"),
+        ("NaN RoPE base", |md, _| set(md, "llama.rope.freq_base", Value::F32(f32::NAN)), "RoPE base NaN"),
+        ("infinite RoPE base", |md, _| set(md, "llama.rope.freq_base", Value::F32(f32::INFINITY)), "RoPE base inf"),
+        ("vocabulary beyond the embedding", |md, _| set(md, "llama.vocab_size", Value::U32(VOCAB as u32 + 1)), "token_embd.weight: shape [96, 64]"),
+        ("wrong-typed size", |md, _| set(md, "llama.block_count", Value::String("2".into())), "llama.block_count"),
+        ("missing size", |md, _| md.retain(|(k, _)| k != "llama.feed_forward_length"), "missing metadata key 'llama.feed_forward_length'"),
+        ("unknown family", |md, _| set(md, "general.architecture", Value::String("bert".into())), "architecture 'bert' is not supported"),
+        ("missing tensor", |_, ts| ts.retain(|(n, _)| n != "blk.1.ffn_up.weight"), "missing tensor 'blk.1.ffn_up.weight'"),
+        ("transposed tensor", |_, ts| transform(ts, "blk.0.ffn_up.weight", |t| t.t().unwrap().contiguous().unwrap()), "the config implies (128, 64)"),
+        ("NaN weight", |_, ts| transform(ts, "blk.1.attn_k.weight", |t| poison(t, f32::NAN)), "has NaN at [0, 3]"),
+        ("infinite weight", |_, ts| transform(ts, "blk.0.ffn_down.weight", |t| poison(t, f32::INFINITY)), "has inf at [0, 3]"),
+        ("final norm of the wrong size", |_, ts| transform(ts, "output_norm.weight", |t| Tensor::new(&t.to_vec1::<f32>().unwrap()[..8], &Device::Cpu).unwrap()), "output_norm.weight: shape [8]"),
+    ];
+    for (i, (what, edit, cause)) in cases.into_iter().enumerate() {
+        let path = write_gguf(&dir.join(format!("case{i}.gguf")), edit);
+        let msg = error_naming(load(&path), cause, Some(&path));
+        eprintln!("{what}: {msg}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+fn transform(ts: &mut Tensors, name: &str, f: impl Fn(&Tensor) -> Tensor) {
+    let e = ts.iter_mut().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no tensor {name}"));
+    e.1 = f(&e.1);
+}
+
+/// `t` with its value at `[0, 3]` replaced by `v`.
+fn poison(t: &Tensor, v: f32) -> Tensor {
+    let mut vals = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    vals[3] = v;
+    Tensor::from_vec(vals, t.shape(), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn damaged_gguf_bytes_are_an_error_naming_the_file() {
+    let dir = scratch("bytes");
+    let good = std::fs::read(write_gguf(&dir.join("good.gguf"), |_, _| {})).unwrap();
+    let path = dir.join("bad.gguf");
+    let open = |bytes: &[u8]| {
+        std::fs::write(&path, bytes).unwrap();
+        Gguf::open(&path).map(|_| ())
+    };
+    error_naming(open(&good[..good.len() - 100]), "truncated: tensor", Some(&path));
+    error_naming(open(&good[..64]), "not a valid GGUF file", Some(&path));
+    error_naming(open(b"GGUF"), "not a valid GGUF file", Some(&path));
+    error_naming(open(&[]), "not a valid GGUF file", Some(&path));
+    // An alignment of 0 makes candle's reader divide by zero: caught, reported as the file's.
+    let zero_align = write_gguf(&dir.join("align.gguf"), |md, _| set(md, "general.alignment", Value::U32(0)));
+    error_naming(Gguf::open(&zero_align).map(|_| ()), "alignment of 0", Some(&zero_align));
+    // A tensor whose header dims multiply past u64 (hand-written header: one F32 tensor).
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes()); // version
+    b.extend(1u64.to_le_bytes()); // tensors
+    b.extend(0u64.to_le_bytes()); // metadata
+    b.extend(1u64.to_le_bytes());
+    b.push(b'w');
+    b.extend(2u32.to_le_bytes()); // dims
+    b.extend((1u64 << 40).to_le_bytes());
+    b.extend((1u64 << 40).to_le_bytes());
+    b.extend(0u32.to_le_bytes()); // F32
+    b.extend(0u64.to_le_bytes()); // offset
+    b.resize(b.len().next_multiple_of(32) + 64, 0);
+    let err = open(&b).unwrap_err().to_string();
+    assert!(err.contains("not a valid") && err.contains(&path.display().to_string()), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_quant_profiles_are_errors_that_leave_the_model_as_it_was() {
+    let dir = scratch("profile");
+    let mut m = load(&write_gguf(&dir.join("m.gguf"), |_, _| {})).unwrap();
+    let seqs: Vec<Vec<u32>> = (0..2).map(|s| (0..32).map(|i| ((i * 7 + s * 13) % VOCAB) as u32).collect()).collect();
+    let good = m.calibrate(&seqs, |_| {}).unwrap().finish(m.model_id().to_string(), candle_npu::ClipMethod::Budget { fraction: 1e-2 });
+    // A W8A8 model of the same file, with that profile.
+    let g = Arc::new(Gguf::open(&dir.join("m.gguf")).unwrap());
+    let mut w8 = families::load_gguf(g, &NpuDevice::host(), LoadOptions { precision: Precision::W8A8, ..float_opts() }).unwrap();
+    w8.set_profile(good.clone()).unwrap();
+    let before: Vec<f32> = w8.prefill(&seqs[0], 16).unwrap().to_vec1().unwrap();
+    type Edit = fn(&mut QuantProfile);
+    let cases: Vec<(Edit, &str)> = vec![
+        (|p| p.model_id = "another".into(), "calibrated for model another"),
+        (|p| drop(p.points.remove("blk.1.ffn_down_in")), "blk.1.ffn_down_in"),
+        (|p| p.points.get_mut("blk.0.attn_in").unwrap().channels = 65, "has 65 channels, the model 64"),
+        (|p| p.importance = vec![0.1; 3], "importance of 3 layers, the model has 2"),
+        (|p| p.importance = vec![0.1, f32::NAN], "importance of layer 1 is NaN"),
+        (|p| p.points.get_mut("blk.1.ffn_in").unwrap().hi = f32::INFINITY, "point blk.1.ffn_in: range not finite"),
+        (|p| p.points.get_mut("blk.0.attn_out").unwrap().hot = vec![64], "hot channel 64 of 64"),
+    ];
+    for (edit, cause) in cases {
+        let mut p = good.clone();
+        edit(&mut p);
+        error_naming(w8.set_profile(p), cause, None);
+        // Nothing changed: the same logits as before the failed call.
+        let after: Vec<f32> = w8.prefill(&seqs[0], 16).unwrap().to_vec1().unwrap();
+        assert_eq!(after, before, "a failed set_profile ({cause}) changed the model");
+    }
+    // A profile file that cannot be used names itself and says what to do.
+    let path = dir.join("p.json");
+    good.save(&path).unwrap();
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    v["points"]["blk.0.ffn_in"]["lo"] = serde_json::json!(5.0);
+    v["points"]["blk.0.ffn_in"]["hi"] = serde_json::json!(-5.0);
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let msg = error_naming(QuantProfile::load(&path, m.model_id()), "point blk.0.ffn_in: range inverted", Some(&path));
+    assert!(msg.contains("delete it to recalibrate"), "{msg}");
+    std::fs::write(&path, b"{\"format\": 2, \"model_id\": ").unwrap();
+    error_naming(QuantProfile::load(&path, m.model_id()), "not a quant profile", Some(&path));
+    // Saving into a folder that does not exist: an error naming the path, no file left behind.
+    let nowhere = dir.join("no/such/folder/p.json");
+    error_naming(good.save(&nowhere), "no/such/folder/p.json", None);
+    error_naming(candle_npu::cache::check_writable(&nowhere), "no/such/folder/p.json", None);
+    error_naming(candle_npu::cache::check_writable(&dir), "is a folder", None);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_damaged_graph_cache_entry_is_invalid_so_it_is_rebuilt() {
+    let dir = scratch("cache");
+    let cache = GraphCache::new(&dir);
+    let key = CacheKey::new(&[7; 32], "salt");
+    let path = cache.store("blk.0.gate_up", &key, &[11, 12, 13], &[9u8; 1000]).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    // The side table: two output ids swapped (the same shapes: gate and up).
+    bytes.swap(48, 52);
+    std::fs::write(&path, &bytes).unwrap();
+    match cache.load("blk.0.gate_up", &key) {
+        Lookup::Invalid(why) => assert!(why.contains("checksum") && why.contains(&path.display().to_string()), "{why}"),
+        other => panic!("a damaged side table must be invalid (rebuilt), got {other:?}"),
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn malformed_graphs_are_errors_naming_the_graph() {
+    let mut g = Graph::new("g");
+    let x = g.input("x", &[2, 4], DType::F32, None);
+    g.mark_output(x);
+    g.outputs.push(TensorId(7));
+    error_naming(g.validate(), "graph 'g'", None);
+    error_naming(g.validate(), "out of range", None);
+}
+
+#[test]
+fn streamed_text_never_splits_a_character() {
+    // Byte-level BPE (SmolLM2) and SentencePiece with byte fallback (Gemma 3): characters of 2, 3
+    // and 4 bytes, a combining mark, and emoji whose bytes span several tokens.
+    let text = "Zürich → 東京 naïve e\u{301} 🎉👍🏽 🇫🇷 𓀀 𐍈 ꙮ end";
+    for path in [assets::smollm2(), assets::gemma3_270m().unwrap()] {
+        let g = Gguf::open(&path).unwrap();
+        let tok = candle_npu_models::tokenizer::from_gguf(&g).unwrap();
+        let ids = candle_npu_models::tokenizer::encode(&tok, text, false).unwrap();
+        let mut stream = TextStream::new();
+        let mut pieces = vec![];
+        for &id in &ids {
+            pieces.extend(stream.next(&tok, id).unwrap());
+        }
+        pieces.extend(stream.finish(&tok).unwrap());
+        let whole = tok.decode(&ids, false).unwrap();
+        assert_eq!(pieces.concat(), whole, "{}", path.display());
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{}: a piece holds half a character: {pieces:?}", path.display());
+        // Some token really did carry part of a character (else the test shows nothing).
+        let partial = ids.iter().filter(|&&id| tok.decode(&[id], false).unwrap().contains('\u{FFFD}')).count();
+        assert!(partial > 0, "{}: no token splits a character in this text", path.display());
+    }
+}
+
+/// The `llama` example binary cargo built beside this test.
+fn llama_example() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps");
+    let bin = dir.join("examples").join(format!("llama{}", std::env::consts::EXE_SUFFIX));
+    assert!(bin.exists(), "{} missing: `cargo test` builds the examples", bin.display());
+    bin
+}
+
+/// Runs the example with `args`: (success, stdout, stderr).
+fn run_llama(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(llama_example()).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn command_line_options_out_of_range_are_refused_with_the_range() {
+    for (args, cause) in [
+        (&["--temperature", "-1"][..], "not a temperature: a number >= 0"),
+        (&["--temperature=-0.5"], "not a temperature"),
+        (&["--temperature", "NaN"], "not a temperature"),
+        (&["--top-p", "0.9"], "--temperature"),
+        (&["--temperature", "0.8", "--top-p", "1.5"], "not a top-p: a probability in (0, 1]"),
+        (&["--chunk-len", "0"], "0 is not in 1..=8192"),
+        (&["--chunk-len", "100000"], "100000 is not in 1..=8192"),
+        (&["--npu-threads", "0"], "0 is not in 1..=256"),
+        (&["--model", "/no/such/model.gguf"], "/no/such/model.gguf not found"),
+        (&["--trace", "/no/such/folder/trace.json"], "folder /no/such/folder does not exist"),
+    ] {
+        let (ok, _, err) = run_llama(args);
+        assert!(!ok && err.contains(cause), "{args:?}: expected an error naming '{cause}', got:\n{err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn command_line_input_is_checked_before_the_long_work() {
+    // Each fails after loading the model and before calibration, prefill or generation.
+    let dir = scratch("cli");
+    let profile = dir.join("missing/p.json");
+    for (args, cause) in [
+        (vec!["--no-chat-template", "--prompt", ""], "empty prompt".to_string()),
+        (vec!["--profile", profile.to_str().unwrap()], profile.display().to_string()),
+    ] {
+        let (ok, _, err) = run_llama(&args);
+        assert!(!ok && err.contains(&cause), "{args:?}: expected an error naming '{cause}', got:\n{err}");
+        assert!(!err.contains("panicked") && !err.contains("calibrating"), "{args:?}: {err}");
+    }
+    // --sample-len 0: the prefill alone, no token generated.
+    let (ok, out, err) = run_llama(&["--sample-len", "0"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("0 tokens generated"), "{out}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
