@@ -166,6 +166,10 @@ impl fmt::Display for TensorSpec {
     }
 }
 
+/// The largest tensor a graph may hold: QNN's sizes are 32-bit, and beyond it a shape is damage
+/// (an executor would try to allocate it).
+pub const MAX_TENSOR_BYTES: usize = u32::MAX as usize;
+
 /// Index of a tensor in its [`Graph`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TensorId(pub usize);
@@ -455,12 +459,15 @@ impl Graph {
                 if std::mem::replace(&mut seen[id.0], true) {
                     return Err(self.invalid_tensor(self.tensor(*id).to_string(), format!("listed twice as a graph {what}")));
                 }
+                if what == "output" && self.tensor(*id).kind != TensorKind::Output {
+                    return Err(self.invalid_tensor(self.tensor(*id).to_string(), "a graph output must be an Output tensor (mark_output)"));
+                }
             }
         }
         for (i, t) in self.tensors.iter().enumerate() {
             let bytes = t.shape.iter().try_fold(t.dtype.size_in_bytes(), |a, &d| a.checked_mul(d));
-            if bytes.is_none_or(|b| b > isize::MAX as usize) {
-                return Err(self.invalid_tensor(t.to_string(), "the shape's size in bytes overflows"));
+            if bytes.is_none_or(|b| b > MAX_TENSOR_BYTES) {
+                return Err(self.invalid_tensor(t.to_string(), format!("the shape's size is beyond {MAX_TENSOR_BYTES} bytes")));
             }
             // (An input marked as an output too has the Output kind.)
             let listed = self.inputs.contains(&TensorId(i));
@@ -821,7 +828,7 @@ mod tests {
             (|g| g.inputs.clear(), "the graph's inputs"),
             (|g| g.tensors[1].data = None, "constant without data"),
             (|g| g.tensors[1].dtype = DType::I32, "constant data is F32, the tensor I32"),
-            (|g| g.tensors[0].shape = vec![1 << 40, 1 << 40], "overflows"),
+            (|g| g.tensors[0].shape = vec![1 << 40, 1 << 40], "beyond 4294967295 bytes"),
             (|g| g.ops.push(g.ops[0].clone()), "another op produces"),
         ];
         for (edit, why) in cases {

@@ -1,0 +1,61 @@
+//! Property tests of every reader of outside data (`tests/fuzz/props.rs` says what each checks),
+//! bounded for CI: a fixed number of cases per property from a fixed seed, so a run is
+//! repeatable and takes seconds. `cargo run --release --example fuzz -- --cases N` runs more.
+
+#[path = "fuzz/props.rs"]
+mod props;
+
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+/// Cases per property in CI (a few seconds in all on 2 cores).
+const CASES: u32 = 1000;
+
+/// Runs `CASES` cases of a property and checks both outcomes occurred: mutations that only ever
+/// fail (or never do) would test one side of the reader.
+fn check<S: proptest::strategy::Strategy>(name: &str, strategy: S, case: impl Fn(S::Value, &props::Tally) -> Result<(), proptest::test_runner::TestCaseError>) {
+    let tally = props::Tally::default();
+    runner().run(&strategy, |v| case(v, &tally)).unwrap();
+    let (accepted, refused) = tally.get();
+    eprintln!("{name}: {accepted} accepted, {refused} refused");
+    assert!(accepted > 0 && refused > 0, "{name}: {accepted} accepted, {refused} refused");
+}
+
+fn runner() -> TestRunner {
+    let config = Config { cases: CASES, failure_persistence: None, ..Config::default() };
+    TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]))
+}
+
+#[test]
+fn mutated_gguf_files_load_or_fail_cleanly() {
+    let dir = props::scratch("gguf");
+    let good = props::tiny_gguf(&dir.join("good.gguf"));
+    check("GGUF", props::edits(), |e, t| props::gguf_case(&dir, &good, &e, t));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn mutated_profiles_are_refused_or_work() {
+    let dir = props::scratch("profile");
+    let (good, model) = props::profile_setup(&dir);
+    let model = std::cell::RefCell::new(model);
+    let json = serde_json::to_vec(&good).unwrap();
+    check("profile bytes", props::edits(), |e, t| props::profile_case(&dir, &good, &mut model.borrow_mut(), &props::mutate_text(&json, &e), t));
+    check("profile values", props::json_edits(), |e, t| props::profile_case(&dir, &good, &mut model.borrow_mut(), &props::edit_json(&good, &e), t));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn mutated_cache_entries_are_invalid() {
+    let dir = props::scratch("cache");
+    // Damage never passes the checksum: every mutated entry is refused.
+    let tally = props::Tally::default();
+    runner().run(&props::edits(), |e| props::cache_case(&dir, &e, false, &tally)).unwrap();
+    assert_eq!(tally.get().1, CASES as usize, "a damaged entry was a hit");
+    check("cache, resealed", props::edits(), |e, t| props::cache_case(&dir, &e, true, t));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn random_graphs_validate_or_fail_cleanly() {
+    check("graphs", props::graph_edits(), |e, t| props::graph_case(&props::edited_graph(&e), t));
+}

@@ -1,0 +1,298 @@
+//! The properties the fuzz tests check, shared by `tests/fuzz.rs` (bounded, in CI) and
+//! `examples/fuzz.rs` (as many cases as asked for): every reader of outside data, given mutated
+//! or random input, returns `Ok` or `Err` and never panics; what it accepts works.
+//!
+//! - GGUF: a tiny Llama file, bytes mutated -> `Gguf::open`, model load, and a prefill if it loads.
+//! - Quant profile: a real profile's JSON, bytes or values mutated -> `QuantProfile::load`,
+//!   `Model::set_profile`, and a W8A8 prefill with finite logits if it is accepted.
+//! - Graph cache: an entry, bytes mutated -> `GraphCache::load` is a hit only with the original.
+//! - `Graph::validate`: random graphs (ids, shapes, types, kinds, quantization) -> a graph it
+//!   accepts runs on the host executor without a panic.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use candle_npu::cache::{CacheKey, GraphCache, Lookup};
+use candle_npu::graph::TensorKind;
+use candle_npu::{DType, Graph, NpuDevice, Op, Quant, QuantProfile, StaticData, TensorData, TensorId};
+use candle_npu_models::gguf::Gguf;
+use candle_npu_models::{families, DecodeWeights, LoadOptions, Model, Precision};
+use proptest::prelude::*;
+
+/// How the cases of a property ended: accepted (loaded, hit, valid) or refused with an error.
+#[derive(Debug, Default)]
+pub struct Tally {
+    pub accepted: std::sync::atomic::AtomicUsize,
+    pub refused: std::sync::atomic::AtomicUsize,
+}
+
+impl Tally {
+    pub fn count(&self, accepted: bool) {
+        let c = if accepted { &self.accepted } else { &self.refused };
+        c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    pub fn get(&self) -> (usize, usize) {
+        (self.accepted.load(std::sync::atomic::Ordering::Relaxed), self.refused.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// A fresh folder for one property's files.
+pub fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("candle-npu-fuzz-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A tiny Llama GGUF (hidden 32, 2 layers, 2 heads, vocab 40), seeded weights.
+pub fn tiny_gguf(path: &Path) -> Vec<u8> {
+    let (h, ffn, vocab) = (32usize, 64usize, 40usize);
+    let md = [
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.embedding_length", Value::U32(h as u32)),
+        ("llama.attention.head_count", Value::U32(2)),
+        ("llama.attention.head_count_kv", Value::U32(1)),
+        ("llama.block_count", Value::U32(2)),
+        ("llama.feed_forward_length", Value::U32(ffn as u32)),
+        ("llama.context_length", Value::U32(64)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+    ];
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut t = |shape: &[usize], offset: f32| {
+        let v: Vec<f32> = (0..shape.iter().product::<usize>())
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                offset + ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
+            })
+            .collect();
+        QTensor::quantize(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap()
+    };
+    let mut ts = vec![("token_embd.weight".to_string(), t(&[vocab, h], 0.0)), ("output_norm.weight".into(), t(&[h], 1.0))];
+    for l in 0..2 {
+        for (name, shape) in [("attn_q", [h, h]), ("attn_k", [16, h]), ("attn_v", [16, h]), ("attn_output", [h, h]), ("ffn_gate", [ffn, h]), ("ffn_up", [ffn, h]), ("ffn_down", [h, ffn])] {
+            ts.push((format!("blk.{l}.{name}.weight"), t(&shape, 0.0)));
+        }
+        ts.push((format!("blk.{l}.attn_norm.weight"), t(&[h], 1.0)));
+        ts.push((format!("blk.{l}.ffn_norm.weight"), t(&[h], 1.0)));
+    }
+    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let ts: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(path).unwrap(), &md, &ts).unwrap();
+    std::fs::read(path).unwrap()
+}
+
+pub fn load(path: &Path, precision: Precision) -> candle_npu::Result<Model> {
+    let opts = LoadOptions { precision, decode_weights: DecodeWeights::F32, ..Default::default() };
+    families::load_gguf(Arc::new(Gguf::open(path)?), &NpuDevice::host(), opts)
+}
+
+/// Byte edits: (position as a share of the length, new byte), and a truncation share.
+pub fn edits() -> impl Strategy<Value = (Vec<(f64, u8)>, Option<f64>)> {
+    (prop::collection::vec((0.0..1.0f64, any::<u8>()), 1..8), prop::option::weighted(0.2, 0.0..1.0f64))
+}
+
+pub fn mutate(bytes: &[u8], (edits, cut): &(Vec<(f64, u8)>, Option<f64>), head: usize) -> Vec<u8> {
+    let mut b = bytes.to_vec();
+    for &(at, v) in edits {
+        // Most edits in the first `head` bytes (the header and metadata), where the structure is.
+        let span = if v % 4 == 0 { b.len() } else { head.min(b.len()) };
+        let i = ((at * span as f64) as usize).min(b.len() - 1);
+        b[i] = v;
+    }
+    if let Some(c) = cut {
+        b.truncate((c * b.len() as f64) as usize);
+    }
+    b
+}
+
+/// `mutate` for text: half the new bytes are characters of numbers, so that many edits keep
+/// the JSON well-formed and change a value.
+pub fn mutate_text(text: &[u8], (edits, cut): &(Vec<(f64, u8)>, Option<f64>)) -> Vec<u8> {
+    let edits: Vec<(f64, u8)> = edits.iter().map(|&(at, v)| (at, if v % 2 == 0 { b"0123456789.-eE"[(v / 2 % 14) as usize] } else { v })).collect();
+    mutate(text, &(edits, *cut), text.len())
+}
+
+/// GGUF: any mutation loads or is an error; a model that loads runs a prefill without a panic.
+pub fn gguf_case(dir: &Path, good: &[u8], edit: &(Vec<(f64, u8)>, Option<f64>), tally: &Tally) -> std::result::Result<(), TestCaseError> {
+    let path = dir.join("m.gguf");
+    std::fs::write(&path, mutate(good, edit, 1024)).unwrap();
+    let loaded = load(&path, Precision::F32);
+    tally.count(loaded.is_ok());
+    if let Ok(mut m) = loaded {
+        let _ = m.prefill(&[1, 2, 3], 2);
+    }
+    Ok(())
+}
+
+/// A tiny model's calibrated profile, and a W8A8 model of the same file.
+pub fn profile_setup(dir: &Path) -> (QuantProfile, Model) {
+    let path = dir.join("m.gguf");
+    tiny_gguf(&path);
+    let mut m = load(&path, Precision::F32).unwrap();
+    let seqs: Vec<Vec<u32>> = (0..2).map(|s| (0..24).map(|i| ((i * 5 + s * 11) % 40) as u32).collect()).collect();
+    let p = m.calibrate(&seqs, |_| {}).unwrap().finish(m.model_id().to_string(), candle_npu::ClipMethod::Budget { fraction: 1e-2 });
+    (p, load(&path, Precision::W8A8).unwrap())
+}
+
+/// A JSON edit: a value somewhere in the profile replaced by a number, a string or null.
+pub fn json_edits() -> impl Strategy<Value = Vec<(prop::sample::Index, prop::sample::Index, f64, u8)>> {
+    prop::collection::vec((any::<prop::sample::Index>(), any::<prop::sample::Index>(), prop_oneof![any::<f64>(), -10.0..10.0f64, Just(0.0)], 0..4u8), 1..4)
+}
+
+/// The profile's JSON with `edits` applied to point fields (or the top level).
+pub fn edit_json(good: &QuantProfile, edits: &[(prop::sample::Index, prop::sample::Index, f64, u8)]) -> Vec<u8> {
+    let mut v = serde_json::to_value(good).unwrap();
+    for (point, field, x, kind) in edits {
+        let new = match kind {
+            0 => serde_json::json!(x),
+            1 => serde_json::json!(x.round() as i64),
+            2 => serde_json::Value::Null,
+            _ => serde_json::json!([x, -x]),
+        };
+        let names: Vec<String> = v["points"].as_object().unwrap().keys().cloned().collect();
+        if field.index(8) == 7 {
+            let top = ["format", "model_id", "tokens", "clip", "importance"][point.index(5)];
+            v[top] = new;
+        } else {
+            let p = &names[point.index(names.len())];
+            v["points"][p][["lo", "hi", "min", "max", "beyond", "channels", "hot"][field.index(7)]] = new;
+        }
+    }
+    serde_json::to_vec(&v).unwrap()
+}
+
+/// Profile: any edit is refused (with the model unchanged) or gives a model with finite logits.
+pub fn profile_case(dir: &Path, good: &QuantProfile, model: &mut Model, bytes: &[u8], tally: &Tally) -> std::result::Result<(), TestCaseError> {
+    let path = dir.join("p.json");
+    std::fs::write(&path, bytes).unwrap();
+    let set = QuantProfile::load(&path, model.model_id()).and_then(|p| model.set_profile(p));
+    tally.count(set.is_ok());
+    if set.is_ok() {
+        let logits: Vec<f32> = model.prefill(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1().unwrap();
+        prop_assert!(logits.iter().all(|v| v.is_finite()), "an accepted profile gave non-finite logits");
+        model.set_profile(good.clone()).unwrap();
+    }
+    Ok(())
+}
+
+/// Graph cache: a mutated entry is a hit only if it is the original. With `reseal`, the
+/// fuzzer recomputes the checksum after the mutation (as damage never could), so that the
+/// parser's own field checks see the damage: then any hit must be self-consistent.
+pub fn cache_case(dir: &Path, edit: &(Vec<(f64, u8)>, Option<f64>), reseal: bool, tally: &Tally) -> std::result::Result<(), TestCaseError> {
+    let cache = GraphCache::new(dir);
+    let key = CacheKey::new(&[5; 32], "fuzz");
+    let (meta, payload) = (vec![1u32, 2, 3], (0..300u32).map(|i| i as u8).collect::<Vec<u8>>());
+    let path = cache.store("g", &key, &meta, &payload).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let mut bad = mutate(&good[..good.len() - 32], edit, 64);
+    match reseal {
+        true => {
+            use sha2::Digest;
+            let sum = sha2::Sha256::digest(&bad);
+            bad.extend_from_slice(&sum);
+        }
+        false => bad.extend_from_slice(&good[good.len() - 32..]),
+    }
+    std::fs::write(&path, &bad).unwrap();
+    let lookup = cache.load("g", &key);
+    tally.count(matches!(lookup, Lookup::Hit(_)));
+    match lookup {
+        Lookup::Hit(e) if reseal => prop_assert!(52 + 4 * e.meta.len() + e.payload.len() + 32 == bad.len(), "a hit of inconsistent sizes"),
+        Lookup::Hit(e) => prop_assert!(bad == good && e.meta == meta && e.payload == payload, "a damaged entry was a hit"),
+        Lookup::Miss => prop_assert!(false, "an existing file was a miss"),
+        Lookup::Invalid(_) => prop_assert!(bad != good, "the original entry was invalid"),
+    }
+    Ok(())
+}
+
+/// A valid graph of every op kind: F32 and W8A8 FullyConnected (with bias), MatMul, Quantize,
+/// Dequantize, Add, Mul, Sigmoid.
+pub fn base_graph() -> Graph {
+    let mut g = Graph::new("fuzz");
+    let q = Quant::u8_range(-1.0, 1.0);
+    let x = g.input("x", &[2, 4], DType::F32, None);
+    let w = g.constant("w", &[3, 4], StaticData::F32(Arc::new(vec![0.5; 12])), None);
+    let b = g.constant("b", &[3], StaticData::F32(Arc::new(vec![0.1; 3])), None);
+    let y = g.fully_connected("y", x, w, Some(b), DType::F32, None);
+    let s = g.op("s", DType::F32, None, |output| Op::Sigmoid { input: y, output }, &[2, 3]);
+    let m = g.binary("m", s, y, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
+    let xq = g.op("xq", DType::U8, Some(q), |output| Op::Quantize { input: x, output }, &[2, 4]);
+    let wq = g.constant("wq", &[3, 4], StaticData::I8(Arc::new(vec![3; 12])), Some(Quant::symmetric(0.01)));
+    let yq = g.fully_connected("yq", xq, wq, None, DType::F32, None);
+    let a = g.binary("a", m, yq, DType::F32, None, |a, b, output| Op::Add { a, b, output });
+    let k = g.constant("k", &[5, 3], StaticData::F32(Arc::new(vec![0.2; 15])), None);
+    let mm = g.op("mm", DType::F32, None, |output| Op::MatMul { a, b: k, transpose_b: true, output }, &[2, 5]);
+    let d = g.op("d", DType::F32, None, |output| Op::Dequantize { input: xq, output }, &[2, 4]);
+    g.mark_output(mm);
+    g.mark_output(d);
+    g
+}
+
+/// A mutation of one field of a graph: which tensor or op (an index, wrapped), which field, a
+/// value.
+pub type GraphEdit = (usize, u8, usize, i32);
+
+pub fn graph_edits() -> impl Strategy<Value = Vec<GraphEdit>> {
+    prop::collection::vec((0..32usize, 0..10u8, prop_oneof![0..6usize, Just(usize::MAX / 3)], -300..300i32), 0..3)
+}
+
+/// `base_graph` with `edits` applied: shapes, types, kinds, quantization, data, op ids, inputs
+/// and outputs changed.
+pub fn edited_graph(edits: &[GraphEdit]) -> Graph {
+    let mut g = base_graph();
+    let dtypes = [DType::F32, DType::U8, DType::I8, DType::I32, DType::U16];
+    let kinds = [TensorKind::Input, TensorKind::Output, TensorKind::Intermediate, TensorKind::Static];
+    for &(i, field, v, x) in edits {
+        let (nt, no) = (g.tensors.len(), g.ops.len());
+        let t = &mut g.tensors[i % nt];
+        match field {
+            0 => t.shape = vec![v; 1 + i % 3],
+            1 => {
+                if let Some(d) = t.shape.get_mut(i % 2) {
+                    *d = v;
+                }
+            }
+            2 => t.dtype = dtypes[v % dtypes.len()],
+            3 => t.kind = kinds[v % kinds.len()],
+            4 => t.quant = (x != 0).then_some(Quant { scale: x as f32 / 100.0, offset: x }),
+            5 => t.data = None,
+            6 => {
+                let op = &mut g.ops[i % no];
+                *op = match *op {
+                    Op::FullyConnected { input, bias, output, .. } => Op::FullyConnected { input, weight: TensorId(v), bias, output },
+                    Op::MatMul { b, transpose_b, output, .. } => Op::MatMul { a: TensorId(v), b, transpose_b: !transpose_b, output },
+                    Op::Add { a, b, .. } => Op::Add { a, b, output: TensorId(v) },
+                    Op::Mul { a, output, .. } => Op::Mul { a, b: TensorId(v), output },
+                    Op::Sigmoid { output, .. } | Op::Quantize { output, .. } | Op::Dequantize { output, .. } => Op::Sigmoid { input: TensorId(v), output },
+                };
+            }
+            7 => g.inputs.push(TensorId(v)),
+            8 => g.outputs.push(TensorId(v)),
+            _ => drop(g.ops.remove(i % no)),
+        }
+    }
+    g
+}
+
+/// `Graph::validate`: never panics; a graph it accepts prepares and runs on the host executor
+/// (zeros in) without a panic.
+pub fn graph_case(g: &Graph, tally: &Tally) -> std::result::Result<(), TestCaseError> {
+    let valid = g.validate().is_ok();
+    tally.count(valid);
+    if !valid {
+        return Ok(());
+    }
+    let dev = NpuDevice::host();
+    if let Ok(prepared) = dev.prepare(g) {
+        let inputs: Vec<TensorData> = g.inputs.iter().map(|&i| TensorData::zeros(g.tensors[i.0].dtype, g.tensors[i.0].elem_count())).collect();
+        let refs: Vec<&TensorData> = inputs.iter().collect();
+        let _ = prepared.execute(&refs);
+    }
+    Ok(())
+}
