@@ -1,0 +1,150 @@
+//! Concurrent use: one `NpuDevice` and its models from several threads, and two processes that
+//! share a quant profile path and a prepared-graph cache folder. Every output must equal the
+//! single-threaded one, and no file may be lost, torn or left half-written.
+
+mod common;
+#[path = "fuzz/props.rs"]
+mod props;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use candle_npu::{DType, Graph, HtpConfig, NpuDevice, Op, Quant, QuantProfile, StaticData, TensorData};
+use candle_npu_models::{CalibrationSet, DecodeWeights, Model, Precision};
+
+/// Prefill of `tokens` then `steps` greedy tokens: what each thread computes.
+fn generate(m: &mut Model, tokens: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
+    let logits = m.prefill(tokens, 4).unwrap();
+    let mut out = vec![candle_npu_models::transformer::argmax(&logits).unwrap()];
+    let first: Vec<f32> = logits.to_vec1().unwrap();
+    while out.len() < steps {
+        out.push(candle_npu_models::transformer::argmax(&m.decode(*out.last().unwrap()).unwrap()).unwrap());
+    }
+    (out, first)
+}
+
+#[test]
+fn one_device_and_its_models_from_several_threads() {
+    let dir = props::scratch("threads");
+    let path = dir.join("m.gguf");
+    props::tiny_gguf(&path);
+    let (profile, _) = props::profile_setup(&dir);
+    let device = NpuDevice::host();
+    let load = || {
+        let opts = candle_npu_models::LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::F32, ..Default::default() };
+        let mut m = candle_npu_models::families::load_gguf(Arc::new(candle_npu_models::gguf::Gguf::open(&path).unwrap()), &device, opts).unwrap();
+        m.set_profile(profile.clone()).unwrap();
+        m
+    };
+    let prompts: Vec<Vec<u32>> = (0..4).map(|t| (0..9 + t).map(|i| ((i * 7 + t * 3) % 40) as u32).collect()).collect();
+    let want: Vec<_> = prompts.iter().map(|p| generate(&mut load(), p, 6)).collect();
+    // A model per thread, on the one device: the graphs (and the host's packed weights) are
+    // prepared concurrently and shared.
+    let got: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| generate(&mut load(), p, 6))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want, "a model per thread");
+    // One model behind a mutex, its requests from several threads interleaved.
+    let shared = Mutex::new(load());
+    let got: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| generate(&mut shared.lock().unwrap(), p, 6))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want, "one model shared by threads");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The environment variable that makes `child` do its part (a folder shared by the processes).
+const CHILD_DIR: &str = "CANDLE_NPU_CONCURRENCY_CHILD";
+
+/// A W8A8 graph for the shared cache (a FullyConnected, then Dequantize).
+fn cache_graph() -> Graph {
+    let (m, k, n) = (32, 128, 64);
+    let mut g = Graph::new("shared.fc.m32");
+    let x = g.input("x", &[m, k], DType::U8, Some(Quant::u8_range(-2.0, 2.0)));
+    let w: Vec<i8> = (0..n * k).map(|i| ((i * 31) % 255) as i8).collect();
+    let w = g.constant("w", &[n, k], StaticData::I8(Arc::new(w)), Some(Quant::symmetric(0.01)));
+    let y = g.tensor_new("y", &[m, n], DType::U8, Some(Quant::u8_range(-4.0, 4.0)));
+    g.ops.push(Op::FullyConnected { input: x, weight: w, bias: None, output: y });
+    let z = g.tensor_new("z", &[m, n], DType::F32, None);
+    g.ops.push(Op::Dequantize { input: y, output: z });
+    g.mark_output(z);
+    g
+}
+
+/// One process's part: SmolLM2 with the shared profile path (calibrated and saved by whichever
+/// process finds it missing), a prefill; the shared graph cache (QNN, when its library is
+/// there), an execution. Prints one line of results.
+#[test]
+#[ignore = "one process's part of two_processes_share_a_profile_and_a_graph_cache"]
+fn child() {
+    let dir = PathBuf::from(std::env::var(CHILD_DIR).expect("run by two_processes_share_a_profile_and_a_graph_cache"));
+    let mut p = common::smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    let set = CalibrationSet { sequences: 2, seq_len: 64, ..CalibrationSet::default() };
+    p.ensure_profile(Some(&dir.join("profile.json")), 32, set, |_, _| {}).unwrap();
+    let logits: Vec<f32> = p.model.prefill(&common::heldout_tokens(&p, 40), 32).unwrap().to_vec1().unwrap();
+    let graph = match HtpConfig::default().library_path().is_file() {
+        true => {
+            let dev = NpuDevice::hexagon(HtpConfig { cache_dir: Some(dir.join("graphs")), ..Default::default() }).unwrap();
+            let x = TensorData::U8((0..32 * 128).map(|i| (i * 13 % 256) as u8).collect());
+            let TensorData::F32(out) = dev.prepare(&cache_graph()).unwrap().execute(&[&x]).unwrap().remove(0) else { panic!("F32 output") };
+            format!("{:x}", fingerprint(&out.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()))
+        }
+        false => "no-qnn".into(),
+    };
+    println!("RESULT {:x} {graph}", fingerprint(&logits.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()));
+}
+
+fn fingerprint(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Runs `n` children at once on `dir`; their result lines.
+fn children(dir: &Path, n: usize) -> Vec<String> {
+    let exe = std::env::current_exe().unwrap();
+    let procs: Vec<_> = (0..n)
+        .map(|_| {
+            let mut cmd = Command::new(&exe);
+            cmd.args(["--ignored", "--exact", "child", "--nocapture"]).env(CHILD_DIR, dir);
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    procs
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().unwrap();
+            let out = String::from_utf8_lossy(&o.stdout).into_owned();
+            assert!(o.status.success(), "child failed:\n{out}\n{}", String::from_utf8_lossy(&o.stderr));
+            out.lines().find(|l| l.starts_with("RESULT")).unwrap_or_else(|| panic!("no result line:\n{out}")).to_string()
+        })
+        .collect()
+}
+
+fn files(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn two_processes_share_a_profile_and_a_graph_cache() {
+    let dir = props::scratch("processes");
+    // Two at once, on an empty folder: both calibrate and both compile, each writes its file.
+    let first = children(&dir, 2);
+    eprintln!("results: {first:?}");
+    assert_eq!(first[0], first[1], "two processes computed different results");
+    let profile = dir.join("profile.json");
+    let p = QuantProfile::load(&profile, &candle_npu::quant::model_id(&candle_npu_models::assets::smollm2()).unwrap()).unwrap();
+    assert!(p.validate().is_ok());
+    assert_eq!(files(&dir).iter().filter(|f| !f.starts_with("graphs")).collect::<Vec<_>>(), ["profile.json"], "a temporary file was left behind");
+    if dir.join("graphs").exists() {
+        let entries = files(&dir.join("graphs"));
+        assert_eq!(entries.len(), 1, "one cache entry and no temporary file: {entries:?}");
+    }
+    // Then one more: it loads the profile and the graph and computes the same.
+    let again = children(&dir, 1);
+    assert_eq!(again[0], first[0], "a run on the shared files computed something else");
+    std::fs::remove_dir_all(dir).unwrap();
+}
