@@ -51,7 +51,7 @@ fn requantized(dtype: GgmlDType) -> Result<std::path::PathBuf> {
     }
     let md: Vec<(&str, &gguf_file::Value)> = ct.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tr: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tmp = out.with_extension("tmp");
+    let tmp = out.with_extension(format!("tmp{}", std::process::id()));
     gguf_file::write(&mut std::fs::File::create(&tmp)?, &md, &tr)?;
     std::fs::rename(&tmp, &out)?;
     Ok(out)

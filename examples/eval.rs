@@ -414,6 +414,16 @@ fn main() -> Result<()> {
     if args.windows == 0 || args.rates.iter().chain(&args.coverages).any(|r| !(0.0..=1.0).contains(r)) {
         bail!("--windows must be at least 1, --rates and --coverages within 0..=1");
     }
+    if !(args.budget > 0.0 && args.budget < 1.0) {
+        bail!("--budget {} is not a share of values in (0, 1)", args.budget);
+    }
+    if args.chunk_len == 0 || args.mmlu_chunk_len == 0 {
+        bail!("--chunk-len and --mmlu-chunk-len must be at least 1");
+    }
+    // Checked before the minutes of evaluation the plot comes after.
+    if do_curve {
+        candle_npu::cache::check_writable(&args.png).with_context(|| format!("--png {}", args.png.display()))?;
+    }
     if !do_rows {
         args.mmlu_per_subject = 0; // the F32 row still runs, for the reference perplexities
     }
@@ -642,7 +652,8 @@ fn draw_curve(args: &Args, curve: &[CurvePoint], f32_ppl: f64) -> Result<()> {
     plotters::style::register_font("sans", FontStyle::Normal, Box::leak(font.into_boxed_slice()))
         .map_err(|_| anyhow!("{}: not a TrueType font", args.font.display()))?;
     let stem = args.png.file_stem().and_then(|s| s.to_str()).unwrap_or("curve");
-    let tmp = args.png.with_file_name(format!(".{stem}.partial.png"));
+    // Unique per process (two runs may draw into one folder); `.png` last, for the encoder.
+    let tmp = args.png.with_file_name(format!(".{stem}.{}.partial.png", std::process::id()));
     let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", args.png.display());
     {
         let root = BitMapBackend::new(&tmp, (900, 520)).into_drawing_area();

@@ -383,7 +383,8 @@ fn draw_gantt(png: &Path, font: &Path, runs: &[(String, SubgraphDag, Schedule)])
     let bytes = std::fs::read(font).with_context(|| format!("font {} (pass --font)", font.display()))?;
     plotters::style::register_font("sans", FontStyle::Normal, Box::leak(bytes.into_boxed_slice()))
         .map_err(|_| anyhow!("{}: not a TrueType font", font.display()))?;
-    let tmp = png.with_file_name(format!(".{}.partial.png", png.file_stem().and_then(|s| s.to_str()).unwrap_or("gantt")));
+    let stem = png.file_stem().and_then(|s| s.to_str()).unwrap_or("gantt");
+    let tmp = png.with_file_name(format!(".{stem}.{}.partial.png", std::process::id()));
     let err = |e: &dyn std::fmt::Display| anyhow!("drawing {}: {e}", png.display());
     let colors: [RGBColor; 9] = [
         RGBColor(31, 119, 180),

@@ -36,9 +36,32 @@ pub fn check_gguf(g: &Gguf) -> Result<()> {
 pub fn load_gguf(g: Arc<Gguf>, device: &NpuDevice, opts: LoadOptions) -> Result<Model> {
     let (arch, spec_of) = spec_of(&g)?;
     let cfg = g.config(&arch)?;
+    check_rope(&g, &arch, &cfg)?;
     let spec = spec_of(&g, &cfg)?;
     let id = candle_npu::quant::model_id(&g.path)?;
     let ckpt = GgufCheckpoint::new(g)?;
     // GGUF names are the engine's names.
     Model::load(cfg, spec, &ckpt, &|n: &str| Mapped::whole(n), id, device.clone(), opts)
+}
+
+/// RoPE variants the engine does not compute (scaled frequencies, per-dimension factors, a
+/// rotation over part of a head): refused, since they would run with wrong positions and no error.
+fn check_rope(g: &Gguf, arch: &str, cfg: &crate::spec::Config) -> Result<()> {
+    let bad = |reason: String| Err(Error::Model { path: g.path.clone(), reason });
+    let key = format!("{arch}.rope.scaling.type");
+    if let Some(v) = g.metadata().get(&key) {
+        let factor = g.opt_f32(&format!("{arch}.rope.scaling.factor"))?.unwrap_or(1.0);
+        if v.to_string().map_or(true, |t| t != "none") && factor != 1.0 {
+            return bad(format!("{key} {v:?} (factor {factor}): scaled RoPE is not supported"));
+        }
+    }
+    if g.has_tensor("rope_freqs.weight") {
+        return bad("rope_freqs.weight (per-dimension RoPE frequency factors, Llama 3.1 style) is not supported".into());
+    }
+    if let Some(d) = g.opt_u32(&format!("{arch}.rope.dimension_count"))? {
+        if d as usize != cfg.head_dim {
+            return bad(format!("{arch}.rope.dimension_count {d}: RoPE over part of a head of {} is not supported", cfg.head_dim));
+        }
+    }
+    Ok(())
 }
