@@ -262,6 +262,29 @@ fn bad_hf_folders_are_clear_errors() {
     std::fs::write(d.join("config.json"), c.to_string()).unwrap();
     let e = load_err(&d);
     assert!(e.contains("model.layers.0.mlp.gate_proj.weight") && e.contains("the config implies"), "{e}");
+    // Phi-3 with fewer KV heads than the fused weights hold: V would be read from K's rows.
+    let d = tmpdir("fused-rows");
+    write_model(&d, base_config("phi3"), true, 4);
+    let mut c = base_config("phi3");
+    c["num_key_value_heads"] = serde_json::json!(1);
+    std::fs::write(d.join("config.json"), c.to_string()).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("qkv_proj.weight' has 128 rows, the config implies 96"), "{e}");
+    // Projection biases the family does not compute: refused, not dropped.
+    let d = tmpdir("biases");
+    let mut c = base_config("llama");
+    c["attention_bias"] = serde_json::json!(true);
+    write_model(&d, c, false, 4);
+    assert!(load_err(&d).contains("attention_bias is true"));
+    // Sizes out of range and a bad epsilon, in config.json.
+    for (key, value, cause) in [("num_hidden_layers", serde_json::json!(1u64 << 40), "layers 1099511627776"), ("rms_norm_eps", serde_json::json!(-1.0), "epsilon -1")] {
+        let d = tmpdir("bad-size");
+        let mut c = base_config("mistral");
+        c[key] = value;
+        write_model(&d, c, false, 4);
+        let e = load_err(&d);
+        assert!(e.contains(cause) && e.contains("config.json"), "{e}");
+    }
     // No weights at all, and no folder.
     let d = tmpdir("no-weights");
     std::fs::write(d.join("config.json"), base_config("llama").to_string()).unwrap();

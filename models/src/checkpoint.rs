@@ -18,8 +18,9 @@ use crate::gguf::Gguf;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mapped {
     pub name: String,
-    /// Rows `start..start + len` of a fused matrix (Phi-3's `qkv_proj`, `gate_up_proj`).
-    pub rows: Option<(usize, usize)>,
+    /// Rows `start..start + len` of a fused matrix of `total` rows (Phi-3's `qkv_proj`,
+    /// `gate_up_proj`): `(start, len, total)`.
+    pub rows: Option<(usize, usize, usize)>,
 }
 
 impl Mapped {
@@ -47,13 +48,15 @@ pub trait Checkpoint {
         let w = self.matrix(&m.name)?;
         match m.rows {
             None => Ok(w),
-            Some((start, len)) => {
+            Some((start, len, total)) => {
+                // Exactly the fused total: a config with fewer KV heads than the weights would
+                // otherwise take V from K's rows, with every shape check passing.
                 let (n, _) = w.dims();
-                if start + len > n {
+                if start + len > n || n != total {
                     return Err(Error::Model {
                         path: self.path().to_path_buf(),
                         reason: format!(
-                            "tensor '{}' has {n} rows, rows {start}..{} were asked for (a config that does not match the weights?)",
+                            "tensor '{}' has {n} rows, the config implies {total} (rows {start}..{} of them): a config that does not match the weights?",
                             m.name,
                             start + len
                         ),

@@ -96,6 +96,17 @@ impl HfConfig {
         }
     }
 
+    /// Biases on the attention or MLP projections (`attention_bias`, `mlp_bias`) are not in the
+    /// Llama / Mistral spec: refused rather than dropped.
+    pub fn check_no_biases(&self) -> Result<()> {
+        for key in ["attention_bias", "mlp_bias"] {
+            if self.field(key).and_then(|v| v.as_bool()) == Some(true) {
+                return Err(self.bad(format!("{key} is true: projection biases are not supported for this family")));
+            }
+        }
+        Ok(())
+    }
+
     /// RoPE scaling variants are not implemented: refuse them rather than compute wrong positions.
     pub fn check_no_rope_scaling(&self) -> Result<()> {
         match self.has("rope_scaling") {

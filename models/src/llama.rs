@@ -18,6 +18,7 @@ pub fn gguf_spec(g: &Gguf, cfg: &Config) -> Result<FamilySpec> {
 pub fn hf_spec(hf: &HfConfig, cfg: &Config) -> Result<FamilySpec> {
     hf.check_silu()?;
     hf.check_no_rope_scaling()?;
+    hf.check_no_biases()?;
     let base = hf.opt_f64("rope_theta")?.unwrap_or(10_000.0) as f32;
     Ok(FamilySpec::plain("llama", cfg, RopeLayout::Neox, base))
 }

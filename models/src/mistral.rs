@@ -10,6 +10,7 @@ use crate::spec::{Config, FamilySpec, LayerSpec, RopeLayout};
 pub fn hf_spec(hf: &HfConfig, cfg: &Config) -> Result<FamilySpec> {
     hf.check_silu()?;
     hf.check_no_rope_scaling()?;
+    hf.check_no_biases()?;
     let base = hf.opt_f64("rope_theta")?.unwrap_or(10_000.0) as f32;
     let window = hf.opt_usize("sliding_window")?;
     Ok(FamilySpec { layers: vec![LayerSpec { rope_base: base, window }; cfg.n_layer], ..FamilySpec::plain("mistral", cfg, RopeLayout::Neox, base) })

@@ -29,13 +29,14 @@ pub fn names(cfg: &Config) -> impl Fn(&str) -> Mapped {
     let (q, kv, ffn) = (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.ffn);
     move |canonical: &str| {
         let Some((l, t)) = canonical.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { return standard_name(canonical) };
-        let fused = |tensor: &str, start: usize, len: usize| Mapped { name: format!("model.layers.{l}.{tensor}.weight"), rows: Some((start, len)) };
+        let qkv = |start: usize, len: usize| Mapped { name: format!("model.layers.{l}.self_attn.qkv_proj.weight"), rows: Some((start, len, q + 2 * kv)) };
+        let gate_up = |start: usize| Mapped { name: format!("model.layers.{l}.mlp.gate_up_proj.weight"), rows: Some((start, ffn, 2 * ffn)) };
         match t {
-            "attn_q.weight" => fused("self_attn.qkv_proj", 0, q),
-            "attn_k.weight" => fused("self_attn.qkv_proj", q, kv),
-            "attn_v.weight" => fused("self_attn.qkv_proj", q + kv, kv),
-            "ffn_gate.weight" => fused("mlp.gate_up_proj", 0, ffn),
-            "ffn_up.weight" => fused("mlp.gate_up_proj", ffn, ffn),
+            "attn_q.weight" => qkv(0, q),
+            "attn_k.weight" => qkv(q, kv),
+            "attn_v.weight" => qkv(q + kv, kv),
+            "ffn_gate.weight" => gate_up(0),
+            "ffn_up.weight" => gate_up(ffn),
             _ => standard_name(canonical),
         }
     }
