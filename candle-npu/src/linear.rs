@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
-use crate::kernels::rows::{axpy, rows_per_task};
+use crate::kernels::rows::{axpy_i8, rows_per_task};
 use crate::outlier::{Outliers, WeightSource};
 use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel};
 
@@ -349,40 +349,32 @@ impl ShadowLinear {
                 y.len() / n
             )));
         }
-        // Each distinct channel's column once, dequantized to f32: hot ones from their
-        // contiguous copy, cold ones read strided from the weight. `at[c]` is channel c's
-        // column in `cols` (a dense index: one lookup per outlier, no hashing).
+        // Each outlier times its channel's INT8 column and the row scales, added to its row: hot
+        // columns are contiguous copies, a cold one is read strided from the weight once per
+        // call (`at[c]`: its place in `cold`, a dense index, no hashing). No f32 column is built:
+        // a busy projection has outliers in most channels, and dequantizing each column once
+        // wrote (and zeroed) megabytes per call that the axpys then read back.
         const ABSENT: u32 = u32::MAX;
         let mut at = vec![ABSENT; self.k];
-        let mut channels = vec![];
+        let mut cold: Vec<i8> = vec![];
         for (_, c, _) in outliers.iter() {
-            if at[c] == ABSENT {
-                at[c] = channels.len() as u32;
-                channels.push(c);
+            if self.hot.slot[c] == COLD && at[c] == ABSENT {
+                tracing::trace!(linear = %self.name, channel = c, "cold outlier channel: strided column");
+                self.cold_reads.fetch_add(1, Ordering::Relaxed);
+                at[c] = (cold.len() / n) as u32;
+                cold.extend(self.npu.column(c, n, self.k)?);
             }
         }
-        // The columns over the rayon pool (a busy down projection has outliers in most channels).
-        let mut cols = vec![0f32; channels.len() * n];
-        cols.par_chunks_mut(n.max(1)).zip(channels.par_iter()).try_for_each(|(col, &c)| -> Result<()> {
-            let cold;
-            let q: &[i8] = match self.hot.slot[c] {
-                COLD => {
-                    tracing::trace!(linear = %self.name, channel = c, "cold outlier channel: strided column");
-                    self.cold_reads.fetch_add(1, Ordering::Relaxed);
-                    cold = self.npu.column(c, n, self.k)?;
-                    &cold
-                }
-                s => &self.hot.cols[s as usize * n..(s as usize + 1) * n],
-            };
-            col.iter_mut().zip(q.iter().zip(&self.row_scales)).for_each(|(o, (&q, s))| *o = q as f32 * s);
-            Ok(())
-        })?;
+        let column = |c: usize| match self.hot.slot[c] {
+            COLD => &cold[at[c] as usize * n..][..n],
+            s => &self.hot.cols[s as usize * n..][..n],
+        };
         // Blocks of rows over the rayon pool.
         let block = rows_per_task(outliers.rows(), n);
         y[..outliers.rows() * n].par_chunks_mut(block * n).enumerate().for_each(|(b, rows)| {
             for (i, row) in rows.chunks_exact_mut(n).enumerate() {
                 for (c, v) in outliers.row(b * block + i) {
-                    axpy(row, v, &cols[at[c] as usize * n..][..n]);
+                    axpy_i8(row, v, column(c), &self.row_scales);
                 }
             }
         });

@@ -119,15 +119,18 @@ fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut
 }
 
 multiversion! {
-    /// `y += a * x` (the shadow path's outlier times its weight column).
-    pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) -> () = axpy_generic;
+    /// `y += a * (q * s)` per value (the shadow path's outlier times its INT8 weight column `q`
+    /// with the row scales `s`: the column dequantized on the fly, rounded as a stored f32
+    /// column would be).
+    pub fn axpy_i8(y: &mut [f32], a: f32, q: &[i8], s: &[f32]) -> () = axpy_i8_generic;
 }
 
 #[inline(always)]
-fn axpy_generic(y: &mut [f32], a: f32, x: &[f32]) {
-    assert_eq!(y.len(), x.len(), "axpy over slices of different lengths");
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y += a * x;
+fn axpy_i8_generic(y: &mut [f32], a: f32, q: &[i8], s: &[f32]) {
+    assert!(y.len() == q.len() && q.len() == s.len(), "axpy_i8 over slices of lengths {}, {}, {}", y.len(), q.len(), s.len());
+    for ((y, &q), &s) in y.iter_mut().zip(q).zip(s) {
+        let w = q as f32 * s;
+        *y += a * w;
     }
 }
 
@@ -348,6 +351,19 @@ mod tests {
                 assert!((h[r * n + i] as f64 - xi / m * w[i] as f64).abs() < 1e-5, "row {r} col {i}");
             }
         }
+    }
+
+    #[test]
+    fn axpy_i8_adds_the_dequantized_column_on_every_path() {
+        let n = 37; // lanes and a remainder
+        let q: Vec<i8> = (0..n).map(|i| (i as i32 * 29 % 255 - 127) as i8).chain([i8::MIN, i8::MAX]).collect();
+        let s: Vec<f32> = (0..q.len()).map(|i| 0.001 + i as f32 * 1e-4).collect();
+        let y0: Vec<f32> = (0..q.len()).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let want: Vec<f32> = y0.iter().zip(&q).zip(&s).map(|((&y, &q), &s)| y + -2.5 * (q as f32 * s)).collect();
+        let (mut a, mut b) = (y0.clone(), y0.clone());
+        axpy_i8(&mut a, -2.5, &q, &s);
+        axpy_i8_generic(&mut b, -2.5, &q, &s);
+        assert_eq!((a, b), (want.clone(), want));
     }
 
     #[test]
