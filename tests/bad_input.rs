@@ -154,17 +154,29 @@ fn damaged_model_metadata_is_an_error_naming_it() {
         ("wrong-typed size", |md, _| set(md, "llama.block_count", Value::String("2".into())), "llama.block_count"),
         ("missing size", |md, _| md.retain(|(k, _)| k != "llama.feed_forward_length"), "missing metadata key 'llama.feed_forward_length'"),
         ("unknown family", |md, _| set(md, "general.architecture", Value::String("bert".into())), "architecture 'bert' is not supported"),
-        ("scaled RoPE", |md, _| {
-            set(md, "llama.rope.scaling.type", Value::String("linear".into()));
-            set(md, "llama.rope.scaling.factor", Value::F32(8.0));
-        }, "scaled RoPE is not supported"),
+        (
+            "scaled RoPE",
+            |md, _| {
+                set(md, "llama.rope.scaling.type", Value::String("linear".into()));
+                set(md, "llama.rope.scaling.factor", Value::F32(8.0));
+            },
+            "scaled RoPE is not supported",
+        ),
         ("partial RoPE", |md, _| set(md, "llama.rope.dimension_count", Value::U32(8)), "RoPE over part of a head of 16"),
-        ("RoPE frequency factors", |_, ts| ts.push(("rope_freqs.weight".into(), Tensor::ones(8, candle_core::DType::F32, &Device::Cpu).unwrap())), "rope_freqs.weight"),
+        (
+            "RoPE frequency factors",
+            |_, ts| ts.push(("rope_freqs.weight".into(), Tensor::ones(8, candle_core::DType::F32, &Device::Cpu).unwrap())),
+            "rope_freqs.weight",
+        ),
         ("missing tensor", |_, ts| ts.retain(|(n, _)| n != "blk.1.ffn_up.weight"), "missing tensor 'blk.1.ffn_up.weight'"),
         ("transposed tensor", |_, ts| transform(ts, "blk.0.ffn_up.weight", |t| t.t().unwrap().contiguous().unwrap()), "the config implies (128, 64)"),
         ("NaN weight", |_, ts| transform(ts, "blk.1.attn_k.weight", |t| poison(t, f32::NAN)), "has NaN at [0, 3]"),
         ("infinite weight", |_, ts| transform(ts, "blk.0.ffn_down.weight", |t| poison(t, f32::INFINITY)), "has inf at [0, 3]"),
-        ("final norm of the wrong size", |_, ts| transform(ts, "output_norm.weight", |t| Tensor::new(&t.to_vec1::<f32>().unwrap()[..8], &Device::Cpu).unwrap()), "output_norm.weight: shape [8]"),
+        (
+            "final norm of the wrong size",
+            |_, ts| transform(ts, "output_norm.weight", |t| Tensor::new(&t.to_vec1::<f32>().unwrap()[..8], &Device::Cpu).unwrap()),
+            "output_norm.weight: shape [8]",
+        ),
     ];
     for (i, (what, edit, cause)) in cases.into_iter().enumerate() {
         let path = write_gguf(&dir.join(format!("case{i}.gguf")), edit);

@@ -75,7 +75,15 @@ pub fn tiny_gguf(path: &Path) -> Vec<u8> {
     };
     let mut ts = vec![("token_embd.weight".to_string(), t(&[vocab, h], 0.0)), ("output_norm.weight".into(), t(&[h], 1.0))];
     for l in 0..2 {
-        for (name, shape) in [("attn_q", [h, h]), ("attn_k", [16, h]), ("attn_v", [16, h]), ("attn_output", [h, h]), ("ffn_gate", [ffn, h]), ("ffn_up", [ffn, h]), ("ffn_down", [h, ffn])] {
+        for (name, shape) in [
+            ("attn_q", [h, h]),
+            ("attn_k", [16, h]),
+            ("attn_v", [16, h]),
+            ("attn_output", [h, h]),
+            ("ffn_gate", [ffn, h]),
+            ("ffn_up", [ffn, h]),
+            ("ffn_down", [h, ffn]),
+        ] {
             ts.push((format!("blk.{l}.{name}.weight"), t(&shape, 0.0)));
         }
         ts.push((format!("blk.{l}.attn_norm.weight"), t(&[h], 1.0)));
@@ -142,7 +150,10 @@ pub fn profile_setup(dir: &Path) -> (QuantProfile, Model) {
 
 /// A JSON edit: a value somewhere in the profile replaced by a number, a string or null.
 pub fn json_edits() -> impl Strategy<Value = Vec<(prop::sample::Index, prop::sample::Index, f64, u8)>> {
-    prop::collection::vec((any::<prop::sample::Index>(), any::<prop::sample::Index>(), prop_oneof![any::<f64>(), -10.0..10.0f64, Just(0.0)], 0..4u8), 1..4)
+    prop::collection::vec(
+        (any::<prop::sample::Index>(), any::<prop::sample::Index>(), prop_oneof![any::<f64>(), -10.0..10.0f64, Just(0.0)], 0..4u8),
+        1..4,
+    )
 }
 
 /// The profile's JSON with `edits` applied to point fields (or the top level).
@@ -269,7 +280,9 @@ pub fn edited_graph(edits: &[GraphEdit]) -> Graph {
                     Op::MatMul { b, transpose_b, output, .. } => Op::MatMul { a: TensorId(v), b, transpose_b: !transpose_b, output },
                     Op::Add { a, b, .. } => Op::Add { a, b, output: TensorId(v) },
                     Op::Mul { a, output, .. } => Op::Mul { a, b: TensorId(v), output },
-                    Op::Sigmoid { output, .. } | Op::Quantize { output, .. } | Op::Dequantize { output, .. } => Op::Sigmoid { input: TensorId(v), output },
+                    Op::Sigmoid { output, .. } | Op::Quantize { output, .. } | Op::Dequantize { output, .. } => {
+                        Op::Sigmoid { input: TensorId(v), output }
+                    }
                 };
             }
             7 => g.inputs.push(TensorId(v)),
