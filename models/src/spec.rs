@@ -43,7 +43,7 @@ impl Config {
                 return Err(format!("{what} {v} is not within 1..={max}"));
             }
         }
-        if self.n_head % self.n_kv_head != 0 {
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
             return Err(format!("{} attention heads are not a multiple of {} KV heads", self.n_head, self.n_kv_head));
         }
         let eps = self.rms_eps as f32;

@@ -74,7 +74,7 @@ multiversion! {
 /// row of `w.len()` values, blocks of rows over the rayon pool. Returns the normalized rows.
 pub fn add_rms_norm(x: &mut [f32], d: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let n = w.len();
-    assert!(n > 0 && x.len() == d.len() && x.len() % n == 0, "add_rms_norm: {} + {} values in rows of {n}", x.len(), d.len());
+    assert!(n > 0 && x.len() == d.len() && x.len().is_multiple_of(n), "add_rms_norm: {} + {} values in rows of {n}", x.len(), d.len());
     let block = rows_per_task(x.len() / n, n) * n;
     let len = x.len();
     let mut out = Vec::with_capacity(len);
@@ -96,7 +96,7 @@ multiversion! {
 #[inline(always)]
 fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
     let n = w.len();
-    assert!(out.len() == x.len() && x.len() % n == 0, "add_rms_norm: rows of {n} into {} of {} values", out.len(), x.len());
+    assert!(out.len() == x.len() && x.len().is_multiple_of(n), "add_rms_norm: rows of {n} into {} of {} values", out.len(), x.len());
     for (row, (x, d)) in out.chunks_exact_mut(n).zip(x.chunks_exact_mut(n).zip(d.chunks_exact(n))) {
         let mut sums = [0f32; LANES];
         let (mut xc, mut dc) = (x.chunks_exact_mut(LANES), d.chunks_exact(LANES));
