@@ -2,28 +2,24 @@
 //! command line, an exit with a message) whose text names the cause. None panics, none runs on
 //! with a wrong result.
 //!
-//! Model files are damaged copies of a tiny Llama GGUF written here (seeded weights, two layers),
+//! Model files are damaged copies of a tiny Llama GGUF (`props::write_gguf`: seeded weights, two layers),
 //! so that each case loads in milliseconds; the command-line cases run the `llama` example on
 //! SmolLM2 (`scripts/setup.sh`).
+
+#[path = "fuzz/props.rs"]
+mod props;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::gguf_file::Value;
 use candle_core::{Device, Tensor};
 use candle_npu::cache::{CacheKey, GraphCache, Lookup};
 use candle_npu::{DType, Graph, NpuDevice, QuantProfile, TensorId};
 use candle_npu_models::gguf::Gguf;
 use candle_npu_models::{assets, families, DecodeWeights, LoadOptions, Model, Precision, TextStream};
-
-const HIDDEN: usize = 64;
-const HEADS: usize = 4;
-const KV_HEADS: usize = 2;
-const FFN: usize = 128;
-const LAYERS: usize = 2;
-const VOCAB: usize = 96;
+use props::{set, write_gguf, Metadata, Tensors, VOCAB};
 
 /// A fresh folder for one test's files.
 fn scratch(tag: &str) -> PathBuf {
@@ -31,76 +27,6 @@ fn scratch(tag: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-type Metadata = Vec<(String, Value)>;
-type Tensors = Vec<(String, Tensor)>;
-
-/// Seeded uniform values in `[-scale / 2, scale / 2)` (xorshift).
-fn seeded(shape: &[usize], scale: f32, seed: &mut u64) -> Tensor {
-    let v: Vec<f32> = (0..shape.iter().product::<usize>())
-        .map(|_| {
-            *seed ^= *seed << 13;
-            *seed ^= *seed >> 7;
-            *seed ^= *seed << 17;
-            ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-/// The tiny Llama's metadata and tensors (seeded: every file is the same model).
-fn tiny_llama() -> (Metadata, Tensors) {
-    let md = vec![
-        ("general.architecture".to_string(), Value::String("llama".into())),
-        ("llama.embedding_length".into(), Value::U32(HIDDEN as u32)),
-        ("llama.attention.head_count".into(), Value::U32(HEADS as u32)),
-        ("llama.attention.head_count_kv".into(), Value::U32(KV_HEADS as u32)),
-        ("llama.block_count".into(), Value::U32(LAYERS as u32)),
-        ("llama.feed_forward_length".into(), Value::U32(FFN as u32)),
-        ("llama.context_length".into(), Value::U32(128)),
-        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-5)),
-        ("llama.rope.freq_base".into(), Value::F32(10_000.0)),
-    ];
-    let seed = &mut 0x2545_f491_4f6c_dd1du64;
-    let norm = |seed: &mut u64| (seeded(&[HIDDEN], 0.2, seed) + 1.0).unwrap();
-    let kv = KV_HEADS * HIDDEN / HEADS;
-    let mut ts = vec![("token_embd.weight".to_string(), seeded(&[VOCAB, HIDDEN], 1.0, seed)), ("output_norm.weight".into(), norm(seed))];
-    for l in 0..LAYERS {
-        for (name, shape) in [
-            ("attn_q", [HIDDEN, HIDDEN]),
-            ("attn_k", [kv, HIDDEN]),
-            ("attn_v", [kv, HIDDEN]),
-            ("attn_output", [HIDDEN, HIDDEN]),
-            ("ffn_gate", [FFN, HIDDEN]),
-            ("ffn_up", [FFN, HIDDEN]),
-            ("ffn_down", [HIDDEN, FFN]),
-        ] {
-            ts.push((format!("blk.{l}.{name}.weight"), seeded(&shape, 0.3, seed)));
-        }
-        for name in ["attn_norm", "ffn_norm"] {
-            ts.push((format!("blk.{l}.{name}.weight"), norm(seed)));
-        }
-    }
-    (md, ts)
-}
-
-/// The tiny Llama as a GGUF file at `path`, after `edit` changed its metadata and tensors.
-fn write_gguf(path: &Path, edit: impl FnOnce(&mut Metadata, &mut Tensors)) -> PathBuf {
-    let (mut md, mut ts) = tiny_llama();
-    edit(&mut md, &mut ts);
-    let qs: Vec<(String, QTensor)> = ts.iter().map(|(n, t)| (n.clone(), QTensor::quantize(t, GgmlDType::F32).unwrap())).collect();
-    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let qs: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut std::fs::File::create(path).unwrap(), &md, &qs).unwrap();
-    path.to_path_buf()
-}
-
-fn set(md: &mut Metadata, key: &str, v: Value) {
-    match md.iter_mut().find(|(k, _)| k == key) {
-        Some(e) => e.1 = v,
-        None => md.push((key.to_string(), v)),
-    }
 }
 
 fn float_opts() -> LoadOptions {

@@ -1,6 +1,8 @@
 //! The properties the fuzz tests check, shared by `tests/fuzz.rs` (bounded, in CI) and
 //! `examples/fuzz.rs` (as many cases as asked for): every reader of outside data, given mutated
-//! or random input, returns `Ok` or `Err` and never panics; what it accepts works.
+//! or random input, returns `Ok` or `Err` and never panics; what it accepts works. Also the tiny
+//! Llama GGUF they mutate, which `tests/bad_input.rs` damages case by case and
+//! `tests/concurrency.rs` runs.
 //!
 //! - GGUF: a tiny Llama file, bytes mutated -> `Gguf::open`, model load, and a prefill if it loads.
 //! - Quant profile: a real profile's JSON, bytes or values mutated -> `QuantProfile::load`,
@@ -48,51 +50,86 @@ pub fn scratch(tag: &str) -> PathBuf {
     d
 }
 
-/// A tiny Llama GGUF (hidden 32, 2 layers, 2 heads, vocab 40), seeded weights.
-pub fn tiny_gguf(path: &Path) -> Vec<u8> {
-    let (h, ffn, vocab) = (32usize, 64usize, 40usize);
-    let md = [
-        ("general.architecture", Value::String("llama".into())),
-        ("llama.embedding_length", Value::U32(h as u32)),
-        ("llama.attention.head_count", Value::U32(2)),
-        ("llama.attention.head_count_kv", Value::U32(1)),
-        ("llama.block_count", Value::U32(2)),
-        ("llama.feed_forward_length", Value::U32(ffn as u32)),
-        ("llama.context_length", Value::U32(64)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+pub const HIDDEN: usize = 64;
+pub const HEADS: usize = 4;
+pub const KV_HEADS: usize = 2;
+pub const FFN: usize = 128;
+pub const LAYERS: usize = 2;
+pub const VOCAB: usize = 96;
+
+pub type Metadata = Vec<(String, Value)>;
+pub type Tensors = Vec<(String, Tensor)>;
+
+/// Seeded uniform values in `[-scale / 2, scale / 2)` (xorshift).
+pub fn seeded(shape: &[usize], scale: f32, seed: &mut u64) -> Tensor {
+    let v: Vec<f32> = (0..shape.iter().product::<usize>())
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// The tiny Llama's metadata and tensors (seeded: every file is the same model).
+pub fn tiny_llama() -> (Metadata, Tensors) {
+    let md = vec![
+        ("general.architecture".to_string(), Value::String("llama".into())),
+        ("llama.embedding_length".into(), Value::U32(HIDDEN as u32)),
+        ("llama.attention.head_count".into(), Value::U32(HEADS as u32)),
+        ("llama.attention.head_count_kv".into(), Value::U32(KV_HEADS as u32)),
+        ("llama.block_count".into(), Value::U32(LAYERS as u32)),
+        ("llama.feed_forward_length".into(), Value::U32(FFN as u32)),
+        ("llama.context_length".into(), Value::U32(128)),
+        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-5)),
+        ("llama.rope.freq_base".into(), Value::F32(10_000.0)),
     ];
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut t = |shape: &[usize], offset: f32| {
-        let v: Vec<f32> = (0..shape.iter().product::<usize>())
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                offset + ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
-            })
-            .collect();
-        QTensor::quantize(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap(), GgmlDType::F32).unwrap()
-    };
-    let mut ts = vec![("token_embd.weight".to_string(), t(&[vocab, h], 0.0)), ("output_norm.weight".into(), t(&[h], 1.0))];
-    for l in 0..2 {
+    let seed = &mut 0x2545_f491_4f6c_dd1du64;
+    let norm = |seed: &mut u64| (seeded(&[HIDDEN], 0.2, seed) + 1.0).unwrap();
+    let kv = KV_HEADS * HIDDEN / HEADS;
+    let mut ts = vec![("token_embd.weight".to_string(), seeded(&[VOCAB, HIDDEN], 1.0, seed)), ("output_norm.weight".into(), norm(seed))];
+    for l in 0..LAYERS {
         for (name, shape) in [
-            ("attn_q", [h, h]),
-            ("attn_k", [16, h]),
-            ("attn_v", [16, h]),
-            ("attn_output", [h, h]),
-            ("ffn_gate", [ffn, h]),
-            ("ffn_up", [ffn, h]),
-            ("ffn_down", [h, ffn]),
+            ("attn_q", [HIDDEN, HIDDEN]),
+            ("attn_k", [kv, HIDDEN]),
+            ("attn_v", [kv, HIDDEN]),
+            ("attn_output", [HIDDEN, HIDDEN]),
+            ("ffn_gate", [FFN, HIDDEN]),
+            ("ffn_up", [FFN, HIDDEN]),
+            ("ffn_down", [HIDDEN, FFN]),
         ] {
-            ts.push((format!("blk.{l}.{name}.weight"), t(&shape, 0.0)));
+            ts.push((format!("blk.{l}.{name}.weight"), seeded(&shape, 0.3, seed)));
         }
-        ts.push((format!("blk.{l}.attn_norm.weight"), t(&[h], 1.0)));
-        ts.push((format!("blk.{l}.ffn_norm.weight"), t(&[h], 1.0)));
+        for name in ["attn_norm", "ffn_norm"] {
+            ts.push((format!("blk.{l}.{name}.weight"), norm(seed)));
+        }
     }
-    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
-    let ts: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut std::fs::File::create(path).unwrap(), &md, &ts).unwrap();
-    std::fs::read(path).unwrap()
+    (md, ts)
+}
+
+/// The tiny Llama as a GGUF file at `path`, after `edit` changed its metadata and tensors.
+pub fn write_gguf(path: &Path, edit: impl FnOnce(&mut Metadata, &mut Tensors)) -> PathBuf {
+    let (mut md, mut ts) = tiny_llama();
+    edit(&mut md, &mut ts);
+    let qs: Vec<(String, QTensor)> = ts.iter().map(|(n, t)| (n.clone(), QTensor::quantize(t, GgmlDType::F32).unwrap())).collect();
+    let md: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let qs: Vec<(&str, &QTensor)> = qs.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(path).unwrap(), &md, &qs).unwrap();
+    path.to_path_buf()
+}
+
+pub fn set(md: &mut Metadata, key: &str, v: Value) {
+    match md.iter_mut().find(|(k, _)| k == key) {
+        Some(e) => e.1 = v,
+        None => md.push((key.to_string(), v)),
+    }
+}
+
+/// The tiny Llama as a GGUF file at `path`; its bytes.
+pub fn tiny_gguf(path: &Path) -> Vec<u8> {
+    std::fs::read(write_gguf(path, |_, _| {})).unwrap()
 }
 
 pub fn load(path: &Path, precision: Precision) -> candle_npu::Result<Model> {
@@ -143,7 +180,7 @@ pub fn profile_setup(dir: &Path) -> (QuantProfile, Model) {
     let path = dir.join("m.gguf");
     tiny_gguf(&path);
     let mut m = load(&path, Precision::F32).unwrap();
-    let seqs: Vec<Vec<u32>> = (0..2).map(|s| (0..24).map(|i| ((i * 5 + s * 11) % 40) as u32).collect()).collect();
+    let seqs: Vec<Vec<u32>> = (0..2).map(|s| (0..24).map(|i| ((i * 5 + s * 11) % VOCAB) as u32).collect()).collect();
     let p = m.calibrate(&seqs, |_| {}).unwrap().finish(m.model_id().to_string(), candle_npu::ClipMethod::Budget { fraction: 1e-2 });
     (p, load(&path, Precision::W8A8).unwrap())
 }
