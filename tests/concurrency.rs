@@ -46,7 +46,8 @@ fn one_device_and_its_models_from_several_threads() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(got, want, "a model per thread");
-    // One model behind a mutex, its requests from several threads interleaved.
+    // One model behind a mutex, shared by the threads (a request holds it from prefill to its
+    // last token: `Model` takes `&mut self`).
     let shared = Mutex::new(load());
     let got: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| generate(&mut shared.lock().unwrap(), p, 6))).collect();
@@ -56,8 +57,20 @@ fn one_device_and_its_models_from_several_threads() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// The environment variable that makes `child` do its part (a folder shared by the processes).
+/// The environment variables that make `child` do its part: the folder the processes share, and
+/// how many start together (each waits for the others before it looks for the profile).
 const CHILD_DIR: &str = "CANDLE_NPU_CONCURRENCY_CHILD";
+const CHILD_PEERS: &str = "CANDLE_NPU_CONCURRENCY_PEERS";
+
+/// Waits until `peers` processes have announced themselves in `dir` (files `ready.<pid>`).
+fn barrier(dir: &Path, peers: usize) {
+    std::fs::write(dir.join(format!("ready.{}", std::process::id())), b"").unwrap();
+    let t = std::time::Instant::now();
+    while std::fs::read_dir(dir).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("ready.")).count() < peers {
+        assert!(t.elapsed().as_secs() < 120, "the other processes never started");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
 
 /// A W8A8 graph for the shared cache (a FullyConnected, then Dequantize).
 fn cache_graph() -> Graph {
@@ -80,10 +93,17 @@ fn cache_graph() -> Graph {
 #[test]
 #[ignore = "one process's part of two_processes_share_a_profile_and_a_graph_cache"]
 fn child() {
-    let dir = PathBuf::from(std::env::var(CHILD_DIR).expect("run by two_processes_share_a_profile_and_a_graph_cache"));
+    let Ok(dir) = std::env::var(CHILD_DIR).map(PathBuf::from) else {
+        eprintln!("nothing to do: only two_processes_share_a_profile_and_a_graph_cache runs this, with {CHILD_DIR} set");
+        return;
+    };
+    let peers: usize = std::env::var(CHILD_PEERS).unwrap().parse().unwrap();
     let mut p = common::smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
     let set = CalibrationSet { sequences: 2, seq_len: 64, ..CalibrationSet::default() };
-    p.ensure_profile(Some(&dir.join("profile.json")), 32, set, |_, _| {}).unwrap();
+    let profile = dir.join("profile.json");
+    barrier(&dir.join("barrier"), peers);
+    let calibrated = !profile.exists();
+    p.ensure_profile(Some(&profile), 32, set, |_, _| {}).unwrap();
     let logits: Vec<f32> = p.model.prefill(&common::heldout_tokens(&p, 40), 32).unwrap().to_vec1().unwrap();
     let graph = match HtpConfig::default().library_path().is_file() {
         true => {
@@ -95,19 +115,23 @@ fn child() {
         false => "no-qnn".into(),
     };
     println!("RESULT {:x} {graph}", fingerprint(&logits.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>()));
+    println!("CALIBRATED {calibrated}");
 }
 
 fn fingerprint(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
-/// Runs `n` children at once on `dir`; their result lines.
+/// Runs `n` children at once on `dir`; their output (result and calibration lines).
 fn children(dir: &Path, n: usize) -> Vec<String> {
+    let barrier = dir.join("barrier");
+    let _ = std::fs::remove_dir_all(&barrier);
+    std::fs::create_dir_all(&barrier).unwrap();
     let exe = std::env::current_exe().unwrap();
     let procs: Vec<_> = (0..n)
         .map(|_| {
             let mut cmd = Command::new(&exe);
-            cmd.args(["--ignored", "--exact", "child", "--nocapture"]).env(CHILD_DIR, dir);
+            cmd.args(["--ignored", "--exact", "child", "--nocapture"]).env(CHILD_DIR, dir).env(CHILD_PEERS, n.to_string());
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
         })
         .collect();
@@ -117,7 +141,9 @@ fn children(dir: &Path, n: usize) -> Vec<String> {
             let o = c.wait_with_output().unwrap();
             let out = String::from_utf8_lossy(&o.stdout).into_owned();
             assert!(o.status.success(), "child failed:\n{out}\n{}", String::from_utf8_lossy(&o.stderr));
-            out.lines().find(|l| l.starts_with("RESULT")).unwrap_or_else(|| panic!("no result line:\n{out}")).to_string()
+            let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("RESULT") || l.starts_with("CALIBRATED")).collect();
+            assert_eq!(lines.len(), 2, "no result lines:\n{out}");
+            lines.join("\n")
         })
         .collect()
 }
@@ -134,17 +160,24 @@ fn two_processes_share_a_profile_and_a_graph_cache() {
     // Two at once, on an empty folder: both calibrate and both compile, each writes its file.
     let first = children(&dir, 2);
     eprintln!("results: {first:?}");
+    // Both looked for the profile after both had started (the barrier), and calibration takes
+    // longer than that skew: both calibrated and both wrote it.
+    assert!(first.iter().all(|r| r.ends_with("CALIBRATED true")), "the two processes did not overlap: {first:?}");
     assert_eq!(first[0], first[1], "two processes computed different results");
+    if HtpConfig::default().library_path().is_file() {
+        assert!(!first[0].contains("no-qnn"), "the graph cache half did not run");
+    }
     let profile = dir.join("profile.json");
     let p = QuantProfile::load(&profile, &candle_npu::quant::model_id(&candle_npu_models::assets::smollm2()).unwrap()).unwrap();
     assert!(p.validate().is_ok());
-    assert_eq!(files(&dir).iter().filter(|f| !f.starts_with("graphs")).collect::<Vec<_>>(), ["profile.json"], "a temporary file was left behind");
+    let left: Vec<String> = files(&dir).into_iter().filter(|f| f != "graphs" && f != "barrier").collect();
+    assert_eq!(left, ["profile.json"], "a temporary file was left behind");
     if dir.join("graphs").exists() {
         let entries = files(&dir.join("graphs"));
         assert_eq!(entries.len(), 1, "one cache entry and no temporary file: {entries:?}");
     }
     // Then one more: it loads the profile and the graph and computes the same.
     let again = children(&dir, 1);
-    assert_eq!(again[0], first[0], "a run on the shared files computed something else");
+    assert_eq!(again[0], first[0].replace("CALIBRATED true", "CALIBRATED false"), "a run on the shared files computed something else");
     std::fs::remove_dir_all(dir).unwrap();
 }

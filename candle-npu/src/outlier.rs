@@ -209,7 +209,7 @@ impl Outliers {
         let mut out = Outliers { cols, row_start: vec![0], channel: vec![], value: vec![] };
         for p in parts {
             let base = out.channel.len() as u32;
-            out.row_start.extend(p.row_start[1..].iter().map(|s| base + s));
+            out.row_start.extend(p.row_start.iter().skip(1).map(|s| base + s));
             out.channel.extend(p.channel);
             out.value.extend(p.value);
         }

@@ -283,6 +283,13 @@ impl QuantProfile {
             if p.lo == p.hi && p.min < p.max {
                 return bad(format!("zero-width clip range {}..{} over values seen in {}..{}", p.lo, p.hi, p.min, p.max));
             }
+            // The u8 grid over the clip range and the u16 one over the seen range (W8A16 and
+            // pruned layers) need a usable step: a range of 1e-44 has none, one of 6e38 an
+            // infinite one.
+            let steps = [(p.lo, p.hi, Quant::u8_range(p.lo, p.hi)), (p.min, p.max, Quant::u16_range(p.min, p.max))];
+            if let Some((lo, hi, q)) = steps.into_iter().find(|(lo, hi, q)| lo < hi && !(q.scale.is_normal() && (hi - lo).is_finite())) {
+                return bad(format!("range {lo}..{hi} has no usable quantization step ({})", q.scale));
+            }
             if !(0.0..=1.0).contains(&p.beyond) {
                 return bad(format!("share beyond the range {} is not within 0..=1", p.beyond));
             }
@@ -389,7 +396,9 @@ mod tests {
         good.save(&path).unwrap();
         assert_eq!(QuantProfile::load(&path, "m").unwrap().points, good.points);
         type Edit = fn(&mut PointProfile);
-        let cases: [(Edit, &str); 7] = [
+        let cases: [(Edit, &str); 9] = [
+            (|p| (p.lo, p.hi) = (0.0, 1e-44), "no usable quantization step"),
+            (|p| (p.min, p.max) = (-3e38, 3e38), "no usable quantization step"),
             (|p| p.hi = f32::INFINITY, "not finite"),
             (|p| p.lo = f32::NAN, "not finite"),
             (|p| (p.lo, p.hi) = (1.0, -1.0), "inverted"),

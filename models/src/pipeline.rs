@@ -211,10 +211,10 @@ impl Pipeline {
 /// sample) belongs to another model: an error, not garbage or a generation that never stops.
 fn check_tokenizer(tok: &Tokenizer, model: &Model, stop: &[u32], path: &Path) -> Result<()> {
     let vocab = model.config().vocab;
-    let n = tok.get_vocab_size(true);
     let bad = |reason: String| Err(Error::Model { path: path.to_path_buf(), reason });
-    if n > vocab {
-        return bad(format!("the tokenizer has {n} tokens, the model's vocabulary {vocab}: a tokenizer of another model?"));
+    // The largest id, not the count: added tokens may sit beyond a gap.
+    if let Some(max) = tok.get_vocab(true).into_values().max().filter(|&m| m as usize >= vocab) {
+        return bad(format!("the tokenizer has token id {max}, the model's vocabulary {vocab}: a tokenizer of another model?"));
     }
     if let Some(s) = stop.iter().find(|&&s| s as usize >= vocab) {
         return bad(format!("stop token id {s} is beyond the model's vocabulary of {vocab}"));
@@ -226,7 +226,8 @@ fn check_tokenizer(tok: &Tokenizer, model: &Model, stop: &[u32], path: &Path) ->
 /// multi-byte character (byte-level BPE, byte fallback), and a text ending in such a part
 /// decodes to U+FFFD. As candle's `TokenOutputStream`, each step decodes the tokens since the
 /// last text it gave out twice (without and with the new token) and gives the difference; it
-/// waits while the text ends in U+FFFD (candle's waits for an alphanumeric last character).
+/// waits while the text ends in U+FFFD (candle's waits for an alphanumeric last character), and
+/// every window moves on once it has given text out, so nothing stalls.
 #[derive(Debug, Default)]
 pub struct TextStream {
     tokens: Vec<u32>,
@@ -248,14 +249,13 @@ impl TextStream {
         if text.ends_with('\u{FFFD}') {
             return Ok(None);
         }
-        match text.strip_prefix(before.as_str()) {
-            Some(new) if !new.is_empty() => {
-                let new = new.to_string();
-                (self.prev, self.current) = (self.current, self.tokens.len());
-                Ok(Some(new))
-            }
-            _ => Ok(None),
+        let new = after_common_prefix(&before, &text);
+        if new.is_empty() {
+            return Ok(None);
         }
+        let new = new.to_string();
+        (self.prev, self.current) = (self.current, self.tokens.len());
+        Ok(Some(new))
     }
 
     /// The text not given out yet (at the end of generation).
@@ -264,12 +264,37 @@ impl TextStream {
         let text = decode(tok, &self.tokens[self.prev..])?;
         self.prev = self.tokens.len();
         self.current = self.prev;
-        // If the tokenizer rewrote the context, the whole window: never a slice inside a character.
-        let rest = text.strip_prefix(before.as_str()).unwrap_or(&text);
+        let rest = after_common_prefix(&before, &text);
         Ok((!rest.is_empty()).then(|| rest.to_string()))
     }
 }
 
+/// What `text` adds to `before`: the part after their common prefix (whole characters). Usually
+/// `text` extends `before`; when the decoder renders the window differently with the new token
+/// (a byte-fallback decoder turns a whole invalid run of bytes into U+FFFD), what differs is
+/// given out rather than held back forever (the screen keeps the earlier rendering).
+fn after_common_prefix<'a>(before: &str, text: &'a str) -> &'a str {
+    let common = before.char_indices().zip(text.chars()).find(|((_, a), b)| a != b).map_or(before.len().min(text.len()), |((i, _), _)| i);
+    // `common` is a character boundary of both (equal characters up to it).
+    text.get(common..).unwrap_or("")
+}
+
 fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
     tok.decode(ids, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::after_common_prefix;
+
+    #[test]
+    fn new_text_is_what_follows_the_common_prefix() {
+        assert_eq!(after_common_prefix("ab", "abc"), "c");
+        assert_eq!(after_common_prefix("a\u{e9}", "a\u{e9}\u{20ac}"), "\u{20ac}");
+        // A byte-fallback decoder re-rendered the window: what differs is given out.
+        assert_eq!(after_common_prefix("\u{e9}", "\u{fffd}\u{fffd}\u{fffd} the"), "\u{fffd}\u{fffd}\u{fffd} the");
+        assert_eq!(after_common_prefix("x\u{e9}", "x\u{e8}y"), "\u{e8}y");
+        assert_eq!(after_common_prefix("abc", "ab"), "");
+        assert_eq!(after_common_prefix("", "z"), "z");
+    }
 }
