@@ -19,15 +19,7 @@ use candle_npu::cache::{CacheKey, GraphCache, Lookup};
 use candle_npu::{DType, Graph, NpuDevice, QuantProfile, TensorId};
 use candle_npu_models::gguf::Gguf;
 use candle_npu_models::{assets, families, DecodeWeights, LoadOptions, Model, Precision, TextStream};
-use props::{set, write_gguf, Metadata, Tensors, VOCAB};
-
-/// A fresh folder for one test's files.
-fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("candle-npu-bad-input-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use props::{scratch, set, write_gguf, Metadata, Tensors, VOCAB};
 
 fn float_opts() -> LoadOptions {
     LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() }
@@ -160,7 +152,7 @@ fn damaged_gguf_bytes_are_an_error_naming_the_file() {
 
 #[test]
 fn bad_quant_profiles_are_errors_that_leave_the_model_as_it_was() {
-    let dir = scratch("profile");
+    let dir = scratch("bad-profile");
     let mut m = load(&write_gguf(&dir.join("m.gguf"), |_, _| {})).unwrap();
     let seqs: Vec<Vec<u32>> = (0..2).map(|s| (0..32).map(|i| ((i * 7 + s * 13) % VOCAB) as u32).collect()).collect();
     let good = m.calibrate(&seqs, |_| {}).unwrap().finish(m.model_id().to_string(), candle_npu::ClipMethod::Budget { fraction: 1e-2 });
@@ -208,7 +200,7 @@ fn bad_quant_profiles_are_errors_that_leave_the_model_as_it_was() {
 
 #[test]
 fn a_damaged_graph_cache_entry_is_invalid_so_it_is_rebuilt() {
-    let dir = scratch("cache");
+    let dir = scratch("bad-cache");
     let cache = GraphCache::new(&dir);
     let key = CacheKey::new(&[7; 32], "salt");
     let path = cache.store("blk.0.gate_up", &key, &[11, 12, 13], &[9u8; 1000]).unwrap();

@@ -42,9 +42,9 @@ impl Tally {
     }
 }
 
-/// A fresh folder for one property's files.
+/// A fresh folder for one test's files (tags are unique across the test binaries that share it).
 pub fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("candle-npu-fuzz-{tag}-{}", std::process::id()));
+    let d = std::env::temp_dir().join(format!("candle-npu-test-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
