@@ -151,9 +151,6 @@ impl GraphCache {
 pub(crate) fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>) -> Result<()> {
     let tmp = temp_path(path);
     let run = || -> std::io::Result<()> {
-        if path.is_dir() {
-            return Err(std::io::Error::other("is a folder, not a file"));
-        }
         let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         let mut f = std::io::BufWriter::new(file);
         write(&mut f)?;

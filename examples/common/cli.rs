@@ -327,7 +327,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     }
     let before = device.stats();
     let t = Instant::now();
-    let logits = p.model.prefill(&tokens, chunk_len)?;
+    let mut logits = p.model.prefill(&tokens, chunk_len)?;
     let prefill_s = t.elapsed().as_secs_f64();
     let prefill_stats = device.stats();
     if let (Some(path), Some((dag, schedule))) = (&args.trace, p.model.last_run()) {
@@ -350,7 +350,6 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let mut stream = TextStream::new();
     let mut generated = 0;
     let t = Instant::now();
-    let mut logits = logits;
     while generated < args.sample_len {
         let next = sampler.sample(&logits)?;
         generated += 1;

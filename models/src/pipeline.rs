@@ -243,29 +243,27 @@ impl TextStream {
 
     /// Adds `token`; the text that is complete now, if any.
     pub fn next(&mut self, tok: &Tokenizer, token: u32) -> Result<Option<String>> {
-        let before = decode(tok, &self.tokens[self.prev..self.current])?;
         self.tokens.push(token);
+        self.take(tok, false)
+    }
+
+    /// The text not given out yet (at the end of generation).
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
+        self.take(tok, true)
+    }
+
+    /// What the tokens after `current` add to the window `prev..current`: none while the text
+    /// ends inside a character, unless `all`. Giving text out moves the window on.
+    fn take(&mut self, tok: &Tokenizer, all: bool) -> Result<Option<String>> {
+        let before = decode(tok, &self.tokens[self.prev..self.current])?;
         let text = decode(tok, &self.tokens[self.prev..])?;
-        if text.ends_with('\u{FFFD}') {
-            return Ok(None);
-        }
         let new = after_common_prefix(&before, &text);
-        if new.is_empty() {
+        if new.is_empty() || (!all && text.ends_with('\u{FFFD}')) {
             return Ok(None);
         }
         let new = new.to_string();
         (self.prev, self.current) = (self.current, self.tokens.len());
         Ok(Some(new))
-    }
-
-    /// The text not given out yet (at the end of generation).
-    pub fn finish(&mut self, tok: &Tokenizer) -> Result<Option<String>> {
-        let before = decode(tok, &self.tokens[self.prev..self.current])?;
-        let text = decode(tok, &self.tokens[self.prev..])?;
-        self.prev = self.tokens.len();
-        self.current = self.prev;
-        let rest = after_common_prefix(&before, &text);
-        Ok((!rest.is_empty()).then(|| rest.to_string()))
     }
 }
 
