@@ -98,14 +98,27 @@ impl NpuWeight {
         }
     }
 
-    /// Column `c` of the INT8 weight, `N` values (strided reads).
-    fn column(&self, c: usize, n: usize, k: usize) -> Result<Vec<i8>> {
+    /// Columns `cs` of the INT8 weight, one after another (`cs.len()` x `N` values). The weight
+    /// is read row by row, each row once for all the columns (a column read alone touches a
+    /// cache line per row), and the columns are split over the rayon pool.
+    fn columns(&self, cs: &[usize], n: usize, k: usize) -> Result<Vec<i8>> {
+        fn gather(cs: &[usize], n: usize, w: impl Fn(usize, usize) -> i8 + Sync) -> Vec<i8> {
+            let mut out = vec![0i8; cs.len() * n];
+            let per_task = rows_per_task(cs.len(), n).max(1);
+            out.par_chunks_mut(per_task * n).zip(cs.par_chunks(per_task)).for_each(|(out, cs)| {
+                for r in 0..n {
+                    for (j, &c) in cs.iter().enumerate() {
+                        out[j * n + r] = w(r, c);
+                    }
+                }
+            });
+            out
+        }
         Ok(match &self.int8 {
-            Int8::Raw(q) => (0..n).map(|r| q[r * k + c]).collect(),
+            Int8::Raw(q) => gather(cs, n, |r, c| q[r * k + c]),
             Int8::Q8_0(t) => {
                 let data = t.data()?;
-                let at = |r: usize| (r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32;
-                (0..n).map(|r| data[at(r)] as i8).collect()
+                gather(cs, n, |r, c| data[(r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32] as i8)
             }
         })
     }
@@ -142,7 +155,7 @@ fn q8_0_blocks(q: &[i8], n: usize, k: usize, scale: impl Fn(usize) -> f32) -> Re
 /// outlier with its INT8 column measured the same perplexity as with float columns (README,
 /// "Memory": x F32 1.0051 / 0.9997 / 1.0037 with no float column, 1.0040 / 0.9963 / 1.0094
 /// with f16 columns for every hot channel), at a quarter of the f32 memory. The hot set is a
-/// speed structure: cold channels read the strided column.
+/// speed structure: cold channels' columns are read from the weight on every call.
 #[derive(Default)]
 struct HotColumns {
     slot: Vec<u32>,
@@ -280,18 +293,19 @@ impl ShadowLinear {
 
     /// Keep these input channels' columns contiguous (the hot set; see [`HotColumns`]).
     pub fn set_hot(&mut self, channels: &[u32]) -> Result<()> {
-        let mut hot = HotColumns { slot: vec![COLD; self.k], cols: Vec::with_capacity(channels.len() * self.n) };
+        let mut slot = vec![COLD; self.k];
+        let mut unique = Vec::with_capacity(channels.len());
         for &c in channels {
             let c = c as usize;
             if c >= self.k {
                 return Err(Error::Input(format!("{}: hot channel {c} beyond {} inputs", self.name, self.k)));
             }
-            if hot.slot[c] == COLD {
-                hot.slot[c] = (hot.cols.len() / self.n) as u32;
-                hot.cols.extend(self.npu.column(c, self.n, self.k)?);
+            if slot[c] == COLD {
+                slot[c] = unique.len() as u32;
+                unique.push(c);
             }
         }
-        self.hot = hot;
+        self.hot = HotColumns { slot, cols: self.npu.columns(&unique, self.n, self.k)? };
         Ok(())
     }
 
@@ -350,21 +364,25 @@ impl ShadowLinear {
             )));
         }
         // Each outlier times its channel's INT8 column and the row scales, added to its row: hot
-        // columns are contiguous copies, a cold one is read strided from the weight once per
+        // columns are contiguous copies, the cold ones are read from the weight together once per
         // call (`at[c]`: its place in `cold`, a dense index, no hashing). No f32 column is built:
         // a busy projection has outliers in most channels, and dequantizing each column once
         // wrote (and zeroed) megabytes per call that the axpys then read back.
         const ABSENT: u32 = u32::MAX;
         let mut at = vec![ABSENT; self.k];
-        let mut cold: Vec<i8> = vec![];
-        for (_, c, _) in outliers.iter() {
+        let mut cold_channels = vec![];
+        for &c in &outliers.channel {
+            let c = c as usize;
             if self.hot.slot[c] == COLD && at[c] == ABSENT {
-                tracing::trace!(linear = %self.name, channel = c, "cold outlier channel: strided column");
-                self.cold_reads.fetch_add(1, Ordering::Relaxed);
-                at[c] = (cold.len() / n) as u32;
-                cold.extend(self.npu.column(c, n, self.k)?);
+                at[c] = cold_channels.len() as u32;
+                cold_channels.push(c);
             }
         }
+        if !cold_channels.is_empty() {
+            tracing::trace!(linear = %self.name, channels = ?cold_channels, "cold outlier channels: columns read from the weight");
+            self.cold_reads.fetch_add(cold_channels.len() as u64, Ordering::Relaxed);
+        }
+        let cold = self.npu.columns(&cold_channels, n, self.k)?;
         let column = |c: usize| match self.hot.slot[c] {
             COLD => &cold[at[c] as usize * n..][..n],
             s => &self.hot.cols[s as usize * n..][..n],

@@ -21,7 +21,7 @@ use rayon::prelude::*;
 
 use crate::error::Result;
 use crate::graph::Quant;
-use crate::kernels::rows::rows_per_task;
+use crate::kernels::rows::{outliers_into, rows_per_task};
 use crate::quant::quantize_u8;
 
 /// Where one NPU linear input is quantized: the clip range, its u8 quantization, and which
@@ -127,26 +127,18 @@ impl InputPoint {
         if cols == 0 {
             return out;
         }
-        let mut in_hot = 0u64;
-        const BLOCK: usize = 16;
         for row in x.chunks_exact(cols) {
-            for (b, block) in row.chunks(BLOCK).enumerate() {
-                // Outliers are rare: a branch-free test per block (it vectorizes) skips most.
-                if block.iter().fold(true, |inside, &v| inside & (v >= self.lo) & (v <= self.hi)) {
-                    continue;
-                }
-                for (i, &v) in block.iter().enumerate() {
-                    let r = v - v.clamp(self.lo, self.hi);
-                    if r != 0.0 {
-                        let c = b * BLOCK + i;
-                        out.channel.push(c as u32);
-                        out.value.push(r);
-                        in_hot += self.hot[c] as u64;
-                        self.stats.per_channel[c].fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
+            outliers_into(row, self.lo, self.hi, &mut out.channel, &mut out.value);
             out.row_start.push(out.channel.len() as u32);
+        }
+        // Counted here, once per channel (an atomic add per outlier made the pool's threads
+        // contend for the counters' cache lines).
+        let mut per_channel = vec![0u32; cols];
+        out.channel.iter().for_each(|&c| per_channel[c as usize] += 1);
+        let mut in_hot = 0u64;
+        for (c, &count) in per_channel.iter().enumerate().filter(|(_, &count)| count > 0) {
+            self.stats.per_channel[c].fetch_add(count as u64, Ordering::Relaxed);
+            in_hot += self.hot[c] as u64 * count as u64;
         }
         self.stats.elements.fetch_add((x.len() / cols * cols) as u64, Ordering::Relaxed);
         self.stats.outliers.fetch_add(out.value.len() as u64, Ordering::Relaxed);

@@ -4,7 +4,7 @@
 
 use candle_core::{Device, Tensor};
 use candle_npu::kernels::matmul_f32;
-use candle_npu::kernels::rows::softmax_numerators;
+use candle_npu::kernels::rows::{rows_per_task, softmax_numerators, with_f32};
 use candle_npu::Result;
 use rayon::prelude::*;
 
@@ -116,11 +116,12 @@ pub fn attend(c: &Config, spec: &FamilySpec, layer: &LayerSpec, qk_norm: Option<
         k = candle_nn::ops::rms_norm(&k.contiguous()?, &n.k, c.rms_eps as f32)?;
     }
     let rows_of = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
-    let (mut q, mut k, v) = (rows_of(&q)?, rows_of(&k)?, rows_of(v)?);
+    let (mut q, mut k) = (rows_of(&q)?, rows_of(&k)?);
     let (cos, sin) = rows.tables(layer.rope_base);
     rope(spec, &mut q, nh, hd, cos, sin);
     rope(spec, &mut k, nkv, hd, cos, sin);
-    cache.append(&k, &v, rows.n_valid, nkv, hd, rows.reserve);
+    // V is appended from the stage's output as it is (no copy of its own).
+    with_f32(v, |v| cache.append(&k, v, rows.n_valid, nkv, hd, rows.reserve))?;
     let out = causal(&q, cache, rows, nh, layer.window, spec.attn_scale as f32);
     Ok(Tensor::from_vec(out, (m, nh * hd), &Device::Cpu)?)
 }
@@ -184,15 +185,18 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
             o
         })
         .collect();
+    // Each block of rows gathers its tasks' outputs (task `h * blocks + b` for KV head h).
     let mut out = vec![0f32; m * nh * hd];
-    for (task, o) in tasks.iter().enumerate() {
-        let (h, r0, r1) = task_rows(task);
-        for g in 0..groups {
-            for (i, r) in (r0..r1).enumerate() {
-                out[(r * nh + h * groups + g) * hd..][..hd].copy_from_slice(&o[(g * (r1 - r0) + i) * hd..][..hd]);
+    out.par_chunks_mut(ROW_BLOCK * nh * hd).enumerate().for_each(|(b, out)| {
+        for h in 0..nkv {
+            let (o, (_, r0, r1)) = (&tasks[h * blocks + b], task_rows(h * blocks + b));
+            for g in 0..groups {
+                for i in 0..r1 - r0 {
+                    out[(i * nh + h * groups + g) * hd..][..hd].copy_from_slice(&o[(g * (r1 - r0) + i) * hd..][..hd]);
+                }
             }
         }
-    }
+    });
     out
 }
 
@@ -200,21 +204,30 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
 /// `r` at the table's row `r`: pairs `(2i, 2i + 1)` (interleaved) or `(i, i + dims / 2)` (NeoX),
 /// rotated by the angle of frequency `i`, as candle's `rope_i` / `rope` kernels do.
 fn rope(spec: &FamilySpec, x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
-    let half = spec.rope_dims / 2;
-    for (r, row) in x.chunks_exact_mut(heads * hd).enumerate() {
-        let (cos, sin) = (&cos[r * half..][..half], &sin[r * half..][..half]);
-        for head in row.chunks_exact_mut(hd) {
-            for i in 0..half {
-                let (a, b) = match spec.rope {
-                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-                    RopeLayout::Neox => (i, i + half),
-                };
-                let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * cos[i] - x1 * sin[i];
-                head[b] = x0 * sin[i] + x1 * cos[i];
+    let (half, width) = (spec.rope_dims / 2, heads * hd);
+    let block = rows_per_task(x.len() / width, width);
+    x.par_chunks_mut(block * width).enumerate().for_each(|(b, rows)| {
+        for (i, row) in rows.chunks_exact_mut(width).enumerate() {
+            let r = b * block + i;
+            let (cos, sin) = (&cos[r * half..][..half], &sin[r * half..][..half]);
+            for head in row.chunks_exact_mut(hd) {
+                let turn = |x0: f32, x1: f32, c: f32, s: f32| (x0 * c - x1 * s, x0 * s + x1 * c);
+                match spec.rope {
+                    RopeLayout::Interleaved => {
+                        for ((p, &c), &s) in head[..2 * half].chunks_exact_mut(2).zip(cos).zip(sin) {
+                            (p[0], p[1]) = turn(p[0], p[1], c, s);
+                        }
+                    }
+                    RopeLayout::Neox => {
+                        let (a, b) = head[..2 * half].split_at_mut(half);
+                        for (((x0, x1), &c), &s) in a.iter_mut().zip(b).zip(cos).zip(sin) {
+                            (*x0, *x1) = turn(*x0, *x1, c, s);
+                        }
+                    }
+                }
             }
         }
-    }
+    });
 }
 
 /// cos/sin of RoPE for positions `start..start+n`, `[n, dims/2]`, computed as candle's models

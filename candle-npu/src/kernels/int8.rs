@@ -21,6 +21,8 @@
 
 use rayon::prelude::*;
 
+use super::rows::rows_per_task;
+
 /// Columns per weight panel (two 8-lane i32 accumulators).
 pub const NR: usize = 16;
 /// Rows per tile: 6 x 2 accumulators + 2 weight registers + 1 broadcast = 15 of 16 ymm registers.
@@ -126,16 +128,24 @@ impl Panels {
         out
     }
 
-    /// `x + x_offset` as i16, row-major, K padded to even and rows to a multiple of MR with zeros.
-    fn widen<T: Copy + Into<i32>>(&self, x: &[T], m: usize, x_offset: i32, a: &mut Vec<i16>) {
-        let rows = m.next_multiple_of(MR);
-        a.clear();
-        a.resize(rows * self.kp, 0);
-        for (dst, src) in a.chunks_exact_mut(self.kp).zip(x.chunks_exact(self.k)) {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = (s.into() + x_offset) as i16;
+    /// `x + x_offset` as i16, row-major, K padded to even and rows to a multiple of MR with zeros,
+    /// blocks of rows over the rayon pool. Every value of `a` is written (it is not zeroed first).
+    fn widen<T: Copy + Into<i32> + Sync>(&self, x: &[T], m: usize, x_offset: i32, a: &mut Vec<i16>) {
+        let (k, kp) = (self.k, self.kp);
+        a.resize(m.next_multiple_of(MR) * kp, 0);
+        let block = rows_per_task(m, kp);
+        a.par_chunks_mut(block * kp).enumerate().for_each(|(b, rows)| {
+            for (i, dst) in rows.chunks_exact_mut(kp).enumerate() {
+                let r = b * block + i;
+                let (row, pad) = dst.split_at_mut(if r < m { k } else { 0 });
+                if r < m {
+                    for (d, &s) in row.iter_mut().zip(&x[r * k..(r + 1) * k]) {
+                        *d = (s.into() + x_offset) as i16;
+                    }
+                }
+                pad.fill(0);
             }
-        }
+        });
     }
 
     /// Tiles of the panels in `panels`, blocked over K ([`KC`]) and rows ([`MC`]).

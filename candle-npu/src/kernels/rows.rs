@@ -134,6 +134,51 @@ fn axpy_i8_generic(y: &mut [f32], a: f32, q: &[i8], s: &[f32]) {
     }
 }
 
+/// Appends the values of `row` outside `[lo, hi]` (NaN included): their indexes to `at` and
+/// their remainders `v - clamp(v, lo, hi)` to `rest`. Outliers are rare but not so rare that
+/// a 16-value block is usually free of them: AVX2 tests 8 values per compare and visits only the
+/// lanes outside (`movemask`), where a scalar test per value was 3% of a prefill's time.
+pub fn outliers_into(row: &[f32], lo: f32, hi: f32, at: &mut Vec<u32>, rest: &mut Vec<f32>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { outliers_avx2(row, lo, hi, at, rest) };
+    }
+    outliers_scalar(row, 0, lo, hi, at, rest)
+}
+
+fn outliers_scalar(row: &[f32], base: usize, lo: f32, hi: f32, at: &mut Vec<u32>, rest: &mut Vec<f32>) {
+    for (i, &v) in row.iter().enumerate() {
+        if !(v >= lo && v <= hi) {
+            at.push((base + i) as u32);
+            rest.push(v - v.clamp(lo, hi));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn outliers_avx2(row: &[f32], lo: f32, hi: f32, at: &mut Vec<u32>, rest: &mut Vec<f32>) {
+    use std::arch::x86_64::*;
+    let (vlo, vhi) = (_mm256_set1_ps(lo), _mm256_set1_ps(hi));
+    let blocks = row.chunks_exact(8);
+    let tail = blocks.remainder();
+    for (b, block) in blocks.enumerate() {
+        // SAFETY: `block` is 8 values.
+        let v = unsafe { _mm256_loadu_ps(block.as_ptr()) };
+        // Ordered compares: NaN is inside neither bound, so it is an outlier.
+        let inside = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(v, vlo), _mm256_cmp_ps::<_CMP_LE_OQ>(v, vhi));
+        let mut outside = !_mm256_movemask_ps(inside) as u32 & 0xff;
+        while outside != 0 {
+            let i = outside.trailing_zeros() as usize;
+            at.push((b * 8 + i) as u32);
+            rest.push(block[i] - block[i].clamp(lo, hi));
+            outside &= outside - 1;
+        }
+    }
+    outliers_scalar(tail, row.len() - tail.len(), lo, hi, at, rest)
+}
+
 /// `silu(gate) * up` (Llama's FFN), one pass, over the rayon pool.
 pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
     assert_eq!(gate.len(), up.len(), "silu_mul over slices of different lengths");
@@ -291,6 +336,32 @@ fn exp(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outliers_are_the_values_outside_the_range_on_every_path() {
+        // Lanes inside, on the bounds, beyond them, NaN and infinities, across 8-lane blocks and
+        // a tail.
+        let specials = [0.0, -1.5, 2.0, -1.5001, 2.0001, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -0.0];
+        let row: Vec<f32> = (0..77).map(|i| if i % 3 == 0 { specials[i / 3 % specials.len()] } else { (i as f32 * 0.37).sin() * 2.2 }).collect();
+        let (lo, hi) = (-1.5, 2.0);
+        let want: Vec<(u32, f32)> =
+            row.iter().enumerate().map(|(i, &v)| (i as u32, v - v.clamp(lo, hi))).filter(|&(_, r)| r != 0.0 || r.is_nan()).collect();
+        assert!(want.len() > 10 && want.iter().any(|(_, r)| r.is_nan()), "the test must exercise outliers and NaN");
+        let mut paths: Vec<(&str, fn(&[f32], f32, f32, &mut Vec<u32>, &mut Vec<f32>))> = vec![("scalar", |r, lo, hi, a, v| outliers_scalar(r, 0, lo, hi, a, v))];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            paths.push(("avx2", |r, lo, hi, a, v| unsafe { outliers_avx2(r, lo, hi, a, v) }));
+        }
+        for (name, f) in paths {
+            let (mut at, mut rest) = (vec![], vec![]);
+            f(&row, lo, hi, &mut at, &mut rest);
+            let got: Vec<(u32, f32)> = at.into_iter().zip(rest).collect();
+            assert_eq!(got.len(), want.len(), "{name}");
+            for (g, w) in got.iter().zip(&want) {
+                assert!(g.0 == w.0 && (g.1 == w.1 || g.1.is_nan() && w.1.is_nan()), "{name}: {g:?} != {w:?}");
+            }
+        }
+    }
 
     #[test]
     fn exp_is_within_2_ulp_of_libm() {
