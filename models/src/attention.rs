@@ -3,7 +3,7 @@
 //! why it stays on the CPU while the position-free linears run as shared static graphs.
 
 use candle_core::{Device, Tensor};
-use candle_npu::kernels::matmul_f32;
+use candle_npu::kernels::matmul_f32_serial;
 use candle_npu::kernels::rows::{rows_per_task, softmax_numerators, with_f32};
 use candle_npu::Result;
 use rayon::prelude::*;
@@ -169,7 +169,7 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
                     qs.extend_from_slice(&q[(r * nh + h * groups + g) * hd..][..hd]);
                 }
             }
-            let mut p = matmul_f32(&qs, keys, groups * rb, hd, n, true);
+            let mut p = matmul_f32_serial(&qs, keys, groups * rb, hd, n, true);
             let mut sums = Vec::with_capacity(groups * rb);
             for (i, row) in p.chunks_exact_mut(n).enumerate() {
                 let r = r0 + i % rb;
@@ -178,7 +178,7 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
                 row[..a].fill(0.0);
                 row[z..].fill(0.0);
             }
-            let mut o = matmul_f32(&p, values, groups * rb, n, hd, false);
+            let mut o = matmul_f32_serial(&p, values, groups * rb, n, hd, false);
             for (row, sum) in o.chunks_exact_mut(hd).zip(sums) {
                 row.iter_mut().for_each(|v| *v /= sum);
             }

@@ -192,6 +192,43 @@ pub fn matmul_f32(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, transpose_
     f32_gemm(|g| rten_gemm(g, m, n, GemmInputA::Unpacked(av), GemmInputB::Unpacked(bv)))
 }
 
+/// [`matmul_f32`] on the calling thread alone, for callers that already run one task per
+/// thread (attention: one task per KV head and block of query rows). rten-gemm would split each
+/// call over the pool again, and a task's GEMMs are too small to gain from it.
+pub fn matmul_f32_serial(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, transpose_b: bool) -> Vec<f32> {
+    assert!(a.len() >= m * k && b.len() >= k * n, "matmul_f32_serial: a {} < {m}x{k} or b {} < {k}x{n}", a.len(), b.len());
+    let mut out = Vec::with_capacity(m * n);
+    // Strides in elements: column then row. B^T is `b` read with its strides swapped.
+    let (rhs_cs, rhs_rs) = if transpose_b { (k as isize, 1) } else { (1, n as isize) };
+    // SAFETY: the asserts above bound every read; `out` has room for the m x n outputs, which
+    // gemm writes without reading (`read_dst` false) before `set_len`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+        out.set_len(m * n);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
