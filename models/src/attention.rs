@@ -115,11 +115,8 @@ pub fn attend(c: &Config, spec: &FamilySpec, layer: &LayerSpec, qk_norm: Option<
         q = candle_nn::ops::rms_norm(&q.contiguous()?, &n.q, c.rms_eps as f32)?;
         k = candle_nn::ops::rms_norm(&k.contiguous()?, &n.k, c.rms_eps as f32)?;
     }
-    let rows_of = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
-    let (mut q, mut k) = (rows_of(&q)?, rows_of(&k)?);
     let (cos, sin) = rows.tables(layer.rope_base);
-    rope(spec, &mut q, nh, hd, cos, sin);
-    rope(spec, &mut k, nkv, hd, cos, sin);
+    let (q, k) = (with_f32(&q, |q| roped(spec, q, nh, hd, cos, sin))?, with_f32(&k, |k| roped(spec, k, nkv, hd, cos, sin))?);
     // V is appended from the stage's output as it is (no copy of its own).
     with_f32(v, |v| cache.append(&k, v, rows.n_valid, nkv, hd, rows.reserve))?;
     let out = causal(&q, cache, rows, nh, layer.window, spec.attn_scale as f32);
@@ -200,13 +197,16 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
     out
 }
 
-/// RoPE, in place, over the first `spec.rope_dims` of each head of `x` (`[m, heads, hd]`), row
+/// `x` with RoPE over the first `spec.rope_dims` of each head (`x`: `[m, heads, hd]`), row
 /// `r` at the table's row `r`: pairs `(2i, 2i + 1)` (interleaved) or `(i, i + dims / 2)` (NeoX),
 /// rotated by the angle of frequency `i`, as candle's `rope_i` / `rope` kernels do.
-fn rope(spec: &FamilySpec, x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
+fn roped(spec: &FamilySpec, x: &[f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) -> Vec<f32> {
     let (half, width) = (spec.rope_dims / 2, heads * hd);
     let block = rows_per_task(x.len() / width, width);
-    x.par_chunks_mut(block * width).enumerate().for_each(|(b, rows)| {
+    // Copied and rotated block by block, over the pool (the copy is a pass over the rows too).
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(block * width).zip(x.par_chunks(block * width)).enumerate().for_each(|(b, (rows, src))| {
+        rows.copy_from_slice(src);
         for (i, row) in rows.chunks_exact_mut(width).enumerate() {
             let r = b * block + i;
             let (cos, sin) = (&cos[r * half..][..half], &sin[r * half..][..half]);
@@ -228,6 +228,7 @@ fn rope(spec: &FamilySpec, x: &mut [f32], heads: usize, hd: usize, cos: &[f32], 
             }
         }
     });
+    out
 }
 
 /// cos/sin of RoPE for positions `start..start+n`, `[n, dims/2]`, computed as candle's models

@@ -137,18 +137,29 @@ impl Layer {
 /// a layer's FFN output is added by the next layer's first norm.
 struct Residual {
     x: Tensor,
+    /// The stream's values as f32 rows when they are newer than `x`: the fused add + norm keeps
+    /// them from one layer to the next (a `Tensor` would be copied out and back each time).
+    rows: Option<Vec<f32>>,
     pending: Option<Tensor>,
 }
 
 impl Residual {
     fn new(x: Tensor) -> Self {
-        Residual { x, pending: None }
+        Residual { x, rows: None, pending: None }
+    }
+
+    /// The stream as a tensor, made from `rows` if they are newer.
+    fn stream(&mut self) -> Result<&Tensor> {
+        if let Some(rows) = self.rows.take() {
+            self.x = Tensor::from_vec(rows, self.x.shape(), self.x.device())?;
+        }
+        Ok(&self.x)
     }
 
     /// A block's output, to be added to the stream.
     fn push(&mut self, d: Tensor) -> Result<()> {
         if let Some(p) = self.pending.replace(d) {
-            self.x = (&self.x + p)?;
+            self.x = (self.stream()? + p)?;
         }
         Ok(())
     }
@@ -156,21 +167,24 @@ impl Residual {
     /// Adds what is pending and returns the stream's rows normalized by `w` (f32 rows, as
     /// prefill and decode have, in one pass; other dtypes take candle's two ops).
     fn add_norm(&mut self, w: &Tensor, eps: f32) -> Result<Tensor> {
-        let Some(d) = self.pending.take() else { return Ok(candle_nn::ops::rms_norm(&self.x, w, eps)?) };
+        let Some(d) = self.pending.take() else { return Ok(candle_nn::ops::rms_norm(self.stream()?, w, eps)?) };
         let x = &self.x;
         if [x.dtype(), d.dtype(), w.dtype()] != [CDType::F32; 3] || x.shape() != d.shape() || x.dim(D::Minus1)? != w.elem_count() {
-            self.x = (x + d)?;
+            self.x = (self.stream()? + d)?;
             return Ok(candle_nn::ops::rms_norm(&self.x, w, eps)?);
         }
-        let mut sum = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut sum = match self.rows.take() {
+            Some(rows) => rows,
+            None => x.flatten_all()?.to_vec1::<f32>()?,
+        };
         let h = with_f32(&d, |d| with_f32(w, |w| rows::add_rms_norm(&mut sum, d, w, eps)))??;
-        let (shape, dev) = (x.shape().clone(), x.device().clone());
-        self.x = Tensor::from_vec(sum, &shape, &dev)?;
-        Ok(Tensor::from_vec(h, shape, &dev)?)
+        self.rows = Some(sum);
+        Ok(Tensor::from_vec(h, x.shape(), x.device())?)
     }
 
     /// The stream with everything added.
     fn finish(mut self) -> Result<Tensor> {
+        self.stream()?;
         if let Some(d) = self.pending.take() {
             self.x = (&self.x + d)?;
         }

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use super::{ExecutableGraph, Executor};
 use crate::error::Result;
 use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorKind};
-use crate::kernels::rows::rows_per_task;
+use crate::kernels::rows::{dequantize_row, rows_per_task};
 use crate::kernels::{matmul_f32, PackedF32, PackedI8};
 
 /// The host executor. It runs every op of the IR.
@@ -236,9 +236,7 @@ fn dequantize_in_place(acc: Vec<i32>, col: &[f32]) -> Vec<f32> {
     let block = rows_per_task(acc.len() / n, n) * n;
     acc.par_chunks_mut(block).for_each(|rows| {
         for row in rows.chunks_exact_mut(n) {
-            for (a, &c) in row.iter_mut().zip(col) {
-                *a = (*a as f32 * c).to_bits() as i32;
-            }
+            dequantize_row(row, col);
         }
     });
     // SAFETY: same allocation, length and capacity, reinterpreted between two 4-byte plain types

@@ -179,6 +179,19 @@ unsafe fn outliers_avx2(row: &[f32], lo: f32, hi: f32, at: &mut Vec<u32>, rest: 
     outliers_scalar(tail, row.len() - tail.len(), lo, hi, at, rest)
 }
 
+multiversion! {
+    /// `acc * col` per value as f32, written over the accumulator as the f32's bits (the host
+    /// FullyConnected's dequantization, in the GEMM output's own allocation).
+    pub fn dequantize_row(acc: &mut [i32], col: &[f32]) -> () = dequantize_row_generic;
+}
+
+#[inline(always)]
+fn dequantize_row_generic(acc: &mut [i32], col: &[f32]) {
+    for (a, &c) in acc.iter_mut().zip(col) {
+        *a = (*a as f32 * c).to_bits() as i32;
+    }
+}
+
 /// `silu(gate) * up` (Llama's FFN), one pass, over the rayon pool.
 pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
     assert_eq!(gate.len(), up.len(), "silu_mul over slices of different lengths");
