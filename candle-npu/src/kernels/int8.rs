@@ -14,9 +14,9 @@
 //! - weights: panels of [`NR`] = 16 columns; in a panel, each pair of K steps is 32 bytes, the 8
 //!   (column, k, k + 1) pairs of columns 0-7, then those of columns 8-15 (one `vpmovsxbw` each);
 //! - activations: row-major i16, K padded to even, rows padded to a multiple of [`MR`];
-//! - a tile of [`MR`] x [`NR`] outputs keeps its 12 accumulators in registers over [`KC`] pairs of K
-//!   (the 8 KiB weight micro-panel stays in L1 while [`MC`] rows of activations, at most 264 KiB,
-//!   stream through from L2).
+//! - a tile of [`MR`] x [`NR`] outputs keeps its 12 accumulators in registers over a block of at
+//!   most [`KC`] pairs of K, K cut into equal blocks (the weight micro-panel, at most 10 KiB, stays
+//!   in L1 while [`MC`] rows of activations, at most 330 KiB, stream through from L2).
 //! - threads split the panels (each core reads half of the weights), in the caller's rayon pool.
 
 use rayon::prelude::*;
@@ -27,9 +27,10 @@ use super::rows::rows_per_task;
 pub const NR: usize = 16;
 /// Rows per tile: 6 x 2 accumulators + 2 weight registers + 1 broadcast = 15 of 16 ymm registers.
 pub const MR: usize = 6;
-/// K pairs per block: a 16 x 512 weight micro-panel is 8 KiB of L1.
-const KC: usize = 256;
-/// Rows per block: 264 x 512 i16 activations are 264 KiB of L2.
+/// K pairs per block at most: a 16 x 640 weight micro-panel is 10 KiB of L1. K is cut into
+/// equal blocks ([`k_block`]).
+const KC: usize = 320;
+/// Rows per block: 264 x 640 i16 activations are 330 KiB of L2.
 const MC: usize = 264;
 
 /// Which tile kernel runs. The choice is made once per process ([`Int8Path::detect`]); tests run
@@ -155,8 +156,9 @@ impl Panels {
     /// uninitialized: the first K block writes before any later block reads).
     unsafe fn run_panels(&self, tile: unsafe fn(Tile), a: &[i16], m: usize, panels: std::ops::Range<usize>, c: *mut i32) {
         let pairs = self.kp / 2;
-        for t0 in (0..pairs).step_by(KC) {
-            let t1 = (t0 + KC).min(pairs);
+        let kc = k_block(pairs);
+        for t0 in (0..pairs).step_by(kc) {
+            let t1 = (t0 + kc).min(pairs);
             for r0 in (0..m).step_by(MC) {
                 let r1 = (r0 + MC).min(m);
                 for p in panels.clone() {
@@ -179,6 +181,13 @@ impl Panels {
             }
         }
     }
+}
+
+/// Pairs of K per block: `pairs` cut into equal blocks of at most [`KC`]. A short last block
+/// (K = 576, the hidden size of SmolLM2: 256 + 32 pairs) pays a tile's fixed cost (its
+/// accumulators read back, added and stored) for little work.
+fn k_block(pairs: usize) -> usize {
+    pairs.div_ceil(pairs.div_ceil(KC).max(1)).max(1)
 }
 
 /// Whether `x + offset` fits an i16 for every u8 or i8 `x` (the folded-offset precondition).
