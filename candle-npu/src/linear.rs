@@ -105,7 +105,7 @@ impl NpuWeight {
         fn gather(cs: &[usize], n: usize, w: impl Fn(usize, usize) -> i8 + Sync) -> Vec<i8> {
             let mut out = vec![0i8; cs.len() * n];
             let per_task = rows_per_task(cs.len(), n).max(1);
-            out.par_chunks_mut(per_task * n).zip(cs.par_chunks(per_task)).for_each(|(out, cs)| {
+            out.par_chunks_mut((per_task * n).max(1)).zip(cs.par_chunks(per_task)).for_each(|(out, cs)| {
                 for r in 0..n {
                     for (j, &c) in cs.iter().enumerate() {
                         out[j * n + r] = w(r, c);

@@ -360,7 +360,8 @@ mod tests {
         let want: Vec<(u32, f32)> =
             row.iter().enumerate().map(|(i, &v)| (i as u32, v - v.clamp(lo, hi))).filter(|&(_, r)| r != 0.0 || r.is_nan()).collect();
         assert!(want.len() > 10 && want.iter().any(|(_, r)| r.is_nan()), "the test must exercise outliers and NaN");
-        let mut paths: Vec<(&str, fn(&[f32], f32, f32, &mut Vec<u32>, &mut Vec<f32>))> = vec![("scalar", |r, lo, hi, a, v| outliers_scalar(r, 0, lo, hi, a, v))];
+        type Scan = fn(&[f32], f32, f32, &mut Vec<u32>, &mut Vec<f32>);
+        let mut paths: Vec<(&str, Scan)> = vec![("scalar", |r, lo, hi, a, v| outliers_scalar(r, 0, lo, hi, a, v))];
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             paths.push(("avx2", |r, lo, hi, a, v| unsafe { outliers_avx2(r, lo, hi, a, v) }));
