@@ -32,14 +32,7 @@ pub fn quantize_weight_i8(w: &[f32]) -> (Vec<i8>, Quant) {
 /// tensor's largest one.
 pub fn quantize_weight_i8_per_channel(w: &[f32], n: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
     assert_eq!(w.len(), n * k, "weight is not [N, K]");
-    let mut q = Vec::with_capacity(n * k);
-    let mut scales = Vec::with_capacity(n);
-    for row in w.chunks_exact(k) {
-        let (qr, s) = quantize_weight_i8(row);
-        q.extend(qr);
-        scales.push(s.scale);
-    }
-    (q, scales)
+    crate::kernels::rows::quantize_rows_i8(w, k)
 }
 
 /// How a point's clip range is chosen from calibration.
@@ -459,6 +452,20 @@ mod tests {
         }
         let (zq, zp) = quantize_weight_i8(&[0.0; 4]);
         assert_eq!((zq, zp.scale), (vec![0; 4], 1.0));
+    }
+
+    #[test]
+    fn per_channel_weights_are_each_rows_per_tensor_quantization() {
+        // Many rows over the pool, values at rounding ties, a zero row and a row of one sign.
+        let (n, k) = (301, 37);
+        let mut w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) * 1e-3 * (1 + i / k % 7) as f32).collect();
+        w[5 * k..6 * k].fill(0.0);
+        w[7 * k..8 * k].iter_mut().enumerate().for_each(|(i, v)| *v = 0.5 + i as f32 * 0.5);
+        let (q, s) = quantize_weight_i8_per_channel(&w, n, k);
+        for (r, row) in w.chunks_exact(k).enumerate() {
+            let (qr, sr) = quantize_weight_i8(row);
+            assert_eq!((&q[r * k..(r + 1) * k], s[r]), (&qr[..], sr.scale), "row {r}");
+        }
     }
 
     #[test]
