@@ -802,7 +802,7 @@ impl Model {
             }
             r
         };
-        // In order, the chunks run one after another on this thread. Otherwise a few workers
+        // In order, the chunks run one after another on one thread. Otherwise a few workers
         // take the chunks in order, each walking one chunk's stages, and the runner decides
         // which of them holds the NPU and which the CPU. The lowest unfinished chunk depends on
         // no unfinished one, so any number of workers makes progress (see
@@ -815,7 +815,7 @@ impl Model {
         // plain threads: they block on the runner's grants, which would idle a pool thread.
         // The host executor without an NPU queue of its own (`npu_threads: None`) runs the "NPU"
         // stages on the same pool as the CPU stages: no second processor has bubbles for another
-        // chunk to fill, and one worker on the pool measured 3-8% faster than FIFO's four at
+        // chunk to fill, and one worker on the pool measured 4-6% faster than FIFO's four at
         // 1024 tokens (SmolLM2, 2 cores): the chunks run in order whatever the policy.
         let shared_cores = self.sched.npu_threads.is_none() && self.device.executor_name() == "host";
         let workers = match self.sched.policy == Policy::InOrder || shared_cores {

@@ -1,7 +1,9 @@
-//! Row kernels of the CPU stages (softmax, the activation quantizer, gated activations), written once in plain Rust and compiled twice: for the
-//! build's baseline and, chosen at run time, for AVX2 + FMA. The crate is built for the x86-64
-//! baseline (SSE2, 4 lanes), and the CPU stages run on every machine, so the wide version is
-//! picked per call (`is_x86_feature_detected` caches its answer) rather than by a build flag.
+//! Row kernels of the CPU stages (softmax, the activation quantizer, gated activations, the
+//! outlier scan, dequantization) and of weight quantization at load, written once in plain Rust
+//! and compiled twice: for the build's baseline and, chosen at run time, for AVX2 + FMA (the
+//! outlier scan has AVX2 intrinsics of its own). The crate is built for the x86-64 baseline
+//! (SSE2, 4 lanes), and the CPU stages run on every machine, so the wide version is picked per
+//! call (`is_x86_feature_detected` caches its answer) rather than by a build flag.
 //!
 //! The loops keep 8 independent lanes (`LANES`) so that LLVM vectorizes the reductions (float
 //! max and sum do not reassociate otherwise), and `exp` is a polynomial the vectorizer can inline:
