@@ -140,8 +140,11 @@ impl Panels {
                 let r = b * block + i;
                 let (row, pad) = dst.split_at_mut(if r < m { k } else { 0 });
                 if r < m {
+                    // In i16 lanes (the caller checked that every sum fits: `offset_fits`), which
+                    // vectorize without widening to i32 and packing back.
+                    let offset = x_offset as i16;
                     for (d, &s) in row.iter_mut().zip(&x[r * k..(r + 1) * k]) {
-                        *d = (s.into() + x_offset) as i16;
+                        *d = (s.into() as i16).wrapping_add(offset);
                     }
                 }
                 pad.fill(0);
