@@ -372,6 +372,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let decode_s = t.elapsed().as_secs_f64();
     println!("{}", stream.finish(&p.tokenizer)?.unwrap_or_default());
     let plan = p.model.plan(tokens.len(), chunk_len)?;
+    let policy = match p.model.chunks_in_order() && p.model.sched().policy != Policy::InOrder && plan.chunks.len() > 1 {
+        true => format!("{}, chunks in order: the host executor shares the cores", p.model.sched().policy.name()),
+        false => p.model.sched().policy.name().to_string(),
+    };
     let sizes: Vec<String> = plan.npu_sizes().iter().rev().map(|&s| format!("{} x {s}", plan.chunks.iter().filter(|c| !c.margin && c.padded_len == s).count())).collect();
     println!(
         "\n{} prompt tokens processed: {:.2} token/s (NPU chunks: {}; {} margin rows on the CPU, {} padded rows; {}; {} graphs prepared, {} executed)",
@@ -380,7 +384,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         if sizes.is_empty() { "none".to_string() } else { sizes.join(" + ") },
         plan.margin_tokens(),
         plan.padded_tokens(),
-        p.model.sched().policy.name(),
+        policy,
         prefill_stats.graphs_prepared - before.graphs_prepared,
         prefill_stats.executions - before.executions
     );
