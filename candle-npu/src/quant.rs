@@ -21,10 +21,9 @@ pub fn quantize_u8(values: &[f32], q: Quant) -> Vec<u8> {
 
 /// Per-tensor symmetric INT8 quantization of a weight: `w ~= q * scale`, `q` in [-127, 127].
 pub fn quantize_weight_i8(w: &[f32]) -> (Vec<i8>, Quant) {
-    let max_abs = w.iter().fold(0f32, |m, &v| m.max(v.abs()));
-    let scale = if max_abs > 0.0 { max_abs / 127.0 } else { 1.0 };
-    let q = w.iter().map(|&v| (v / scale).round().clamp(-127.0, 127.0) as i8).collect();
-    (q, Quant::symmetric(scale))
+    // The tensor as one row of the per-channel kernel (an empty one keeps the scale 1).
+    let (q, scale) = crate::kernels::rows::quantize_rows_i8(w, w.len());
+    (q, Quant::symmetric(scale.first().copied().unwrap_or(1.0)))
 }
 
 /// Per-output-channel symmetric INT8 quantization of a weight `[N, K]`: `w[n, k] ~= q[n, k] *

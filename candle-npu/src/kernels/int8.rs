@@ -135,14 +135,14 @@ impl Panels {
         let (k, kp) = (self.k, self.kp);
         a.resize(m.next_multiple_of(MR) * kp, 0);
         let block = rows_per_task(m, kp);
+        // In i16 lanes (the caller checked that every sum fits: `offset_fits`), which vectorize
+        // without widening to i32 and packing back.
+        let offset = x_offset as i16;
         a.par_chunks_mut(block * kp).enumerate().for_each(|(b, rows)| {
             for (i, dst) in rows.chunks_exact_mut(kp).enumerate() {
                 let r = b * block + i;
                 let (row, pad) = dst.split_at_mut(if r < m { k } else { 0 });
                 if r < m {
-                    // In i16 lanes (the caller checked that every sum fits: `offset_fits`), which
-                    // vectorize without widening to i32 and packing back.
-                    let offset = x_offset as i16;
                     for (d, &s) in row.iter_mut().zip(&x[r * k..(r + 1) * k]) {
                         *d = (s.into() as i16).wrapping_add(offset);
                     }

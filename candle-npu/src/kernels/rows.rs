@@ -71,8 +71,9 @@ multiversion! {
     fn quantize_into(values: &[f32], inv_scale: f32, offset: f32, out: &mut [MaybeUninit<u8>]) -> usize = quantize;
 }
 
-/// Symmetric INT8 quantization of each row of `w` (`k` values each): `round(v / s)` in
-/// [-127, 127] with `s = max|v| / 127` (1 for a row of zeros), rows over the rayon pool. Returns
+/// Symmetric INT8 quantization of each row of `w` (`k` values each; the per-tensor form is one
+/// row): `round(v / s)` in [-127, 127] with `s = max|v| / 127` (1 for a row of zeros), rows
+/// over the rayon pool. Returns
 /// the values and the row scales. Model loading quantizes every weight this way; on the baseline
 /// build `round` is a libm call per value (a third of SmolLM2's load time, one core).
 pub fn quantize_rows_i8(w: &[f32], k: usize) -> (Vec<i8>, Vec<f32>) {
@@ -111,7 +112,7 @@ fn quantize_row_i8_generic(row: &[f32], scale: f32, out: &mut [MaybeUninit<i8>])
         let r = (v / scale).round();
         // NaN to 0, as `as i8` maps it, so that the unchecked conversion (which vectorizes)
         // sees a number in [-127, 127].
-        let r = if r.is_nan() { 0.0 } else { r.max(-127.0).min(127.0) };
+        let r = if r.is_nan() { 0.0 } else { r.clamp(-127.0, 127.0) };
         // SAFETY: r is finite and in [-127, 127].
         unsafe { r.to_int_unchecked::<i32>() as i8 }
     })
