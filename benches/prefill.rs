@@ -1,5 +1,6 @@
-//! INT8 GEMM of the host executor on SmolLM2's prefill shapes (chunk of 256 rows), and the whole
-//! SmolLM2 prefill on the host executor.
+//! INT8 GEMM of the host executor on SmolLM2's prefill shapes (chunk of 256 rows), the row
+//! kernels that cost most beside it (softmax over a 1024-key row), and the whole SmolLM2 prefill
+//! on the host executor.
 //! The side-by-side prefill table is `cargo run --release --example bench_prefill`.
 use candle_npu::kernels::PackedI8;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -14,6 +15,23 @@ fn gemm(c: &mut Criterion) {
         g.throughput(Throughput::Elements((2 * m * n * k) as u64));
         g.bench_function(name, |b| b.iter(|| p.matmul_u8(std::hint::black_box(&x), m, -128)));
     }
+    g.finish();
+}
+
+/// The softmax numerators of one attention row of a 1024-token prompt (SmolLM2 takes 4.7 million
+/// of these values per layer).
+fn row_kernels(c: &mut Criterion) {
+    use candle_npu::kernels::rows::softmax_numerators;
+    let mut g = c.benchmark_group("row_kernels");
+    let row: Vec<f32> = (0..1024).map(|i| ((i * 7919) % 1000) as f32 / 100.0 - 5.0).collect();
+    g.throughput(Throughput::Elements(row.len() as u64));
+    let mut buf = row.clone();
+    g.bench_function("softmax_1024", |b| {
+        b.iter(|| {
+            buf.copy_from_slice(&row);
+            softmax_numerators(std::hint::black_box(&mut buf), 0.125)
+        })
+    });
     g.finish();
 }
 
@@ -42,5 +60,5 @@ fn prefill(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, gemm, prefill);
+criterion_group!(benches, gemm, row_kernels, prefill);
 criterion_main!(benches);
