@@ -19,7 +19,7 @@ fn gemm(c: &mut Criterion) {
 }
 
 /// The softmax numerators of one attention row of a 1024-token prompt (SmolLM2 takes 4.7 million
-/// of these values per layer).
+/// of these values per layer), and the shadow path of one output row.
 fn row_kernels(c: &mut Criterion) {
     use candle_npu::kernels::rows::softmax_numerators;
     let mut g = c.benchmark_group("row_kernels");
@@ -32,6 +32,15 @@ fn row_kernels(c: &mut Criterion) {
             softmax_numerators(std::hint::black_box(&mut buf), 0.125)
         })
     });
+    // The shadow path of one gate/up output row (1536 values) with 16 outliers.
+    use candle_npu::kernels::rows::shadow_row;
+    let n = 1536;
+    let cols: Vec<Vec<i8>> = (0..16).map(|j| (0..n).map(|i| ((i * 7919 + j * 104729) % 255) as i8).collect()).collect();
+    let terms: Vec<(f32, &[i8])> = cols.iter().enumerate().map(|(j, c)| (j as f32 * 0.37 - 3.0, &c[..])).collect();
+    let scales: Vec<f32> = (0..n).map(|i| 1e-3 + i as f32 * 1e-6).collect();
+    let mut y = vec![0f32; n];
+    g.throughput(Throughput::Elements((n * terms.len()) as u64));
+    g.bench_function("shadow_row_1536x16", |b| b.iter(|| shadow_row(std::hint::black_box(&mut y), &terms, &scales)));
     g.finish();
 }
 

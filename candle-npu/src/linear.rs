@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
-use crate::kernels::rows::{axpy_i8, rows_per_task};
+use crate::kernels::rows::{rows_per_task, shadow_row};
 use crate::outlier::{Outliers, WeightSource};
 use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel};
 
@@ -398,13 +398,14 @@ impl ShadowLinear {
             COLD => &cold[at[c] as usize * n..][..n],
             s => &self.hot.cols[s as usize * n..][..n],
         };
-        // Blocks of rows over the rayon pool.
+        // Blocks of rows over the rayon pool; a row's outliers go in together (`shadow_row`).
         let block = rows_per_task(outliers.rows(), n);
         y[..outliers.rows() * n].par_chunks_mut(block * n).enumerate().for_each(|(b, rows)| {
+            let mut terms = vec![];
             for (i, row) in rows.chunks_exact_mut(n).enumerate() {
-                for (c, v) in outliers.row(b * block + i) {
-                    axpy_i8(row, v, column(c), &self.row_scales);
-                }
+                terms.clear();
+                terms.extend(outliers.row(b * block + i).map(|(c, v)| (v, column(c))));
+                shadow_row(row, &terms, &self.row_scales);
             }
         });
         Ok(())

@@ -236,20 +236,53 @@ fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut
     }
 }
 
-multiversion! {
-    /// `y += a * (q * s)` per value (the shadow path's outlier times its INT8 weight column `q`
-    /// with the row scales `s`: the column dequantized on the fly, rounded as a stored f32
-    /// column would be).
-    pub fn axpy_i8(y: &mut [f32], a: f32, q: &[i8], s: &[f32]) -> () = axpy_i8_generic;
+/// `y += s * sum_j(a_j * q_j)` per value: the shadow path of one output row, its outliers `a_j`
+/// times their channels' INT8 weight columns `q_j` (`terms`), scaled once by the row scales `s`.
+/// The terms are summed in blocks of 64 outputs held in registers, so `y` and `s` are read once
+/// per row rather than once per outlier (an axpy per outlier moved 9 bytes per multiply-add).
+/// AVX2 + FMA has intrinsics of its own; the paths differ by the FMAs' rounding.
+pub fn shadow_row(y: &mut [f32], terms: &[(f32, &[i8])], s: &[f32]) {
+    let n = y.len();
+    assert!(s.len() == n && terms.iter().all(|(_, q)| q.len() == n), "shadow row of {n} outputs, {} scales, columns of another length", s.len());
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA; the lengths are checked above.
+        done = unsafe { shadow_row_avx2(y, terms, s) };
+    }
+    for i in done..n {
+        let acc: f32 = terms.iter().map(|&(a, q)| a * q[i] as f32).sum();
+        y[i] += acc * s[i];
+    }
 }
 
-#[inline(always)]
-fn axpy_i8_generic(y: &mut [f32], a: f32, q: &[i8], s: &[f32]) {
-    assert!(y.len() == q.len() && q.len() == s.len(), "axpy_i8 over slices of lengths {}, {}, {}", y.len(), q.len(), s.len());
-    for ((y, &q), &s) in y.iter_mut().zip(q).zip(s) {
-        let w = q as f32 * s;
-        *y += a * w;
+/// [`shadow_row`] over the whole blocks of 64 outputs; returns how many outputs it did.
+/// SAFETY (caller): `s` and every column are at least `y.len()` long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn shadow_row_avx2(y: &mut [f32], terms: &[(f32, &[i8])], s: &[f32]) -> usize {
+    use std::arch::x86_64::*;
+    let blocks = y.len() / 64;
+    for b in 0..blocks {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for &(a, q) in terms {
+            let a = _mm256_set1_ps(a);
+            for (v, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: 8 bytes at b * 64 + 8v < y.len() <= q.len().
+                let q = unsafe { _mm_loadl_epi64(q.as_ptr().add(b * 64 + 8 * v) as *const __m128i) };
+                *acc = _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), *acc);
+            }
+        }
+        for (v, acc) in acc.into_iter().enumerate() {
+            let at = b * 64 + 8 * v;
+            // SAFETY: 8 values at `at` < y.len() <= s.len().
+            unsafe {
+                let yv = y.as_mut_ptr().add(at);
+                _mm256_storeu_ps(yv, _mm256_fmadd_ps(acc, _mm256_loadu_ps(s.as_ptr().add(at)), _mm256_loadu_ps(yv)));
+            }
+        }
     }
+    blocks * 64
 }
 
 /// Appends the values of `row` outside `[lo, hi]` (NaN included): their indexes to `at` and
@@ -557,16 +590,23 @@ mod tests {
     }
 
     #[test]
-    fn axpy_i8_adds_the_dequantized_column_on_every_path() {
-        let n = 37; // lanes and a remainder
-        let q: Vec<i8> = (0..n).map(|i| (i as i32 * 29 % 255 - 127) as i8).chain([i8::MIN, i8::MAX]).collect();
-        let s: Vec<f32> = (0..q.len()).map(|i| 0.001 + i as f32 * 1e-4).collect();
-        let y0: Vec<f32> = (0..q.len()).map(|i| i as f32 * 0.5 - 3.0).collect();
-        let want: Vec<f32> = y0.iter().zip(&q).zip(&s).map(|((&y, &q), &s)| y + -2.5 * (q as f32 * s)).collect();
-        let (mut a, mut b) = (y0.clone(), y0.clone());
-        axpy_i8(&mut a, -2.5, &q, &s);
-        axpy_i8_generic(&mut b, -2.5, &q, &s);
-        assert_eq!((a, b), (want.clone(), want));
+    fn shadow_row_adds_the_outliers_times_their_columns() {
+        // Whole 64-output blocks (the AVX2 path), a remainder (the plain loop), the INT8 corners,
+        // and a row without outliers.
+        for (n, n_terms) in [(7, 3), (64, 1), (64 * 3 + 37, 16), (100, 0)] {
+            let cols: Vec<Vec<i8>> = (0..n_terms)
+                .map(|j| (0..n).map(|i| match (i + j) % 11 { 0 => i8::MIN, 1 => i8::MAX, _ => ((i * 29 + j * 71) % 255) as i8 }).collect())
+                .collect();
+            let terms: Vec<(f32, &[i8])> = cols.iter().enumerate().map(|(j, c)| (j as f32 * 1.7 - 9.0, &c[..])).collect();
+            let s: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 * 1e-4).collect();
+            let y0: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
+            let mut y = y0.clone();
+            shadow_row(&mut y, &terms, &s);
+            for i in 0..n {
+                let want = y0[i] as f64 + terms.iter().map(|&(a, q)| a as f64 * q[i] as f64 * s[i] as f64).sum::<f64>();
+                assert!((y[i] as f64 - want).abs() <= 1e-5 * want.abs().max(1.0), "n {n}, output {i}: {} vs {want}", y[i]);
+            }
+        }
     }
 
     #[test]
