@@ -19,7 +19,7 @@ fn gemm(c: &mut Criterion) {
 }
 
 /// The softmax numerators of one attention row of a 1024-token prompt (SmolLM2 takes 4.7 million
-/// of these values per layer), and the shadow path of one output row.
+/// of these values per layer), SiLU, and the shadow path of one output row.
 fn row_kernels(c: &mut Criterion) {
     use candle_npu::kernels::rows::softmax_numerators;
     let mut g = c.benchmark_group("row_kernels");
@@ -32,6 +32,11 @@ fn row_kernels(c: &mut Criterion) {
             softmax_numerators(std::hint::black_box(&mut buf), 0.125)
         })
     });
+    // SiLU(gate) * up of a 64-row chunk of SmolLM2's FFN.
+    use candle_npu::kernels::rows::silu_mul;
+    let gate: Vec<f32> = (0..64 * 1536).map(|i| ((i * 7919) % 2000) as f32 / 200.0 - 5.0).collect();
+    g.throughput(Throughput::Elements(gate.len() as u64));
+    g.bench_function("silu_mul_64x1536", |b| b.iter(|| silu_mul(std::hint::black_box(&gate), &gate)));
     // The shadow path of one gate/up output row (1536 values) with 16 outliers.
     use candle_npu::kernels::rows::shadow_row;
     let n = 1536;

@@ -81,21 +81,8 @@ unsafe fn softmax_avx2(row: &mut [f32], scale: f32) -> f32 {
     let max = lanes_fold(row, f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
     let max = max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let (vscale, vshift) = (_mm256_set1_ps(scale), _mm256_set1_ps(scale * max));
-    // e^(v * scale - shift), the exponent <= 0 (clamped below as `exp` does; `max_ps` returns
-    // its second operand when one is NaN, so NaN goes through).
-    let exp8 = |v: __m256| {
-        let x = _mm256_max_ps(_mm256_set1_ps(-87.0), _mm256_fmsub_ps(v, vscale, vshift));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-        let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
-        _mm256_mul_ps(e, _mm256_castsi256_ps(two_n))
-    };
+    // e^(v * scale - shift), the exponent <= 0.
+    let exp8 = |v: __m256| exp8(_mm256_fmsub_ps(v, vscale, vshift));
     let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut pairs = row.chunks_exact_mut(16);
     for c in &mut pairs {
@@ -126,6 +113,58 @@ unsafe fn softmax_avx2(row: &mut [f32], scale: f32) -> f32 {
     // SAFETY: `lanes` is 8 values.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(s0, s1)) };
     sum + lanes.iter().sum::<f32>()
+}
+
+/// [`exp`] of 8 lanes with its steps as FMAs, for `x <= 88` (the caller clamps where it can be
+/// more: softmax's exponents are <= 0). Clamped below at -87 as `exp` is; `max_ps` returns its
+/// second operand when one is NaN, so NaN goes through.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let x = _mm256_max_ps(_mm256_set1_ps(-87.0), x);
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+    let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+    _mm256_mul_ps(e, _mm256_castsi256_ps(two_n))
+}
+
+/// `out[i] = f(a[i], b[i])` for every i of `out`, 16 values a step through the 8-lane `f8` (two
+/// independent chains in flight: `exp8` is latency-bound alone), the tail through `f`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn map2_avx2(
+    a: &[f32],
+    b: &[f32],
+    out: &mut [MaybeUninit<f32>],
+    f8: impl Fn(std::arch::x86_64::__m256, std::arch::x86_64::__m256) -> std::arch::x86_64::__m256,
+    f: impl Fn(f32, f32) -> f32,
+) -> usize {
+    use std::arch::x86_64::*;
+    let n = out.len();
+    assert!(a.len() >= n && b.len() >= n, "map2 of {n} values over {} and {}", a.len(), b.len());
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 values at i < n <= a.len(), b.len(), out.len(); MaybeUninit<f32> is an f32.
+        unsafe {
+            let (pa, pb, po) = (a.as_ptr().add(i), b.as_ptr().add(i), out.as_mut_ptr().add(i).cast::<f32>());
+            let y0 = f8(_mm256_loadu_ps(pa), _mm256_loadu_ps(pb));
+            let y1 = f8(_mm256_loadu_ps(pa.add(8)), _mm256_loadu_ps(pb.add(8)));
+            _mm256_storeu_ps(po, y0);
+            _mm256_storeu_ps(po.add(8), y1);
+        }
+        i += 16;
+    }
+    for j in i..n {
+        out[j].write(f(a[j], b[j]));
+    }
+    n
 }
 
 /// `clamp(round(v * inv_scale) - offset, 0, 255)` per value (the activation quantizer), over the
@@ -356,24 +395,57 @@ pub fn gelu_tanh_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
     par_collect(gate.len(), block_len(gate.len()), |at, out| gelu_tanh_mul_into(&gate[at..], &up[at..], out))
 }
 
-multiversion! {
-    fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize = silu_mul_generic;
+/// [`silu_mul`] of one block: AVX2 + FMA intrinsics ([`exp8`]) where the CPU has them, else the
+/// plain loop as built.
+fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        fn wide(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
+            use std::arch::x86_64::*;
+            let one = _mm256_set1_ps(1.0);
+            let silu8 = |g, u| _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_min_ps(_mm256_set1_ps(88.0), _mm256_sub_ps(_mm256_setzero_ps(), g))))), u);
+            map2_avx2(gate, up, out, silu8, silu)
+        }
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { wide(gate, up, out) };
+    }
+    map2(gate, up, out, silu)
 }
 
-multiversion! {
-    fn gelu_tanh_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize = gelu_tanh_mul_generic;
-}
-
+/// `silu(g) * u` of one value (the plain loop's, and the AVX2 loop's tail).
 #[inline(always)]
-fn silu_mul_generic(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
-    map2(gate, up, out, |g, u| g / (1.0 + exp(-g)) * u)
+fn silu(g: f32, u: f32) -> f32 {
+    g / (1.0 + exp(-g)) * u
 }
 
+/// 0.5 x (1 + tanh(y)) = x - x / (e^(2y) + 1), y = sqrt(2 / pi) (x + 0.044715 x^3).
+const GELU_S: f32 = 0.797_884_6;
+
+/// `gelu_tanh(x) * u` of one value.
 #[inline(always)]
-fn gelu_tanh_mul_generic(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
-    // 0.5 x (1 + tanh(y)) = x - x / (e^(2y) + 1), y = sqrt(2 / pi) (x + 0.044715 x^3).
-    const S: f32 = 0.797_884_6;
-    map2(gate, up, out, |x, u| (x - x / (exp(2.0 * S * (x + 0.044_715 * x * x * x)) + 1.0)) * u)
+fn gelu(x: f32, u: f32) -> f32 {
+    (x - x / (exp(2.0 * GELU_S * (x + 0.044_715 * x * x * x)) + 1.0)) * u
+}
+
+/// [`gelu_tanh_mul`] of one block, as [`silu_mul_into`].
+fn gelu_tanh_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        fn wide(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
+            use std::arch::x86_64::*;
+            let (one, c, s2) = (_mm256_set1_ps(1.0), _mm256_set1_ps(0.044_715), _mm256_set1_ps(2.0 * GELU_S));
+            let gelu8 = |x, u| {
+                let y = _mm256_mul_ps(s2, _mm256_fmadd_ps(_mm256_mul_ps(c, x), _mm256_mul_ps(x, x), x));
+                _mm256_mul_ps(_mm256_sub_ps(x, _mm256_div_ps(x, _mm256_add_ps(exp8(_mm256_min_ps(_mm256_set1_ps(88.0), y)), one))), u)
+            };
+            map2_avx2(gate, up, out, gelu8, gelu)
+        }
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { wide(gate, up, out) };
+    }
+    map2(gate, up, out, gelu)
 }
 
 /// The CPU stages' row kernels split their rows over the rayon pool, which the GEMMs use too: an
@@ -555,17 +627,23 @@ mod tests {
     fn gated_activations_match_their_definitions() {
         let gate: Vec<f32> = (-4000..4000).map(|i| i as f32 * 0.01).chain([-100.0, 100.0]).collect();
         let up: Vec<f32> = gate.iter().map(|g| 1.5 - g * 0.1).collect();
-        let silu = silu_mul(&gate, &up);
-        let gelu = gelu_tanh_mul(&gate, &up);
-        for (i, (&g, &u)) in gate.iter().zip(&up).enumerate() {
-            let (x, u) = (g as f64, u as f64);
-            let want_silu = x / (1.0 + (-x).exp()) * u;
-            let want_gelu = 0.5 * x * (1.0 + (0.797_884_560_8 * (x + 0.044715 * x * x * x)).tanh()) * u;
-            for (got, want) in [(silu[i], want_silu), (gelu[i], want_gelu)] {
-                // 2e-6 relative, plus one f32 ulp of x * u: for very negative x, GELU's
-                // 1 + tanh(y) cancels to a few ulp of x (candle's f32 GELU does the same).
-                let tol = 2e-6 * want.abs() + f32::EPSILON as f64 * (x * u).abs();
-                assert!((got as f64 - want).abs() <= tol, "x = {x}: {got} vs {want}");
+        let plain = |f: fn(f32, f32) -> f32| {
+            let mut out = vec![MaybeUninit::new(0.0); gate.len()];
+            map2(&gate, &up, &mut out, f);
+            out.into_iter().map(|v| unsafe { v.assume_init() }).collect::<Vec<f32>>()
+        };
+        // The dispatched kernels (AVX2 + FMA here) and the plain loops.
+        for (silu, gelu) in [(silu_mul(&gate, &up), gelu_tanh_mul(&gate, &up)), (plain(silu), plain(gelu))] {
+            for (i, (&g, &u)) in gate.iter().zip(&up).enumerate() {
+                let (x, u) = (g as f64, u as f64);
+                let want_silu = x / (1.0 + (-x).exp()) * u;
+                let want_gelu = 0.5 * x * (1.0 + (0.797_884_560_8 * (x + 0.044715 * x * x * x)).tanh()) * u;
+                for (got, want) in [(silu[i], want_silu), (gelu[i], want_gelu)] {
+                    // 2e-6 relative, plus one f32 ulp of x * u: for very negative x, GELU's
+                    // 1 + tanh(y) cancels to a few ulp of x (candle's f32 GELU does the same).
+                    let tol = 2e-6 * want.abs() + f32::EPSILON as f64 * (x * u).abs();
+                    assert!((got as f64 - want).abs() <= tol, "x = {x}: {got} vs {want}");
+                }
             }
         }
     }
@@ -594,9 +672,12 @@ mod tests {
         // Whole 64-output blocks (the AVX2 path), a remainder (the plain loop), the INT8 corners,
         // and a row without outliers.
         for (n, n_terms) in [(7, 3), (64, 1), (64 * 3 + 37, 16), (100, 0)] {
-            let cols: Vec<Vec<i8>> = (0..n_terms)
-                .map(|j| (0..n).map(|i| match (i + j) % 11 { 0 => i8::MIN, 1 => i8::MAX, _ => ((i * 29 + j * 71) % 255) as i8 }).collect())
-                .collect();
+            let q = |i: usize, j: usize| match (i + j) % 11 {
+                0 => i8::MIN,
+                1 => i8::MAX,
+                _ => ((i * 29 + j * 71) % 255) as i8,
+            };
+            let cols: Vec<Vec<i8>> = (0..n_terms).map(|j| (0..n).map(|i| q(i, j)).collect()).collect();
             let terms: Vec<(f32, &[i8])> = cols.iter().enumerate().map(|(j, c)| (j as f32 * 1.7 - 9.0, &c[..])).collect();
             let s: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 * 1e-4).collect();
             let y0: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
