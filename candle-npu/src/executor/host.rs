@@ -4,12 +4,10 @@
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, Weak};
 
-use rayon::prelude::*;
-
 use super::{ExecutableGraph, Executor};
 use crate::error::Result;
 use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorKind};
-use crate::kernels::rows::{dequantize_row, rows_per_task};
+use crate::kernels::rows::dequantize_row;
 use crate::kernels::{matmul_f32, PackedF32, PackedI8};
 
 /// The host executor. It runs every op of the IR.
@@ -133,23 +131,36 @@ impl HostGraph {
                     let y = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| (a as f64 * c) as f32));
                     return TensorData::F32(y.collect());
                 }
-                let mut acc = match x {
-                    TensorData::U8(v) => w.matmul_u8(v, m, x_quant.offset),
-                    TensorData::I8(v) if *signed_input => w.matmul_i8(v, m, x_quant.offset),
+                let col: Option<Vec<f32>> = match w_scale {
+                    // The accumulator itself (QNN SFIXED_POINT_32 with scale s_x * s_w).
+                    WScale::PerTensor(s) if spec.dtype == DType::I32 && spec.quant == Some(Quant { scale: x_quant.scale * s, offset: 0 }) => None,
+                    WScale::PerTensor(s) => Some(vec![x_quant.scale * s; w.n]),
+                    WScale::PerChannel(s) => Some(s.iter().map(|&s| x_quant.scale * s).collect()),
+                };
+                // Bias and dequantization on each block of rows as the GEMM finishes it (in cache).
+                let bias = match bias {
+                    Some(StaticData::I32(b)) => Some(b),
+                    _ => None,
+                };
+                let each = |rows: &mut [i32]| {
+                    for row in rows.chunks_exact_mut(w.n) {
+                        if let Some(b) = bias {
+                            row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b);
+                        }
+                        if let Some(col) = &col {
+                            dequantize_row(row, col);
+                        }
+                    }
+                };
+                let acc = match x {
+                    TensorData::U8(v) => w.matmul_u8_then(v, m, x_quant.offset, &each),
+                    TensorData::I8(v) if *signed_input => w.matmul_i8_then(v, m, x_quant.offset, &each),
                     _ => unreachable!("validated"),
                 };
-                if let Some(StaticData::I32(b)) = bias {
-                    acc.chunks_exact_mut(w.n).for_each(|row| row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b));
+                if col.is_none() {
+                    return TensorData::I32(acc);
                 }
-                let col: Vec<f32> = match w_scale {
-                    // The accumulator itself (QNN SFIXED_POINT_32 with scale s_x * s_w).
-                    WScale::PerTensor(s) if spec.dtype == DType::I32 && spec.quant == Some(Quant { scale: x_quant.scale * s, offset: 0 }) => {
-                        return TensorData::I32(acc);
-                    }
-                    WScale::PerTensor(s) => vec![x_quant.scale * s; w.n],
-                    WScale::PerChannel(s) => s.iter().map(|&s| x_quant.scale * s).collect(),
-                };
-                let f = dequantize_in_place(acc, &col);
+                let f = dequantized(acc);
                 match spec.dtype {
                     DType::F32 => TensorData::F32(f),
                     dtype => TensorData::from_f32(&f, dtype, spec.quant),
@@ -227,20 +238,14 @@ impl HostGraph {
     }
 }
 
-/// `acc[m, n] * col[n]` as f32, in the accumulator's own allocation (an i32 and an f32 have one
-/// size and alignment): the stage outputs are the largest buffers of a prefill, and a second one
-/// per GEMM would be written once and freed.
-fn dequantize_in_place(acc: Vec<i32>, col: &[f32]) -> Vec<f32> {
+/// The accumulators' allocation as the f32 values `each` wrote into it ([`dequantize_row`]
+/// rewrites every i32 as an f32's bits): the stage outputs are the largest buffers of a
+/// prefill, and a second one per GEMM would be written once and freed.
+fn dequantized(acc: Vec<i32>) -> Vec<f32> {
     let mut acc = std::mem::ManuallyDrop::new(acc);
-    let n = col.len().max(1);
-    let block = rows_per_task(acc.len() / n, n) * n;
-    acc.par_chunks_mut(block).for_each(|rows| {
-        for row in rows.chunks_exact_mut(n) {
-            dequantize_row(row, col);
-        }
-    });
     // SAFETY: same allocation, length and capacity, reinterpreted between two 4-byte plain types
-    // of equal alignment; every element was rewritten as an f32's bits above.
+    // of equal alignment; every element was rewritten as an f32's bits (the GEMM runs `each` on
+    // every row).
     unsafe { Vec::from_raw_parts(acc.as_mut_ptr().cast::<f32>(), acc.len(), acc.capacity()) }
 }
 

@@ -17,7 +17,8 @@ pub mod rows;
 
 use std::sync::OnceLock;
 
-use int8::{Int8Path, Panels};
+use int8::{EachRows, Int8Path, Panels};
+use rayon::prelude::*;
 use rten_gemm::{GemmExecutor, GemmInT, GemmInputA, GemmInputB, GemmOutT, GemmUninitOptions, PackedBMatrix};
 use rten_tensor::NdTensorView;
 
@@ -96,37 +97,66 @@ impl PackedI8 {
 
     /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]`, exactly, in i32.
     pub fn matmul_u8(&self, x: &[u8], m: usize, x_offset: i32) -> Vec<i32> {
-        assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
-        match &self.packed {
-            Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset),
-            Packed::Rten(b) => self.add_offset(rten_u8(b, self.n, self.k, x, m), x_offset),
-        }
+        self.matmul_u8_then(x, m, x_offset, &|_| {})
     }
 
     /// As [`Self::matmul_u8`], for i8 activations.
     pub fn matmul_i8(&self, x: &[i8], m: usize, x_offset: i32) -> Vec<i32> {
+        self.matmul_i8_then(x, m, x_offset, &|_| {})
+    }
+
+    /// [`Self::matmul_u8`], then `each` on blocks of whole output rows (every row in exactly one
+    /// block), on the thread that computed them where the kernel splits rows: a caller's
+    /// dequantization runs while the rows are still in cache, without a pass of its own.
+    pub fn matmul_u8_then(&self, x: &[u8], m: usize, x_offset: i32, each: &EachRows<'_>) -> Vec<i32> {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
         match &self.packed {
-            Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset),
+            Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset, each),
+            Packed::Rten(b) => self.then(self.add_offset(rten_u8(b, self.n, self.k, x, m), x_offset), each),
+        }
+    }
+
+    /// [`Self::matmul_i8`] with [`Self::matmul_u8_then`]'s `each`.
+    pub fn matmul_i8_then(&self, x: &[i8], m: usize, x_offset: i32, each: &EachRows<'_>) -> Vec<i32> {
+        assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
+        match &self.packed {
+            Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset, each),
             // rten takes u8: (q + off) = (q + 128) + (off - 128).
-            Packed::Rten(_) => self.matmul_u8(&x.iter().map(|&q| (q as i16 + 128) as u8).collect::<Vec<_>>(), m, x_offset - 128),
+            Packed::Rten(_) => self.matmul_u8_then(&x.iter().map(|&q| (q as i16 + 128) as u8).collect::<Vec<_>>(), m, x_offset - 128, each),
         }
     }
 
     /// Our kernel folds the offset into the widened activations when it fits an i16 (it always
-    /// does for QNN's 8-bit offsets); the column sums apply any rest.
-    fn folded<T: Copy + Into<i32> + Sync>(&self, p: &Panels, path: Int8Path, x: &[T], m: usize, x_offset: i32) -> Vec<i32> {
+    /// does for QNN's 8-bit offsets); the column sums apply any rest, before `each`.
+    fn folded<T: Copy + Into<i32> + Sync>(&self, p: &Panels, path: Int8Path, x: &[T], m: usize, x_offset: i32, each: &EachRows<'_>) -> Vec<i32> {
         let fold = if int8::offset_fits(x_offset) { x_offset } else { 0 };
-        self.add_offset(p.matmul(path, x, m, fold), x_offset - fold)
+        let rest = x_offset - fold;
+        p.matmul(path, x, m, fold, &|rows: &mut [i32]| {
+            self.add_offset_rows(rows, rest);
+            each(rows)
+        })
     }
 
     fn add_offset(&self, mut acc: Vec<i32>, x_offset: i32) -> Vec<i32> {
+        self.add_offset_rows(&mut acc, x_offset);
+        acc
+    }
+
+    fn add_offset_rows(&self, acc: &mut [i32], x_offset: i32) {
         if x_offset != 0 {
             for row in acc.chunks_exact_mut(self.n) {
                 for (a, &s) in row.iter_mut().zip(&self.col_sums) {
                     *a += x_offset * s;
                 }
             }
+        }
+    }
+
+    /// `each` over blocks of rows of a finished product, over the pool.
+    fn then(&self, mut acc: Vec<i32>, each: &EachRows<'_>) -> Vec<i32> {
+        if !acc.is_empty() {
+            let block = rows::rows_per_task(acc.len() / self.n.max(1), self.n) * self.n.max(1);
+            acc.par_chunks_mut(block).for_each(each);
         }
         acc
     }
@@ -298,15 +328,26 @@ mod tests {
     }
 
     #[test]
-    fn int8_gemm_splits_columns_over_a_pool() {
-        // Several threads, each a disjoint range of panels: the same result as one thread.
+    fn int8_gemm_splits_over_a_pool_and_finishes_every_row_once() {
+        // Several threads: few rows split the panels, many rows split the rows (each task widens
+        // its own). Both give the one-thread result, and `each` sees every row exactly once
+        // (twice or never would change the mapped values).
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let (m, k, n) = (20, 64, 16 * 7 + 3);
+        let (k, n) = (64, 16 * 7 + 3);
         let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
-        let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
         let p = PackedI8::new(&w, n, k);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        assert_eq!(pool.install(|| p.matmul_u8(&x, m, -3)), reference(&x, &w, m, k, n, -3));
+        let each = |rows: &mut [i32]| rows.iter_mut().for_each(|v| *v = *v * 3 + 1);
+        for m in [20, 3 * int8::ROWS_PER_TASK_MIN + 5] {
+            let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
+            let want = reference(&x, &w, m, k, n, -3);
+            assert_eq!(pool.install(|| p.matmul_u8(&x, m, -3)), want, "{m} rows");
+            let mapped: Vec<i32> = want.iter().map(|v| v * 3 + 1).collect();
+            assert_eq!(pool.install(|| p.matmul_u8_then(&x, m, -3, &each)), mapped, "{m} rows, then each");
+            // An offset beyond the fold (i16): the column sums apply the rest before `each`.
+            let mapped: Vec<i32> = reference(&x, &w, m, k, n, 40_000).iter().map(|v| v * 3 + 1).collect();
+            assert_eq!(pool.install(|| p.matmul_u8_then(&x, m, 40_000, &each)), mapped, "{m} rows, offset 40000");
+        }
     }
 
     #[test]

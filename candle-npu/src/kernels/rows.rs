@@ -404,7 +404,10 @@ fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usiz
         fn wide(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
             use std::arch::x86_64::*;
             let one = _mm256_set1_ps(1.0);
-            let silu8 = |g, u| _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_min_ps(_mm256_set1_ps(88.0), _mm256_sub_ps(_mm256_setzero_ps(), g))))), u);
+            let silu8 = |g, u| {
+                let e = exp8(_mm256_min_ps(_mm256_set1_ps(88.0), _mm256_sub_ps(_mm256_setzero_ps(), g)));
+                _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u)
+            };
             map2_avx2(gate, up, out, silu8, silu)
         }
         // SAFETY: the CPU has AVX2 and FMA.
