@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
+use crate::kernels::prefetch;
 use crate::kernels::rows::{rows_per_task, shadow_row};
 use crate::outlier::{Outliers, WeightSource};
 use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel};
@@ -102,18 +103,24 @@ impl NpuWeight {
     /// is read row by row, each row once for all the columns (a column read alone touches a
     /// cache line per row), and the columns are split over the rayon pool.
     fn columns(&self, cs: &[usize], n: usize, k: usize) -> Result<Vec<i8>> {
-        fn gather(cs: &[usize], n: usize, w: impl Fn(usize, usize) -> i8 + Sync) -> Vec<i8> {
+        /// `at(r, c)`: where value (r, c) is in `data`; `to_i8` reads it.
+        fn gather<T: Copy + Sync>(cs: &[usize], n: usize, data: &[T], at: impl Fn(usize, usize) -> usize + Sync, to_i8: fn(T) -> i8) -> Vec<i8> {
             const ROWS: usize = 64;
             let mut out = vec![0i8; cs.len() * n];
             let per_task = rows_per_task(cs.len(), n).max(1);
             out.par_chunks_mut((per_task * n).max(1)).zip(cs.par_chunks(per_task)).for_each(|(out, cs)| {
                 // Blocks of rows: a block's rows stay in cache while every column is taken from
-                // them, and each column's values are written contiguously.
+                // them, and each column's values are written contiguously. Each value is a line
+                // of its own (a column of a row-major weight), so the next block's lines are
+                // asked for while this block is read.
                 for r0 in (0..n).step_by(ROWS) {
                     let rows = r0..(r0 + ROWS).min(n);
                     for (j, &c) in cs.iter().enumerate() {
                         for r in rows.clone() {
-                            out[j * n + r] = w(r, c);
+                            if r + ROWS < n {
+                                prefetch(data.as_ptr().wrapping_add(at(r + ROWS, c)));
+                            }
+                            out[j * n + r] = to_i8(data[at(r, c)]);
                         }
                     }
                 }
@@ -121,10 +128,10 @@ impl NpuWeight {
             out
         }
         Ok(match &self.int8 {
-            Int8::Raw(q) => gather(cs, n, |r, c| q[r * k + c]),
+            Int8::Raw(q) => gather(cs, n, q, |r, c| r * k + c, |v| v),
             Int8::Q8_0(t) => {
                 let data = t.data()?;
-                gather(cs, n, |r, c| data[(r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32] as i8)
+                gather(cs, n, &data, |r, c| (r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32, |v| v as i8)
             }
         })
     }

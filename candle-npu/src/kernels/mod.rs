@@ -194,6 +194,19 @@ fn rten_gemm<L: GemmInT, R: GemmInT, O: GemmOutT>(g: &GemmExecutor<L, R, O>, m: 
     out
 }
 
+/// Asks for the cache line at `p` ahead of a read the hardware prefetcher cannot predict (a
+/// no-op off x86_64). Never faults, whatever `p` is.
+#[inline(always)]
+pub fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is in the x86_64 baseline, and a prefetch does not access memory.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// A static F32 weight `[N, K]`, prepacked for `x[M, K] @ w^T` (float passthrough mode).
 pub struct PackedF32 {
     packed: PackedBMatrix<f32>,
