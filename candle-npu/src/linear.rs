@@ -385,7 +385,7 @@ impl ShadowLinear {
         // columns are contiguous copies, the cold ones are read from the weight together once per
         // call (`at[c]`: its place in `cold`, a dense index, no hashing). No f32 column is built:
         // a busy projection has outliers in most channels, and dequantizing each column once
-        // wrote (and zeroed) megabytes per call that the axpys then read back.
+        // wrote (and zeroed) megabytes per call that the shadow path then read back.
         const ABSENT: u32 = u32::MAX;
         let mut at = vec![ABSENT; self.k];
         let mut cold_channels = vec![];
