@@ -155,7 +155,7 @@ impl Panels {
         // SAFETY: the first K block of every tile wrote all m * n outputs (run_panels).
         unsafe { out.set_len(m * self.n) };
         if row_tasks == 1 {
-            out.par_chunks_mut(rows_per_task(m, self.n) * self.n).for_each(each);
+            each_over_pool(&mut out, self.n, each);
         }
         out
     }
@@ -238,6 +238,14 @@ pub fn offset_fits(offset: i32) -> bool {
 thread_local! {
     /// The widened activations of this thread's last call: reused, so the hot path does not allocate.
     static WIDENED: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `each` on blocks of whole rows (of `n` values) of a finished product, over the rayon pool.
+pub(crate) fn each_over_pool(out: &mut [i32], n: usize, each: &EachRows<'_>) {
+    if !out.is_empty() {
+        let n = n.max(1);
+        out.par_chunks_mut(rows_per_task(out.len() / n, n) * n).for_each(each);
+    }
 }
 
 /// `f` on this thread's widening buffer. A rayon worker waiting in a GEMM may run another GEMM

@@ -154,10 +154,7 @@ impl PackedI8 {
 
     /// `each` over blocks of rows of a finished product, over the pool.
     fn then(&self, mut acc: Vec<i32>, each: &EachRows<'_>) -> Vec<i32> {
-        if !acc.is_empty() {
-            let block = rows::rows_per_task(acc.len() / self.n.max(1), self.n) * self.n.max(1);
-            acc.par_chunks_mut(block).for_each(each);
-        }
+        int8::each_over_pool(&mut acc, self.n, each);
         acc
     }
 
@@ -199,7 +196,7 @@ fn rten_gemm<L: GemmInT, R: GemmInT, O: GemmOutT>(g: &GemmExecutor<L, R, O>, m: 
 #[inline(always)]
 pub fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: SSE is in the x86_64 baseline, and a prefetch does not access memory.
+    // SAFETY: SSE is in the x86_64 baseline, and a prefetch never faults.
     unsafe {
         std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
     };

@@ -1,9 +1,10 @@
 //! Row kernels of the CPU stages (softmax, the activation quantizer, gated activations, the
 //! outlier scan, dequantization) and of weight quantization at load, written once in plain Rust
 //! and compiled twice: for the build's baseline and, chosen at run time, for AVX2 + FMA (the
-//! outlier scan and the softmax have AVX2 intrinsics of their own). The crate is built for the
-//! x86-64 baseline (SSE2, 4 lanes), and the CPU stages run on every machine, so the wide version
-//! is picked per call (`is_x86_feature_detected` caches its answer) rather than by a build flag.
+//! outlier scan, the softmax, the gated activations and the shadow path have AVX2 intrinsics of
+//! their own, with an 8-lane `exp8` in FMAs). The crate is built for the x86-64 baseline (SSE2,
+//! 4 lanes), and the CPU stages run on every machine, so the wide version is picked per call
+//! (`is_x86_feature_detected` caches its answer) rather than by a build flag.
 //!
 //! The loops keep 8 independent lanes (`LANES`) so that LLVM vectorizes the reductions (float
 //! max and sum do not reassociate otherwise), and `exp` is a polynomial the vectorizer can inline:
@@ -82,13 +83,13 @@ unsafe fn softmax_avx2(row: &mut [f32], scale: f32) -> f32 {
     let max = max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let (vscale, vshift) = (_mm256_set1_ps(scale), _mm256_set1_ps(scale * max));
     // e^(v * scale - shift), the exponent <= 0.
-    let exp8 = |v: __m256| exp8(_mm256_fmsub_ps(v, vscale, vshift));
+    let numerator = |v: __m256| exp8(_mm256_fmsub_ps(v, vscale, vshift));
     let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let mut pairs = row.chunks_exact_mut(16);
     for c in &mut pairs {
         // SAFETY: `c` is 16 values.
         unsafe {
-            let (e0, e1) = (exp8(_mm256_loadu_ps(c.as_ptr())), exp8(_mm256_loadu_ps(c.as_ptr().add(8))));
+            let (e0, e1) = (numerator(_mm256_loadu_ps(c.as_ptr())), numerator(_mm256_loadu_ps(c.as_ptr().add(8))));
             _mm256_storeu_ps(c.as_mut_ptr(), e0);
             _mm256_storeu_ps(c.as_mut_ptr().add(8), e1);
             s0 = _mm256_add_ps(s0, e0);
@@ -103,8 +104,8 @@ unsafe fn softmax_avx2(row: &mut [f32], scale: f32) -> f32 {
         block[..tail.len()].copy_from_slice(tail);
         // SAFETY: `block` is 16 values.
         unsafe {
-            _mm256_storeu_ps(block.as_mut_ptr(), exp8(_mm256_loadu_ps(block.as_ptr())));
-            _mm256_storeu_ps(block.as_mut_ptr().add(8), exp8(_mm256_loadu_ps(block.as_ptr().add(8))));
+            _mm256_storeu_ps(block.as_mut_ptr(), numerator(_mm256_loadu_ps(block.as_ptr())));
+            _mm256_storeu_ps(block.as_mut_ptr().add(8), numerator(_mm256_loadu_ps(block.as_ptr().add(8))));
         }
         tail.copy_from_slice(&block[..tail.len()]);
         sum = tail.iter().sum();
