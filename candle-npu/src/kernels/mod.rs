@@ -18,7 +18,6 @@ pub mod rows;
 use std::sync::OnceLock;
 
 use int8::{EachRows, Int8Path, Panels};
-use rayon::prelude::*;
 use rten_gemm::{GemmExecutor, GemmInT, GemmInputA, GemmInputB, GemmOutT, GemmUninitOptions, PackedBMatrix};
 use rten_tensor::NdTensorView;
 
