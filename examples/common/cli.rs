@@ -372,7 +372,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let decode_s = t.elapsed().as_secs_f64();
     println!("{}", stream.finish(&p.tokenizer)?.unwrap_or_default());
     let plan = p.model.plan(tokens.len(), chunk_len)?;
-    let policy = match p.model.chunks_in_order() && p.model.sched().policy != Policy::InOrder && plan.chunks.len() > 1 {
+    let policy = match p.model.policy_set_aside(plan.chunks.len()) {
         true => format!("{}, chunks in order: the host executor shares the cores", p.model.sched().policy.name()),
         false => p.model.sched().policy.name().to_string(),
     };

@@ -819,7 +819,7 @@ impl Model {
         // 1024 tokens (SmolLM2, 2 cores): the chunks run in order whatever the policy.
         let in_order = self.chunks_in_order();
         let workers = if in_order { 1 } else { plan.chunks.len().min(self.sched.chunks_in_flight.max(1)) };
-        if in_order && self.sched.policy != Policy::InOrder && plan.chunks.len() > 1 {
+        if self.policy_set_aside(plan.chunks.len()) {
             tracing::debug!(policy = self.sched.policy.name(), "host executor sharing the CPU stages' pool: chunks run in order");
         }
         let results: Vec<ChunkOutput> = if workers <= 1 {
@@ -999,6 +999,12 @@ impl Model {
     /// "NPU" and CPU stages share the cores (see `run_prefill`).
     pub fn chunks_in_order(&self) -> bool {
         self.sched.policy == Policy::InOrder || (self.sched.npu_threads.is_none() && self.device.executor_name() == "host")
+    }
+
+    /// Whether a prefill of `chunks` chunks runs them in order although the policy would not
+    /// ([`Self::chunks_in_order`] for another reason than the policy; one chunk has no order).
+    pub fn policy_set_aside(&self, chunks: usize) -> bool {
+        self.chunks_in_order() && self.sched.policy != Policy::InOrder && chunks > 1
     }
 
     /// How the next prefills are scheduled.

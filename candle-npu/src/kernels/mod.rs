@@ -111,7 +111,10 @@ impl PackedI8 {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
         match &self.packed {
             Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset, each),
-            Packed::Rten(b) => self.then(self.add_offset(rten_u8(b, self.n, self.k, x, m), x_offset), each),
+            Packed::Rten(b) => self.then(rten_u8(b, self.n, self.k, x, m), &|rows: &mut [i32]| {
+                self.add_offset(rows, x_offset);
+                each(rows)
+            }),
         }
     }
 
@@ -131,17 +134,13 @@ impl PackedI8 {
         let fold = if int8::offset_fits(x_offset) { x_offset } else { 0 };
         let rest = x_offset - fold;
         p.matmul(path, x, m, fold, &|rows: &mut [i32]| {
-            self.add_offset_rows(rows, rest);
+            self.add_offset(rows, rest);
             each(rows)
         })
     }
 
-    fn add_offset(&self, mut acc: Vec<i32>, x_offset: i32) -> Vec<i32> {
-        self.add_offset_rows(&mut acc, x_offset);
-        acc
-    }
-
-    fn add_offset_rows(&self, acc: &mut [i32], x_offset: i32) {
+    /// `x_offset` times the column sums, added to whole rows of a product.
+    fn add_offset(&self, acc: &mut [i32], x_offset: i32) {
         if x_offset != 0 {
             for row in acc.chunks_exact_mut(self.n) {
                 for (a, &s) in row.iter_mut().zip(&self.col_sums) {
