@@ -18,6 +18,8 @@
 //!   most [`KC`] pairs of K, K cut into equal blocks (the weight micro-panel, at most 10 KiB, stays
 //!   in L1 while [`MC`] rows of activations, at most 330 KiB, stream through from L2, their
 //!   lines prefetched by the tile two lines ahead);
+//! - a tile of fewer than [`MR`] rows (a matrix's or a task's last) runs a kernel compiled for its
+//!   row count, at about its share of a full tile's time;
 //! - threads split the rows when each gets at least [`ROWS_PER_TASK_MIN`] (a task widens its own
 //!   rows, runs every panel over them and hands the finished rows to the caller's `each`, so
 //!   widening, tiles and the caller's dequantization need no barrier between them: +1-2% on a
@@ -122,7 +124,9 @@ impl Panels {
         // Fewer rows: the panels are split, and the widening is shared.
         let row_tasks = if m >= threads * ROWS_PER_TASK_MIN { threads } else { 1 };
         if row_tasks > 1 {
-            let per = m.div_ceil(row_tasks).next_multiple_of(MR);
+            // Equal row counts, not whole tiles (a short tile costs its rows' share): 256 rows
+            // were 22 tiles on one thread and 21 on the other (GEMM +1-3% in the micro-benchmark).
+            let per = m.div_ceil(row_tasks);
             (0..m.div_ceil(per)).into_par_iter().for_each(|i| {
                 let (r0, r1) = (i * per, ((i + 1) * per).min(m));
                 with_widened(|a| {
@@ -295,8 +299,23 @@ struct Tile {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn tile_avx2(t: Tile) {
+    match t.rows {
+        1 => rows_avx2::<1>(t),
+        2 => rows_avx2::<2>(t),
+        3 => rows_avx2::<3>(t),
+        4 => rows_avx2::<4>(t),
+        5 => rows_avx2::<5>(t),
+        _ => rows_avx2::<MR>(t),
+    }
+}
+
+/// The AVX2 tile on its first `R` rows: `R` pairs of accumulators, `R` broadcasts per pair.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn rows_avx2<const R: usize>(t: Tile) {
     use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_si256(); 2 * MR];
+    let mut acc = [[_mm256_setzero_si256(); 2]; R];
     let a = t.a.cast::<i32>();
     let stride = t.a_stride / 2;
     for p in 0..t.pairs {
@@ -306,24 +325,24 @@ unsafe fn tile_avx2(t: Tile) {
         // prefetch never faults, so the lines past the block's end need no test. (Prefetching
         // the weight panel, one sequential stream, made it slower.)
         if p % 16 == 0 {
-            for r in 0..MR {
+            for r in 0..R {
                 _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(r * stride + p + 32).cast());
             }
         }
         // Columns 0-7 and 8-15, each lane pair (w[col, k], w[col, k + 1]) as i16.
         let b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(t.b.add(32 * p).cast()));
         let b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(t.b.add(32 * p + 16).cast()));
-        for r in 0..MR {
+        for (r, acc) in acc.iter_mut().enumerate() {
             // (x[r, k], x[r, k + 1]) in every i32 lane.
             let x = _mm256_set1_epi32(a.add(r * stride + p).read_unaligned());
-            acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(x, b0));
-            acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(x, b1));
+            acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(x, b0));
+            acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(x, b1));
         }
     }
-    for r in 0..t.rows {
+    for (r, &[lo, hi]) in acc.iter().enumerate().take(t.rows) {
         let c = t.c.add(r * t.ldc);
         if t.cols == NR {
-            let (mut lo, mut hi) = (acc[2 * r], acc[2 * r + 1]);
+            let (mut lo, mut hi) = (lo, hi);
             if t.accumulate {
                 lo = _mm256_add_epi32(lo, _mm256_loadu_si256(c.cast()));
                 hi = _mm256_add_epi32(hi, _mm256_loadu_si256(c.add(8).cast()));
@@ -332,8 +351,8 @@ unsafe fn tile_avx2(t: Tile) {
             _mm256_storeu_si256(c.add(8).cast(), hi);
         } else {
             let mut row = [0i32; NR];
-            _mm256_storeu_si256(row.as_mut_ptr().cast(), acc[2 * r]);
-            _mm256_storeu_si256(row.as_mut_ptr().add(8).cast(), acc[2 * r + 1]);
+            _mm256_storeu_si256(row.as_mut_ptr().cast(), lo);
+            _mm256_storeu_si256(row.as_mut_ptr().add(8).cast(), hi);
             store_row(c, &row[..t.cols], t.accumulate);
         }
     }

@@ -323,9 +323,9 @@ mod tests {
     #[test]
     fn int8_gemm_is_exact_on_every_blocking_edge() {
         // Odd K, K over several K blocks (KC pairs), rows past one row block (MC), partial tiles
-        // (M % MR, N % NR), one row, one column.
+        // of every row count (M % MR: 1 to 5) and N % NR, one row, one column.
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        for (m, k, n) in [(1, 1, 1), (5, 7, 17), (13, 1201, 40), (300, 64, 31), (6, 2 * 512 + 2, 16), (3, 0, 5), (0, 4, 5)] {
+        for (m, k, n) in [(1, 1, 1), (5, 7, 17), (13, 1201, 40), (300, 64, 31), (6, 2 * 512 + 2, 16), (8, 70, 33), (9, 30, 16), (10, 3, 5), (3, 0, 5), (0, 4, 5)] {
             let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
             let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
             let want = reference(&x, &w, m, k, n, -99);
