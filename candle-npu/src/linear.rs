@@ -100,28 +100,34 @@ impl NpuWeight {
     }
 
     /// Columns `cs` of the INT8 weight, one after another (`cs.len()` x `N` values). The weight
-    /// is read row by row, each row once for all the columns (a column read alone touches a
-    /// cache line per row), and the columns are split over the rayon pool.
+    /// is read in blocks of rows, each row once for all the columns (a column read alone touches
+    /// a cache line per row), the blocks split over the rayon pool.
     fn columns(&self, cs: &[usize], n: usize, k: usize) -> Result<Vec<i8>> {
         /// `at(r, c)`: where value (r, c) is in `data`; `to_i8` reads it.
         fn gather<T: Copy + Sync>(cs: &[usize], n: usize, data: &[T], at: impl Fn(usize, usize) -> usize + Sync, to_i8: fn(T) -> i8) -> Vec<i8> {
             const ROWS: usize = 64;
             let mut out = vec![0i8; cs.len() * n];
-            let per_task = rows_per_task(cs.len(), n).max(1);
-            out.par_chunks_mut((per_task * n).max(1)).zip(cs.par_chunks(per_task)).for_each(|(out, cs)| {
-                // Blocks of rows: a block's rows stay in cache while every column is taken from
-                // them, and each column's values are written contiguously. Each value is a line
-                // of its own (a column of a row-major weight), so the next block's lines are
-                // asked for while this block is read.
-                for r0 in (0..n).step_by(ROWS) {
-                    let rows = r0..(r0 + ROWS).min(n);
-                    for (j, &c) in cs.iter().enumerate() {
-                        for r in rows.clone() {
-                            if r + ROWS < n {
-                                prefetch(data.as_ptr().wrapping_add(at(r + ROWS, c)));
-                            }
-                            out[j * n + r] = to_i8(data[at(r, c)]);
+            // Each value is a cache line of its own (a column of a row-major weight): the gather
+            // waits on memory, not on arithmetic, and is split by rows even for a few columns
+            // (split by columns, a call's usual ten or so cold ones were one task while the
+            // other core waited). Task `b` fills rows `b * ROWS..` of every column.
+            let mut blocks: Vec<Vec<&mut [i8]>> = (0..n.div_ceil(ROWS)).map(|_| Vec::with_capacity(cs.len())).collect();
+            for column in out.chunks_mut(n.max(1)) {
+                for (b, part) in column.chunks_mut(ROWS).enumerate() {
+                    blocks[b].push(part);
+                }
+            }
+            blocks.into_par_iter().enumerate().for_each(|(b, mut parts)| {
+                // The block's rows stay in cache while every column is taken from them, each
+                // column's values written contiguously; the next block's lines (likely this
+                // thread's next task) are asked for meanwhile.
+                let r0 = b * ROWS;
+                for (part, &c) in parts.iter_mut().zip(cs) {
+                    for (i, v) in part.iter_mut().enumerate() {
+                        if r0 + i + ROWS < n {
+                            prefetch(data.as_ptr().wrapping_add(at(r0 + i + ROWS, c)));
                         }
+                        *v = to_i8(data[at(r0 + i, c)]);
                     }
                 }
             });
