@@ -179,7 +179,8 @@ fn q8_0_blocks(q: &[i8], n: usize, k: usize, scale: impl Fn(usize) -> f32) -> Re
 /// outlier with its INT8 column measured the same perplexity as with float columns (README,
 /// "Memory": x F32 1.0051 / 0.9997 / 1.0037 with no float column, 1.0040 / 0.9963 / 1.0094
 /// with f16 columns for every hot channel), at a quarter of the f32 memory. The hot set is a
-/// speed structure: cold channels' columns are read from the weight on every call.
+/// speed structure: cold channels' columns are read on every call, from the host executor's
+/// packed weight when one lives (a cache line per 16 outputs) or from the weight.
 #[derive(Default)]
 struct HotColumns {
     slot: Vec<u32>,
@@ -406,7 +407,13 @@ impl ShadowLinear {
             tracing::trace!(linear = %self.name, channels = ?cold_channels, "cold outlier channels: columns read from the weight");
             self.cold_reads.fetch_add(cold_channels.len() as u64, Ordering::Relaxed);
         }
-        let cold = self.npu.columns(&cold_channels, n, self.k)?;
+        // From the host executor's packed copy when there is one (a line per 16 outputs, and
+        // likely in cache: its GEMM just read it), else from the weight (a line per output).
+        let packed = (!cold_channels.is_empty()).then(|| crate::executor::host::packed(self.npu_id, n, self.k)).flatten();
+        let cold = match packed.and_then(|p| p.columns(&cold_channels)) {
+            Some(cold) => cold,
+            None => self.npu.columns(&cold_channels, n, self.k)?,
+        };
         let column = |c: usize| match self.hot.slot[c] {
             COLD => &cold[at[c] as usize * n..][..n],
             s => &self.hot.cols[s as usize * n..][..n],
@@ -471,6 +478,37 @@ mod tests {
         assert!(matches!(lin.npu.int8, Int8::Raw(_)));
         assert_eq!(lin.npu.values().unwrap().len(), 120);
         assert_eq!(lin.forward(&Tensor::zeros((2, 40), candle_core::DType::F32, &Device::Cpu).unwrap()).unwrap().dims(), &[2, 3]);
+    }
+
+    #[test]
+    fn cold_columns_read_from_the_host_packed_copy_equal_the_weights() {
+        use crate::graph::TensorData;
+        use crate::outlier::InputPoint;
+        let (m, n, k) = (9, 70, 64);
+        let lin = ShadowLinear::new("l", weight(n, k), None, WeightQuant::PerChannel, DecodeWeights::Q8_0).unwrap();
+        // No hot channel: every outlier's column is cold.
+        let x: Vec<f32> = (0..m * k).map(|i| if i % 5 == 0 { 40.0 - (i % 80) as f32 } else { 0.01 * (i % 13) as f32 }).collect();
+        let p = InputPoint::new("p", -1.0, 1.0, k, &[]);
+        let (q, outliers) = p.quantize(&x, m);
+        let mut g = Graph::new("t");
+        let xi = g.input("x", &[m, k], DType::U8, Some(p.quant));
+        let y = lin.add_to_graph(&mut g, "", xi).unwrap();
+        g.mark_output(y);
+        let prepared = crate::NpuDevice::host().prepare(&g).unwrap();
+        let TensorData::F32(y) = prepared.execute(&[&TensorData::U8(q)]).unwrap().remove(0) else { panic!("F32 output") };
+        // While the graph lives, its packed weight is where the columns come from; after, the
+        // weight's own Q8_0 blocks.
+        let with_packed = crate::executor::host::packed(lin.npu_id, n, k).and_then(|w| w.columns(&[0])).is_some();
+        // Our kernel's panels (this machine's); rten's packing has no column reader.
+        assert_eq!(with_packed, matches!(crate::kernels::Int8Kernel::detect(), crate::kernels::Int8Kernel::Own(_)));
+        let mut from_packed = y.clone();
+        lin.finish(&outliers, &mut from_packed).unwrap();
+        drop(prepared);
+        assert!(crate::executor::host::packed(lin.npu_id, n, k).is_none(), "the packed copy lives with its graphs");
+        let mut from_weight = y.clone();
+        lin.finish(&outliers, &mut from_weight).unwrap();
+        assert!(lin.cold_reads() > 0 && from_packed != y, "the test must add cold outliers");
+        assert_eq!(from_packed, from_weight);
     }
 
     #[test]

@@ -36,6 +36,13 @@ fn pack_i8(d: &[i8], n: usize, k: usize, id: Option<u64>) -> Arc<PackedI8> {
     p
 }
 
+/// The packed copy of the INT8 weight with data identity `id` (`[n, k]`), while a prepared host
+/// graph holds it: the shadow path reads cold columns from it (see [`PackedI8::columns`]).
+pub(crate) fn packed(id: u64, n: usize, k: usize) -> Option<Arc<PackedI8>> {
+    let cache = PACKED.lock().unwrap_or_else(|e| e.into_inner());
+    cache.iter().find(|(key, _)| *key == (id, n, k)).and_then(|e| e.1.upgrade())
+}
+
 impl Executor for HostExecutor {
     fn name(&self) -> &'static str {
         "host"

@@ -100,6 +100,24 @@ impl Panels {
         Panels { data, n, k, kp }
     }
 
+    /// Columns `cs` of the weight (`w[.., c]`, `N` values each), one after another. A column's 16
+    /// values in a panel are one 32-byte pair block: a line per 16 outputs, where the row-major
+    /// weight has a line per output.
+    pub fn columns(&self, cs: &[usize]) -> Vec<i8> {
+        let n = self.n;
+        let mut out = vec![0i8; cs.len() * n];
+        for (p, panel) in self.data.chunks_exact(self.kp * NR).enumerate() {
+            let cols = NR.min(n - p * NR);
+            for (j, &c) in cs.iter().enumerate() {
+                let pair = &panel[(c / 2) * 32..][..32];
+                for (i, v) in out[j * n + p * NR..][..cols].iter_mut().enumerate() {
+                    *v = pair[(i / 8) * 16 + (i % 8) * 2 + c % 2];
+                }
+            }
+        }
+        out
+    }
+
     /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]` in i32, on `path`. Exact: every
     /// `x + x_offset` must fit an i16 (the caller checks; see [`offset_fits`]).
     ///

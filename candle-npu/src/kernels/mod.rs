@@ -94,6 +94,15 @@ impl PackedI8 {
         PackedI8 { packed, n, k, col_sums }
     }
 
+    /// Columns `cs` of the weight (`cs.len()` x `N` values), read from our panels (a cache line
+    /// per 16 outputs); None for rten's packing, whose layout is its own.
+    pub fn columns(&self, cs: &[usize]) -> Option<Vec<i8>> {
+        match &self.packed {
+            Packed::Own(p, _) => Some(p.columns(cs)),
+            Packed::Rten(_) => None,
+        }
+    }
+
     /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]`, exactly, in i32.
     pub fn matmul_u8(&self, x: &[u8], m: usize, x_offset: i32) -> Vec<i32> {
         self.matmul_u8_then(x, m, x_offset, &|_| {})
@@ -325,7 +334,9 @@ mod tests {
         // Odd K, K over several K blocks (KC pairs), rows past one row block (MC), partial tiles
         // of every row count (M % MR: 1 to 5) and N % NR, one row, one column.
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        for (m, k, n) in [(1, 1, 1), (5, 7, 17), (13, 1201, 40), (300, 64, 31), (6, 2 * 512 + 2, 16), (8, 70, 33), (9, 30, 16), (10, 3, 5), (3, 0, 5), (0, 4, 5)] {
+        for (m, k, n) in
+            [(1, 1, 1), (5, 7, 17), (13, 1201, 40), (300, 64, 31), (6, 2 * 512 + 2, 16), (8, 70, 33), (9, 30, 16), (10, 3, 5), (3, 0, 5), (0, 4, 5)]
+        {
             let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
             let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
             let want = reference(&x, &w, m, k, n, -99);
@@ -355,6 +366,23 @@ mod tests {
             // An offset beyond the fold (i16): the column sums apply the rest before `each`.
             let mapped: Vec<i32> = reference(&x, &w, m, k, n, 40_000).iter().map(|v| v * 3 + 1).collect();
             assert_eq!(pool.install(|| p.matmul_u8_then(&x, m, 40_000, &each)), mapped, "{m} rows, offset 40000");
+        }
+    }
+
+    #[test]
+    fn columns_read_from_the_panels_are_the_weights_columns() {
+        // A partial last panel (N % 16) and odd K (the last pair half padding).
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        let (n, k) = (37, 7);
+        let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
+        let cs = [6, 0, 3, 3];
+        let want: Vec<i8> = cs.iter().flat_map(|&c| (0..n).map(move |r| (r, c))).map(|(r, c)| w[r * k + c]).collect();
+        for kernel in exact_kernels() {
+            let p = PackedI8::with_kernel(&w, n, k, kernel);
+            match kernel {
+                Int8Kernel::Own(_) => assert_eq!(p.columns(&cs), Some(want.clone()), "{kernel:?}"),
+                Int8Kernel::Rten => assert_eq!(p.columns(&cs), None),
+            }
         }
     }
 
