@@ -404,7 +404,7 @@ impl ShadowLinear {
             }
         }
         if !cold_channels.is_empty() {
-            tracing::trace!(linear = %self.name, channels = ?cold_channels, "cold outlier channels: columns read from the weight");
+            tracing::trace!(linear = %self.name, channels = ?cold_channels, "cold outlier channels: columns read from the packed or the stored weight");
             self.cold_reads.fetch_add(cold_channels.len() as u64, Ordering::Relaxed);
         }
         // From the host executor's packed copy when there is one (a line per 16 outputs, and

@@ -92,9 +92,9 @@ impl Panels {
         for (col, row) in w.chunks_exact(k.max(1)).enumerate() {
             let (p, j) = (col / NR, col % NR);
             let panel = &mut data[p * kp * NR..(p + 1) * kp * NR];
-            let lane = (j / 8) * 16 + (j % 8) * 2;
+            let at = lane(j);
             for (kk, &v) in row.iter().enumerate() {
-                panel[(kk / 2) * 32 + lane + kk % 2] = v;
+                panel[(kk / 2) * 32 + at + kk % 2] = v;
             }
         }
         Panels { data, n, k, kp }
@@ -111,7 +111,7 @@ impl Panels {
             for (j, &c) in cs.iter().enumerate() {
                 let pair = &panel[(c / 2) * 32..][..32];
                 for (i, v) in out[j * n + p * NR..][..cols].iter_mut().enumerate() {
-                    *v = pair[(i / 8) * 16 + (i % 8) * 2 + c % 2];
+                    *v = pair[lane(i) + c % 2];
                 }
             }
         }
@@ -243,6 +243,12 @@ impl Panels {
             }
         }
     }
+}
+
+/// Where column `j` (0-15) of a panel's pair block starts: its (k, k + 1) values are at `lane`
+/// and `lane + 1`, columns 0-7 in the first 16 bytes, 8-15 in the last (one `vpmovsxbw` each).
+fn lane(j: usize) -> usize {
+    (j / 8) * 16 + (j % 8) * 2
 }
 
 /// Pairs of K per block: `pairs` cut into equal blocks of at most [`KC`]. A short last block
@@ -383,8 +389,8 @@ unsafe fn tile_portable(t: Tile) {
         for (r, acc) in acc.iter_mut().enumerate() {
             let (x0, x1) = (*t.a.add(r * t.a_stride + 2 * p) as i32, *t.a.add(r * t.a_stride + 2 * p + 1) as i32);
             for (j, acc) in acc.iter_mut().enumerate() {
-                let lane = (j / 8) * 16 + (j % 8) * 2;
-                *acc += x0 * b[lane] as i32 + x1 * b[lane + 1] as i32;
+                let at = lane(j);
+                *acc += x0 * b[at] as i32 + x1 * b[at + 1] as i32;
             }
         }
     }
