@@ -30,6 +30,12 @@ pub fn with_f32<R>(t: &candle_core::Tensor, f: impl FnOnce(&[f32]) -> R) -> crat
     Ok(f(&values[from..to]))
 }
 
+/// Whether this CPU runs the AVX2 + FMA versions (`is_x86_feature_detected` caches its answer).
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
 /// `pub fn $name(..) -> R`, running `$generic` (an `#[inline(always)]` fn) compiled for AVX2 + FMA
 /// where the CPU has them, else as built. LLVM contracts no mul + add into an FMA by itself, so
 /// both copies give the same bits.
@@ -43,7 +49,7 @@ macro_rules! multiversion {
                 unsafe fn wide($($arg: $ty),*) -> $ret {
                     $generic($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                if avx2_fma() {
                     // SAFETY: the CPU has the features `wide` is compiled for.
                     return unsafe { wide($($arg),*) };
                 }
@@ -61,7 +67,7 @@ macro_rules! multiversion {
 /// The two differ by the FMAs' rounding (a few ulps).
 pub fn softmax_numerators(row: &mut [f32], scale: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA.
         return unsafe { softmax_avx2(row, scale) };
     }
@@ -286,7 +292,7 @@ pub fn shadow_row(y: &mut [f32], terms: &[(f32, &[i8])], s: &[f32]) {
     assert!(s.len() == n && terms.iter().all(|(_, q)| q.len() == n), "shadow row of {n} outputs, {} scales, columns of another length", s.len());
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA; the lengths are checked above.
         done = unsafe { shadow_row_avx2(y, terms, s) };
     }
@@ -400,7 +406,7 @@ pub fn gelu_tanh_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
 /// plain loop as built.
 fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if avx2_fma() {
         #[target_feature(enable = "avx2,fma")]
         fn wide(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
             use std::arch::x86_64::*;
@@ -435,7 +441,7 @@ fn gelu(x: f32, u: f32) -> f32 {
 /// [`gelu_tanh_mul`] of one block, as [`silu_mul_into`].
 fn gelu_tanh_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if avx2_fma() {
         #[target_feature(enable = "avx2,fma")]
         fn wide(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
             use std::arch::x86_64::*;
