@@ -2,11 +2,11 @@
 //! cannot run a graph.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin};
+use crate::executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Numerics, Origin};
 use crate::graph::{check_buffer, check_input_count, DType, Graph, TensorData};
 
 /// Counters that back the chunk-sharing claim (graphs prepared once, executed per chunk) and
@@ -44,6 +44,8 @@ struct Inner {
     executor: Box<dyn Executor>,
     host: HostExecutor,
     counters: Counters,
+    /// The device a CPU margin's graphs run on (see [`NpuDevice::margin_device`]).
+    margin: OnceLock<NpuDevice>,
 }
 
 /// A processor that runs static graphs: the Hexagon NPU, or the host CPU's INT8 executor.
@@ -62,7 +64,35 @@ impl std::fmt::Debug for NpuDevice {
 impl NpuDevice {
     /// Graphs run on the host CPU with INT8 kernels.
     pub fn host() -> Self {
-        Self::with_executor(Box::new(HostExecutor))
+        Self::with_executor(Box::new(HostExecutor::new()))
+    }
+
+    /// The host executor following `numerics`: [`Numerics::Htp`] gives the Hexagon NPU's results
+    /// at host speed (accuracy measured on the NPU's numerics; see
+    /// [`crate::executor::htp_numerics`]).
+    pub fn host_with(numerics: Numerics) -> Self {
+        Self::with_executor(Box::new(HostExecutor::with_numerics(numerics)))
+    }
+
+    /// Whether the executor runs on the host CPU (sharing the cores with the CPU stages).
+    pub fn on_host(&self) -> bool {
+        self.inner.executor.on_host()
+    }
+
+    /// The arithmetic the executor's results follow.
+    pub fn numerics(&self) -> Numerics {
+        self.inner.executor.numerics()
+    }
+
+    /// Where a prefill's CPU margin runs its stage graphs (on any row count): this device when
+    /// its executor is the host's; otherwise one host device, made once, with this executor's
+    /// numerics, so that margin rows compute what the NPU would have computed for them. Its
+    /// preparations and executions are counted there, not as this device's.
+    pub fn margin_device(&self) -> NpuDevice {
+        if self.on_host() {
+            return self.clone();
+        }
+        self.inner.margin.get_or_init(|| NpuDevice::host_with(self.numerics())).clone()
     }
 
     /// Graphs run on the Hexagon NPU through QNN's HTP backend (on x86: its emulator). Fails with
@@ -73,7 +103,7 @@ impl NpuDevice {
     }
 
     pub fn with_executor(executor: Box<dyn Executor>) -> Self {
-        NpuDevice { inner: Arc::new(Inner { executor, host: HostExecutor, counters: Counters::default() }) }
+        NpuDevice { inner: Arc::new(Inner { executor, host: HostExecutor::new(), counters: Counters::default(), margin: OnceLock::new() }) }
     }
 
     pub fn executor_name(&self) -> &'static str {

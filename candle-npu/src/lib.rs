@@ -30,7 +30,7 @@ pub use device::{DeviceStats, NpuDevice, PreparedGraph};
 pub use error::{Error, Result};
 #[cfg(feature = "qnn")]
 pub use executor::htp::{HtpConfig, HtpExecutor, ProfilingLevel};
-pub use executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Origin, ProfileEvent};
+pub use executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Numerics, Origin, ProfileEvent};
 pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
 pub use linear::{DecodeWeights, ShadowLinear, WeightQuant};
 pub use outlier::{InMemoryWeight, InputPoint, Outliers, PointStats, WeightSource};

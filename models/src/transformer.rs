@@ -215,7 +215,7 @@ pub struct Model {
     shadow_on: Vec<bool>,
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
     a16: Vec<[Quant; 4]>,
-    graphs: HashMap<(usize, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
+    graphs: HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
     kv: Vec<Mutex<KvCache>>,
     pos: usize,
     sched: SchedOptions,
@@ -227,6 +227,14 @@ pub struct Model {
     /// CPU time of the shadow path (outlier extraction and the float product) since the last
     /// [`Model::take_shadow_time`].
     shadow_time: std::time::Duration,
+}
+
+/// Which stage graphs: the NPU's for chunks of one row count, or a CPU margin's (any row count;
+/// see `Model::margin_graphs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum GraphSet {
+    Npu(usize),
+    Margin,
 }
 
 /// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin). The defaults were chosen by
@@ -645,9 +653,9 @@ impl Model {
             return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
         }
         self.check_profile(self.precision)?;
-        self.graphs_for(chunk_len, self.precision)?;
+        self.graphs_for(GraphSet::Npu(chunk_len), self.precision)?;
         for size in self.sched.small_chunks.clone().into_iter().filter(|&s| s > 0 && s < chunk_len) {
-            self.graphs_for(size, self.precision)?;
+            self.graphs_for(GraphSet::Npu(size), self.precision)?;
         }
         Ok(())
     }
@@ -775,7 +783,7 @@ impl Model {
         self.clear();
         let mut graphs = HashMap::new();
         for size in plan.npu_sizes() {
-            graphs.insert(size, self.graphs_for(size, precision)?);
+            graphs.insert(size, self.graphs_for(GraphSet::Npu(size), precision)?);
         }
         let margin = self.margin_graphs(plan, precision)?;
         let dag = prefill_dag(plan, self.layers.len())?;
@@ -998,7 +1006,7 @@ impl Model {
     /// the host executor as the NPU and no NPU queue of its own (`npu_threads: None`), whose
     /// "NPU" and CPU stages share the cores (see `run_prefill`).
     pub fn chunks_in_order(&self) -> bool {
-        self.sched.policy == Policy::InOrder || (self.sched.npu_threads.is_none() && self.device.executor_name() == "host")
+        self.sched.policy == Policy::InOrder || (self.sched.npu_threads.is_none() && self.device.on_host())
     }
 
     /// Whether a prefill of `chunks` chunks runs them in order although the policy would not
@@ -1019,38 +1027,47 @@ impl Model {
         self.last_run.as_ref()
     }
 
-    /// The graphs a CPU margin runs its linears on: with the host executor as the NPU and a
-    /// quantized prefill, the NPU's own stage graphs, which the host runs on any row count
-    /// ([`PreparedGraph::execute_rows`]): no other weights, the NPU path's numerics, and ~4x the
-    /// speed of candle's Q8_0 matmul at 24-100 rows (measured: 32-40 vs 9-10 GMAC/s on 2 cores).
-    /// Otherwise `None`: the margin runs candle matmuls on the decode weights, as with a Hexagon
-    /// NPU, whose graphs have static shapes and whose weights are not on the host.
+    /// The graphs a CPU margin runs its linears on, on any row count
+    /// ([`PreparedGraph::execute_rows`]): the NPU's own stage graphs when the NPU is the host
+    /// executor (no other weights, ~4x the speed of candle's Q8_0 matmul at 24-100 rows:
+    /// measured 32-40 vs 9-10 GMAC/s on 2 cores); beside a real NPU, whose graphs have static
+    /// shapes, the same stage graphs on a host executor with the NPU's numerics
+    /// ([`NpuDevice::margin_device`]). Either way margin rows get the arithmetic the NPU rows get,
+    /// W8A8 and shadow path included: one numerics story per prompt. (Candle's Q8_0 matmuls on
+    /// float activations, the Hexagon margin before, flipped answers beside HTP rows: README,
+    /// "Hexagon accuracy".) `None` for a float prefill: its margin runs the decode weights.
     fn margin_graphs(&mut self, plan: &ChunkPlan, precision: Precision) -> Result<Option<Arc<Vec<Vec<PreparedGraph>>>>> {
-        if precision == Precision::F32 || !plan.chunks.iter().any(|c| c.margin) || self.device.executor_name() != "host" {
+        if precision == Precision::F32 || !plan.chunks.iter().any(|c| c.margin) {
             return Ok(None);
         }
-        let graphs = self.graphs_for(plan.chunk_len, precision)?;
+        let set = if self.device.on_host() { GraphSet::Npu(plan.chunk_len) } else { GraphSet::Margin };
+        let graphs = self.graphs_for(set, precision)?;
         Ok(graphs.iter().flatten().all(PreparedGraph::any_rows).then_some(graphs))
     }
 
-    fn graphs_for(&mut self, chunk_len: usize, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
-        if let Some(g) = self.graphs.get(&(chunk_len, precision)) {
+    fn graphs_for(&mut self, set: GraphSet, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
+        if let Some(g) = self.graphs.get(&(set, precision)) {
             return Ok(g.clone());
         }
         let t = std::time::Instant::now();
+        // A margin's host graphs run on any row count: described with one.
+        let (device, rows) = match set {
+            GraphSet::Npu(m) => (self.device.clone(), m),
+            GraphSet::Margin => (self.device.margin_device(), 1),
+        };
         let graphs = (0..self.cfg.n_layer)
-            .map(|l| self.layer_graphs(l, chunk_len, precision)?.iter().map(|g| self.device.prepare(g)).collect::<Result<Vec<_>>>())
+            .map(|l| self.layer_graphs(l, rows, precision)?.iter().map(|g| device.prepare(g)).collect::<Result<Vec<_>>>())
             .collect::<Result<Vec<_>>>()?;
         tracing::info!(
-            chunk_len,
+            ?set,
             ?precision,
             layers = graphs.len(),
             secs = t.elapsed().as_secs_f32(),
-            executor = self.device.executor_name(),
-            "prepared NPU stage graphs"
+            executor = device.executor_name(),
+            "prepared stage graphs"
         );
         let graphs = Arc::new(graphs);
-        self.graphs.insert((chunk_len, precision), graphs.clone());
+        self.graphs.insert((set, precision), graphs.clone());
         Ok(graphs)
     }
 

@@ -4,15 +4,37 @@
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, Weak};
 
+use super::htp_numerics::{self, ChannelScales, Numerics};
 use super::{ExecutableGraph, Executor};
 use crate::error::Result;
 use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorKind};
 use crate::kernels::rows::dequantize_row;
 use crate::kernels::{matmul_f32, PackedF32, PackedI8};
 
-/// The host executor. It runs every op of the IR.
+/// The host executor. It runs every op of the IR, with exact arithmetic (the reference, and the
+/// fast path without an NPU) or with the HTP library's ([`Numerics::Htp`], see
+/// [`super::htp_numerics`]): the arithmetic of a Hexagon prefill's CPU margin, and of accuracy
+/// measured on the NPU's numerics at host speed.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct HostExecutor;
+pub struct HostExecutor {
+    numerics: Numerics,
+}
+
+impl HostExecutor {
+    /// Exact arithmetic.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Following `numerics`.
+    pub fn with_numerics(numerics: Numerics) -> Self {
+        HostExecutor { numerics }
+    }
+
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+}
 
 /// The INT8 weights packed so far in this process, by (data identity, n, k), held weakly: graphs
 /// of several chunk lengths (and every host executor) share one packed copy of a weight whose
@@ -45,10 +67,21 @@ pub(crate) fn packed(id: u64, n: usize, k: usize) -> Option<Arc<PackedI8>> {
 
 impl Executor for HostExecutor {
     fn name(&self) -> &'static str {
-        "host"
+        match self.numerics {
+            Numerics::Exact => "host",
+            Numerics::Htp => "host (HTP numerics)",
+        }
     }
 
     fn supports(&self, _graph: &Graph, _op: &Op) -> bool {
+        true
+    }
+
+    fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
+    fn on_host(&self) -> bool {
         true
     }
 
@@ -63,11 +96,26 @@ impl Executor for HostExecutor {
                     let (n, k) = (w.shape[0], w.shape[1]);
                     let bias = bias.map(|b| graph.tensor(b).data.clone().expect("validated constant"));
                     let fc = match w.data.as_ref().expect("validated constant") {
-                        StaticData::F32(d) => Fc::F32 { w: PackedF32::new(d, n, k), bias },
+                        StaticData::F32(d) => match self.numerics {
+                            Numerics::Exact => Fc::F32 { w: PackedF32::new(d, n, k), bias, fp16: false },
+                            // FP16 weights and bias, as the HTP holds them.
+                            Numerics::Htp => Fc::F32 {
+                                w: PackedF32::new(&htp_numerics::round_all(d.to_vec()), n, k),
+                                bias: bias.map(|b| match b {
+                                    StaticData::F32(b) => StaticData::F32(Arc::new(htp_numerics::round_all(b.to_vec()))),
+                                    other => other,
+                                }),
+                                fp16: true,
+                            },
+                        },
                         StaticData::I8(d) => Fc::W8A8 {
                             w: pack_i8(d, n, k, w.data_id),
                             x_quant: x.quant.expect("validated"),
                             w_scale: match (&w.channel_scales, w.quant) {
+                                // The HTP lowering's FP16 channel multiply (F32 outputs only).
+                                (Some(s), _) if self.numerics == Numerics::Htp && graph.tensor(output).dtype == DType::F32 => {
+                                    WScale::Htp(ChannelScales::new(x.quant.expect("validated").scale, s))
+                                }
                                 (Some(s), _) => WScale::PerChannel(s.to_vec()),
                                 (None, q) => WScale::PerTensor(q.expect("validated").scale),
                             },
@@ -89,12 +137,13 @@ impl Executor for HostExecutor {
                 graph.tensors[weight.0].data = None;
             }
         }
-        Ok(Box::new(HostGraph { graph, steps }))
+        Ok(Box::new(HostGraph { graph, steps, numerics: self.numerics }))
     }
 }
 
 enum Fc {
-    F32 { w: PackedF32, bias: Option<StaticData> },
+    /// `fp16`: inputs and outputs rounded to FP16 (the HTP's float compute).
+    F32 { w: PackedF32, bias: Option<StaticData>, fp16: bool },
         /// W8A8 (U8/I8 activations) and W8A16 (U16 activations): I8 weights.
     W8A8 { w: Arc<PackedI8>, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
 }
@@ -103,6 +152,8 @@ enum WScale {
     PerTensor(f32),
     /// One scale per output column.
     PerChannel(Vec<f32>),
+    /// Per-column scales applied as the HTP's lowering does ([`Numerics::Htp`], F32 outputs).
+    Htp(ChannelScales),
 }
 
 enum Step {
@@ -113,19 +164,23 @@ enum Step {
 struct HostGraph {
     graph: Graph,
     steps: Vec<Step>,
+    numerics: Numerics,
 }
 
 impl HostGraph {
     fn run_fc(&self, fc: &Fc, x: &TensorData, m: usize, out: usize) -> TensorData {
         let spec = &self.graph.tensors[out];
         match fc {
-            Fc::F32 { w, bias } => {
+            Fc::F32 { w, bias, fp16 } => {
                 let TensorData::F32(x) = x else { unreachable!("validated") };
-                let mut y = w.matmul(x, m);
+                let mut y = match fp16 {
+                    true => w.matmul(&htp_numerics::round_all(x.clone()), m),
+                    false => w.matmul(x, m),
+                };
                 if let Some(StaticData::F32(b)) = bias {
                     y.chunks_exact_mut(w.n).for_each(|row| row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b));
                 }
-                TensorData::F32(y)
+                TensorData::F32(if *fp16 { htp_numerics::round_all(y) } else { y })
             }
             Fc::W8A8 { w, x_quant, w_scale, signed_input, bias } => {
                 if let TensorData::U16(x) = x {
@@ -134,6 +189,11 @@ impl HostGraph {
                     let col: Vec<f64> = match w_scale {
                         WScale::PerTensor(s) => vec![x_quant.scale as f64 * *s as f64; w.n],
                         WScale::PerChannel(s) => s.iter().map(|&s| x_quant.scale as f64 * s as f64).collect(),
+                        WScale::Htp(scales) => {
+                            let mut y = Vec::with_capacity(acc.len());
+                            acc.chunks_exact(w.n).for_each(|row| scales.apply_row_i64(row, &mut y));
+                            return TensorData::F32(y);
+                        }
                     };
                     let y = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| (a as f64 * c) as f32));
                     return TensorData::F32(y.collect());
@@ -143,6 +203,7 @@ impl HostGraph {
                     WScale::PerTensor(s) if spec.dtype == DType::I32 && spec.quant == Some(Quant { scale: x_quant.scale * s, offset: 0 }) => None,
                     WScale::PerTensor(s) => Some(vec![x_quant.scale * s; w.n]),
                     WScale::PerChannel(s) => Some(s.iter().map(|&s| x_quant.scale * s).collect()),
+                    WScale::Htp(_) => Some(vec![]),
                 };
                 // Bias and dequantization on each block of rows as the GEMM finishes it (in cache).
                 let bias = match bias {
@@ -154,8 +215,10 @@ impl HostGraph {
                         if let Some(b) = bias {
                             row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b);
                         }
-                        if let Some(col) = &col {
-                            dequantize_row(row, col);
+                        match (w_scale, &col) {
+                            (WScale::Htp(scales), _) => scales.apply_row(row),
+                            (_, Some(col)) => dequantize_row(row, col),
+                            (_, None) => {}
                         }
                     }
                 };
@@ -287,8 +350,8 @@ mod tests {
     fn graphs_of_two_row_counts_share_one_packed_weight() {
         let w = Arc::new((0..8 * 16).map(|i| (i * 37 % 255) as i8).collect::<Vec<i8>>());
         let id = next_data_id();
-        let small = HostExecutor.prepare(&fc(4, &w, Some(id))).unwrap();
-        let large = HostExecutor.prepare(&fc(8, &w, Some(id))).unwrap();
+        let small = HostExecutor::new().prepare(&fc(4, &w, Some(id))).unwrap();
+        let large = HostExecutor::new().prepare(&fc(8, &w, Some(id))).unwrap();
         assert_eq!(holders(id), 2, "one packed copy held by both graphs");
         // Same rows, same results, whichever graph runs them.
         let x: Vec<u8> = (0..8 * 16).map(|i| (i * 11 % 256) as u8).collect();
@@ -303,7 +366,7 @@ mod tests {
         drop((small, large));
         assert_eq!(holders(id), 0, "the packed copy goes with its last graph");
         // Without an identity nothing is cached.
-        let _g = HostExecutor.prepare(&fc(4, &w, None)).unwrap();
+        let _g = HostExecutor::new().prepare(&fc(4, &w, None)).unwrap();
         assert_eq!(holders(id), 0);
     }
 }

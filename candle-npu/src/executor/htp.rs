@@ -583,6 +583,10 @@ impl Executor for HtpExecutor {
         op_supported(graph, op)
     }
 
+    fn numerics(&self) -> super::Numerics {
+        super::Numerics::Htp
+    }
+
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
         graph.validate()?;
         if let Some(op) = graph.ops.iter().find(|op| !op_supported(graph, op)) {

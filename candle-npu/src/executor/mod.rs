@@ -7,6 +7,7 @@
 pub mod host;
 #[cfg(feature = "qnn")]
 pub mod htp;
+pub mod htp_numerics;
 #[cfg(feature = "qnn")]
 pub(crate) mod rpcmem;
 
@@ -14,6 +15,7 @@ use crate::error::Result;
 use crate::graph::{Graph, Op, TensorData};
 
 pub use host::HostExecutor;
+pub use htp_numerics::Numerics;
 
 pub trait Executor: Send + Sync {
     /// Short name for logs and errors ("host", "htp").
@@ -24,6 +26,18 @@ pub trait Executor: Send + Sync {
 
     /// Compile a validated graph. Costly on an NPU (QNN finalize); done once per graph shape.
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>>;
+
+    /// The arithmetic this executor's results follow: a CPU margin beside it computes its rows
+    /// with a [`HostExecutor`] of the same numerics (one numerics story per prompt).
+    fn numerics(&self) -> Numerics {
+        Numerics::Exact
+    }
+
+    /// Whether it runs on the host CPU, sharing the cores with the CPU stages (no second
+    /// processor for another chunk's stages to overlap with).
+    fn on_host(&self) -> bool {
+        false
+    }
 
     /// Per-graph profiles, when the executor was asked to profile (empty otherwise).
     fn profiles(&self) -> Vec<GraphProfile> {

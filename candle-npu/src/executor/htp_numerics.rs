@@ -1,0 +1,129 @@
+//! The arithmetic of the QNN HTP library, reproduced on the host: what [`super::HostExecutor`]
+//! computes in [`Numerics::Htp`] mode, so that accuracy on the NPU can be measured at host speed
+//! (the x86 emulator runs about a token a second) and a CPU margin can compute the rows an NPU
+//! chunk would have.
+//!
+//! Measured on the QNN 2.40 / HTP API 5.51 x86 library (`onnxruntime-qnn` 2.7.0, SoC SM8650) and
+//! checked against it by `candle-npu/tests/htp_conformance.rs` (per op) and `tests/hexagon.rs`
+//! (every stage graph of the three real models, and whole prefills). Where the model differs from
+//! the exact host arithmetic ([`Numerics::Exact`]):
+//!
+//! * **W8A8 / W8A16 FullyConnected, per-channel weights, F32 output** (every stage graph of a
+//!   quantized prefill). The translation lowers it to a per-tensor FullyConnected under
+//!   `s0 = min(s_n)` into an FP16 intermediate, then an FP16 ElementWiseMultiply by `s_n / s0`
+//!   (see [`super::htp`]). The library's result is `up(h(h(acc · s_x·s0) · h(s_n / s0)))` with `h`
+//!   the round-to-nearest-even FP16 rounding and `up` one f32 step away from zero (every nonzero
+//!   output of the library is one f32 ulp above the FP16 value: its FP16 -> FP32 conversion).
+//!   **Bit-exact on 99.7% of outputs; the others one FP16 step of the intermediate apart** (up to
+//!   two steps of the output, or 2^-24 · s_n/s0 where the intermediate is subnormal): the
+//!   library computes `acc · s_x·s0` with its own float arithmetic (measured on a per-tensor F32
+//!   output: absolute errors of about an f32 ulp of the uncorrected sum, so up to 1e-5 on
+//!   values near 1), which lands on the other FP16 neighbour when the exact value is within that
+//!   distance of a rounding tie.
+//! * **Per-tensor FullyConnected with an F32 output**: the library's output is f32, not FP16,
+//!   within the same ~1e-5 absolute (its offset correction in float); the model keeps the exact
+//!   value (tolerance, not bit-exact). With an I32 accumulator (+ Dequantize) it is exact.
+//! * **F32 FullyConnected** (a float prefill's stage graphs): HTP computes it in FP16; the model
+//!   rounds the input, weights, bias and output to FP16 (the library's accumulation inside is not
+//!   modelled: within the conformance test's 2e-3).
+//! * **Not modelled** (computed exactly, within the tolerances of the conformance test): the ops
+//!   no stage graph uses, MatMul, Add, Mul, Sigmoid, Quantize and Dequantize. Measured: with
+//!   quantized inputs their F32 outputs are not FP16-rounded, and with float inputs they are
+//!   within two FP16 steps of FP16-rounded inputs and output but not bit-exact (sigmoid is further):
+//!   their rounding needs its own study. Their quantized outputs land within one grid step of the
+//!   host's.
+
+use half::f16;
+
+/// Which arithmetic a host graph follows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Numerics {
+    /// Exact integer accumulation, f32 scaling: the reference.
+    #[default]
+    Exact,
+    /// The QNN HTP library's results (this module).
+    Htp,
+}
+
+/// Round to FP16 (nearest, ties to even) and back.
+#[inline]
+pub fn h(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+/// The library's FP16 -> F32 output conversion: one f32 step away from zero (zero, infinities
+/// and NaN unchanged).
+#[inline]
+fn up(v: f32) -> f32 {
+    if v == 0.0 || !v.is_finite() {
+        v
+    } else {
+        f32::from_bits(v.to_bits() + 1)
+    }
+}
+
+/// The per-column factors of a per-channel FullyConnected with an F32 output as the HTP lowering
+/// applies them: the accumulator scale `s_x · s0` (`s0` the smallest channel scale) and the FP16
+/// channel ratios `h(s_n / s0)`.
+pub struct ChannelScales {
+    acc_scale: f32,
+    ratios: Vec<f32>,
+}
+
+impl ChannelScales {
+    /// `x_scale` the activation scale, `scales` the weight's per-channel scales.
+    pub fn new(x_scale: f32, scales: &[f32]) -> Self {
+        // The same f32 operations as the translation (`executor::htp`), so the same ratios.
+        let s0 = scales.iter().fold(f32::INFINITY, |m, &s| m.min(s));
+        ChannelScales { acc_scale: x_scale * s0, ratios: scales.iter().map(|&s| h(s / s0)).collect() }
+    }
+
+    /// One output row: the exact i32 accumulators in, the library's f32 values out, written over
+    /// the accumulators as the f32's bits (as the host's own `dequantize_row` does).
+    pub fn apply_row(&self, acc: &mut [i32]) {
+        for (a, &r) in acc.iter_mut().zip(&self.ratios) {
+            let y = up(h(h(*a as f32 * self.acc_scale) * r));
+            *a = y.to_bits() as i32;
+        }
+    }
+
+    /// As [`Self::apply_row`] on i64 accumulators (W8A16), into f32 values.
+    pub fn apply_row_i64(&self, acc: &[i64], out: &mut Vec<f32>) {
+        out.extend(acc.iter().zip(&self.ratios).map(|(&a, &r)| up(h(h((a as f64 * self.acc_scale as f64) as f32) * r))));
+    }
+}
+
+/// Every value rounded to FP16 (a float tensor as HTP holds it).
+pub fn round_all(mut v: Vec<f32>) -> Vec<f32> {
+    v.iter_mut().for_each(|x| *x = h(*x));
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp16_rounding_and_the_output_step() {
+        // 1 + 2^-11 is a tie between 1 and 1 + 2^-10: to even.
+        assert_eq!(h(1.0 + 2f32.powi(-11)), 1.0);
+        assert_eq!(h(1.0 + 3.0 * 2f32.powi(-11)), 1.0 + 2.0 * 2f32.powi(-10));
+        assert_eq!(h(70000.0), f32::INFINITY);
+        assert_eq!(up(0.0), 0.0);
+        assert_eq!(up(1.0), 1.0 + f32::EPSILON);
+        assert_eq!(up(-2.0), -(2.0 + 2.0 * f32::EPSILON));
+    }
+
+    #[test]
+    fn channel_scales_follow_the_lowering() {
+        let s = ChannelScales::new(0.5, &[0.01, 0.03]);
+        let mut acc = [1000, -1000];
+        s.apply_row(&mut acc);
+        let y = acc.map(|b| f32::from_bits(b as u32));
+        // 1000 · 0.5 · 0.01 = 5 (exact in FP16), ratios 1 and 3 (h(3.0000002) = 3).
+        assert_eq!(y, [up(5.0), up(-15.0)]);
+        let mut out = vec![];
+        s.apply_row_i64(&[1000, -1000], &mut out);
+        assert_eq!(out, y);
+    }
+}
