@@ -22,11 +22,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Tensor, D};
-use candle_npu::{ClipMethod, NpuDevice, PointStats, QuantProfile, WeightQuant};
+use candle_npu::{ClipMethod, NpuDevice, Numerics, PointStats, QuantProfile, Tail, WeightQuant};
 use candle_npu_models::assets::{self, MmluQuestion};
 use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
 use candle_npu_models::transformer::mean_nll;
-use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
@@ -63,7 +63,8 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "0.9,0.99,0.999,1")]
     coverages: Vec<f64>,
     /// Parts to run: rows (the table), curve (pruning), hot (hot-set coverages), decode (the
-    /// decode weight formats: candle CPU perplexity and decode speed).
+    /// decode weight formats: candle CPU perplexity and decode speed), htp (shadow W8A8 on the
+    /// HTP library's numerics, padded and with the default plan's CPU margin, beside the host's).
     #[arg(long, value_delimiter = ',', default_value = "rows,curve,hot")]
     sections: Vec<String>,
     /// Print everything as one JSON object on stdout instead of the tables.
@@ -219,6 +220,8 @@ struct Suite<'a> {
     /// F32's argmax at every scored position, per domain and window.
     reference: Option<Vec<Vec<Vec<u32>>>>,
     bar: ProgressBar,
+    /// Rows per NPU graph for the perplexity windows (`--chunk-len`, or a row's own).
+    chunk_len: usize,
 }
 
 impl Suite<'_> {
@@ -234,7 +237,7 @@ impl Suite<'_> {
         let half = WINDOW / 2;
         for w in windows {
             let t = Instant::now();
-            let logits = logits_all(p, path, w, self.args.chunk_len)?;
+            let logits = logits_all(p, path, w, self.chunk_len)?;
             secs += t.elapsed();
             // Row i predicts token i + 1: rows half-1 .. WINDOW-2 score tokens half .. WINDOW-1.
             let scored = logits.narrow(0, half - 1, half)?;
@@ -407,9 +410,9 @@ fn main() -> Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let mut args = Args::parse();
     let on = |s: &str| args.sections.iter().any(|x| x == s);
-    let (do_rows, do_curve, do_hot, do_decode) = (on("rows"), on("curve"), on("hot"), on("decode"));
-    if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot", "decode"].contains(&s.as_str())) {
-        bail!("unknown section '{bad}' (rows, curve, hot, decode)");
+    let (do_rows, do_curve, do_hot, do_decode, do_htp) = (on("rows"), on("curve"), on("hot"), on("decode"), on("htp"));
+    if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot", "decode", "htp"].contains(&s.as_str())) {
+        bail!("unknown section '{bad}' (rows, curve, hot, decode, htp)");
     }
     if args.windows == 0 || args.rates.iter().chain(&args.coverages).any(|r| !(0.0..=1.0).contains(r)) {
         bail!("--windows must be at least 1, --rates and --coverages within 0..=1");
@@ -435,7 +438,7 @@ fn main() -> Result<()> {
     let mut f32p = load(&model_path, &dev, Precision::F32, WeightQuant::PerChannel)?;
     let data = Data::new(&f32p, &args)?;
     eprintln!("{} windows of {WINDOW} tokens per domain, {} MMLU questions", args.windows, data.mmlu.len());
-    let mut suite = Suite { args: &args, data: &data, reference: None, bar };
+    let mut suite = Suite { args: &args, data: &data, reference: None, bar, chunk_len: args.chunk_len };
     let mut rows = vec![suite.row("F32 prefill", &mut f32p, Path::Npu)?];
     let mut decode = vec![];
     if do_decode {
@@ -490,6 +493,25 @@ fn main() -> Result<()> {
         rows.push(suite.row("W8A8 per-channel weights, min/max, no shadow", &mut q, Path::Npu)?);
         q.model.set_profile(shadow.clone())?;
         rows.push(suite.row("shadow W8A8, unpruned", &mut q, Path::Npu)?);
+    }
+
+    // Shadow W8A8 on the HTP's numerics (the host executor in its HTP mode, proven against the
+    // library in candle-npu/tests/htp_conformance.rs and tests/hexagon.rs), beside the host's.
+    let mut htp_rows = vec![];
+    if do_htp {
+        q.model.set_profile(shadow.clone())?;
+        htp_rows.push(suite.row("host executor, shadow W8A8", &mut q, Path::Npu)?);
+        let mut h = load(&model_path, &NpuDevice::host_with(Numerics::Htp), Precision::W8A8, WeightQuant::PerChannel)?;
+        h.model.set_profile(shadow.clone())?;
+        h.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() });
+        htp_rows.push(suite.row(&format!("HTP numerics, padded (chunks of {})", args.chunk_len), &mut h, Path::Npu)?);
+        // The default plan: chunks, then 32-row chunks, then a CPU margin. A window of 512 tokens
+        // in chunks of 250 leaves a 12-row margin (with chunks of 256 there would be none).
+        h.model.set_sched(SchedOptions::default());
+        let margin_len = WINDOW - WINDOW / 250 * 250;
+        suite.chunk_len = 250;
+        htp_rows.push(suite.row(&format!("HTP numerics, default plan (chunks of 250, a {margin_len}-row CPU margin)"), &mut h, Path::Npu)?);
+        suite.chunk_len = args.chunk_len;
     }
 
     // The pruning curve, on held-out Wikipedia.
@@ -558,7 +580,7 @@ fn main() -> Result<()> {
             "model": model_path.display().to_string(),
             "windows_per_domain": args.windows, "window": WINDOW, "mmlu_questions": data.mmlu.len(), "seed": args.seed,
             "calibration": { "sequences": set.sequences, "seq_len": set.seq_len, "clip": format!("{:?}", set.clip), "importance_sequences": n_imp },
-            "domains": DOMAINS, "rows": rows, "pruning_curve": curve, "importance": shadow.importance,
+            "domains": DOMAINS, "rows": rows, "htp_rows": htp_rows, "pruning_curve": curve, "importance": shadow.importance,
             "hot_channels_by_kind": hot_summary(&shadow), "hot_coverage": hot, "decode_weights": decode,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -586,6 +608,16 @@ fn main() -> Result<()> {
             println!("| {name} | {:.4} | {:.2e} | {:.4} |", s.ppl[d] / f32_ppl[d], o[d], h[d]);
         }
         println!("\ncold-channel column reads (shadow unpruned, all domains): {}", s.cold_reads.unwrap_or(0));
+    }
+    if do_htp {
+        println!("\n{}, shadow W8A8 on the HTP's numerics; {} x {WINDOW}-token windows per domain; ppl x F32 (Wikipedia / SOTU / Moby Dick; F32 {:.2} / {:.2} / {:.2}):\n",
+            model_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), args.windows, f32_ppl[0], f32_ppl[1], f32_ppl[2]);
+        println!("| prefill | ppl x F32 | top-1 agreement with F32 |");
+        println!("|---|---|---|");
+        for r in &htp_rows {
+            let ratio: Vec<String> = r.ppl.iter().zip(&f32_ppl).map(|(a, b)| format!("{:.3}", a / b)).collect();
+            println!("| {} | {} | {:.3} |", r.name, ratio.join(" / "), r.agreement.unwrap_or(f64::NAN));
+        }
     }
     if do_curve {
         println!("\nPruning curve (held-out Wikipedia; F32 {:.3}):\n", f32_ppl[0]);

@@ -285,8 +285,9 @@ fn htp_numerics_model_of_the_per_channel_fully_connected() {
         // Ties are rare: a value within ~1e-5 of one. 1% leaves room for another input.
         assert!(share >= 0.99, "{}: model bit-exact on only {:.2}%", g.name, 100.0 * share);
         // One FP16 step of the intermediate, times the ratio, is up to two steps of the output
-        // (their places within a binade differ).
-        assert!(steps <= 2.0, "{}: {steps} FP16 steps apart", g.name);
+        // (their places within a binade differ), and the output's rounding half a step on
+        // either side: three steps at most.
+        assert!(steps <= 3.0, "{}: {steps} FP16 steps apart", g.name);
     }
 }
 

@@ -17,6 +17,8 @@ use clap::{Parser, ValueEnum};
 enum ExecutorKind {
     Host,
     Hexagon,
+    /// The host executor with the HTP library's numerics: what `hexagon` computes, at host speed.
+    HtpModel,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -192,6 +194,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     }
     let device = match args.executor {
         ExecutorKind::Host => NpuDevice::host(),
+        ExecutorKind::HtpModel => NpuDevice::host_with(candle_npu::Numerics::Htp),
         ExecutorKind::Hexagon => {
             let cache =
                 (!args.no_graph_cache).then(|| args.graph_cache.clone().unwrap_or_else(|| candle_npu_models::assets::dir().join("graph-cache")));

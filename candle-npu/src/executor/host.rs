@@ -137,7 +137,7 @@ impl Executor for HostExecutor {
                 graph.tensors[weight.0].data = None;
             }
         }
-        Ok(Box::new(HostGraph { graph, steps, numerics: self.numerics }))
+        Ok(Box::new(HostGraph { graph, steps }))
     }
 }
 
@@ -164,7 +164,6 @@ enum Step {
 struct HostGraph {
     graph: Graph,
     steps: Vec<Step>,
-    numerics: Numerics,
 }
 
 impl HostGraph {
