@@ -144,9 +144,9 @@ fn second_run_loads_every_stage_graph_from_the_cache() {
 /// on the HTP with no host fallback, and checked against the HTP numerics model. The library and
 /// the model compute the same FP16 intermediate for almost every output (see
 /// `candle_npu::executor::htp_numerics`); where the library's own float arithmetic lands on the
-/// other neighbour, the outputs are one intermediate step apart: up to three FP16 steps of the
-/// output (two for the step times the ratio, half a step of rounding on either side), or the
-/// intermediate's subnormal step 2^-24 times the channel ratio.
+/// other neighbour, the outputs are apart by the library's own error on the intermediate: at most
+/// three FP16 steps of the output, or a small share of the tensor's scale (see
+/// [`fp16_steps_apart`]).
 #[test]
 fn every_stage_graph_of_the_real_models_follows_the_htp_numerics_model() {
     if !library_present() {
@@ -162,7 +162,7 @@ fn every_stage_graph_of_the_real_models_follows_the_htp_numerics_model() {
         let profile = p.calibrate(32, set, |_, _| {}).unwrap();
         p.model.set_profile(profile).unwrap();
         let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
-        let (mut same, mut total, mut worst) = (0usize, 0usize, 0f32);
+        let (mut same, mut near, mut total, mut worst) = (0usize, 0usize, 0usize, 0f32);
         for l in 0..p.model.config().n_layer {
             let graphs: Vec<Graph> = p.model.layer_graphs(l, 32, Precision::W8A8).unwrap();
             for g in &graphs {
@@ -170,30 +170,53 @@ fn every_stage_graph_of_the_real_models_follows_the_htp_numerics_model() {
                 let x = TensorData::U8((0..32 * k).map(|i| ((i * 2654435761usize) >> 7) as u8).collect());
                 let want = model_dev.prepare(g).unwrap().execute(&[&x]).unwrap();
                 let got = htp.prepare(g).unwrap().execute(&[&x]).unwrap();
-                // The largest channel ratio s_n / s0 of the graph's weights: the subnormal floor.
-                let ratio = g.tensors.iter().filter_map(|t| t.channel_scales.as_ref()).fold(1f32, |m, s| {
-                    let s0 = s.iter().fold(f32::INFINITY, |a, &b| a.min(b));
-                    m.max(s.iter().fold(0f32, |a, &b| a.max(b)) / s0)
-                });
                 for (a, b) in got.iter().zip(&want) {
                     let (TensorData::F32(a), TensorData::F32(b)) = (a, b) else { panic!("F32 outputs") };
                     same += a.iter().zip(b).filter(|(x, y)| x.to_bits() == y.to_bits()).count();
+                    near += a.iter().zip(b).filter(|(x, y)| (*x - *y).abs() <= fp16_step(x.abs().max(y.abs()))).count();
                     total += a.len();
-                    let floor = 2f32.powi(-24) * ratio;
-                    let steps = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs() / fp16_step(x.abs().max(y.abs())).max(floor)));
-                    assert!(steps <= 3.0, "{}: library and model {steps} FP16 steps apart", g.name);
+                    let (steps, at) = fp16_steps_apart(a, b);
+                    assert!(steps <= 3.0, "{}: library {:e} and model {:e} {steps} FP16 steps apart at {at}", g.name, a[at], b[at]);
                     worst = worst.max(steps);
                 }
             }
         }
-        let share = same as f64 / total as f64;
-        eprintln!("{}: {total} stage outputs, model bit-exact on {:.3}%, worst {worst} FP16 steps", path.display(), 100.0 * share);
-        // Measured 99.7-99.8% on random inputs (candle-npu/tests/htp_conformance.rs).
+        let (share, near) = (same as f64 / total as f64, near as f64 / total as f64);
+        eprintln!(
+            "{}: {total} stage outputs, model bit-exact on {:.3}%, within one FP16 step on {:.3}%, worst {worst} FP16 steps",
+            path.display(),
+            100.0 * share,
+            100.0 * near
+        );
+        // Measured 99.7-99.8% bit-exact on random inputs (candle-npu/tests/htp_conformance.rs).
         assert!(share >= 0.99, "{}: model bit-exact on {:.3}%", path.display(), 100.0 * share);
+        assert!(near >= 0.998, "{}: model within one FP16 step on {:.3}%", path.display(), 100.0 * near);
         let s = htp.stats();
         let n = (p.model.config().n_layer * candle_npu_models::Model::NPU_STAGES_PER_LAYER) as u64;
         assert_eq!((s.fallbacks, s.graphs_prepared, s.executions), (0, n, n), "{}", path.display());
     }
+}
+
+/// How far apart the library's outputs `a` and the model's `b` are, at worst (and where): in FP16
+/// steps of the larger magnitude, or of 2^-14 times the tensor's largest |value| where that is
+/// larger. One FP16 step of the intermediate, times the channel ratio, is up to two steps of the
+/// output (their places within a binade differ), and the output's rounding half a step on either
+/// side: three steps. But the library computes the intermediate with its own float arithmetic,
+/// whose error is absolute, about 1e-6 of the magnitudes it sums (measured on per-tensor F32
+/// outputs): on outputs near zero that is many FP16 steps (measured up to 21 on SmolLM2's down
+/// projections, at |y| ~ 1e-4 where the tensor reaches ~1), so small outputs are held to the
+/// tensor's scale instead: steps of at least 2^-14 of its largest value (an eighth of the FP16
+/// step there, or less).
+fn fp16_steps_apart(a: &[f32], b: &[f32]) -> (f32, usize) {
+    let scale = 2f32.powi(-14) * b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).enumerate().fold((0f32, 0), |(m, at), (i, (x, y))| {
+        let steps = (x - y).abs() / fp16_step(x.abs().max(y.abs())).max(scale);
+        if steps > m {
+            (steps, i)
+        } else {
+            (m, at)
+        }
+    })
 }
 
 /// The FP16 step (unit in the last place) at `v`'s magnitude.
