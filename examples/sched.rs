@@ -14,6 +14,9 @@
 //!   makespan, utilisations and the lower bound per policy at 256/1024/2048 tokens and chunk
 //!   lengths 64/128/256; then the contribution heuristic's sensitivity to its terms.
 //!   (b), the HTP emulator's profile, is `examples/htp_cycles.rs`.
+//! - `tail` (on its own, simulated only): a prompt's last rows padded onto the NPU or run as a
+//!   CPU margin, on the Snapdragon 8 Gen 3 model, for the three real models: why a real NPU's
+//!   default is `Tail::Pad` (`SchedOptions::for_device`).
 //!
 //! ```text
 //! cargo run --release --example sched
@@ -97,14 +100,43 @@ fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usi
     best.ok_or_else(|| anyhow!("--reps must be at least 1"))
 }
 
+/// Simulated prefill makespans on the phone model ([`Rates::SNAPDRAGON_8_GEN_3`], FIFO, graphs of
+/// 256 and 32 rows): the last rows padded onto the NPU against a CPU margin.
+fn tail_on_the_phone() -> Result<()> {
+    let lens = [20usize, 37, 100, 300, 700, 1500];
+    println!("## Simulated prefill, Snapdragon 8 Gen 3 model, FIFO, graphs of 256 and 32 rows: ms padded / ms margin (ratio)");
+    println!("| model | {} |\n|---|{}", lens.map(|n| format!("{n} tokens")).join(" | "), "---|".repeat(lens.len()));
+    for path in [assets::smollm2(), assets::gemma3_270m()?, assets::qwen25_coder_05b()?] {
+        let p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
+        let costs = AnalyticCosts { shape: p.model.layer_shape(), rates: Rates::SNAPDRAGON_8_GEN_3 };
+        let n_layer = p.model.config().n_layer;
+        let makespan = |n: usize, tail: Tail| -> Result<f64> {
+            let plan = ChunkPlan::with_sizes(n, &[256, 32], p.model.config().context_len, tail)?;
+            Ok(simulate(&prefill_dag(&plan, n_layer)?, &costs, &Policy::Fifo)?.makespan)
+        };
+        let cells = lens
+            .iter()
+            .map(|&n| {
+                let (pad, margin) = (makespan(n, Tail::Pad)?, makespan(n, Tail::Margin)?);
+                Ok(format!("{:.1} / {:.1} ({:.2}x)", 1e3 * pad, 1e3 * margin, pad / margin))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        println!("| {} | {} |", path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(), cells.join(" | "));
+    }
+    Ok(())
+}
+
 fn bubbles(s: &Schedule) -> String {
     format!("{:.0}% / {:.0}%", 100.0 * s.bubble_rate(Processor::Npu), 100.0 * s.bubble_rate(Processor::Cpu))
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if let Some(bad) = args.sections.iter().find(|s| !["real", "shared", "sim"].contains(&s.as_str())) {
-        bail!("unknown section '{bad}': choose from real, shared, sim");
+    if let Some(bad) = args.sections.iter().find(|s| !["real", "shared", "sim", "tail"].contains(&s.as_str())) {
+        bail!("unknown section '{bad}': choose from real, shared, sim, tail");
+    }
+    if args.sections.iter().all(|s| s == "tail") {
+        return tail_on_the_phone();
     }
     let shared_only = args.sections.iter().all(|s| s == "shared");
     if !shared_only && args.sections.iter().any(|s| s == "shared") {

@@ -90,6 +90,56 @@ fn hexagon_prefill_follows_the_htp_numerics_model() {
     assert!(max_diff(&got, &model) < 3.0, "logits {} apart", max_diff(&got, &model));
 }
 
+/// Greedy answer to `question` (chat template), at most `n` tokens, with the model's own
+/// default schedule for its device.
+fn answer(p: &mut candle_npu_models::Pipeline, question: &str, n: usize) -> (Vec<u32>, String) {
+    let prompt = p.encode(question, true).unwrap();
+    let mut next = argmax(&p.model.prefill(&prompt, 32).unwrap()).unwrap();
+    let mut ids = vec![];
+    while ids.len() < n && !p.stop_tokens.contains(&next) {
+        ids.push(next);
+        next = argmax(&p.model.decode(next).unwrap()).unwrap();
+    }
+    let text = p.decode_text(&ids).unwrap();
+    (ids, text)
+}
+
+/// The README's question through the library with the default Hexagon plan (a real NPU pads the
+/// last rows onto the HTP: `SchedOptions::for_device`): the host executor's answer, and the
+/// tokens the HTP numerics model predicts for the same plan. (With an HTP chunk and a CPU margin
+/// it answered "L'Étoile, la Marseillaise,": its first answer token is a 0.15-logit tie.)
+#[test]
+fn readme_question_on_the_default_hexagon_plan() {
+    if !library_present() {
+        return;
+    }
+    let question = "What is the capital of France?";
+    let host = NpuDevice::host();
+    let mut h = smollm2(&host, Precision::W8A8, DecodeWeights::Q8_0);
+    h.ensure_profile(None, 32, CalibrationSet::default(), |_, _| {}).unwrap();
+    let profile = h.model.profile().unwrap().clone();
+    let (_, host_text) = answer(&mut h, question, 8);
+    drop(h);
+    assert!(host_text.contains("Paris"), "host executor: {host_text:?}");
+
+    let model_dev = NpuDevice::host_with(Numerics::Htp);
+    let mut m = smollm2(&model_dev, Precision::W8A8, DecodeWeights::Q8_0);
+    m.model.set_profile(profile.clone()).unwrap();
+    m.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() });
+    let (predicted, _) = answer(&mut m, question, 8);
+
+    let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let mut x = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
+    assert_eq!(x.model.sched().tail, Tail::Pad, "a real NPU's default plan pads");
+    x.model.set_profile(profile).unwrap();
+    let (ids, text) = answer(&mut x, question, 8);
+    eprintln!("hexagon, default plan: {text:?}; host: {host_text:?}");
+    assert_eq!(htp.stats().fallbacks, 0);
+    assert_eq!(htp.margin_device().stats().executions, 0, "no CPU margin");
+    assert!(text.contains("Paris"), "hexagon: {text:?}");
+    assert_eq!(ids, predicted, "the tokens the HTP numerics model predicts");
+}
+
 /// Prepares SmolLM2's 120 W8A8 stage graphs for chunk length 32 on a fresh Hexagon executor (its
 /// own QNN backend, as in a new process) with the given graph cache.
 fn prepare_on_fresh_executor(cache: &std::path::Path, profile: &QuantProfile) -> DeviceStats {

@@ -239,7 +239,8 @@ enum GraphSet {
 
 /// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin). The defaults were chosen by
 /// measurement (README, "Out-of-order prefill and margins"): FIFO, 4 chunks in flight, graphs of
-/// the chunk length and of 32 rows, the rest a CPU margin.
+/// the chunk length and of 32 rows, the rest a CPU margin with the host executor
+/// ([`SchedOptions::default`]) or padded beside a real NPU ([`SchedOptions::for_device`]).
 #[derive(Debug, Clone)]
 pub struct SchedOptions {
     /// Which ready stage a free processor runs next.
@@ -265,6 +266,28 @@ pub struct SchedOptions {
 impl Default for SchedOptions {
     fn default() -> Self {
         SchedOptions { policy: Policy::Fifo, tail: Tail::Margin, npu_threads: None, small_chunks: vec![32], chunks_in_flight: 4 }
+    }
+}
+
+impl SchedOptions {
+    /// The defaults for prefills on `device`. With the host executor as the NPU, the rows after
+    /// the last chunk are a CPU margin: the same arithmetic on the same cores, without padding.
+    /// Beside a real NPU they are padded onto it (`Tail::Pad`), for two measured reasons:
+    /// - **One arithmetic per prompt.** A margin computes its rows on the HTP numerics model,
+    ///   which matches the library on 99.6% of stage outputs; the rest move logits by up to a
+    ///   logit through 30 layers, enough to flip a near tie: the README's own question ("What is
+    ///   the capital of France?", a 0.15-logit tie between "The" and "L'" at its first answer
+    ///   token) answered "L'Étoile" with an HTP chunk and a margin, "Paris" with every row on the
+    ///   HTP (README, "Hexagon accuracy").
+    /// - **Speed on a phone.** The phone cost model ([`Rates::SNAPDRAGON_8_GEN_3`], FIFO) puts the
+    ///   CPU stages on the critical path and the NPU mostly idle, so rows padded onto the NPU cost
+    ///   less than margin rows on the CPU: padded makespans are 0.13x (a 20-token prompt, all margin
+    ///   otherwise) to 0.98x the margin's at 20-1500 tokens for SmolLM2, Gemma 3 and
+    ///   Qwen2.5-Coder, one case excepted (Qwen at 100 tokens: 1.09x); `examples/sched.rs
+    ///   --sections tail` prints the table.
+    pub fn for_device(device: &NpuDevice) -> Self {
+        let tail = if device.on_host() { Tail::Margin } else { Tail::Pad };
+        SchedOptions { tail, ..Default::default() }
     }
 }
 
@@ -372,6 +395,7 @@ impl Model {
             });
         }
         let n = cfg.n_layer;
+        let sched = SchedOptions::for_device(&device);
         Ok(Model {
             cfg,
             spec,
@@ -389,7 +413,7 @@ impl Model {
             shadow_time: std::time::Duration::ZERO,
             graphs: HashMap::new(),
             kv: (0..n).map(|_| Mutex::default()).collect(),
-            sched: SchedOptions::default(),
+            sched,
             npu_pool: None,
             last_run: None,
             pos: 0,
