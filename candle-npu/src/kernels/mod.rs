@@ -85,6 +85,9 @@ impl PackedI8 {
         assert_eq!(w.len(), n * k, "weight is not [N, K]");
         let packed = match kernel {
             Int8Kernel::Own(path) => Packed::Own(Panels::new(w, n, k), path),
+            // rten-gemm's prepacking divides by zero on an empty matrix (found on an AVX-512 VNNI
+            // machine, where rten is the detected kernel); ours takes any shape.
+            Int8Kernel::Rten if n == 0 || k == 0 => Packed::Own(Panels::new(w, n, k), Int8Path::detect()),
             Int8Kernel::Rten => {
                 let view = NdTensorView::from_data([n, k], w);
                 Packed::Rten(int8_gemm(|g| g.prepack_b(view.transposed())))
