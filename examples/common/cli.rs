@@ -315,7 +315,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         s.graphs_loaded
     );
     eprintln!("graphs ready ({})", candle_npu_models::memory::describe());
-    if device.executor_name() == "htp" || tokens.len() > 2 * chunk_len {
+    if !device.on_host() || tokens.len() > 2 * chunk_len {
         // On x86 the HTP is an emulator (~0.3-1 GMAC/s): a 256-row chunk takes minutes; on the
         // host a long prompt takes seconds.
         let bar = indicatif::ProgressBar::new(0).with_message(format!("prefill of {} tokens on the {}", tokens.len(), device.executor_name()));

@@ -278,7 +278,7 @@ impl SchedOptions {
     ///   logit through 30 layers, enough to flip a near tie: the README's own question ("What is
     ///   the capital of France?", a 0.15-logit tie between "The" and "L'" at its first answer
     ///   token) answered "L'Étoile" with an HTP chunk and a margin, "Paris" with every row on the
-    ///   HTP (README, "Hexagon accuracy").
+    ///   HTP (`docs/accuracy.md`).
     /// - **Speed on a phone.** The phone cost model ([`Rates::SNAPDRAGON_8_GEN_3`], FIFO) puts the
     ///   CPU stages on the critical path and the NPU mostly idle, so rows padded onto the NPU cost
     ///   less than margin rows on the CPU: padded makespans are 0.13x (a 20-token prompt, all margin
@@ -1056,10 +1056,11 @@ impl Model {
     /// executor (no other weights, ~4x the speed of candle's Q8_0 matmul at 24-100 rows:
     /// measured 32-40 vs 9-10 GMAC/s on 2 cores); beside a real NPU, whose graphs have static
     /// shapes, the same stage graphs on a host executor with the NPU's numerics
-    /// ([`NpuDevice::margin_device`]). Either way margin rows get the arithmetic the NPU rows get,
-    /// W8A8 and shadow path included: one numerics story per prompt. (Candle's Q8_0 matmuls on
-    /// float activations, the Hexagon margin before, flipped answers beside HTP rows: README,
-    /// "Hexagon accuracy".) `None` for a float prefill: its margin runs the decode weights.
+    /// ([`NpuDevice::margin_device`]). Either way margin rows get the NPU rows' W8A8 + shadow
+    /// arithmetic: exactly with the host executor, as far as the numerics model matches the
+    /// library beside a real NPU (99.6% of stage outputs bit-exact), which is not far enough to
+    /// keep near ties, so a real NPU pads by default ([`SchedOptions::for_device`]). `None` for
+    /// a float prefill: its margin runs the decode weights.
     fn margin_graphs(&mut self, plan: &ChunkPlan, precision: Precision) -> Result<Option<Arc<Vec<Vec<PreparedGraph>>>>> {
         if precision == Precision::F32 || !plan.chunks.iter().any(|c| c.margin) {
             return Ok(None);
