@@ -9,8 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
 use candle_npu::{HtpConfig, NpuDevice, ProfilingLevel, Tail};
-use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, TextStream};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
+use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Pipeline, Precision, StopReason};
 use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -274,16 +273,6 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     bar.finish_and_clear();
     eprintln!("profile ready ({})", candle_npu_models::memory::describe());
 
-    let mut sampler = LogitsProcessor::from_sampling(
-        args.seed,
-        match (args.temperature, args.top_p) {
-            (None, _) => Sampling::ArgMax,
-            (Some(t), _) if t < 1e-7 => Sampling::ArgMax,
-            (Some(temperature), None) => Sampling::All { temperature },
-            (Some(temperature), Some(p)) => Sampling::TopP { p, temperature },
-        },
-    );
-
     let mut sched = p.model.sched().clone();
     if let Some(policy) = args.policy {
         sched.policy = match policy {
@@ -328,10 +317,29 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             }
         })));
     }
+    if args.no_chat_template {
+        p.template = candle_npu_models::chat::ChatTemplate::None;
+        print!("{}", args.prompt);
+    } else {
+        println!("> {}", args.prompt);
+    }
+    let gen = GenerateOptions {
+        sample_len: args.sample_len,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+        chunk_len,
+        ..Default::default()
+    };
     let before = device.stats();
-    let t = Instant::now();
-    let mut logits = p.model.prefill(&tokens, chunk_len)?;
-    let prefill_s = t.elapsed().as_secs_f64();
+    let (_, stats) = p.generate(&args.prompt, &gen, |text| {
+        print!("{text}");
+        let _ = std::io::stdout().flush();
+    })?;
+    println!();
+    if stats.stop == StopReason::ContextFull {
+        eprintln!("(stopped: the model's context of {context} tokens is full)");
+    }
     let prefill_stats = device.stats();
     if let (Some(path), Some((dag, schedule))) = (&args.trace, p.model.last_run()) {
         Trace::from_schedule(dag, schedule).write(path)?;
@@ -343,37 +351,6 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             100.0 * schedule.bubble_rate(Processor::Cpu)
         );
     }
-    if args.no_chat_template {
-        print!("{}", args.prompt);
-    } else {
-        println!("> {}", args.prompt);
-    }
-    // Up to --sample-len tokens, a stop token, or the end of the context.
-    let room = context.saturating_sub(tokens.len());
-    let mut stream = TextStream::new();
-    let mut generated = 0;
-    let t = Instant::now();
-    while generated < args.sample_len {
-        let next = sampler.sample(&logits)?;
-        generated += 1;
-        if p.stop_tokens.contains(&next) {
-            break;
-        }
-        if let Some(text) = stream.next(&p.tokenizer, next)? {
-            print!("{text}");
-            std::io::stdout().flush()?;
-        }
-        if generated == args.sample_len {
-            break;
-        }
-        if generated > room {
-            eprintln!("\n(stopped: the model's context of {context} tokens is full)");
-            break;
-        }
-        logits = p.model.decode(next)?;
-    }
-    let decode_s = t.elapsed().as_secs_f64();
-    println!("{}", stream.finish(&p.tokenizer)?.unwrap_or_default());
     let plan = p.model.plan(tokens.len(), chunk_len)?;
     let policy = match p.model.policy_set_aside(plan.chunks.len()) {
         true => format!("{}, chunks in order: the host executor shares the cores", p.model.sched().policy.name()),
@@ -381,9 +358,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     };
     let sizes: Vec<String> = plan.npu_sizes().iter().rev().map(|&s| format!("{} x {s}", plan.chunks.iter().filter(|c| !c.margin && c.padded_len == s).count())).collect();
     println!(
-        "\n{} prompt tokens processed: {:.2} token/s (NPU chunks: {}; {} margin rows on the CPU, {} padded rows; {}; {} graphs prepared, {} executed)",
+        "\n{} prompt tokens processed: {:.2} token/s, first token after {:.2}s (NPU chunks: {}; {} margin rows on the CPU, {} padded rows; {}; {} graphs prepared, {} executed)",
         tokens.len(),
-        tokens.len() as f64 / prefill_s,
+        stats.prefill_tokens_per_sec(),
+        stats.ttft.as_secs_f64(),
         if sizes.is_empty() { "none".to_string() } else { sizes.join(" + ") },
         plan.margin_tokens(),
         plan.padded_tokens(),
@@ -391,8 +369,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         prefill_stats.graphs_prepared - before.graphs_prepared,
         prefill_stats.executions - before.executions
     );
-    let decoded = generated.saturating_sub(1);
-    println!("{decoded} tokens generated: {:.2} token/s", decoded as f64 / decode_s.max(1e-9));
+    println!("{} tokens generated: {:.2} token/s", stats.generated_tokens, stats.decode_tokens_per_sec());
     println!("memory: {}", candle_npu_models::memory::describe());
     print_qnn_profile(&device);
     Ok(())

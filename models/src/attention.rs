@@ -60,6 +60,20 @@ impl KvCache {
         *self = KvCache::default();
     }
 
+    /// Keep the first `n` tokens (fewer are kept as they are).
+    pub fn truncate(&mut self, n: usize) {
+        self.len = self.len.min(n);
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Append `n` tokens of `k`, `v` (`[n, kv_heads, head_dim]`); room for `reserve` tokens in
     /// all is made at once when known (a prefill's length), else the capacity grows by `GROW`
     /// tokens (not by a factor: after a long prompt, +50% would be the job's peak; a copy per 256

@@ -7,7 +7,8 @@
 //!   [`phi3`], [`mistral`]; [`families`] finds a GGUF's family, [`hf`] an HF folder's.
 //! - [`checkpoint`] (GGUF and HF safetensors behind one trait), [`gguf`], [`hf`], [`tokenizer`]:
 //!   loading with clear errors.
-//! - [`chat`]: chat templates and stop tokens.
+//! - [`chat`]: chat templates and stop tokens; [`generate`]: sampling, streaming and multi-turn
+//!   [`generate::Session`]s on a [`Pipeline`].
 
 pub mod assets;
 pub mod attention;
@@ -15,6 +16,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod families;
 pub mod gemma3;
+pub mod generate;
 pub mod gguf;
 pub mod hf;
 pub mod llama;
@@ -28,6 +30,7 @@ pub mod tokenizer;
 pub mod transformer;
 
 pub use candle_npu::{DecodeWeights, WeightQuant};
+pub use generate::{GenerateOptions, GenerateStats, Session, StopReason};
 pub use pipeline::{CalibrationSet, Pipeline, TextStream};
 pub use spec::{Config, FamilySpec};
 pub use transformer::{prefill_dag, LoadOptions, Model, Precision, SchedOptions};

@@ -618,6 +618,7 @@ impl Model {
                 m.set_shadow_layers(on)?;
                 let mut total = 0.0;
                 for seq in sequences {
+                    m.clear();
                     let logits = m.run_prefill(seq, &m.npu_only_plan(seq.len(), chunk_len)?, Precision::W8A8, true)?;
                     total += mean_nll(&logits, seq)?;
                 }
@@ -655,6 +656,7 @@ impl Model {
         self.reset_point_stats();
         let r = self.on_host(|m| {
             for (i, seq) in sequences.iter().enumerate() {
+                m.clear();
                 m.run_prefill(seq, &m.npu_only_plan(seq.len(), chunk_len)?, Precision::W8A8, false)?;
                 progress(i + 1);
             }
@@ -693,12 +695,22 @@ impl Model {
 
     /// Prefill `tokens` (resetting the KV cache) and return the logits of the last token, `[vocab]`.
     pub fn prefill(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
+        self.clear();
+        self.extend(tokens, chunk_len)
+    }
+
+    /// Prefill `tokens` after the tokens the KV cache holds (a conversation's next turn, or a
+    /// prompt after a restored prefix) through the same chunked NPU plan, and return the logits
+    /// of the last one, `[vocab]`. Only the new tokens are computed; they attend to everything
+    /// before them. On an error the cache is left as it was.
+    pub fn extend(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
         let logits = self.run_prefill(tokens, &self.plan(tokens.len(), chunk_len)?, self.precision, false)?;
         Ok(logits.squeeze(0)?)
     }
 
     /// Prefill and return the logits of every prompt position, `[len, vocab]` (for perplexity).
     pub fn prefill_all_logits(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
+        self.clear();
         self.run_prefill(tokens, &self.plan(tokens.len(), chunk_len)?, self.precision, true)
     }
 
@@ -801,10 +813,27 @@ impl Model {
         ChunkPlan::new(n, chunk_len, self.cfg.context_len, Tail::Pad)
     }
 
+    /// Runs `plan` over `tokens` from the current position (after the tokens the KV cache holds).
     fn run_prefill(&mut self, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
         self.check_tokens(tokens)?;
         self.check_profile(precision)?;
-        self.clear();
+        let base = self.pos;
+        if base + tokens.len() > self.cfg.context_len {
+            return Err(Error::Input(format!(
+                "{} tokens after the {base} the KV cache holds exceed the context of {}",
+                tokens.len(),
+                self.cfg.context_len
+            )));
+        }
+        let r = self.run_plan(tokens, plan, precision, all_logits);
+        if r.is_err() {
+            // What a failed prefill appended goes: the cache holds the first `base` tokens again.
+            self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).truncate(base));
+        }
+        r
+    }
+
+    fn run_plan(&mut self, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
         let mut graphs = HashMap::new();
         for size in plan.npu_sizes() {
             graphs.insert(size, self.graphs_for(GraphSet::Npu(size), precision)?);
@@ -899,7 +928,7 @@ impl Model {
         let schedule = runner.schedule();
         drop(runner);
         self.last_run = Some((dag, schedule));
-        self.pos = tokens.len();
+        self.pos += tokens.len();
         let rows: Vec<Tensor> = out_rows.into_iter().filter(|r| r.dim(0).is_ok_and(|n| n > 0)).collect();
         self.logits(&Tensor::cat(&rows, 0)?)
     }
@@ -929,7 +958,9 @@ impl Model {
         let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
         ids.resize(m, 0);
         let mut x = Residual::new(self.embed_rows(&ids)?);
-        let rows = Rows::new(&self.spec, chunk.start, m, n_valid, tokens.len())?;
+        // Positions after the tokens the cache held before this prefill (`self.pos`, updated
+        // when the prefill is done).
+        let rows = Rows::new(&self.spec, self.pos + chunk.start, m, n_valid, self.pos + tokens.len())?;
         let mut shadow_time = Duration::ZERO;
         for l in 0..n_layer {
             let layer = &self.layers[l];

@@ -1,0 +1,235 @@
+//! Text generation on a [`Pipeline`]: candle's `LogitsProcessor` sampling, the model's stop
+//! tokens, streamed text and the run's statistics ([`Pipeline::generate`]); and [`Session`], a
+//! conversation whose KV cache stays between turns, so that a turn prefills only its own tokens.
+
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use candle_npu::{Error, Result};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+
+use crate::pipeline::{Pipeline, TextStream};
+
+/// How [`Pipeline::generate`] and [`Session::send`] sample, as candle's examples do.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// Tokens to generate at most (the answer may stop earlier, at a stop token).
+    pub sample_len: usize,
+    /// Sampling temperature; greedy (argmax) when `None` or 0.
+    pub temperature: Option<f64>,
+    /// Nucleus sampling: the smallest set of tokens holding this probability (with a temperature).
+    pub top_p: Option<f64>,
+    /// Only the `k` most likely tokens (with a temperature; with `top_p` too, top-k first).
+    pub top_k: Option<usize>,
+    pub seed: u64,
+    /// Penalty on the logits of tokens among the last `repeat_last_n` of the conversation; 1.0
+    /// (the default) is none.
+    pub repeat_penalty: f32,
+    pub repeat_last_n: usize,
+    /// Rows of the NPU graphs the prompt is cut into (see [`crate::Model::plan`]).
+    pub chunk_len: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            sample_len: 256,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            seed: 299792458,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            chunk_len: 256,
+        }
+    }
+}
+
+impl GenerateOptions {
+    /// Checks the values (ranges as candle's examples take them), before any work.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::Input(what));
+        if self.temperature.is_some_and(|t| !(t >= 0.0 && t.is_finite())) {
+            return bad(format!("temperature {:?}: expected a finite value >= 0", self.temperature));
+        }
+        if self.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+            return bad(format!("top-p {:?}: expected a share in (0, 1]", self.top_p));
+        }
+        if self.top_k == Some(0) {
+            return bad("top-k 0: expected at least 1".into());
+        }
+        if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
+            return bad(format!("repeat penalty {}: expected a finite value > 0", self.repeat_penalty));
+        }
+        if self.chunk_len == 0 {
+            return bad("chunk length 0: expected at least 1 row (e.g. 256)".into());
+        }
+        Ok(())
+    }
+
+    fn sampling(&self) -> Sampling {
+        match (self.temperature.filter(|&t| t >= 1e-7), self.top_k, self.top_p) {
+            (None, _, _) => Sampling::ArgMax,
+            (Some(temperature), None, None) => Sampling::All { temperature },
+            (Some(temperature), Some(k), None) => Sampling::TopK { k, temperature },
+            (Some(temperature), None, Some(p)) => Sampling::TopP { p, temperature },
+            (Some(temperature), Some(k), Some(p)) => Sampling::TopKThenTopP { k, p, temperature },
+        }
+    }
+}
+
+/// Why generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model gave one of its stop tokens (EOS, end of turn).
+    StopToken,
+    /// [`GenerateOptions::sample_len`] tokens were generated.
+    SampleLen,
+    /// The model's context is full.
+    ContextFull,
+}
+
+/// What one generation did, and how fast.
+#[derive(Debug, Clone)]
+pub struct GenerateStats {
+    /// Tokens prefilled for this answer (a session's turn: its own new tokens only).
+    pub prompt_tokens: usize,
+    /// Tokens the KV cache held before (earlier turns).
+    pub cached_tokens: usize,
+    /// Prefill time: from the call to the logits of the last prompt token.
+    pub prefill: Duration,
+    /// Time to first token: the prefill and the first token's sampling.
+    pub ttft: Duration,
+    /// Tokens generated, the stop token excluded.
+    pub generated_tokens: usize,
+    /// Time of the decode steps after the first token.
+    pub decode: Duration,
+    pub stop: StopReason,
+}
+
+impl GenerateStats {
+    pub fn prefill_tokens_per_sec(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill.as_secs_f64().max(1e-9)
+    }
+    /// Decode speed over the tokens after the first.
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        self.generated_tokens.saturating_sub(1) as f64 / self.decode.as_secs_f64().max(1e-9)
+    }
+}
+
+impl Pipeline {
+    /// Answers `prompt` (in the model's chat template, when it has one) from an empty KV cache:
+    /// prefill on the model's device, then decode on the CPU, sampling with candle's
+    /// `LogitsProcessor`, until a stop token, `sample_len` tokens or the end of the context.
+    /// `on_text` gets the text as it comes, never a split character. Returns the answer.
+    pub fn generate(&mut self, prompt: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
+        self.session().send(prompt, opts, on_text)
+    }
+
+    /// A conversation on this pipeline, from an empty KV cache.
+    pub fn session(&mut self) -> Session<'_> {
+        self.model.clear();
+        Session { p: self, tokens: vec![], pending: None }
+    }
+}
+
+/// A conversation: the KV cache keeps every earlier turn, so [`Session::send`] prefills only the
+/// new turn's tokens (through the same chunked NPU plan) before answering.
+pub struct Session<'p> {
+    p: &'p mut Pipeline,
+    /// The conversation's tokens, as the KV cache holds them.
+    tokens: Vec<u32>,
+    /// The last answer's last token when it was sampled but not decoded (an answer cut at
+    /// `sample_len`): it goes into the cache before the next turn.
+    pending: Option<u32>,
+}
+
+impl Session<'_> {
+    /// The tokens the KV cache holds.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn pipeline(&mut self) -> &mut Pipeline {
+        self.p
+    }
+
+    /// The user's next turn: its tokens (the chat template's, closing the previous answer) are
+    /// prefilled after the conversation, then the answer is generated as
+    /// [`Pipeline::generate`] does.
+    pub fn send(&mut self, text: &str, opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
+        opts.validate()?;
+        let p = &mut *self.p;
+        let mut new: Vec<u32> = self.pending.into_iter().collect();
+        if self.tokens.is_empty() {
+            new.extend(p.encode(text, true)?);
+        } else {
+            new.extend(p.encode_piece(&p.template.follow_up(text))?);
+        }
+        if new.is_empty() {
+            return Err(Error::Input("an empty prompt: nothing to answer".into()));
+        }
+        let context = p.model.config().context_len;
+        let cached = self.tokens.len();
+        if cached + new.len() > context {
+            return Err(Error::Input(format!(
+                "{} new tokens after the conversation's {cached} exceed the model's context of {context}",
+                new.len()
+            )));
+        }
+        let t = Instant::now();
+        let mut logits = p.model.extend(&new, opts.chunk_len)?;
+        let prefill = t.elapsed();
+        self.tokens.extend(&new);
+        self.pending = None;
+
+        let mut sampler = LogitsProcessor::from_sampling(opts.seed, opts.sampling());
+        let mut stream = TextStream::new();
+        let (mut answer, mut ids) = (String::new(), Vec::new());
+        let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
+        let t = Instant::now();
+        while ids.len() < opts.sample_len {
+            let next = sampler.sample(&penalized(&logits, &self.tokens, opts)?)?;
+            if ids.is_empty() {
+                ttft = prefill + t.elapsed();
+            }
+            if p.stop_tokens.contains(&next) {
+                stop = StopReason::StopToken;
+                break;
+            }
+            ids.push(next);
+            if let Some(text) = stream.next(&p.tokenizer, next)? {
+                on_text(&text);
+                answer += &text;
+            }
+            if ids.len() == opts.sample_len {
+                self.pending = Some(next);
+                break;
+            }
+            if self.tokens.len() >= context {
+                self.pending = Some(next);
+                stop = StopReason::ContextFull;
+                break;
+            }
+            logits = p.model.decode(next)?;
+            self.tokens.push(next);
+        }
+        if let Some(text) = stream.finish(&p.tokenizer)? {
+            on_text(&text);
+            answer += &text;
+        }
+        let decode = t.elapsed().saturating_sub(ttft.saturating_sub(prefill));
+        let stats = GenerateStats { prompt_tokens: new.len(), cached_tokens: cached, prefill, ttft, generated_tokens: ids.len(), decode, stop };
+        Ok((answer, stats))
+    }
+
+}
+
+/// `logits` with the repeat penalty over the conversation's last tokens.
+fn penalized(logits: &Tensor, tokens: &[u32], opts: &GenerateOptions) -> Result<Tensor> {
+    if opts.repeat_penalty == 1.0 {
+        return Ok(logits.clone());
+    }
+    let last = &tokens[tokens.len().saturating_sub(opts.repeat_last_n)..];
+    Ok(candle_transformers::utils::apply_repeat_penalty(logits, opts.repeat_penalty, last)?)
+}
