@@ -1091,9 +1091,10 @@ impl Model {
     /// arithmetic: exactly with the host executor, as far as the numerics model matches the
     /// library beside a real NPU (99.6% of stage outputs bit-exact), which is not far enough to
     /// keep near ties, so a real NPU pads by default ([`SchedOptions::for_device`]). `None` for
-    /// a float prefill: its margin runs the decode weights.
+    /// a float prefill beside a real NPU: its margin runs the decode weights.
     fn margin_graphs(&mut self, plan: &ChunkPlan, precision: Precision) -> Result<Option<Arc<Vec<Vec<PreparedGraph>>>>> {
-        if precision == Precision::F32 || !plan.chunks.iter().any(|c| c.margin) {
+        // A float prefill beside a real NPU: no host copy of the float weights to run them on.
+        if !plan.chunks.iter().any(|c| c.margin) || (precision == Precision::F32 && !self.device.on_host()) {
             return Ok(None);
         }
         let set = if self.device.on_host() { GraphSet::Npu(plan.chunk_len) } else { GraphSet::Margin };

@@ -1,0 +1,100 @@
+//! Multi-turn sessions: a turn prefills only its own tokens after the KV cache of the earlier
+//! ones (`Model::extend`), and answers as re-prefilling the whole conversation would.
+
+mod common;
+
+use candle_npu::NpuDevice;
+use candle_npu_models::transformer::argmax;
+use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Pipeline, Precision, StopReason};
+use common::*;
+
+fn calibrated(device: &NpuDevice, precision: Precision) -> Pipeline {
+    let mut p = smollm2(device, precision, DecodeWeights::Q8_0);
+    if precision != Precision::F32 {
+        let set = CalibrationSet { sequences: 2, seq_len: 128, importance_sequences: 0, ..Default::default() };
+        let profile = p.calibrate(64, set, |_, _| {}).unwrap();
+        p.model.set_profile(profile).unwrap();
+    }
+    p
+}
+
+/// Prefilling `a` then extending by `b` gives the logits of prefilling `a ++ b`, bit for bit:
+/// rows are computed row by row (W8A8 included), and attention sums each row's keys in the same
+/// blocks wherever the chunks are cut.
+#[test]
+fn extend_continues_a_prefill() {
+    let host = NpuDevice::host();
+    for precision in [Precision::F32, Precision::W8A8] {
+        let mut p = calibrated(&host, precision);
+        let toks = heldout_tokens(&p, 150);
+        let whole = p.model.prefill(&toks, 64).unwrap().to_vec1::<f32>().unwrap();
+        for cut in [1, 64, 100, 149] {
+            p.model.prefill(&toks[..cut], 64).unwrap();
+            assert_eq!(p.model.position(), cut);
+            let got = p.model.extend(&toks[cut..], 64).unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(p.model.position(), toks.len());
+            assert_eq!(got, whole, "{precision:?}, cut at {cut}");
+        }
+        // Beyond the context: refused, and the cache is as it was.
+        let ctx = p.model.config().context_len;
+        p.model.prefill(&toks[..10], 64).unwrap();
+        let long = vec![toks[0]; ctx];
+        assert!(p.model.extend(&long, 64).is_err());
+        assert_eq!(p.model.position(), 10);
+    }
+}
+
+/// Turn 2 of a session prefills only its own tokens and answers as a fresh prefill of the whole
+/// conversation does (greedy).
+#[test]
+fn a_session_turn_prefills_only_its_new_tokens() {
+    let host = NpuDevice::host();
+    let mut p = calibrated(&host, Precision::W8A8);
+    let opts = GenerateOptions { sample_len: 12, chunk_len: 64, ..Default::default() };
+    let (turn1, turn2, conversation, s2) = {
+        let mut s = p.session();
+        let mut streamed = String::new();
+        let (a1, s1) = s.send("What is the capital of France?", &opts, |t| streamed += t).unwrap();
+        assert_eq!(streamed, a1, "the streamed text is the answer");
+        assert_eq!(s1.cached_tokens, 0);
+        let after1 = s.tokens().len();
+        let (a2, s2) = s.send("And of Germany?", &opts, |_| {}).unwrap();
+        assert_eq!(s2.cached_tokens, after1, "turn 2 starts after turn 1 in the cache");
+        assert!(s2.prompt_tokens < 20, "turn 2 prefilled {} tokens: only its own", s2.prompt_tokens);
+        assert_eq!(s.pipeline().model.position(), s.tokens().len());
+        (a1, a2, s.tokens()[..after1 + s2.prompt_tokens].to_vec(), s2)
+    };
+    eprintln!("turn 1: {turn1:?}; turn 2: {turn2:?} ({} new tokens after {})", s2.prompt_tokens, s2.cached_tokens);
+    assert!(turn1.contains("Paris"), "{turn1:?}");
+    // The same conversation prefilled from scratch: the same answer to turn 2.
+    let logits = p.model.prefill(&conversation, 64).unwrap();
+    let mut ids = vec![argmax(&logits).unwrap()];
+    while ids.len() < s2.generated_tokens {
+        ids.push(argmax(&p.model.decode(*ids.last().unwrap()).unwrap()).unwrap());
+    }
+    assert_eq!(p.decode_text(&ids).unwrap(), turn2, "re-prefilled conversation");
+}
+
+#[test]
+fn generation_stops_and_checks_its_options() {
+    let host = NpuDevice::host();
+    let mut p = calibrated(&host, Precision::W8A8);
+    let opts = GenerateOptions { sample_len: 3, chunk_len: 64, ..Default::default() };
+    let (_, s) = p.generate("Tell me a long story about the sea.", &opts, |_| {}).unwrap();
+    assert_eq!((s.stop, s.generated_tokens), (StopReason::SampleLen, 3));
+    let (_, s) = p.generate("What is the capital of France?", &GenerateOptions { sample_len: 64, ..opts.clone() }, |_| {}).unwrap();
+    assert_eq!(s.stop, StopReason::StopToken, "a short answer ends with the end of turn");
+    for bad in [
+        GenerateOptions { temperature: Some(-1.0), ..opts.clone() },
+        GenerateOptions { top_p: Some(0.0), ..opts.clone() },
+        GenerateOptions { top_k: Some(0), ..opts.clone() },
+        GenerateOptions { chunk_len: 0, ..opts.clone() },
+    ] {
+        assert!(p.generate("hi", &bad, |_| {}).is_err(), "{bad:?}");
+    }
+    // Sampled generation is reproducible from its seed.
+    let sampled = GenerateOptions { sample_len: 8, temperature: Some(0.9), top_k: Some(40), top_p: Some(0.95), ..opts };
+    let a = p.generate("Write about the sea.", &sampled, |_| {}).unwrap().0;
+    let b = p.generate("Write about the sea.", &sampled, |_| {}).unwrap().0;
+    assert_eq!(a, b);
+}
