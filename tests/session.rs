@@ -98,3 +98,58 @@ fn generation_stops_and_checks_its_options() {
     let b = p.generate("Write about the sea.", &sampled, |_| {}).unwrap().0;
     assert_eq!(a, b);
 }
+
+/// A conversation saved to a file and restored gives the same logits for what follows, and a
+/// damaged file, or one saved with another profile, is refused with the cache left as it was.
+#[test]
+fn a_saved_session_restores_the_same_kv() {
+    let host = NpuDevice::host();
+    let mut p = calibrated(&host, Precision::W8A8);
+    let dir = std::env::temp_dir().join(format!("candle-npu-session-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("turn1.kv");
+    let opts = GenerateOptions { sample_len: 6, chunk_len: 64, ..Default::default() };
+    let more = p.encode_piece(&p.template.follow_up("And of Spain?")).unwrap();
+    let (saved_tokens, want) = {
+        let mut s = p.session();
+        s.send("What is the capital of France?", &opts, |_| {}).unwrap();
+        s.save(&path).unwrap();
+        let tokens = s.tokens().to_vec();
+        (tokens, s.pipeline().model.extend(&more, 64).unwrap().to_vec1::<f32>().unwrap())
+    };
+    p.model.clear();
+    {
+        let mut s = p.restore_session(&path).unwrap();
+        assert_eq!(s.tokens(), &saved_tokens[..]);
+        assert_eq!(s.pipeline().model.position(), saved_tokens.len());
+        let got = s.pipeline().model.extend(&more, 64).unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(got, want, "the restored KV gives the same logits");
+    }
+
+    let refused = |p: &mut Pipeline, file: &std::path::Path, why: &str| {
+        p.model.clear();
+        p.model.prefill(&saved_tokens[..5], 64).unwrap();
+        let e = p.restore_session(file).err().unwrap_or_else(|| panic!("{} accepted", file.display()));
+        assert!(matches!(e, candle_npu::Error::KvState { .. } | candle_npu::Error::Io { .. }), "{e}");
+        assert!(e.to_string().contains(why), "{e}");
+        assert_eq!(p.model.position(), 5, "a refused restore leaves the cache as it was");
+    };
+    let bytes = std::fs::read(&path).unwrap();
+    let damaged = dir.join("damaged.kv");
+    let mut b = bytes.clone();
+    let at = b.len() - 100;
+    b[at] ^= 1;
+    std::fs::write(&damaged, &b).unwrap();
+    refused(&mut p, &damaged, "checksum");
+    std::fs::write(&damaged, &bytes[..bytes.len() / 2]).unwrap();
+    refused(&mut p, &damaged, "its header says");
+    std::fs::write(&damaged, b"not a kv file at all").unwrap();
+    refused(&mut p, &damaged, "magic");
+    refused(&mut p, &dir, "not a regular file");
+    // Another profile computes other W8A8 rows: its KV is not this one's.
+    let set = CalibrationSet { sequences: 1, seq_len: 64, importance_sequences: 0, ..Default::default() };
+    let other = p.calibrate(64, set, |_, _| {}).unwrap();
+    p.model.set_profile(other).unwrap();
+    refused(&mut p, &path, "profile");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -148,7 +148,7 @@ impl GraphCache {
 /// and renamed into place, so a reader never sees half a file. The temporary name is unique per
 /// process, writer and moment (two containers sharing the folder can have the same pid), and
 /// `create_new` refuses to reuse a name rather than truncate another writer's.
-pub(crate) fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>) -> Result<()> {
+pub fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>) -> Result<()> {
     let tmp = temp_path(path);
     let run = || -> std::io::Result<()> {
         let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;

@@ -37,6 +37,11 @@ pub enum Error {
     #[error("model {path}: missing tensor '{name}'")]
     MissingTensor { path: PathBuf, name: String },
 
+    /// A saved KV state (`candle_npu_models::session`) that is corrupt, or was saved for other
+    /// weights, another quant profile or another precision.
+    #[error("saved KV state {path}: {reason}")]
+    KvState { path: PathBuf, reason: String },
+
     // --- input ---
     #[error("invalid input: {0}")]
     Input(String),

@@ -105,6 +105,32 @@ impl KvCache {
         self.len = need;
     }
 
+    /// (heads, head_dim) of the tokens held.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.heads, self.head_dim)
+    }
+
+    /// Every head's keys, then every head's values, `len` tokens each, as little-endian f32
+    /// bytes (the saved form of a prompt's KV, see `crate::session`).
+    pub fn write_to(&self, out: &mut impl std::io::Write) -> std::io::Result<()> {
+        for data in [&self.k, &self.v] {
+            for h in 0..self.heads {
+                let rows = &data[h * self.cap * self.head_dim..][..self.len * self.head_dim];
+                let bytes: Vec<u8> = rows.iter().flat_map(|x| x.to_le_bytes()).collect();
+                out.write_all(&bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A cache of `len` tokens from [`KvCache::write_to`]'s bytes (`2 * heads * len * head_dim`
+    /// f32 values; the caller has checked the count).
+    pub fn from_bytes(bytes: &[u8], heads: usize, head_dim: usize, len: usize) -> Self {
+        let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let (k, v) = values.split_at(heads * len * head_dim);
+        KvCache { k: k.to_vec(), v: v.to_vec(), heads, head_dim, cap: len, len }
+    }
+
     /// Tokens `from..to` of head `h`: `[to - from, head_dim]` keys and values.
     fn head(&self, h: usize, from: usize, to: usize) -> (&[f32], &[f32]) {
         let range = (h * self.cap + from) * self.head_dim..(h * self.cap + to) * self.head_dim;

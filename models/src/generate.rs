@@ -1,14 +1,14 @@
 //! Text generation on a [`Pipeline`]: candle's `LogitsProcessor` sampling, the model's stop
-//! tokens, streamed text and the run's statistics ([`Pipeline::generate`]); and [`Session`], a
-//! conversation whose KV cache stays between turns, so that a turn prefills only its own tokens.
+//! tokens, streamed text and the run's statistics ([`Pipeline::generate`], a one-turn
+//! [`crate::Session`]).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::Tensor;
 use candle_npu::{Error, Result};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
+use candle_transformers::generation::Sampling;
 
-use crate::pipeline::{Pipeline, TextStream};
+use crate::pipeline::Pipeline;
 
 /// How [`Pipeline::generate`] and [`Session::send`] sample, as candle's examples do.
 #[derive(Debug, Clone)]
@@ -67,7 +67,7 @@ impl GenerateOptions {
         Ok(())
     }
 
-    fn sampling(&self) -> Sampling {
+    pub(crate) fn sampling(&self) -> Sampling {
         match (self.temperature.filter(|&t| t >= 1e-7), self.top_k, self.top_p) {
             (None, _, _) => Sampling::ArgMax,
             (Some(temperature), None, None) => Sampling::All { temperature },
@@ -126,107 +126,10 @@ impl Pipeline {
         self.session().send(prompt, opts, on_text)
     }
 
-    /// A conversation on this pipeline, from an empty KV cache.
-    pub fn session(&mut self) -> Session<'_> {
-        self.model.clear();
-        Session { p: self, tokens: vec![], pending: None }
-    }
-}
-
-/// A conversation: the KV cache keeps every earlier turn, so [`Session::send`] prefills only the
-/// new turn's tokens (through the same chunked NPU plan) before answering.
-pub struct Session<'p> {
-    p: &'p mut Pipeline,
-    /// The conversation's tokens, as the KV cache holds them.
-    tokens: Vec<u32>,
-    /// The last answer's last token when it was sampled but not decoded (an answer cut at
-    /// `sample_len`): it goes into the cache before the next turn.
-    pending: Option<u32>,
-}
-
-impl Session<'_> {
-    /// The tokens the KV cache holds.
-    pub fn tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-
-    pub fn pipeline(&mut self) -> &mut Pipeline {
-        self.p
-    }
-
-    /// The user's next turn: its tokens (the chat template's, closing the previous answer) are
-    /// prefilled after the conversation, then the answer is generated as
-    /// [`Pipeline::generate`] does.
-    pub fn send(&mut self, text: &str, opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
-        opts.validate()?;
-        let p = &mut *self.p;
-        let mut new: Vec<u32> = self.pending.into_iter().collect();
-        if self.tokens.is_empty() {
-            new.extend(p.encode(text, true)?);
-        } else {
-            new.extend(p.encode_piece(&p.template.follow_up(text))?);
-        }
-        if new.is_empty() {
-            return Err(Error::Input("an empty prompt: nothing to answer".into()));
-        }
-        let context = p.model.config().context_len;
-        let cached = self.tokens.len();
-        if cached + new.len() > context {
-            return Err(Error::Input(format!(
-                "{} new tokens after the conversation's {cached} exceed the model's context of {context}",
-                new.len()
-            )));
-        }
-        let t = Instant::now();
-        let mut logits = p.model.extend(&new, opts.chunk_len)?;
-        let prefill = t.elapsed();
-        self.tokens.extend(&new);
-        self.pending = None;
-
-        let mut sampler = LogitsProcessor::from_sampling(opts.seed, opts.sampling());
-        let mut stream = TextStream::new();
-        let (mut answer, mut ids) = (String::new(), Vec::new());
-        let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
-        let t = Instant::now();
-        while ids.len() < opts.sample_len {
-            let next = sampler.sample(&penalized(&logits, &self.tokens, opts)?)?;
-            if ids.is_empty() {
-                ttft = prefill + t.elapsed();
-            }
-            if p.stop_tokens.contains(&next) {
-                stop = StopReason::StopToken;
-                break;
-            }
-            ids.push(next);
-            if let Some(text) = stream.next(&p.tokenizer, next)? {
-                on_text(&text);
-                answer += &text;
-            }
-            if ids.len() == opts.sample_len {
-                self.pending = Some(next);
-                break;
-            }
-            if self.tokens.len() >= context {
-                self.pending = Some(next);
-                stop = StopReason::ContextFull;
-                break;
-            }
-            logits = p.model.decode(next)?;
-            self.tokens.push(next);
-        }
-        if let Some(text) = stream.finish(&p.tokenizer)? {
-            on_text(&text);
-            answer += &text;
-        }
-        let decode = t.elapsed().saturating_sub(ttft.saturating_sub(prefill));
-        let stats = GenerateStats { prompt_tokens: new.len(), cached_tokens: cached, prefill, ttft, generated_tokens: ids.len(), decode, stop };
-        Ok((answer, stats))
-    }
-
 }
 
 /// `logits` with the repeat penalty over the conversation's last tokens.
-fn penalized(logits: &Tensor, tokens: &[u32], opts: &GenerateOptions) -> Result<Tensor> {
+pub(crate) fn penalized(logits: &Tensor, tokens: &[u32], opts: &GenerateOptions) -> Result<Tensor> {
     if opts.repeat_penalty == 1.0 {
         return Ok(logits.clone());
     }

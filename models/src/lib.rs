@@ -8,7 +8,7 @@
 //! - [`checkpoint`] (GGUF and HF safetensors behind one trait), [`gguf`], [`hf`], [`tokenizer`]:
 //!   loading with clear errors.
 //! - [`chat`]: chat templates and stop tokens; [`generate`]: sampling, streaming and multi-turn
-//!   [`generate::Session`]s on a [`Pipeline`].
+//!   [`session::Session`]s (KV kept between turns, saved and restored) on a [`Pipeline`].
 
 pub mod assets;
 pub mod attention;
@@ -25,12 +25,14 @@ pub mod mistral;
 pub mod phi3;
 pub mod pipeline;
 pub mod qwen2;
+pub mod session;
 pub mod spec;
 pub mod tokenizer;
 pub mod transformer;
 
 pub use candle_npu::{DecodeWeights, WeightQuant};
-pub use generate::{GenerateOptions, GenerateStats, Session, StopReason};
+pub use generate::{GenerateOptions, GenerateStats, StopReason};
+pub use session::Session;
 pub use pipeline::{CalibrationSet, Pipeline, TextStream};
 pub use spec::{Config, FamilySpec};
 pub use transformer::{prefill_dag, LoadOptions, Model, Precision, SchedOptions};

@@ -569,6 +569,18 @@ impl Model {
         self.points.iter().flatten().for_each(InputPoint::reset_stats);
     }
 
+    /// The KV caches, one per layer, each holding [`Model::position`] tokens.
+    pub(crate) fn kv_caches(&self) -> Vec<std::sync::MutexGuard<'_, KvCache>> {
+        self.kv.iter().map(|kv| kv.lock().unwrap_or_else(|e| e.into_inner())).collect()
+    }
+
+    /// Replaces the KV caches (one per layer, each of `(kv_heads, head_dim)` and one length,
+    /// checked by the caller) and the position with theirs.
+    pub(crate) fn set_kv_caches(&mut self, caches: Vec<KvCache>) {
+        self.pos = caches.first().map_or(0, KvCache::len);
+        self.kv = caches.into_iter().map(Mutex::new).collect();
+    }
+
     /// Forget the KV cache.
     pub fn clear(&mut self) {
         self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).clear());
