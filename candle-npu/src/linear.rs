@@ -316,7 +316,7 @@ impl ShadowLinear {
         Ok(g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None))
     }
 
-    /// Keep these input channels' columns contiguous (the hot set; see [`HotColumns`]).
+    /// Keep these input channels' columns contiguous (the hot set; see `HotColumns`).
     pub fn set_hot(&mut self, channels: &[u32]) -> Result<()> {
         let mut slot = vec![COLD; self.k];
         let mut unique = Vec::with_capacity(channels.len());

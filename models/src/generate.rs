@@ -10,7 +10,7 @@ use candle_transformers::generation::Sampling;
 
 use crate::pipeline::Pipeline;
 
-/// How [`Pipeline::generate`] and [`Session::send`] sample, as candle's examples do.
+/// How [`Pipeline::generate`] and [`crate::Session::send`] sample, as candle's examples do.
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
     /// Tokens to generate at most (the answer may stop earlier, at a stop token).

@@ -10,7 +10,7 @@
 //! - `tokenizer.ggml.model = "llama"`: SentencePiece BPE (Llama 2, Gemma, Mistral v0.1). The
 //!   file has no merge list, only a score per piece: SentencePiece merges, among adjacent pieces,
 //!   the pair whose concatenation is the highest-scoring piece. That is the same as a BPE whose
-//!   merge ranks follow those scores, which is how it is built here ([`score_merges`]). Spaces
+//!   merge ranks follow those scores, which is how it is built here (`score_merges`). Spaces
 //!   become `▁`, characters outside the vocabulary fall back to `<0xNN>` byte pieces.
 //!
 //! In both, control tokens (`<|im_start|>`, `<start_of_turn>`, ...) and user-defined tokens (Gemma's

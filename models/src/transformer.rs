@@ -1,6 +1,7 @@
 //! The decoder engine shared by every family: chunked prefill with the linear layers and FFN on
 //! an [`NpuDevice`], attention on the CPU, and token-by-token decode on candle CPU ops over the KV
-//! cache that prefill filled. A family file only turns its checkpoint into [`Config`] + [`Weights`].
+//! cache that prefill filled. A family file only turns its checkpoint into [`Config`] + the
+//! tensors a [`crate::checkpoint::NameMap`] names.
 //!
 //! One layer of prefill, per chunk, as stages. Every NPU stage is one static graph of the
 //! linears that share an input (prepared once per chunk length, shared by every chunk); every
@@ -314,7 +315,7 @@ const LAYER_STAGES: [(&str, Processor); 8] = [
 ];
 
 /// The prefill DAG of `plan` for `n_layer` layers: per layer the 4 NPU stages with the CPU stage
-/// before each ([`LAYER_STAGES`]), and a CPU tail per chunk (final rows out).
+/// before each (`LAYER_STAGES`), and a CPU tail per chunk (final rows out).
 pub fn prefill_dag(plan: &ChunkPlan, n_layer: usize) -> Result<SubgraphDag> {
     let stages: Vec<StageDesc> = LAYER_STAGES.iter().map(|&(name, p)| StageDesc::new(name, p, name == "attn")).collect();
     let chunks: Vec<DagChunk> = plan.chunks.iter().map(|c| DagChunk { rows: c.padded_len, margin: c.margin }).collect();
@@ -786,7 +787,7 @@ impl Model {
     }
 
     /// The chunk plan of a prefill of `n` tokens with NPU graphs of `chunk_len` rows: as many
-    /// full chunks as fit, then, where the cost model ([`Model::estimate`], simulated under the
+    /// full chunks as fit, then, where the cost model (`Model::estimate`, simulated under the
     /// current policy) predicts a shorter prefill, chunks of the [`SchedOptions::small_chunks`]
     /// sizes, and the rest as [`SchedOptions::tail`] says.
     pub fn plan(&self, n: usize, chunk_len: usize) -> Result<ChunkPlan> {

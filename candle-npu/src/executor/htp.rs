@@ -21,7 +21,7 @@
 //! rebuilt with a warning. With [`HtpConfig::profiling`], every finalize, load and execute gets
 //! a QNN profile whose events are summed per graph ([`Executor::profiles`]). Where
 //! `libcdsprpc.so` exists (Android), graph inputs and outputs live in rpcmem buffers registered
-//! with `memRegister` ([`super::rpcmem`]); elsewhere, as on x86, in client buffers.
+//! with `memRegister` (`rpcmem`); elsewhere, as on x86, in client buffers.
 //!
 //! # Translation
 //!

@@ -15,12 +15,12 @@
 //!   (column, k, k + 1) pairs of columns 0-7, then those of columns 8-15 (one `vpmovsxbw` each);
 //! - activations: row-major i16, K padded to even, rows padded to a multiple of [`MR`];
 //! - a tile of [`MR`] x [`NR`] outputs keeps its 12 accumulators in registers over a block of at
-//!   most [`KC`] pairs of K, K cut into equal blocks (the weight micro-panel, at most 10 KiB, stays
-//!   in L1 while [`MC`] rows of activations, at most 330 KiB, stream through from L2, their
+//!   most `KC` pairs of K, K cut into equal blocks (the weight micro-panel, at most 10 KiB, stays
+//!   in L1 while `MC` rows of activations, at most 330 KiB, stream through from L2, their
 //!   lines prefetched by the tile two lines ahead);
 //! - a tile of fewer than [`MR`] rows (a matrix's or a task's last) runs a kernel compiled for its
 //!   row count, at about its share of a full tile's time;
-//! - threads split the rows when each gets at least [`ROWS_PER_TASK_MIN`] (a task widens its own
+//! - threads split the rows when each gets at least `ROWS_PER_TASK_MIN` (a task widens its own
 //!   rows, runs every panel over them and hands the finished rows to the caller's `each`, so
 //!   widening, tiles and the caller's dequantization need no barrier between them: +1-2% on a
 //!   SmolLM2 prefill, up to +9% on the k, v GEMMs), else the panels (each core reads half of the
@@ -211,7 +211,7 @@ impl Panels {
         }
     }
 
-    /// Tiles of the panels in `panels`, blocked over K ([`KC`]) and rows ([`MC`]).
+    /// Tiles of the panels in `panels`, blocked over K (`KC`) and rows (`MC`).
     ///
     /// # Safety
     /// `a` holds `m.next_multiple_of(MR)` rows of `kp`; `c` points to `m * n` i32 (maybe
@@ -251,7 +251,7 @@ fn lane(j: usize) -> usize {
     (j / 8) * 16 + (j % 8) * 2
 }
 
-/// Pairs of K per block: `pairs` cut into equal blocks of at most [`KC`]. A short last block
+/// Pairs of K per block: `pairs` cut into equal blocks of at most `KC`. A short last block
 /// (K = 576, the hidden size of SmolLM2: 256 + 32 pairs) pays a tile's fixed cost (its
 /// accumulators read back, added and stored) for little work.
 fn k_block(pairs: usize) -> usize {

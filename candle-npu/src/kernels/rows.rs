@@ -63,7 +63,7 @@ macro_rules! multiversion {
 /// softmax is `row / sum`. Attention multiplies the row by V next, and divides the product
 /// (head_dim values) instead of the row (one value per key): one pass fewer.
 ///
-/// AVX2 + FMA has intrinsics of its own ([`softmax_avx2`]); elsewhere the plain loop, as built.
+/// AVX2 + FMA has intrinsics of its own (`softmax_avx2`); elsewhere the plain loop, as built.
 /// The two differ by the FMAs' rounding (a few ulps).
 pub fn softmax_numerators(row: &mut [f32], scale: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -464,7 +464,7 @@ fn gelu_tanh_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) ->
 /// inline) and there are up to four tasks a thread (an even split would wait on the slowest).
 const MIN_TASK_VALUES: usize = 16 * 1024;
 
-/// Rows per task for `rows` rows of `len` values each (see [`MIN_TASK_VALUES`]).
+/// Rows per task for `rows` rows of `len` values each (see `MIN_TASK_VALUES`).
 pub fn rows_per_task(rows: usize, len: usize) -> usize {
     let min = MIN_TASK_VALUES.div_ceil(len.max(1));
     rows.div_ceil(4 * rayon::current_num_threads()).max(min).max(1)
