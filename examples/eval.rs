@@ -26,7 +26,7 @@ use candle_npu::{ClipMethod, NpuDevice, Numerics, PointStats, QuantProfile, Tail
 use candle_npu_models::assets::{self, MmluQuestion};
 use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
 use candle_npu_models::transformer::mean_nll;
-use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
+use candle_npu_models::{CalibrationSet, CalibrationSource, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
@@ -76,9 +76,28 @@ struct Args {
     /// A TrueType font for the plot's labels.
     #[arg(long, default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")]
     font: PathBuf,
+    /// Calibration text: Wikipedia articles kept apart from the evaluated ones (the figures in
+    /// docs/) or the text shipped in the crate (the default of `Pipeline::ensure_profile`).
+    #[arg(long, value_enum, default_value = "wikipedia")]
+    calibration: CalibrationArg,
     /// The GGUF model (default: SmolLM2-135M-Instruct from scripts/setup.sh).
     #[arg(long)]
     model: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CalibrationArg {
+    Wikipedia,
+    Shipped,
+}
+
+impl From<CalibrationArg> for CalibrationSource {
+    fn from(c: CalibrationArg) -> Self {
+        match c {
+            CalibrationArg::Wikipedia => CalibrationSource::Wikipedia,
+            CalibrationArg::Shipped => CalibrationSource::Shipped,
+        }
+    }
 }
 
 const WINDOW: usize = 512;
@@ -465,6 +484,7 @@ fn main() -> Result<()> {
     let mut q = load(&model_path, &dev, Precision::W8A8, WeightQuant::PerChannel)?;
     let set = CalibrationSet {
         importance_sequences: args.importance_sequences,
+        source: args.calibration.into(),
         clip: ClipMethod::Budget { fraction: args.budget },
         ..CalibrationSet::default()
     };

@@ -12,7 +12,12 @@ use candle_npu_models::transformer::{argmax, mean_nll};
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Model, Pipeline, Precision};
 use common::*;
 
-/// One calibration pass per test process (8 x 256 Wikipedia tokens, the example's default) for
+/// The calibration these tests measured with: 8 x 256 Wikipedia tokens (the eval's).
+fn wikipedia() -> CalibrationSet {
+    CalibrationSet { source: candle_npu_models::CalibrationSource::Wikipedia, ..Default::default() }
+}
+
+/// One calibration pass per test process (8 x 256 Wikipedia tokens, the eval's default) for
 /// the default (per-channel) weights; profiles of any clip method are made from it.
 /// Calibration runs with the model's INT8 weights, so a model with other weights calibrates
 /// itself.
@@ -20,7 +25,7 @@ fn calibration(p: &mut Pipeline) -> Calibrator {
     static CAL: OnceLock<Mutex<Option<Calibrator>>> = OnceLock::new();
     let mut slot = CAL.get_or_init(Default::default).lock().unwrap();
     if slot.is_none() {
-        let seqs = p.calibration_sequences(CalibrationSet::default()).unwrap();
+        let seqs = p.calibration_sequences(wikipedia()).unwrap();
         *slot = Some(p.model.calibrate(&seqs, |_| {}).unwrap());
     }
     slot.clone().unwrap()
@@ -71,7 +76,7 @@ fn naive_w8a8_baseline_stays_far_from_f32() {
         LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerTensor },
     )
     .unwrap();
-    let seqs = p.calibration_sequences(CalibrationSet::default()).unwrap();
+    let seqs = p.calibration_sequences(wikipedia()).unwrap();
     let prof = p.model.calibrate(&seqs, |_| {}).unwrap().finish(p.model.model_id().to_string(), ClipMethod::MinMax);
     p.model.set_profile(prof).unwrap();
     p.model.set_shadow_layers(&vec![false; p.model.config().n_layer]).unwrap();

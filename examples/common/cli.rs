@@ -266,7 +266,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         if bar.is_hidden() {
             bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
             bar.set_length(n as u64);
-            bar.set_message("calibrating activation ranges on Wikipedia text");
+            bar.set_message("calibrating activation ranges on the shipped calibration text");
         }
         bar.set_position(i as u64);
     })?;

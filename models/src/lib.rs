@@ -33,6 +33,6 @@ pub mod transformer;
 pub use candle_npu::{DecodeWeights, WeightQuant};
 pub use generate::{GenerateOptions, GenerateStats, StopReason};
 pub use session::Session;
-pub use pipeline::{CalibrationSet, Pipeline, TextStream};
+pub use pipeline::{CalibrationSet, CalibrationSource, Pipeline, TextStream};
 pub use spec::{Config, FamilySpec};
 pub use transformer::{prefill_dag, LoadOptions, Model, Precision, SchedOptions};

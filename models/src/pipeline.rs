@@ -19,11 +19,26 @@ pub struct Pipeline {
     pub model_path: PathBuf,
 }
 
-/// How calibration runs: over how much real text (Wikipedia leads, see
-/// `assets::wiki_calibration`), how clip ranges are chosen, and on how many of those sequences
-/// layer importance is measured (0: not measured, so no pruning).
+/// Which text calibration reads (user texts: [`Pipeline::calibrate_on`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CalibrationSource {
+    /// The text shipped inside this crate (public-domain prose, `models/data/README.md`): needs
+    /// no file at run time.
+    #[default]
+    Shipped,
+    /// Wikipedia lead sections from the assets `scripts/setup.sh` fetches (the articles held
+    /// out from evaluation): the eval's calibration, for its figures to be reproduced.
+    Wikipedia,
+}
+
+/// The shipped calibration text (see [`CalibrationSource::Shipped`]).
+pub const SHIPPED_CALIBRATION_TEXT: &str = include_str!("../data/calibration.txt");
+
+/// How calibration runs: over how much text and which, how clip ranges are chosen, and on how
+/// many of those sequences layer importance is measured (0: not measured, so no pruning).
 #[derive(Debug, Clone, Copy)]
 pub struct CalibrationSet {
+    pub source: CalibrationSource,
     pub sequences: usize,
     pub seq_len: usize,
     pub clip: ClipMethod,
@@ -51,6 +66,7 @@ impl Default for CalibrationSet {
         // sequences); while the default prune rate is 0 the first run does not pay for it.
         let importance_sequences = if DEFAULT_PRUNE_RATE > 0.0 { 2 } else { 0 };
         CalibrationSet {
+            source: CalibrationSource::Shipped,
             sequences: 8,
             seq_len: 256,
             clip: ClipMethod::Budget { fraction: DEFAULT_OUTLIER_BUDGET },
@@ -116,7 +132,7 @@ impl Pipeline {
     }
 
     /// For W8A8 and W8A16: load the profile at `path` (default: next to the model), or calibrate on
-    /// Wikipedia text and save it there; then prune the shadow path at [`DEFAULT_PRUNE_RATE`].
+    /// `set`'s text (by default the one shipped in this crate) and save it there; then prune the shadow path at [`DEFAULT_PRUNE_RATE`].
     /// A profile made for other weights, or by an older build, is an error that says what to do.
     pub fn ensure_profile(&mut self, path: Option<&Path>, chunk_len: usize, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<()> {
         if self.model.precision() == Precision::F32 {
@@ -143,13 +159,24 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Calibrate on `set.sequences` windows of `set.seq_len` tokens of Wikipedia text: clip
+    /// Calibrate on `set.sequences` windows of `set.seq_len` tokens of `set.source`'s text: clip
     /// ranges and hot channels (narrowed to `set.hot_coverage` of the outliers by a counting
     /// pass when it is below 1), then (if `set.importance_sequences > 0`) each layer's shadow
     /// importance on the first of those windows. The model uses the profile afterwards.
     /// `progress(done, total)` counts sequences, counting passes, then importance passes.
-    pub fn calibrate(&mut self, chunk_len: usize, set: CalibrationSet, mut progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
+    pub fn calibrate(&mut self, chunk_len: usize, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
         let seqs = self.calibration_sequences(set)?;
+        self.calibrate_on(&seqs, chunk_len, set, progress)
+    }
+
+    /// Calibrates on the caller's token sequences (of the caller's own texts, say: see
+    /// [`Pipeline::token_sequences`]); `set` gives the clip method, importance and hot coverage
+    /// (its source and sizes are not used). Returns the profile, which the model now uses.
+    pub fn calibrate_on(&mut self, seqs: &[Vec<u32>], chunk_len: usize, set: CalibrationSet, mut progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
+        let ctx = self.model.config().context_len;
+        if seqs.is_empty() || seqs.iter().any(|s| s.is_empty() || s.len() > ctx) {
+            return Err(Error::Input(format!("calibration needs at least one sequence, each of 1..={ctx} tokens")));
+        }
         let n_imp = set.importance_sequences.min(seqs.len());
         let passes = if n_imp > 0 { self.model.config().n_layer + 1 } else { 0 };
         let count_pass = if set.hot_coverage < 1.0 { seqs.len() } else { 0 };
@@ -175,10 +202,23 @@ impl Pipeline {
             let (n, len, ctx) = (set.sequences, set.seq_len, self.model.config().context_len);
             return Err(Error::Input(format!("calibration on {n} sequences of {len} tokens: need at least one of 1..={ctx} tokens")));
         }
-        let ids = self.encode_texts(crate::assets::wiki_calibration(set.sequences * set.seq_len / 40 + 8)?, set.sequences * set.seq_len)?;
-        let seqs: Vec<Vec<u32>> = ids.chunks_exact(set.seq_len).take(set.sequences).map(<[u32]>::to_vec).collect();
+        let texts = match set.source {
+            CalibrationSource::Shipped => SHIPPED_CALIBRATION_TEXT.split("\n\n").map(str::to_string).collect(),
+            CalibrationSource::Wikipedia => crate::assets::wiki_calibration(set.sequences * set.seq_len / 40 + 8)?,
+        };
+        self.token_sequences(texts, set.sequences, set.seq_len)
+    }
+
+    /// `texts` joined by blank lines and cut into (at most) `sequences` sequences of `seq_len`
+    /// tokens each, for [`Pipeline::calibrate_on`]; an error when they hold fewer than one.
+    pub fn token_sequences(&self, texts: impl IntoIterator<Item = String>, sequences: usize, seq_len: usize) -> Result<Vec<Vec<u32>>> {
+        if seq_len == 0 {
+            return Err(Error::Input("calibration sequences of 0 tokens".into()));
+        }
+        let ids = self.encode_texts(texts, sequences * seq_len)?;
+        let seqs: Vec<Vec<u32>> = ids.chunks_exact(seq_len).take(sequences).map(<[u32]>::to_vec).collect();
         if seqs.is_empty() {
-            return Err(Error::Input("not enough calibration text".into()));
+            return Err(Error::Input(format!("not enough calibration text for one sequence of {seq_len} tokens")));
         }
         Ok(seqs)
     }
