@@ -66,6 +66,11 @@
 //!   works. **Dequantize** from `U8`/`I8`/`I32` works.
 //! * **Add, Mul, Sigmoid**: every combination of `U8`/`I8`/`I32`/`F32` inputs and output ran
 //!   within one output step (quantized outputs) or FP16 rounding (F32 outputs).
+//! * **A refused device changes the process.** After a `deviceCreate` the library refuses (an
+//!   unknown SoC), graphs finalized later in the process, on any executor, compute float ops in
+//!   FP32 rather than FP16: the per-channel lowering's FP16 intermediate is gone, so the HTP
+//!   numerics model (`super::htp_numerics`) no longer applies. A process that saw
+//!   [`Error::QnnLibrary`] from `deviceCreate` should not go on preparing graphs.
 //! * Tensors of rank 1 to 4 (rank 5 ran for Add but is not claimed), every byte size fitting
 //!   QNN's `u32` `dataSize`. (QNN cannot finalize a graph without nodes, error 6022; validated
 //!   IR graphs always have ops, since every output must be produced by one.)
