@@ -55,6 +55,9 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// Tokens the capacity grows by when it must grow and no reservation says more.
+    pub const GROW: usize = 256;
+
     /// Drop the tokens and the memory.
     pub fn clear(&mut self) {
         *self = KvCache::default();
@@ -81,8 +84,7 @@ impl KvCache {
     fn append(&mut self, k: &[f32], v: &[f32], n: usize, heads: usize, head_dim: usize, reserve: usize) {
         let need = self.len + n;
         if need > self.cap || (heads, head_dim) != (self.heads, self.head_dim) {
-            const GROW: usize = 256;
-            let cap = need.max(reserve).max(self.cap + GROW);
+            let cap = need.max(reserve).max(self.cap + Self::GROW);
             let (len, old_cap) = (self.len, self.cap);
             let grow = |old: &[f32]| {
                 let mut t = vec![0f32; heads * cap * head_dim];
