@@ -181,11 +181,11 @@ impl Pipeline {
         let passes = if n_imp > 0 { self.model.config().n_layer + 1 } else { 0 };
         let count_pass = if set.hot_coverage < 1.0 { seqs.len() } else { 0 };
         let total = seqs.len() + count_pass + passes;
-        let cal = self.model.calibrate(&seqs, |i| progress(i, total))?;
+        let cal = self.model.calibrate(seqs, |i| progress(i, total))?;
         let mut profile = cal.finish(self.model.model_id().to_string(), set.clip);
         self.model.set_profile(profile.clone())?;
         if count_pass > 0 {
-            let counts = self.model.count_channel_outliers(&seqs, chunk_len, |i| progress(seqs.len() + i, total))?;
+            let counts = self.model.count_channel_outliers(seqs, chunk_len, |i| progress(seqs.len() + i, total))?;
             profile.select_hot(&counts, set.hot_coverage)?;
             self.model.set_profile(profile.clone())?;
         }
