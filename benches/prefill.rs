@@ -57,7 +57,7 @@ fn prefill(c: &mut Criterion) {
     let dev = candle_npu::NpuDevice::host();
     let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
     let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts).expect("SmolLM2 (run scripts/setup.sh)");
-    p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {}).expect("quant profile");
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).expect("quant profile");
     let mut text = vec![];
     for a in assets::wiki_heldout(400).expect("held-out text") {
         text.extend(p.encode(&a, false).expect("tokenizer"));
@@ -69,7 +69,7 @@ fn prefill(c: &mut Criterion) {
     g.sample_size(10);
     for n in [256, 1024] {
         g.throughput(Throughput::Elements(n as u64));
-        g.bench_function(format!("{n}_tokens"), |b| b.iter(|| p.model.prefill(&text[..n], 256).expect("prefill")));
+        g.bench_function(format!("{n}_tokens"), |b| b.iter(|| p.model.prefill_chunked(&text[..n], 256).expect("prefill")));
     }
     g.finish();
 }

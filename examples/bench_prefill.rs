@@ -67,7 +67,7 @@ fn candle_model(dtype: GgmlDType) -> Result<ModelWeights> {
 fn main() -> Result<()> {
     let dev = NpuDevice::host();
     let mut p = Pipeline::load(&assets::smollm2(), None, &dev, LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() })?;
-    p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {})?;
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
     let mut text = vec![];
     for a in assets::wiki_heldout(400)? {
         text.extend(p.encode(&a, false)?);
@@ -97,7 +97,7 @@ fn main() -> Result<()> {
             for (i, &n) in LENS.iter().enumerate() {
                 let t = Instant::now();
                 match e {
-                    0 | 1 => drop(p.model.prefill(&text[..n], [256, 64][e])?),
+                    0 | 1 => drop(p.model.prefill_chunked(&text[..n], [256, 64][e])?),
                     2 | 3 => {
                         let m = &mut candle[e - 2].1;
                         m.clear_kv_cache();
@@ -137,7 +137,7 @@ fn main() -> Result<()> {
         let mut best: Option<(f64, std::collections::BTreeMap<String, f64>)> = None;
         for _ in 0..=REPS {
             let t = Instant::now();
-            p.model.prefill(&text[..n], 256)?;
+            p.model.prefill_chunked(&text[..n], 256)?;
             let secs = t.elapsed().as_secs_f64();
             let (dag, schedule) = p.model.last_run().ok_or_else(|| anyhow::anyhow!("no schedule recorded"))?;
             let mut by_stage = std::collections::BTreeMap::new();

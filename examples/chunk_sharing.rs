@@ -124,7 +124,7 @@ fn main() -> Result<()> {
     // prepares them on its own fresh Hexagon executor.
     let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
     let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
-    p.ensure_profile(args.profile.as_deref(), args.chunk_len, CalibrationSet::default(), |i, n| {
+    p.ensure_profile(args.profile.as_deref(), CalibrationSet::default(), |i, n| {
         eprint!("\rcalibrating {i}/{n}");
     })?;
     let config = HtpConfig { soc_model: args.soc, ..Default::default() };

@@ -198,7 +198,7 @@ enum Path {
 
 fn logits_all(p: &mut Pipeline, path: Path, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
     Ok(match path {
-        Path::Npu => p.model.prefill_all_logits(tokens, chunk_len)?,
+        Path::Npu => p.model.prefill_all_logits_chunked(tokens, chunk_len)?,
         Path::Cpu => {
             p.model.clear();
             p.model.forward_cpu(tokens)?
@@ -208,7 +208,7 @@ fn logits_all(p: &mut Pipeline, path: Path, tokens: &[u32], chunk_len: usize) ->
 
 fn logits_last(p: &mut Pipeline, path: Path, tokens: &[u32], chunk_len: usize) -> Result<Vec<f32>> {
     let l = match path {
-        Path::Npu => p.model.prefill(tokens, chunk_len)?,
+        Path::Npu => p.model.prefill_chunked(tokens, chunk_len)?,
         Path::Cpu => {
             p.model.clear();
             let l = p.model.forward_cpu(tokens)?;
@@ -369,7 +369,7 @@ fn load(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: 
 }
 
 fn load_with(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: WeightQuant, decode_weights: DecodeWeights) -> Result<Pipeline> {
-    Pipeline::load(path, None, dev, LoadOptions { precision, decode_weights, weights }).with_context(|| format!("loading {}", path.display()))
+    Pipeline::load(path, None, dev, LoadOptions { precision, decode_weights, weights, ..Default::default() }).with_context(|| format!("loading {}", path.display()))
 }
 
 fn print_decode(model: &std::path::Path, rows: &[DecodeRow], f32_ppl: &[f64]) {

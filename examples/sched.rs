@@ -86,11 +86,11 @@ fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usi
     let sched =
         SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], chunks_in_flight: usize::MAX };
     p.model.set_sched(sched);
-    p.model.prefill(tokens, chunk)?;
+    p.model.prefill_chunked(tokens, chunk)?;
     let mut best: Option<Run> = None;
     for _ in 0..reps {
         let t = Instant::now();
-        p.model.prefill(tokens, chunk)?;
+        p.model.prefill_chunked(tokens, chunk)?;
         let secs = t.elapsed().as_secs_f64();
         if best.as_ref().is_none_or(|b| secs < b.secs) {
             let (dag, schedule) = p.model.last_run().cloned().ok_or_else(|| anyhow!("prefill recorded no schedule"))?;
@@ -155,7 +155,7 @@ fn main() -> Result<()> {
     let dev = NpuDevice::host();
     let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
     let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts)?;
-    p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {})?;
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
     let max_len = args.lens.iter().copied().max().unwrap_or(0).max(300);
     let mut text = vec![];
     for a in assets::wiki_heldout(400)? {
@@ -216,11 +216,11 @@ fn main() -> Result<()> {
                 chunks_in_flight: workers,
                 ..Default::default()
             });
-            p.model.prefill(&text[..n], args.chunk_len)?;
+            p.model.prefill_chunked(&text[..n], args.chunk_len)?;
             let mut best = f64::MAX;
             for _ in 0..args.reps {
                 let t = Instant::now();
-                p.model.prefill(&text[..n], args.chunk_len)?;
+                p.model.prefill_chunked(&text[..n], args.chunk_len)?;
                 best = best.min(t.elapsed().as_secs_f64());
             }
             line += &format!(" {workers}: {:.0};", n as f64 / best);
@@ -319,7 +319,7 @@ fn interleaved(p: &mut Pipeline, scheds: &[SchedOptions], text: &[u32], lens: &[
             p.model.set_sched(sched.clone());
             for (j, &n) in lens.iter().enumerate() {
                 let t = Instant::now();
-                p.model.prefill(&text[..n], args.chunk_len)?;
+                p.model.prefill_chunked(&text[..n], args.chunk_len)?;
                 if rep > 0 {
                     secs[i][j].push(t.elapsed().as_secs_f64());
                 }

@@ -37,10 +37,10 @@ fn main() -> Result<()> {
         bail!("--rounds and --lens need at least one value");
     }
     let device = NpuDevice::host();
-    let mut p = Pipeline::load(&assets::smollm2(), None, &device, LoadOptions::default())?;
-    p.ensure_profile(None, args.chunk_len, CalibrationSet::default(), |_, _| {})?;
+    let mut p = Pipeline::load(&assets::smollm2(), None, &device, LoadOptions { chunk_len: Some(args.chunk_len), ..Default::default() })?;
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
     let text = assets::wiki_heldout(400)?.join("\n\n");
-    let opts = GenerateOptions { sample_len: 1, chunk_len: args.chunk_len, ..Default::default() };
+    let opts = GenerateOptions { sample_len: 1, ..Default::default() };
     let state = std::env::temp_dir().join(format!("candle-npu-session-ttft-{}.kv", std::process::id()));
     println!("SmolLM2-135M, host executor W8A8, chunk {}: turn 2's time to first token, ms (median of {} rounds)\n", args.chunk_len, args.rounds);
     println!("| document tokens | turn 2 tokens | session | restored from file (incl. reading it) | re-prefilled conversation | re-prefill / session |");
@@ -70,7 +70,7 @@ fn main() -> Result<()> {
             restored.push(t.elapsed());
             // The whole conversation (both turns' tokens) prefilled from an empty cache.
             let t = Instant::now();
-            p.model.prefill(&conversation, args.chunk_len)?;
+            p.model.prefill(&conversation)?;
             again.push(t.elapsed());
         }
         let (k, r, a) = (median(kept), median(restored), median(again));

@@ -24,7 +24,7 @@ fn library_present() -> bool {
 fn logits(p: &mut candle_npu_models::Pipeline, prompt: &[u32], pad: bool) -> Vec<f32> {
     let tail = if pad { Tail::Pad } else { Tail::Margin };
     p.model.set_sched(SchedOptions { tail, ..Default::default() });
-    p.model.prefill_all_logits(prompt, 32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    p.model.prefill_all_logits_chunked(prompt, 32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 fn top1(logits: &[f32], vocab: usize) -> Vec<u32> {
@@ -41,7 +41,7 @@ fn hexagon_prefill_follows_the_htp_numerics_model() {
     }
     let host = NpuDevice::host();
     let mut h = smollm2(&host, Precision::W8A8, DecodeWeights::Q8_0);
-    let profile = h.calibrate(32, CalibrationSet { sequences: 4, seq_len: 128, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
+    let profile = h.calibrate(CalibrationSet { sequences: 4, seq_len: 128, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
     let prompt = heldout_tokens(&h, 48);
     let vocab = h.model.config().vocab;
     drop(h);
@@ -94,7 +94,7 @@ fn hexagon_prefill_follows_the_htp_numerics_model() {
 /// default schedule for its device.
 fn answer(p: &mut candle_npu_models::Pipeline, question: &str, n: usize) -> (Vec<u32>, String) {
     let prompt = p.encode(question, true).unwrap();
-    let mut next = argmax(&p.model.prefill(&prompt, 32).unwrap()).unwrap();
+    let mut next = argmax(&p.model.prefill_chunked(&prompt, 32).unwrap()).unwrap();
     let mut ids = vec![];
     while ids.len() < n && !p.stop_tokens.contains(&next) {
         ids.push(next);
@@ -116,7 +116,7 @@ fn readme_question_on_the_default_hexagon_plan() {
     let question = "What is the capital of France?";
     let host = NpuDevice::host();
     let mut h = smollm2(&host, Precision::W8A8, DecodeWeights::Q8_0);
-    h.ensure_profile(None, 32, CalibrationSet::default(), |_, _| {}).unwrap();
+    h.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
     let profile = h.model.profile().unwrap().clone();
     let (_, host_text) = answer(&mut h, question, 8);
     drop(h);
@@ -146,7 +146,7 @@ fn prepare_on_fresh_executor(cache: &std::path::Path, profile: &QuantProfile) ->
     let htp = NpuDevice::hexagon(HtpConfig { cache_dir: Some(cache.to_path_buf()), ..Default::default() }).unwrap();
     let mut p = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     p.model.set_profile(profile.clone()).unwrap();
-    p.model.prepare(32).unwrap();
+    p.model.prepare_chunked(32).unwrap();
     htp.stats()
 }
 
@@ -159,7 +159,7 @@ fn second_run_loads_every_stage_graph_from_the_cache() {
     // Calibration is the host's job even on a Hexagon model: it must not touch the HTP.
     let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
     let mut h = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
-    let profile = h.calibrate(32, CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
+    let profile = h.calibrate(CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
     assert_eq!(htp.stats(), DeviceStats::default(), "calibration ran on the host executor");
     let dir = std::env::temp_dir().join(format!("candle-npu-model-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -209,7 +209,7 @@ fn every_stage_graph_of_the_real_models_follows_the_htp_numerics_model() {
         let host = NpuDevice::host();
         let mut p = Pipeline::load(&path, None, &host, LoadOptions::default()).unwrap();
         let set = CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() };
-        let profile = p.calibrate(32, set, |_, _| {}).unwrap();
+        let profile = p.calibrate(set, |_, _| {}).unwrap();
         p.model.set_profile(profile).unwrap();
         let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
         let (mut same, mut near, mut total, mut worst) = (0usize, 0usize, 0usize, 0f32);

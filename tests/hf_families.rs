@@ -135,14 +135,14 @@ fn compare(model: &mut Model, r32: &mut dyn Reference, r16: &mut dyn Reference, 
     for &len in lens {
         let want = r32.logits(&toks[..len], 0);
         for chunk in [16usize, 32] {
-            let got: Vec<f32> = model.prefill(&toks[..len], chunk).unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = model.prefill_chunked(&toks[..len], chunk).unwrap().to_vec1().unwrap();
             let err = rel_max_err(&got, &want);
             // Both F32; they differ in summation order only.
             assert!(err < 1e-4, "prompt {len}, chunk {chunk}: relative max error {err}");
             assert_eq!(top1(&got), top1(&want));
         }
         let half = r16.logits(&toks[..len], 0);
-        let got: Vec<f32> = model.prefill(&toks[..len], 32).unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = model.prefill_chunked(&toks[..len], 32).unwrap().to_vec1().unwrap();
         let (err, gap) = (rel_max_err(&got, &half), rel_max_err(&want, &half));
         eprintln!("prompt {len}: vs candle F16 {err:e} (candle's own F32 vs F16: {gap:e})");
         // The tolerance is candle's own F16 rounding, measured: ours is F32, as close to F16 as
@@ -159,7 +159,7 @@ fn compare(model: &mut Model, r32: &mut dyn Reference, r16: &mut dyn Reference, 
         want.push(top1(&logits));
         logits = r32.logits(&[*want.last().unwrap()], prompt.len() + step);
     }
-    let mut got = vec![argmax(&model.prefill(prompt, 16).unwrap()).unwrap()];
+    let mut got = vec![argmax(&model.prefill_chunked(prompt, 16).unwrap()).unwrap()];
     while got.len() < 16 {
         got.push(argmax(&model.decode(*got.last().unwrap()).unwrap()).unwrap());
     }
@@ -204,7 +204,7 @@ fn mistral_with_a_sliding_window_matches_candle_transformers() {
     compare(&mut model, &mut r32, &mut r16, &[7, 100], 20);
     // ... and beyond it against candle's one-call forward of the whole sequence so far.
     let toks = seq(60, 9);
-    model.prefill(&toks[..50], 16).unwrap();
+    model.prefill_chunked(&toks[..50], 16).unwrap();
     for n in 50..60 {
         let got: Vec<f32> = model.decode(toks[n]).unwrap().to_vec1().unwrap();
         let want = r32.logits(&toks[..=n], 0);

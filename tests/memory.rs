@@ -27,7 +27,7 @@ fn smollm2_main_job_peaks_under_430_mib() {
     let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
     eprintln!("loaded: {}", memory::describe());
     // The profile as the example gets it: loaded, or calibrated and saved on first use.
-    p.ensure_profile(None, 256, CalibrationSet::default(), |_, _| {}).unwrap();
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
     // A 700-token prompt (the default plan: 2 chunks of 256, 5 of 32, a 28-row margin; FIFO,
     // 4 chunks in flight) from a plain text file: the Wikipedia loader
     // would parse 6.5 MB of JSON, which is the test's cost, not the job's.
@@ -35,9 +35,9 @@ fn smollm2_main_job_peaks_under_430_mib() {
     let prompt: Vec<u32> = p.encode(&text, false).unwrap().into_iter().take(700).collect();
     assert_eq!(prompt.len(), 700);
     eprintln!("profile: {}", memory::describe());
-    p.model.prepare(256).unwrap();
+    p.model.prepare_chunked(256).unwrap();
     eprintln!("graphs: {}", memory::describe());
-    let mut t = argmax(&p.model.prefill(&prompt, 256).unwrap()).unwrap();
+    let mut t = argmax(&p.model.prefill_chunked(&prompt, 256).unwrap()).unwrap();
     eprintln!("prefill: {}", memory::describe());
     for _ in 0..16 {
         t = argmax(&p.model.decode(t).unwrap()).unwrap();

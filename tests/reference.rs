@@ -39,7 +39,7 @@ fn chunked_f32_prefill_matches_candle_transformers() {
         reference.clear_kv_cache();
         let want = ref_logits(&mut reference, &text[..len], 0);
         for chunk in [32usize, 128, 256] {
-            let got: Vec<f32> = p.model.prefill(&text[..len], chunk).unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = p.model.prefill_chunked(&text[..len], chunk).unwrap().to_vec1().unwrap();
             let err = rel_max_err(&got, &want);
             worst = worst.max(err);
             // Both are F32; they differ only in GEMM summation order (rten vs gemm) over 30 layers.
@@ -69,7 +69,7 @@ fn decode_after_chunked_prefill_matches_candle_greedy() {
     }
 
     // Chunk 16: three chunks, the last one padded (37 = 16 + 16 + 5).
-    let mut got = vec![argmax(&p.model.prefill(&prompt, 16).unwrap()).unwrap()];
+    let mut got = vec![argmax(&p.model.prefill_chunked(&prompt, 16).unwrap()).unwrap()];
     while got.len() < 16 {
         got.push(argmax(&p.model.decode(*got.last().unwrap()).unwrap()).unwrap());
     }

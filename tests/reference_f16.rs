@@ -53,7 +53,7 @@ fn check(
     let toks = p.heldout_tokens(300).unwrap();
     for len in [37usize, 300] {
         let (want32, want16) = (logits(r32, &toks[..len]), logits(r16, &toks[..len]));
-        let got: Vec<f32> = p.model.prefill(&toks[..len], 256).unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = p.model.prefill_chunked(&toks[..len], 256).unwrap().to_vec1().unwrap();
         let (err, gap) = (rel_max_err(&got, &want16), rel_max_err(&want32, &want16));
         eprintln!("{}: prompt {len}: vs candle F16 {err:e} (candle's own F32 vs F16: {gap:e})", path.display());
         // 1% slack: ours and candle's F32 differ by ~1e-6 (GEMM order), not by the F16 rounding.

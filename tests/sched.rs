@@ -13,13 +13,13 @@ use common::*;
 /// All-position logits of `toks` in chunks of 64, scheduled by `policy` (NPU queue: one thread).
 fn prefill(p: &mut Pipeline, toks: &[u32], tail: Tail, policy: Policy) -> Vec<f32> {
     p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1), small_chunks: vec![], ..Default::default() });
-    p.model.prefill_all_logits(toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    p.model.prefill_all_logits_chunked(toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 #[test]
 fn every_policy_is_bit_identical_to_in_order() {
     let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
-    p.ensure_profile(None, 64, CalibrationSet::default(), |_, _| {}).unwrap();
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
     // 4 full chunks of 64 and a padded one: cross-chunk attention edges at every layer.
     let toks = heldout_tokens(&p, 300);
     let run = |p: &mut Pipeline, policy: Policy| prefill(p, &toks, Tail::Pad, policy);
@@ -58,7 +58,7 @@ fn a_cpu_margin_has_no_padding_and_the_padded_logits() {
 fn the_default_plan_has_no_padding_and_small_graphs_keep_the_logits() {
     let mut p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::F32);
     for n in [1, 24, 100, 300, 1000] {
-        let plan = p.model.plan(n, 256).unwrap();
+        let plan = p.model.plan_chunked(n, 256).unwrap();
         assert_eq!((plan.padded_tokens(), plan.chunks.iter().map(|c| c.len).sum::<usize>()), (0, n), "{n} tokens: {plan:?}");
     }
     let toks = heldout_tokens(&p, 150);
@@ -68,14 +68,14 @@ fn the_default_plan_has_no_padding_and_small_graphs_keep_the_logits() {
     // chunks. Out of order the margin overlaps them, and the model keeps all 22 rows there.
     let mut plan_of = |policy: Policy| {
         p.model.set_sched(SchedOptions { policy, small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
-        let plan = p.model.plan(toks.len(), 64).unwrap();
+        let plan = p.model.plan_chunked(toks.len(), 64).unwrap();
         (plan.npu_sizes(), plan.margin_tokens(), plan.padded_tokens())
     };
     assert_eq!(plan_of(Policy::InOrder), (vec![16, 64], 6, 0));
     assert_eq!(plan_of(Policy::Fifo), (vec![64], 22, 0));
     for policy in [Policy::InOrder, Policy::Fifo] {
         p.model.set_sched(SchedOptions { policy: policy.clone(), small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
-        let got: Vec<f32> = p.model.prefill_all_logits(&toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = p.model.prefill_all_logits_chunked(&toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         let err = rel_max_err(&got, &padded);
         assert!(err < 1e-4, "{}: graphs of 64 and 16 vs padded 64: {err}", policy.name());
     }
@@ -86,7 +86,7 @@ fn a_host_int8_margin_matches_the_padded_npu_rows() {
     // With the host executor as the NPU, a W8A8 margin runs the NPU's stage graphs on its own
     // row count (`execute_rows`): every row's numerics are the padded chunk's.
     let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
-    p.ensure_profile(None, 64, CalibrationSet::default(), |_, _| {}).unwrap();
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
     let toks = heldout_tokens(&p, 150);
     let padded = prefill(&mut p, &toks, Tail::Pad, Policy::InOrder);
     let before = p.model.device().stats();

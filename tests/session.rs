@@ -10,9 +10,10 @@ use common::*;
 
 fn calibrated(device: &NpuDevice, precision: Precision) -> Pipeline {
     let mut p = smollm2(device, precision, DecodeWeights::Q8_0);
+    p.model.set_chunk_len(64).unwrap();
     if precision != Precision::F32 {
         let set = CalibrationSet { sequences: 2, seq_len: 128, importance_sequences: 0, ..Default::default() };
-        let profile = p.calibrate(64, set, |_, _| {}).unwrap();
+        let profile = p.calibrate(set, |_, _| {}).unwrap();
         p.model.set_profile(profile).unwrap();
     }
     p
@@ -27,19 +28,19 @@ fn extend_continues_a_prefill() {
     for precision in [Precision::F32, Precision::W8A8] {
         let mut p = calibrated(&host, precision);
         let toks = heldout_tokens(&p, 150);
-        let whole = p.model.prefill(&toks, 64).unwrap().to_vec1::<f32>().unwrap();
+        let whole = p.model.prefill(&toks).unwrap().to_vec1::<f32>().unwrap();
         for cut in [1, 64, 100, 149] {
-            p.model.prefill(&toks[..cut], 64).unwrap();
+            p.model.prefill(&toks[..cut]).unwrap();
             assert_eq!(p.model.position(), cut);
-            let got = p.model.extend(&toks[cut..], 64).unwrap().to_vec1::<f32>().unwrap();
+            let got = p.model.extend(&toks[cut..]).unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(p.model.position(), toks.len());
             assert_eq!(got, whole, "{precision:?}, cut at {cut}");
         }
         // Beyond the context: refused, and the cache is as it was.
         let ctx = p.model.config().context_len;
-        p.model.prefill(&toks[..10], 64).unwrap();
+        p.model.prefill(&toks[..10]).unwrap();
         let long = vec![toks[0]; ctx];
-        assert!(p.model.extend(&long, 64).is_err());
+        assert!(p.model.extend(&long).is_err());
         assert_eq!(p.model.position(), 10);
     }
 }
@@ -50,7 +51,7 @@ fn extend_continues_a_prefill() {
 fn a_session_turn_prefills_only_its_new_tokens() {
     let host = NpuDevice::host();
     let mut p = calibrated(&host, Precision::W8A8);
-    let opts = GenerateOptions { sample_len: 12, chunk_len: 64, ..Default::default() };
+    let opts = GenerateOptions { sample_len: 12, ..Default::default() };
     let (turn1, turn2, conversation, s2) = {
         let mut s = p.session();
         let mut streamed = String::new();
@@ -67,7 +68,7 @@ fn a_session_turn_prefills_only_its_new_tokens() {
     eprintln!("turn 1: {turn1:?}; turn 2: {turn2:?} ({} new tokens after {})", s2.prompt_tokens, s2.cached_tokens);
     assert!(turn1.contains("Paris"), "{turn1:?}");
     // The same conversation prefilled from scratch: the same answer to turn 2.
-    let logits = p.model.prefill(&conversation, 64).unwrap();
+    let logits = p.model.prefill(&conversation).unwrap();
     let mut ids = vec![argmax(&logits).unwrap()];
     while ids.len() < s2.generated_tokens {
         ids.push(argmax(&p.model.decode(*ids.last().unwrap()).unwrap()).unwrap());
@@ -79,7 +80,7 @@ fn a_session_turn_prefills_only_its_new_tokens() {
 fn generation_stops_and_checks_its_options() {
     let host = NpuDevice::host();
     let mut p = calibrated(&host, Precision::W8A8);
-    let opts = GenerateOptions { sample_len: 3, chunk_len: 64, ..Default::default() };
+    let opts = GenerateOptions { sample_len: 3, ..Default::default() };
     let (_, s) = p.generate("Tell me a long story about the sea.", &opts, |_| {}).unwrap();
     assert_eq!((s.stop, s.generated_tokens), (StopReason::SampleLen, 3));
     let (_, s) = p.generate("What is the capital of France?", &GenerateOptions { sample_len: 64, ..opts.clone() }, |_| {}).unwrap();
@@ -88,7 +89,6 @@ fn generation_stops_and_checks_its_options() {
         GenerateOptions { temperature: Some(-1.0), ..opts.clone() },
         GenerateOptions { top_p: Some(0.0), ..opts.clone() },
         GenerateOptions { top_k: Some(0), ..opts.clone() },
-        GenerateOptions { chunk_len: 0, ..opts.clone() },
     ] {
         assert!(p.generate("hi", &bad, |_| {}).is_err(), "{bad:?}");
     }
@@ -108,27 +108,27 @@ fn a_saved_session_restores_the_same_kv() {
     let dir = std::env::temp_dir().join(format!("candle-npu-session-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("turn1.kv");
-    let opts = GenerateOptions { sample_len: 6, chunk_len: 64, ..Default::default() };
+    let opts = GenerateOptions { sample_len: 6, ..Default::default() };
     let more = p.encode_piece(&p.template.follow_up("And of Spain?")).unwrap();
     let (saved_tokens, want) = {
         let mut s = p.session();
         s.send("What is the capital of France?", &opts, |_| {}).unwrap();
         s.save(&path).unwrap();
         let tokens = s.tokens().to_vec();
-        (tokens, s.pipeline().model.extend(&more, 64).unwrap().to_vec1::<f32>().unwrap())
+        (tokens, s.pipeline().model.extend(&more).unwrap().to_vec1::<f32>().unwrap())
     };
     p.model.clear();
     {
         let mut s = p.restore_session(&path).unwrap();
         assert_eq!(s.tokens(), &saved_tokens[..]);
         assert_eq!(s.pipeline().model.position(), saved_tokens.len());
-        let got = s.pipeline().model.extend(&more, 64).unwrap().to_vec1::<f32>().unwrap();
+        let got = s.pipeline().model.extend(&more).unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(got, want, "the restored KV gives the same logits");
     }
 
     let refused = |p: &mut Pipeline, file: &std::path::Path, why: &str| {
         p.model.clear();
-        p.model.prefill(&saved_tokens[..5], 64).unwrap();
+        p.model.prefill(&saved_tokens[..5]).unwrap();
         let e = p.restore_session(file).err().unwrap_or_else(|| panic!("{} accepted", file.display()));
         assert!(matches!(e, candle_npu::Error::KvState { .. } | candle_npu::Error::Io { .. }), "{e}");
         assert!(e.to_string().contains(why), "{e}");
@@ -148,8 +148,27 @@ fn a_saved_session_restores_the_same_kv() {
     refused(&mut p, &dir, "not a regular file");
     // Another profile computes other W8A8 rows: its KV is not this one's.
     let set = CalibrationSet { sequences: 1, seq_len: 64, importance_sequences: 0, ..Default::default() };
-    let other = p.calibrate(64, set, |_, _| {}).unwrap();
+    let other = p.calibrate(set, |_, _| {}).unwrap();
     p.model.set_profile(other).unwrap();
     refused(&mut p, &path, "profile");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The chunk length is set once, at load (or with `set_chunk_len`), and checked there.
+#[test]
+fn chunk_length_is_checked_where_it_is_set() {
+    let host = NpuDevice::host();
+    let path = candle_npu_models::assets::smollm2();
+    let ctx = 8192;
+    for bad in [0, ctx + 1] {
+        let opts = candle_npu_models::LoadOptions { chunk_len: Some(bad), ..Default::default() };
+        let e = Pipeline::load(&path, None, &host, opts).err().expect("refused");
+        assert!(e.to_string().contains(&format!("chunk length {bad}: expected 1 to the model's context of {ctx}")), "{e}");
+    }
+    let mut p = smollm2(&host, Precision::W8A8, DecodeWeights::Q8_0);
+    assert_eq!(p.model.chunk_len(), 256, "the default");
+    assert!(p.model.set_chunk_len(ctx + 1).is_err());
+    assert_eq!(p.model.chunk_len(), 256, "a refused length changes nothing");
+    p.model.set_chunk_len(32).unwrap();
+    assert_eq!(p.model.plan(100).unwrap().chunk_len, 32);
 }

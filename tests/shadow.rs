@@ -30,7 +30,7 @@ fn importance_is_measured_per_layer_and_pruning_drops_the_least_important() {
     let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
     // Small on purpose (2 x 64 tokens; importance on 1 of them: 31 short W8A8 passes).
     let set = CalibrationSet { sequences: 2, seq_len: 64, importance_sequences: 1, ..Default::default() };
-    let prof = p.calibrate(64, set, |_, _| {}).unwrap();
+    let prof = p.calibrate(set, |_, _| {}).unwrap();
     let n = p.model.config().n_layer;
     assert_eq!(prof.importance.len(), n);
     assert!(prof.importance.iter().all(|v| v.is_finite()));
@@ -58,7 +58,7 @@ fn an_old_profile_is_an_error_that_says_to_delete_it() {
     // What the previous build wrote: format 1, min/max ranges.
     let old = format!(r#"{{"format":1,"model_id":"{}","tokens":2048,"ranges":{{"blk.0.attn_in":{{"min":-3.0,"max":4.0}}}}}}"#, p.model.model_id());
     std::fs::write(&path, old).unwrap();
-    let e = p.ensure_profile(Some(&path), 256, CalibrationSet::default(), |_, _| {}).unwrap_err().to_string();
+    let e = p.ensure_profile(Some(&path), CalibrationSet::default(), |_, _| {}).unwrap_err().to_string();
     assert!(e.contains("old.w8a8.json") && e.contains("format 1") && e.contains("delete it to recalibrate"), "{e}");
     assert!(p.model.profile().is_none(), "nothing half-loaded");
     std::fs::remove_dir_all(&dir).ok();
@@ -78,16 +78,16 @@ fn a_pruned_layer_runs_its_full_range_and_coverage_narrows_the_hot_set() {
     // must not keep the tight clip range (it would drop every outlier).
     p.model.set_profile(cal.finish(id.clone(), ClipMethod::MinMax)).unwrap();
     p.model.set_shadow_layers(&vec![false; n]).unwrap();
-    let want: Vec<f32> = p.model.prefill(&text, 64).unwrap().to_vec1().unwrap();
+    let want: Vec<f32> = p.model.prefill_chunked(&text, 64).unwrap().to_vec1().unwrap();
     let tight = cal.finish(id, set.clip);
     p.model.set_profile(tight.clone()).unwrap();
     p.model.set_shadow_layers(&vec![false; n]).unwrap();
-    let got: Vec<f32> = p.model.prefill(&text, 64).unwrap().to_vec1().unwrap();
+    let got: Vec<f32> = p.model.prefill_chunked(&text, 64).unwrap().to_vec1().unwrap();
     assert_eq!(got, want);
     // ... and switching the shadow path back on restores the tight ranges.
     let with_shadow: Vec<f32> = {
         p.model.set_shadow_layers(&vec![true; n]).unwrap();
-        p.model.prefill(&text, 64).unwrap().to_vec1().unwrap()
+        p.model.prefill_chunked(&text, 64).unwrap().to_vec1().unwrap()
     };
     assert_ne!(with_shadow, want);
 

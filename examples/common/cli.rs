@@ -237,10 +237,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             DecodeFormat::Q8_0 => DecodeWeights::Q8_0,
             DecodeFormat::Checkpoint => DecodeWeights::Checkpoint,
         },
+        chunk_len: Some(chunk_len),
         ..Default::default()
     };
     let t = Instant::now();
-    let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts).with_context(|| format!("loading {}", path.display()))?;
+    let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts).with_context(|| format!("loading {} (--chunk-len {chunk_len})", path.display()))?;
     if p.model.spec().family != family {
         bail!("{} is a {} model: use --example {}", path.display(), p.model.spec().family, p.model.spec().family);
     }
@@ -256,13 +257,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     // take minutes.
     let tokens = p.encode(&args.prompt, !args.no_chat_template)?;
     let context = p.model.config().context_len;
-    if chunk_len > context {
-        bail!("--chunk-len {chunk_len} is longer than the model's context ({context} tokens)");
-    }
-    p.model.plan(tokens.len(), chunk_len).context("the prompt")?;
+    p.model.plan(tokens.len()).context("the prompt")?;
 
     let bar = indicatif::ProgressBar::hidden();
-    p.ensure_profile(args.profile.as_deref(), chunk_len, CalibrationSet::default(), |i, n| {
+    p.ensure_profile(args.profile.as_deref(), CalibrationSet::default(), |i, n| {
         if bar.is_hidden() {
             bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
             bar.set_length(n as u64);
@@ -294,7 +292,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     p.model.set_sched(sched);
 
     let t = Instant::now();
-    p.model.prepare(chunk_len)?;
+    p.model.prepare()?;
     let s = device.stats();
     eprintln!(
         "NPU graphs for chunk length {} ready in {:.2}s: {} prepared, {} loaded from the graph cache",
@@ -328,7 +326,6 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         temperature: args.temperature,
         top_p: args.top_p,
         seed: args.seed,
-        chunk_len,
         ..Default::default()
     };
     let before = device.stats();
@@ -351,7 +348,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             100.0 * schedule.bubble_rate(Processor::Cpu)
         );
     }
-    let plan = p.model.plan(tokens.len(), chunk_len)?;
+    let plan = p.model.plan(tokens.len())?;
     let policy = match p.model.policy_set_aside(plan.chunks.len()) {
         true => format!("{}, chunks in order: the host executor shares the cores", p.model.sched().policy.name()),
         false => p.model.sched().policy.name().to_string(),

@@ -26,8 +26,6 @@ pub struct GenerateOptions {
     /// (the default) is none.
     pub repeat_penalty: f32,
     pub repeat_last_n: usize,
-    /// Rows of the NPU graphs the prompt is cut into (see [`crate::Model::plan`]).
-    pub chunk_len: usize,
 }
 
 impl Default for GenerateOptions {
@@ -40,7 +38,6 @@ impl Default for GenerateOptions {
             seed: 299792458,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
-            chunk_len: 256,
         }
     }
 }
@@ -60,9 +57,6 @@ impl GenerateOptions {
         }
         if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
             return bad(format!("repeat penalty {}: expected a finite value > 0", self.repeat_penalty));
-        }
-        if self.chunk_len == 0 {
-            return bad("chunk length 0: expected at least 1 row (e.g. 256)".into());
         }
         Ok(())
     }

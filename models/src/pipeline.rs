@@ -134,7 +134,7 @@ impl Pipeline {
     /// For W8A8 and W8A16: load the profile at `path` (default: next to the model), or calibrate on
     /// `set`'s text (by default the one shipped in this crate) and save it there; then prune the shadow path at [`DEFAULT_PRUNE_RATE`].
     /// A profile made for other weights, or by an older build, is an error that says what to do.
-    pub fn ensure_profile(&mut self, path: Option<&Path>, chunk_len: usize, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<()> {
+    pub fn ensure_profile(&mut self, path: Option<&Path>, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<()> {
         if self.model.precision() == Precision::F32 {
             return Ok(());
         }
@@ -149,7 +149,7 @@ impl Pipeline {
         } else {
             // Before the minutes of calibration, not after.
             candle_npu::cache::check_writable(&path)?;
-            let p = self.calibrate(chunk_len, set, progress)?;
+            let p = self.calibrate(set, progress)?;
             p.save(&path)?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "saved quant profile");
         }
@@ -164,16 +164,16 @@ impl Pipeline {
     /// pass when it is below 1), then (if `set.importance_sequences > 0`) each layer's shadow
     /// importance on the first of those windows. The model uses the profile afterwards.
     /// `progress(done, total)` counts sequences, counting passes, then importance passes.
-    pub fn calibrate(&mut self, chunk_len: usize, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
+    pub fn calibrate(&mut self, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
         let seqs = self.calibration_sequences(set)?;
-        self.calibrate_on(&seqs, chunk_len, set, progress)
+        self.calibrate_on(&seqs, set, progress)
     }
 
     /// Calibrates on the caller's token sequences (of the caller's own texts, say: see
     /// [`Pipeline::token_sequences`]); `set` gives the clip method, importance and hot coverage
     /// (its source and sizes are not used). Returns the profile, which the model now uses.
-    pub fn calibrate_on(&mut self, seqs: &[Vec<u32>], chunk_len: usize, set: CalibrationSet, mut progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
-        let ctx = self.model.config().context_len;
+    pub fn calibrate_on(&mut self, seqs: &[Vec<u32>], set: CalibrationSet, mut progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
+        let (ctx, chunk_len) = (self.model.config().context_len, self.model.chunk_len());
         if seqs.is_empty() || seqs.iter().any(|s| s.is_empty() || s.len() > ctx) {
             return Err(Error::Input(format!("calibration needs at least one sequence, each of 1..={ctx} tokens")));
         }

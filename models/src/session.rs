@@ -87,7 +87,7 @@ impl Session<'_> {
             )));
         }
         let t = Instant::now();
-        let mut logits = p.model.extend(&new, opts.chunk_len)?;
+        let mut logits = p.model.extend(&new)?;
         let prefill = t.elapsed();
         self.tokens.extend(&new);
         self.pending = None;

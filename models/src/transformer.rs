@@ -73,11 +73,16 @@ pub struct LoadOptions {
     pub precision: Precision,
     pub decode_weights: DecodeWeights,
     pub weights: WeightQuant,
+    /// Rows of the NPU graphs a prompt is cut into (the chunk-sharing length), 1 up to the
+    /// model's context: checked at load. `None`: 256, or the model's context where that is
+    /// shorter. A smaller length pads less on short prompts, a larger one pays the NPU's
+    /// per-graph cost less often.
+    pub chunk_len: Option<usize>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerChannel }
+        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerChannel, chunk_len: None }
     }
 }
 
@@ -230,6 +235,8 @@ pub struct Model {
     kv: Vec<Mutex<KvCache>>,
     pos: usize,
     sched: SchedOptions,
+    /// Rows of the NPU graphs a prompt is cut into ([`LoadOptions::chunk_len`]).
+    chunk_len: usize,
     /// One-thread pool the NPU stages run in when [`SchedOptions::npu_threads`] is set.
     npu_pool: Option<(usize, Arc<rayon::ThreadPool>)>,
     /// The last prefill's DAG and what ran when.
@@ -255,6 +262,8 @@ impl Model {
         opts: LoadOptions,
     ) -> Result<Self> {
         check_spec(&cfg, &spec, ckpt)?;
+        // Before the weights are read and quantized, not after.
+        let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or(256.min(cfg.context_len)), cfg.context_len)?;
         let vector = |name: String| ckpt.vector(&names(&name).name);
         // The tables and the final norm first: their shapes tell a wrong config before the layers'
         // quantization takes its seconds.
@@ -319,6 +328,7 @@ impl Model {
         let n = cfg.n_layer;
         let sched = SchedOptions::for_device(&device);
         Ok(Model {
+            chunk_len,
             cfg,
             spec,
             model_id,

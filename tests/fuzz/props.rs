@@ -170,7 +170,7 @@ pub fn gguf_case(dir: &Path, good: &[u8], edit: &(Vec<(f64, u8)>, Option<f64>), 
     let loaded = load(&path, Precision::F32);
     tally.count(loaded.is_ok());
     if let Ok(mut m) = loaded {
-        let _ = m.prefill(&[1, 2, 3], 2);
+        let _ = m.prefill_chunked(&[1, 2, 3], 2);
     }
     Ok(())
 }
@@ -222,7 +222,7 @@ pub fn profile_case(dir: &Path, good: &QuantProfile, model: &mut Model, bytes: &
     let set = QuantProfile::load(&path, model.model_id()).and_then(|p| model.set_profile(p));
     tally.count(set.is_ok());
     if set.is_ok() {
-        let logits: Vec<f32> = model.prefill(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1().unwrap();
+        let logits: Vec<f32> = model.prefill_chunked(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1().unwrap();
         prop_assert!(logits.iter().all(|v| v.is_finite()), "an accepted profile gave non-finite logits");
         model.set_profile(good.clone()).unwrap();
     }

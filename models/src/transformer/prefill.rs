@@ -85,6 +85,14 @@ pub(super) const LAYER_STAGES: [(&str, Processor); 8] = [
     ("down", Processor::Npu),
 ];
 
+/// `chunk_len` when it is a chunk length this model can take: 1 row up to its context.
+pub(super) fn check_chunk_len(chunk_len: usize, context_len: usize) -> Result<usize> {
+    if chunk_len == 0 || chunk_len > context_len {
+        return Err(Error::Input(format!("chunk length {chunk_len}: expected 1 to the model's context of {context_len} tokens (e.g. 256)")));
+    }
+    Ok(chunk_len)
+}
+
 /// The prefill DAG of `plan` for `n_layer` layers: per layer the 4 NPU stages with the CPU stage
 /// before each (`LAYER_STAGES`), and a CPU tail per chunk (final rows out).
 pub fn prefill_dag(plan: &ChunkPlan, n_layer: usize) -> Result<SubgraphDag> {
@@ -99,12 +107,26 @@ impl Model {
         self.progress = progress;
     }
 
-    /// Prepare the NPU stage graphs for `chunk_len`, and for the smaller sizes of
+    /// Rows of the NPU graphs a prompt is cut into ([`LoadOptions::chunk_len`]).
+    pub fn chunk_len(&self) -> usize {
+        self.chunk_len
+    }
+
+    /// Sets the chunk length of the next prefills: 1 row up to the model's context.
+    pub fn set_chunk_len(&mut self, chunk_len: usize) -> Result<()> {
+        self.chunk_len = check_chunk_len(chunk_len, self.cfg.context_len)?;
+        Ok(())
+    }
+
+    /// Prepare the NPU stage graphs for the chunk length, and for the smaller sizes of
     /// [`SchedOptions::small_chunks`], now (otherwise the first prefill that uses them does).
-    pub fn prepare(&mut self, chunk_len: usize) -> Result<()> {
-        if chunk_len == 0 {
-            return Err(Error::Input("chunk length 0: use a positive --chunk-len (e.g. 256)".into()));
-        }
+    pub fn prepare(&mut self) -> Result<()> {
+        self.prepare_chunked(self.chunk_len)
+    }
+
+    /// [`Model::prepare`] for chunks of `chunk_len` rows.
+    pub fn prepare_chunked(&mut self, chunk_len: usize) -> Result<()> {
+        check_chunk_len(chunk_len, self.cfg.context_len)?;
         self.check_profile(self.precision)?;
         self.graphs_for(GraphSet::Npu(chunk_len), self.precision)?;
         for size in self.sched.small_chunks.clone().into_iter().filter(|&s| s > 0 && s < chunk_len) {
@@ -121,31 +143,52 @@ impl Model {
     }
 
     /// Prefill `tokens` (resetting the KV cache) and return the logits of the last token, `[vocab]`.
-    pub fn prefill(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        self.prefill_chunked(tokens, self.chunk_len)
+    }
+
+    /// [`Model::prefill`] in chunks of `chunk_len` rows (for measurements across chunk lengths).
+    pub fn prefill_chunked(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
         self.clear();
-        self.extend(tokens, chunk_len)
+        self.extend_chunked(tokens, chunk_len)
     }
 
     /// Prefill `tokens` after the tokens the KV cache holds (a conversation's next turn, or a
     /// prompt after a restored prefix) through the same chunked NPU plan, and return the logits
     /// of the last one, `[vocab]`. Only the new tokens are computed; they attend to everything
     /// before them. On an error the cache is left as it was.
-    pub fn extend(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
-        let logits = self.run_prefill(tokens, &self.plan(tokens.len(), chunk_len)?, self.precision, false)?;
+    pub fn extend(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        self.extend_chunked(tokens, self.chunk_len)
+    }
+
+    /// [`Model::extend`] in chunks of `chunk_len` rows.
+    pub fn extend_chunked(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
+        let logits = self.run_prefill(tokens, &self.plan_chunked(tokens.len(), chunk_len)?, self.precision, false)?;
         Ok(logits.squeeze(0)?)
     }
 
     /// Prefill and return the logits of every prompt position, `[len, vocab]` (for perplexity).
-    pub fn prefill_all_logits(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
+    pub fn prefill_all_logits(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        self.prefill_all_logits_chunked(tokens, self.chunk_len)
+    }
+
+    /// [`Model::prefill_all_logits`] in chunks of `chunk_len` rows.
+    pub fn prefill_all_logits_chunked(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
         self.clear();
-        self.run_prefill(tokens, &self.plan(tokens.len(), chunk_len)?, self.precision, true)
+        self.run_prefill(tokens, &self.plan_chunked(tokens.len(), chunk_len)?, self.precision, true)
+    }
+
+    /// The chunk plan of a prefill of `n` tokens ([`Model::plan_chunked`] at the chunk length).
+    pub fn plan(&self, n: usize) -> Result<ChunkPlan> {
+        self.plan_chunked(n, self.chunk_len)
     }
 
     /// The chunk plan of a prefill of `n` tokens with NPU graphs of `chunk_len` rows: as many
     /// full chunks as fit, then, where the cost model (`Model::estimate`, simulated under the
     /// current policy) predicts a shorter prefill, chunks of the [`SchedOptions::small_chunks`]
     /// sizes, and the rest as [`SchedOptions::tail`] says.
-    pub fn plan(&self, n: usize, chunk_len: usize) -> Result<ChunkPlan> {
+    pub fn plan_chunked(&self, n: usize, chunk_len: usize) -> Result<ChunkPlan> {
+        check_chunk_len(chunk_len, self.cfg.context_len)?;
         let (ctx, tail) = (self.cfg.context_len, self.sched.tail);
         let mut sizes = vec![chunk_len];
         let mut best = ChunkPlan::with_sizes(n, &sizes, ctx, tail)?;
