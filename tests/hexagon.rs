@@ -6,8 +6,9 @@
 mod common;
 
 use candle_npu::{DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
+use candle_npu::executor::htp_numerics::fp16_step;
 use candle_npu_models::transformer::argmax;
-use candle_npu_models::{CalibrationSet, DecodeWeights, Precision, SchedOptions};
+use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Precision, SchedOptions};
 use common::*;
 
 /// Whether the QNN HTP library is there; prints why the test is skipped when it is not.
@@ -90,18 +91,11 @@ fn hexagon_prefill_follows_the_htp_numerics_model() {
     assert!(max_diff(&got, &model) < 3.0, "logits {} apart", max_diff(&got, &model));
 }
 
-/// Greedy answer to `question` (chat template), at most `n` tokens, with the model's own
-/// default schedule for its device.
-fn answer(p: &mut candle_npu_models::Pipeline, question: &str, n: usize) -> (Vec<u32>, String) {
-    let prompt = p.encode(question, true).unwrap();
-    let mut next = argmax(&p.model.prefill_chunked(&prompt, 32).unwrap()).unwrap();
-    let mut ids = vec![];
-    while ids.len() < n && !p.stop_tokens.contains(&next) {
-        ids.push(next);
-        next = argmax(&p.model.decode(next).unwrap()).unwrap();
-    }
-    let text = p.decode_text(&ids).unwrap();
-    (ids, text)
+/// Greedy answer to `question` (chat template), at most `n` tokens, in chunks of 32 rows, with
+/// the model's own default schedule for its device.
+fn answer(p: &mut candle_npu_models::Pipeline, question: &str, n: usize) -> String {
+    p.model.set_chunk_len(32).unwrap();
+    p.generate(question, &GenerateOptions { sample_len: n, ..Default::default() }, |_| {}).unwrap().0
 }
 
 /// The README's question through the library with the default Hexagon plan (a real NPU pads the
@@ -118,7 +112,7 @@ fn readme_question_on_the_default_hexagon_plan() {
     let mut h = smollm2(&host, Precision::W8A8, DecodeWeights::Q8_0);
     h.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
     let profile = h.model.profile().unwrap().clone();
-    let (_, host_text) = answer(&mut h, question, 8);
+    let host_text = answer(&mut h, question, 8);
     drop(h);
     assert!(host_text.contains("Paris"), "host executor: {host_text:?}");
 
@@ -126,18 +120,18 @@ fn readme_question_on_the_default_hexagon_plan() {
     let mut m = smollm2(&model_dev, Precision::W8A8, DecodeWeights::Q8_0);
     m.model.set_profile(profile.clone()).unwrap();
     m.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() });
-    let (predicted, _) = answer(&mut m, question, 8);
+    let predicted = answer(&mut m, question, 8);
 
     let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
     let mut x = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     assert_eq!(x.model.sched().tail, Tail::Pad, "a real NPU's default plan pads");
     x.model.set_profile(profile).unwrap();
-    let (ids, text) = answer(&mut x, question, 8);
+    let text = answer(&mut x, question, 8);
     eprintln!("hexagon, default plan: {text:?}; host: {host_text:?}");
     assert_eq!(htp.stats().fallbacks, 0);
     assert_eq!(htp.margin_device().stats().executions, 0, "no CPU margin");
     assert!(text.contains("Paris"), "hexagon: {text:?}");
-    assert_eq!(ids, predicted, "the tokens the HTP numerics model predicts");
+    assert_eq!(text, predicted, "the answer the HTP numerics model predicts");
 }
 
 /// Prepares SmolLM2's 120 W8A8 stage graphs for chunk length 32 on a fresh Hexagon executor (its
@@ -267,10 +261,4 @@ fn fp16_steps_apart(a: &[f32], b: &[f32]) -> (f32, usize) {
             (m, at)
         }
     })
-}
-
-/// The FP16 step (unit in the last place) at `v`'s magnitude.
-fn fp16_step(v: f32) -> f32 {
-    let a = v.abs().max(2f32.powi(-14));
-    2f32.powi(a.log2().floor() as i32 - 10)
 }

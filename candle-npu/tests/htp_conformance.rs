@@ -22,6 +22,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use candle_npu::executor::ExecutableGraph;
+use candle_npu::executor::htp_numerics::fp16_step;
 use candle_npu::graph::TensorSpec;
 use candle_npu::{DType, Error, Executor, Graph, HostExecutor, HtpConfig, HtpExecutor, NpuDevice, Numerics, Op, Quant, StaticData, TensorData, TensorId};
 use rand::rngs::StdRng;
@@ -152,11 +153,6 @@ fn conform(ex: &HtpExecutor, g: &Graph, f32_tol: f32) {
     }
 }
 
-/// The FP16 step (unit in the last place) at `v`'s magnitude.
-fn fp16_step(v: f32) -> f32 {
-    let a = v.abs().max(2f32.powi(-14));
-    2f32.powi(a.log2().floor() as i32 - 10)
-}
 
 /// The library's F32 outputs `a` against the model's `b`: the share of bit-identical values, and
 /// the largest distance in FP16 steps (of the larger magnitude, and at least `floor`).

@@ -55,6 +55,13 @@ pub fn h(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
 
+/// The FP16 step (unit in the last place) at `v`'s magnitude (subnormal magnitudes: the smallest
+/// normal step): how far apart the library and the model are, in the tests.
+pub fn fp16_step(v: f32) -> f32 {
+    let a = v.abs().max(2f32.powi(-14));
+    2f32.powi(a.log2().floor() as i32 - 10)
+}
+
 /// The library's FP16 -> F32 output conversion: one f32 step away from zero (zero, infinities
 /// and NaN unchanged).
 #[inline]
@@ -116,6 +123,9 @@ mod tests {
         assert_eq!(up(0.0), 0.0);
         assert_eq!(up(1.0), 1.0 + f32::EPSILON);
         assert_eq!(up(-2.0), -(2.0 + 2.0 * f32::EPSILON));
+        assert_eq!(fp16_step(1.0), 2f32.powi(-10));
+        assert_eq!(fp16_step(-3.0), 2f32.powi(-9));
+        assert_eq!(fp16_step(0.0), 2f32.powi(-24));
     }
 
     #[test]
