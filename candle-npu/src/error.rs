@@ -46,6 +46,15 @@ pub enum Error {
     #[error("invalid input: {0}")]
     Input(String),
 
+    // --- scheduling and internal faults ---
+    /// A prefill stage that was not run because another stage of the same prefill failed: the
+    /// other error is the cause.
+    #[error("sched: {stage} not run: another stage of this prefill failed")]
+    Aborted { stage: String },
+    /// A fault of this crate, not of its input: a bug to report, with this message.
+    #[error("internal error (please report): {0}")]
+    Internal(String),
+
     // --- wrapped ---
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -126,7 +126,7 @@ impl Layer {
     ) -> Result<()> {
         let eps = cfg.rms_eps as f32;
         let h = x.add_norm(&self.attn_norm, eps)?;
-        let [q, k, v]: [Tensor; 3] = run(0, &h)?.try_into().map_err(|_| Error::Input("QKV stage must return three outputs".into()))?;
+        let [q, k, v]: [Tensor; 3] = run(0, &h)?.try_into().map_err(|_| Error::Internal("QKV stage must return three outputs".into()))?;
         // Uncontended: a layer's attention runs for one chunk at a time, in chunk order (the
         // schedule's cross-chunk edge).
         let mut kv = kv.lock().unwrap_or_else(|e| e.into_inner());
@@ -138,7 +138,7 @@ impl Layer {
         }
         x.push(o)?;
         let h = x.add_norm(&self.ffn_norm, eps)?;
-        let [gate, up]: [Tensor; 2] = run(2, &h)?.try_into().map_err(|_| Error::Input("gate/up stage must return two outputs".into()))?;
+        let [gate, up]: [Tensor; 2] = run(2, &h)?.try_into().map_err(|_| Error::Internal("gate/up stage must return two outputs".into()))?;
         let hidden = spec.activation.gated(&gate, &up)?;
         let mut d = run(3, &hidden)?.remove(0);
         if let Some((_, post_ffn)) = &self.post_norms {

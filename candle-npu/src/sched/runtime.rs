@@ -69,7 +69,7 @@ impl<'a> Runner<'a> {
     /// chunk failed) or the node is not in the DAG.
     pub fn acquire(&self, node: NodeId) -> Result<Grant<'_, 'a>> {
         if node.0 >= self.dag.len() {
-            return Err(Error::Input(format!("sched: node {} is not in the DAG of {} nodes", node.0, self.dag.len())));
+            return Err(Error::Internal(format!("sched: node {} is not in the DAG of {} nodes", node.0, self.dag.len())));
         }
         let p = self.dag.node(node).processor;
         let mut s = self.lock();
@@ -80,7 +80,7 @@ impl<'a> Runner<'a> {
         loop {
             if s.aborted {
                 s.waiting.retain(|&w| w != node);
-                return Err(Error::Input(format!("sched: {} not run: another stage of this prefill failed", self.dag.node(node).name)));
+                return Err(Error::Aborted { stage: self.dag.node(node).name.to_string() });
             }
             if !s.busy[p.index()] && s.preds_left[node.0] == 0 {
                 let ready: Vec<NodeId> = s.waiting.iter().copied().filter(|&w| s.preds_left[w.0] == 0 && self.dag.node(w).processor == p).collect();
@@ -190,8 +190,9 @@ mod tests {
             let waiter = s.spawn(|| runner.acquire(dag.node_at(1, 0, 0).unwrap()).map(|_| ()));
             std::thread::sleep(std::time::Duration::from_millis(20));
             runner.abort();
-            let e = waiter.join().unwrap().unwrap_err().to_string();
-            assert!(e.contains("another stage"), "{e}");
+            let e = waiter.join().unwrap().unwrap_err();
+            assert!(matches!(&e, Error::Aborted { .. }), "{e}");
+            assert!(e.to_string().contains("another stage"), "{e}");
         });
     }
 }

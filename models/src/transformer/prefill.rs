@@ -304,7 +304,7 @@ impl Model {
                 let Some(chunk) = plan.chunks.get(i) else { break };
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(chunk))).unwrap_or_else(|_| {
                     runner.abort();
-                    Err(Error::Input(format!("prefill chunk {i} panicked")))
+                    Err(Error::Internal(format!("prefill chunk {i} panicked")))
                 });
                 *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
             };
@@ -317,7 +317,7 @@ impl Model {
             });
             slots
                 .into_iter()
-                .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| Err(Error::Input("a prefill chunk never ran".into()))))
+                .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| Err(Error::Internal("a prefill chunk never ran".into()))))
                 .collect()
         };
         self.progress = progress.into_inner().unwrap_or_else(|e| e.into_inner());
@@ -332,8 +332,8 @@ impl Model {
                 Err(e) => errors.push(e),
             }
         }
-        // The cause, not the chunks the runner stopped because of it ("another stage failed").
-        if let Some(i) = errors.iter().position(|e| !e.to_string().contains("another stage")).or((!errors.is_empty()).then_some(0)) {
+        // The cause, not the chunks the runner stopped because of it.
+        if let Some(i) = errors.iter().position(|e| !matches!(e, Error::Aborted { .. })).or((!errors.is_empty()).then_some(0)) {
             return Err(errors.swap_remove(i));
         }
         let schedule = runner.schedule();
@@ -362,7 +362,7 @@ impl Model {
     ) -> ChunkOutput {
         let n_layer = self.layers.len();
         let node = |l: usize, s: usize| {
-            dag.node_at(chunk.index, l, s).ok_or_else(|| Error::Input(format!("sched: no node for chunk {} layer {l} stage {s}", chunk.index)))
+            dag.node_at(chunk.index, l, s).ok_or_else(|| Error::Internal(format!("sched: no node for chunk {} layer {l} stage {s}", chunk.index)))
         };
         let (m, n_valid) = (chunk.padded_len, chunk.len);
         let mut cpu = Some(runner.acquire(node(0, 0)?)?);
@@ -620,7 +620,7 @@ impl Stage<'_> {
             .zip(outs)
             .map(|(lin, out)| {
                 let TensorData::F32(mut y) = out else {
-                    return Err(Error::Input(format!("NPU stage of {} returned {:?}, expected F32", lin.name(), out.dtype())));
+                    return Err(Error::Internal(format!("NPU stage of {} returned {:?}, expected F32", lin.name(), out.dtype())));
                 };
                 lin.finish(outliers, &mut y)?;
                 Ok(Tensor::from_vec(y, (self.rows.m, lin.dims().0), &Device::Cpu)?)
