@@ -205,6 +205,12 @@ impl PreparedGraph {
         self.run(inputs, None)
     }
 
+    /// The packed INT8 weight of constant `data_id` this graph holds on the host, if any (see
+    /// [`ExecutableGraph::packed_weight`]).
+    pub fn packed_weight(&self, data_id: u64) -> Option<Arc<crate::kernels::PackedI8>> {
+        self.exec.packed_weight(data_id)
+    }
+
     /// Whether [`Self::execute_rows`] works (see [`ExecutableGraph::any_rows`]).
     pub fn any_rows(&self) -> bool {
         self.exec.any_rows()

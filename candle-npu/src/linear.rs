@@ -10,7 +10,7 @@
 //! is copied when a graph is built.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -18,7 +18,8 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
-use crate::kernels::prefetch;
+use crate::device::PreparedGraph;
+use crate::kernels::{prefetch, PackedI8};
 use crate::kernels::rows::{rows_per_task, shadow_row};
 use crate::outlier::{Outliers, WeightSource};
 use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel};
@@ -207,6 +208,9 @@ pub struct ShadowLinear {
     cold_reads: AtomicU64,
     /// The identity of the INT8 weight in graphs ([`Graph::set_data_id`]): it never changes.
     npu_id: u64,
+    /// The host executor's packed copy of the INT8 weight, while a prepared graph holds it
+    /// ([`ShadowLinear::attach_packed`]): cold columns are read from it.
+    packed: Mutex<Weak<PackedI8>>,
 }
 
 impl std::fmt::Debug for ShadowLinear {
@@ -286,6 +290,7 @@ impl ShadowLinear {
             shadow: true,
             cold_reads: AtomicU64::new(0),
             npu_id: crate::graph::next_data_id(),
+            packed: Mutex::new(Weak::new()),
         })
     }
 
@@ -314,6 +319,15 @@ impl ShadowLinear {
             }
         };
         Ok(g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None))
+    }
+
+    /// Reads cold columns from `graph`'s packed copy of this linear's INT8 weight while the graph
+    /// lives (a line per 16 outputs, likely in cache: its GEMM just read it), when it holds one
+    /// (a host graph); otherwise they come from the weight (a line per output).
+    pub fn attach_packed(&self, graph: &PreparedGraph) {
+        if let Some(p) = graph.packed_weight(self.npu_id) {
+            *self.packed.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&p);
+        }
     }
 
     /// Keep these input channels' columns contiguous (the hot set; see `HotColumns`).
@@ -407,9 +421,9 @@ impl ShadowLinear {
             tracing::trace!(linear = %self.name, channels = ?cold_channels, "cold outlier channels: columns read from the packed or the stored weight");
             self.cold_reads.fetch_add(cold_channels.len() as u64, Ordering::Relaxed);
         }
-        // From the host executor's packed copy when there is one (a line per 16 outputs, and
-        // likely in cache: its GEMM just read it), else from the weight (a line per output).
-        let packed = (!cold_channels.is_empty()).then(|| crate::executor::host::packed(self.npu_id, n, self.k)).flatten();
+        // From the host executor's packed copy when one is attached and alive, else from the
+        // weight.
+        let packed = (!cold_channels.is_empty()).then(|| self.packed.lock().unwrap_or_else(|e| e.into_inner()).upgrade()).flatten();
         let cold = match packed.and_then(|p| p.columns(&cold_channels)) {
             Some(cold) => cold,
             None => self.npu.columns(&cold_channels, n, self.k)?,
@@ -495,16 +509,17 @@ mod tests {
         let y = lin.add_to_graph(&mut g, "", xi).unwrap();
         g.mark_output(y);
         let prepared = crate::NpuDevice::host().prepare(&g).unwrap();
+        lin.attach_packed(&prepared);
         let TensorData::F32(y) = prepared.execute(&[&TensorData::U8(q)]).unwrap().remove(0) else { panic!("F32 output") };
         // While the graph lives, its packed weight is where the columns come from; after, the
         // weight's own Q8_0 blocks.
-        let with_packed = crate::executor::host::packed(lin.npu_id, n, k).and_then(|w| w.columns(&[0])).is_some();
+        let with_packed = prepared.packed_weight(lin.npu_id).and_then(|w| w.columns(&[0])).is_some();
         // Our kernel's panels (this machine's); rten's packing has no column reader.
         assert_eq!(with_packed, matches!(crate::kernels::Int8Kernel::detect(), crate::kernels::Int8Kernel::Own(_)));
         let mut from_packed = y.clone();
         lin.finish(&outliers, &mut from_packed).unwrap();
         drop(prepared);
-        assert!(crate::executor::host::packed(lin.npu_id, n, k).is_none(), "the packed copy lives with its graphs");
+        assert!(lin.packed.lock().unwrap().upgrade().is_none(), "the packed copy lives with its graphs");
         let mut from_weight = y.clone();
         lin.finish(&outliers, &mut from_weight).unwrap();
         assert!(lin.cold_reads() > 0 && from_packed != y, "the test must add cold outliers");

@@ -58,13 +58,6 @@ fn pack_i8(d: &[i8], n: usize, k: usize, id: Option<u64>) -> Arc<PackedI8> {
     p
 }
 
-/// The packed copy of the INT8 weight with data identity `id` (`[n, k]`), while a prepared host
-/// graph holds it: the shadow path reads cold columns from it (see [`PackedI8::columns`]).
-pub(crate) fn packed(id: u64, n: usize, k: usize) -> Option<Arc<PackedI8>> {
-    let cache = PACKED.lock().unwrap_or_else(|e| e.into_inner());
-    cache.iter().find(|(key, _)| *key == (id, n, k)).and_then(|e| e.1.upgrade())
-}
-
 impl Executor for HostExecutor {
     fn name(&self) -> &'static str {
         match self.numerics {
@@ -109,6 +102,7 @@ impl Executor for HostExecutor {
                             },
                         },
                         StaticData::I8(d) => Fc::W8A8 {
+                            data_id: w.data_id,
                             w: pack_i8(d, n, k, w.data_id),
                             x_quant: x.quant.expect("validated"),
                             w_scale: match (&w.channel_scales, w.quant) {
@@ -145,7 +139,7 @@ enum Fc {
     /// `fp16`: inputs and outputs rounded to FP16 (the HTP's float compute).
     F32 { w: PackedF32, bias: Option<StaticData>, fp16: bool },
         /// W8A8 (U8/I8 activations) and W8A16 (U16 activations): I8 weights.
-    W8A8 { w: Arc<PackedI8>, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
+    W8A8 { data_id: Option<u64>, w: Arc<PackedI8>, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
 }
 
 enum WScale {
@@ -181,7 +175,7 @@ impl HostGraph {
                 }
                 TensorData::F32(if *fp16 { htp_numerics::round_all(y) } else { y })
             }
-            Fc::W8A8 { w, x_quant, w_scale, signed_input, bias } => {
+            Fc::W8A8 { w, x_quant, w_scale, signed_input, bias, .. } => {
                 if let TensorData::U16(x) = x {
                     // W8A16 (validated: no bias, F32 output): exact i64 accumulator, scaled once.
                     let acc = w.matmul_u16(x, m, x_quant.offset);
@@ -248,6 +242,13 @@ impl ExecutableGraph for HostGraph {
     /// its input row alone, and the kernels take the row count per call.
     fn any_rows(&self) -> bool {
         self.steps.iter().all(|s| matches!(s, Step::Fc { .. }))
+    }
+
+    fn packed_weight(&self, data_id: u64) -> Option<Arc<PackedI8>> {
+        self.steps.iter().find_map(|s| match s {
+            Step::Fc { fc: Fc::W8A8 { data_id: Some(id), w, .. }, .. } if *id == data_id => Some(w.clone()),
+            _ => None,
+        })
     }
 
     fn execute_rows(&self, inputs: &[&TensorData], rows: usize) -> Result<Vec<TensorData>> {

@@ -62,6 +62,13 @@ pub trait ExecutableGraph: Send + Sync {
         Err(crate::Error::Input("this graph has static shapes: it runs only on its own row count".into()))
     }
 
+    /// The packed INT8 weight of constant `data_id` ([`crate::graph::TensorSpec::data_id`]) when
+    /// this graph holds one on the host (the host executor's): the shadow path reads cold
+    /// columns from it ([`crate::ShadowLinear::attach_packed`]). `None` elsewhere.
+    fn packed_weight(&self, _data_id: u64) -> Option<std::sync::Arc<crate::kernels::PackedI8>> {
+        None
+    }
+
     /// Whether the graph was compiled now or loaded from a prepared-graph cache.
     fn origin(&self) -> Origin {
         Origin::Compiled

@@ -532,6 +532,12 @@ impl Model {
         let graphs = (0..self.cfg.n_layer)
             .map(|l| self.layer_graphs(l, rows, precision)?.iter().map(|g| device.prepare(g)).collect::<Result<Vec<_>>>())
             .collect::<Result<Vec<_>>>()?;
+        // Host graphs hand their packed weights to the shadow path (cold columns).
+        for (layer, stages) in self.layers.iter().zip(&graphs) {
+            for (lins, graph) in layer.stages.iter().zip(stages) {
+                lins.iter().for_each(|lin| lin.attach_packed(graph));
+            }
+        }
         tracing::info!(
             ?set,
             ?precision,
