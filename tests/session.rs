@@ -146,6 +146,16 @@ fn a_saved_session_restores_the_same_kv() {
     std::fs::write(&damaged, b"not a kv file at all").unwrap();
     refused(&mut p, &damaged, "magic");
     refused(&mut p, &dir, "not a regular file");
+    // Pruned shadow paths compute other rows: refused too.
+    let n_layer = p.model.config().n_layer;
+    p.model.set_shadow_layers(&vec![false; n_layer]).unwrap();
+    refused(&mut p, &path, "shadow layers");
+    p.model.set_shadow_layers(&vec![true; n_layer]).unwrap();
+    // An empty conversation saves and restores too.
+    let empty = dir.join("empty.kv");
+    p.session().save(&empty).unwrap();
+    assert!(p.restore_session(&empty).unwrap().tokens().is_empty());
+    assert_eq!(p.model.position(), 0);
     // Another profile computes other W8A8 rows: its KV is not this one's.
     let set = CalibrationSet { sequences: 1, seq_len: 64, importance_sequences: 0, ..Default::default() };
     let other = p.calibrate(set, |_, _| {}).unwrap();

@@ -125,12 +125,16 @@ impl KvCache {
         Ok(())
     }
 
-    /// A cache of `len` tokens from [`KvCache::write_to`]'s bytes (`2 * heads * len * head_dim`
-    /// f32 values; the caller has checked the count).
-    pub fn from_bytes(bytes: &[u8], heads: usize, head_dim: usize, len: usize) -> Self {
+    /// A cache of `len` tokens from [`KvCache::write_to`]'s bytes; `None` unless they are
+    /// exactly `2 * heads * len * head_dim` f32 values.
+    pub fn from_bytes(bytes: &[u8], heads: usize, head_dim: usize, len: usize) -> Option<Self> {
+        let half = heads.checked_mul(len)?.checked_mul(head_dim)?;
+        if bytes.len() != half.checked_mul(8)? {
+            return None;
+        }
         let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let (k, v) = values.split_at(heads * len * head_dim);
-        KvCache { k: k.to_vec(), v: v.to_vec(), heads, head_dim, cap: len, len }
+        let (k, v) = values.split_at(half);
+        Some(KvCache { k: k.to_vec(), v: v.to_vec(), heads, head_dim, cap: len, len })
     }
 
     /// Tokens `from..to` of head `h`: `[to - from, head_dim]` keys and values.

@@ -93,13 +93,14 @@ impl ChatTemplate {
     /// closes the previous answer, whose end-of-turn token was sampled but never went into the
     /// KV cache (generation stops there), then opens the turn without the system text.
     pub fn follow_up(&self, prompt: &str) -> String {
-        match self {
-            ChatTemplate::ChatMl { .. } => format!("<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"),
-            ChatTemplate::Gemma => format!("<end_of_turn>\n<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"),
-            ChatTemplate::Phi3 => format!("<|end|>\n<|user|>\n{prompt}<|end|>\n<|assistant|>\n"),
-            ChatTemplate::Mistral => format!("</s>[INST] {prompt} [/INST]"),
-            ChatTemplate::None => format!("\n\n{prompt}"),
-        }
+        let (close, turn) = match self {
+            ChatTemplate::ChatMl { .. } => ("<|im_end|>\n", ChatTemplate::ChatMl { system: None }.apply(prompt)),
+            ChatTemplate::Gemma => ("<end_of_turn>\n", self.apply(prompt)),
+            ChatTemplate::Phi3 => ("<|end|>\n", self.apply(prompt)),
+            ChatTemplate::Mistral => ("</s>", self.apply(prompt)),
+            ChatTemplate::None => ("\n\n", self.apply(prompt)),
+        };
+        format!("{close}{turn}")
     }
 
     /// Tokens that end the assistant's turn, besides the model's EOS.

@@ -204,7 +204,7 @@ impl Pipeline {
         }
         let texts = match set.source {
             CalibrationSource::Shipped => SHIPPED_CALIBRATION_TEXT.split("\n\n").map(str::to_string).collect(),
-            CalibrationSource::Wikipedia => crate::assets::wiki_calibration(set.sequences * set.seq_len / 40 + 8)?,
+            CalibrationSource::Wikipedia => crate::assets::wiki_calibration(set.sequences.saturating_mul(set.seq_len) / 40 + 8)?,
         };
         self.token_sequences(texts, set.sequences, set.seq_len)
     }
@@ -215,7 +215,8 @@ impl Pipeline {
         if seq_len == 0 {
             return Err(Error::Input("calibration sequences of 0 tokens".into()));
         }
-        let ids = self.encode_texts(texts, sequences * seq_len)?;
+        let total = sequences.checked_mul(seq_len).ok_or_else(|| Error::Input(format!("{sequences} calibration sequences of {seq_len} tokens: too many")))?;
+        let ids = self.encode_texts(texts, total)?;
         let seqs: Vec<Vec<u32>> = ids.chunks_exact(seq_len).take(sequences).map(<[u32]>::to_vec).collect();
         if seqs.is_empty() {
             return Err(Error::Input(format!("not enough calibration text for one sequence of {seq_len} tokens")));

@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use crate::attention::KvCache;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
-use crate::transformer::{Model, Precision};
+use crate::transformer::Model;
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
 const FORMAT: u32 = 1;
@@ -59,6 +59,9 @@ impl Session<'_> {
         &self.tokens
     }
 
+    /// The pipeline the conversation runs on. What changes its model's KV cache or position
+    /// (a prefill, `clear`, `extend`) takes the session's tokens out of step with the cache:
+    /// start a new session after that.
     pub fn pipeline(&mut self) -> &mut Pipeline {
         self.p
     }
@@ -80,12 +83,6 @@ impl Session<'_> {
         }
         let context = p.model.config().context_len;
         let cached = self.tokens.len();
-        if cached + new.len() > context {
-            return Err(Error::Input(format!(
-                "{} new tokens after the conversation's {cached} exceed the model's context of {context}",
-                new.len()
-            )));
-        }
         let t = Instant::now();
         let mut logits = p.model.extend(&new)?;
         let prefill = t.elapsed();
@@ -136,15 +133,14 @@ impl Session<'_> {
     pub fn save(&self, path: &Path) -> Result<()> {
         let model = &self.p.model;
         let caches = model.kv_caches();
-        let (heads, head_dim) = caches.iter().map(|c| c.shape()).find(|s| s.0 > 0).unwrap_or((0, 0));
+        let cfg = model.config();
         let header = Header {
             format: FORMAT,
             model_id: model.model_id().to_string(),
-            profile: profile_digest(model),
-            precision: format!("{:?}", model.precision()),
+            arithmetic: model.arithmetic(),
             layers: caches.len(),
-            kv_heads: heads,
-            head_dim,
+            kv_heads: cfg.n_kv_head,
+            head_dim: cfg.head_dim,
             tokens: self.tokens.clone(),
             pending: self.pending,
         };
@@ -168,25 +164,13 @@ impl Session<'_> {
 struct Header {
     format: u32,
     model_id: String,
-    profile: String,
-    precision: String,
+    /// What decides the rows' values besides weights and tokens (`Model::arithmetic`).
+    arithmetic: String,
     layers: usize,
     kv_heads: usize,
     head_dim: usize,
     tokens: Vec<u32>,
     pending: Option<u32>,
-}
-
-/// The quant profile the KV was computed with: its SHA-256 (the profile decides every W8A8
-/// row), or "none" for a float prefill.
-fn profile_digest(model: &Model) -> String {
-    match (model.precision(), model.profile()) {
-        (Precision::F32, _) | (_, None) => "none".into(),
-        (_, Some(p)) => {
-            let json = serde_json::to_vec(p).unwrap_or_default();
-            Sha256::digest(&json).iter().map(|b| format!("{b:02x}")).collect()
-        }
-    }
 }
 
 /// Hashes what it writes.
@@ -235,9 +219,9 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Opt
     if h.model_id != model.model_id() {
         return Err(bad(format!("saved for model {}, not this model ({})", h.model_id, model.model_id())));
     }
-    let (profile, precision) = (profile_digest(model), format!("{:?}", model.precision()));
-    if (h.profile.as_str(), h.precision.as_str()) != (profile.as_str(), precision.as_str()) {
-        return Err(bad(format!("saved with {} prefill and profile {}, this model has {precision} and {profile}: prefill the prompt again", h.precision, h.profile)));
+    let arithmetic = model.arithmetic();
+    if h.arithmetic != arithmetic {
+        return Err(bad(format!("saved with {}; this model runs {arithmetic}: prefill the prompt again", h.arithmetic)));
     }
     let len = h.tokens.len();
     if h.layers != cfg.n_layer || h.kv_heads != cfg.n_kv_head || h.head_dim != cfg.head_dim || len > cfg.context_len {
@@ -246,9 +230,8 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Opt
             h.layers, h.kv_heads, h.head_dim, cfg.n_layer, cfg.n_kv_head, cfg.head_dim, cfg.context_len
         )));
     }
-    if h.tokens.iter().chain(&h.pending).any(|&t| t as usize >= cfg.vocab) {
-        return Err(bad(format!("a token id beyond the vocabulary of {}", cfg.vocab)));
-    }
+    let ids: Vec<u32> = h.tokens.iter().chain(&h.pending).copied().collect();
+    model.check_tokens(&ids).map_err(|e| bad(e.to_string()))?;
     let layer_bytes = 2 * h.kv_heads * len * h.head_dim * 4;
     let want = 12 + json_len as u64 + (h.layers * layer_bytes) as u64 + 32;
     if meta.len() != want {
@@ -262,7 +245,7 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Opt
     for _ in 0..h.layers {
         f.read_exact(&mut buf).map_err(io)?;
         hash.update(&buf);
-        caches.push(KvCache::from_bytes(&buf, h.kv_heads, h.head_dim, len));
+        caches.push(KvCache::from_bytes(&buf, h.kv_heads, h.head_dim, len).ok_or_else(|| bad("a layer of the wrong size".into()))?);
     }
     let mut digest = [0u8; 32];
     f.read_exact(&mut digest).map_err(io)?;

@@ -229,6 +229,8 @@ pub struct Model {
     points: Vec<[InputPoint; 4]>,
     /// Per layer: whether its shadow path runs (see [`Model::set_shadow_layers`]).
     shadow_on: Vec<bool>,
+    /// How the INT8 weights are scaled ([`LoadOptions::weights`]).
+    weights: WeightQuant,
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
     a16: Vec<[Quant; 4]>,
     graphs: HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
@@ -342,6 +344,7 @@ impl Model {
             points: vec![],
             a16: vec![],
             shadow_on: vec![],
+            weights: opts.weights,
             shadow_time: std::time::Duration::ZERO,
             graphs: HashMap::new(),
             kv: (0..n).map(|_| Mutex::default()).collect(),
@@ -421,12 +424,23 @@ impl Model {
 
     /// The layers on the CPU from the current position; returns the last layer's rows. With
     /// `cal`, every stage's input is observed (calibration).
-    fn run_cpu(&mut self, tokens: &[u32], mut cal: Option<&mut Calibrator>) -> Result<Tensor> {
+    fn run_cpu(&mut self, tokens: &[u32], cal: Option<&mut Calibrator>) -> Result<Tensor> {
         self.check_tokens(tokens)?;
         let n = tokens.len();
         if n == 0 || self.pos + n > self.cfg.context_len {
             return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
         }
+        let base = self.pos;
+        let r = self.run_layers_cpu(tokens, cal);
+        if r.is_err() {
+            // Layers before the failing one appended: the cache holds the first `base` again.
+            self.truncate_kv(base);
+        }
+        r
+    }
+
+    fn run_layers_cpu(&mut self, tokens: &[u32], mut cal: Option<&mut Calibrator>) -> Result<Tensor> {
+        let n = tokens.len();
         let mut x = Residual::new(self.embed_rows(tokens)?);
         let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?;
         let Model { cfg, spec, layers, kv, .. } = self;
@@ -439,8 +453,31 @@ impl Model {
             };
             layer.forward(cfg, spec, l, &mut x, &rows, &kv[l], &mut run)?;
         }
+        let x = x.finish()?;
         self.pos += n;
-        x.finish()
+        Ok(x)
+    }
+
+    /// What decides the values of every prefilled row besides the weights and the tokens: the
+    /// precision, the weights' scaling, the quant profile (its SHA-256), the layers whose shadow
+    /// path runs, and the device's numerics. Two models with the same id and this agree on every
+    /// KV row; a saved KV state records it (`crate::session`).
+    pub(crate) fn arithmetic(&self) -> String {
+        let profile = match (self.precision, &self.profile) {
+            (Precision::F32, _) | (_, None) => "none".to_string(),
+            (_, Some(p)) => {
+                let json = serde_json::to_vec(p).unwrap_or_default();
+                <sha2::Sha256 as sha2::Digest>::digest(&json).iter().map(|b| format!("{b:02x}")).collect()
+            }
+        };
+        let shadow: String = self.shadow_on.iter().map(|&on| if on { '1' } else { '0' }).collect();
+        format!("{:?} prefill, {:?} weights, profile {profile}, shadow layers {shadow}, {:?} numerics", self.precision, self.weights, self.device.numerics())
+    }
+
+    /// Back to the first `n` tokens, in every layer's cache and the position.
+    fn truncate_kv(&mut self, n: usize) {
+        self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).truncate(n));
+        self.pos = self.pos.min(n);
     }
 
     /// Embeddings of `tokens`, `[n, hidden]` (scaled as the family says).
@@ -457,7 +494,7 @@ impl Model {
         Ok(self.lm_head.forward(&h)?)
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+    pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         match tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
             Some(t) => Err(Error::Input(format!("token id {t} is outside the vocabulary of {}", self.cfg.vocab))),
             None => Ok(()),

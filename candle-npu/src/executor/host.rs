@@ -106,8 +106,10 @@ impl Executor for HostExecutor {
                             w: pack_i8(d, n, k, w.data_id),
                             x_quant: x.quant.expect("validated"),
                             w_scale: match (&w.channel_scales, w.quant) {
-                                // The HTP lowering's FP16 channel multiply (F32 outputs only).
-                                (Some(s), _) if self.numerics == Numerics::Htp && graph.tensor(output).dtype == DType::F32 => {
+                                // The HTP lowering's FP16 channel multiply: F32 outputs of 32 columns
+                                // or more (narrower ones the HTP refuses; the device runs those
+                                // graphs on the exact host).
+                                (Some(s), _) if self.numerics == Numerics::Htp && graph.tensor(output).dtype == DType::F32 && n >= 32 => {
                                     WScale::Htp(ChannelScales::new(x.quant.expect("validated").scale, s))
                                 }
                                 (Some(s), _) => WScale::PerChannel(s.to_vec()),

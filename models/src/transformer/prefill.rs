@@ -239,7 +239,7 @@ impl Model {
         let r = self.run_plan(tokens, plan, precision, all_logits);
         if r.is_err() {
             // What a failed prefill appended goes: the cache holds the first `base` tokens again.
-            self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).truncate(base));
+            self.truncate_kv(base);
         }
         r
     }
