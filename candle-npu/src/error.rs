@@ -8,32 +8,45 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     // --- library loading (Hexagon executor) ---
+    /// The QNN library at `path` is missing, not a QNN backend, of an unsupported API version,
+    /// or refused to create its backend or device (`reason` says which).
     #[error("QNN library {path}: {reason}")]
     QnnLibrary { path: PathBuf, reason: String },
 
     // --- graph construction and preparation ---
+    /// A graph whose structure is invalid (ids, shapes, constants, inputs or outputs): the op at
+    /// fault and why.
     #[error("graph '{graph}': op {op} ({shapes}): {reason}")]
     InvalidGraph { graph: String, op: String, shapes: String, reason: String },
+    /// The executor cannot run this op with these shapes and types (its `supports` says no).
     #[error("graph '{graph}': executor {executor} cannot run op {op} ({shapes})")]
     Unsupported { graph: String, executor: &'static str, op: String, shapes: String },
+    /// The library refused to prepare (finalize) the graph: the op its log names, QNN's code and
+    /// message.
     #[error("graph '{graph}': preparing op {op} ({shapes}) failed: QNN error {code}: {message}")]
     Prepare { graph: String, op: String, shapes: String, code: u64, message: String },
 
     // --- execution ---
+    /// A buffer given for a graph input or output of the wrong type or size.
     #[error("graph '{graph}': input/output '{tensor}': expected {expected}, got {got}")]
     BufferMismatch { graph: String, tensor: String, expected: String, got: String },
+    /// The library failed to execute a prepared graph.
     #[error("graph '{graph}': execute failed: QNN error {code}: {message}")]
     Execute { graph: String, code: u64, message: String },
 
     // --- quantization / calibration ---
+    /// A quant profile file that is malformed, of another format, or for another model.
     #[error("quant profile {path}: {reason}")]
     Profile { path: PathBuf, reason: String },
+    /// A quantization point the profile has no range for.
     #[error("no calibrated activation range for '{0}' (re-run calibration)")]
     MissingRange(String),
 
     // --- model loading ---
+    /// A model file or folder that is malformed or of an unsupported kind.
     #[error("model {path}: {reason}")]
     Model { path: PathBuf, reason: String },
+    /// A tensor the family needs is not in the checkpoint.
     #[error("model {path}: missing tensor '{name}'")]
     MissingTensor { path: PathBuf, name: String },
 
@@ -43,6 +56,8 @@ pub enum Error {
     KvState { path: PathBuf, reason: String },
 
     // --- input ---
+    /// A value given by the caller that is out of range or inconsistent (tokens, lengths,
+    /// options, profiles set on a model): the message says which and what was expected.
     #[error("invalid input: {0}")]
     Input(String),
 
@@ -56,8 +71,10 @@ pub enum Error {
     Internal(String),
 
     // --- wrapped ---
+    /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// Reading or writing `path` failed.
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
 }

@@ -10,12 +10,19 @@ use crate::chat::ChatTemplate;
 use crate::gguf::Gguf;
 use crate::transformer::{LoadOptions, Model, Precision};
 
+/// A loaded model with what a program needs around it: its tokenizer, chat template and stop
+/// tokens, and the path its quant profile is kept next to. Generation: [`Pipeline::generate`] and
+/// [`Pipeline::session`].
 pub struct Pipeline {
+    /// The engine: prefill on the device, decode on the CPU.
     pub model: Model,
+    /// From the GGUF's metadata or the folder's `tokenizer.json` (or the file given at load).
     pub tokenizer: Tokenizer,
+    /// How prompts are wrapped; [`ChatTemplate::None`] uses them as they are.
     pub template: ChatTemplate,
     /// Token ids that end generation (EOS and the template's end-of-turn).
     pub stop_tokens: Vec<u32>,
+    /// The model file or folder it was loaded from.
     pub model_path: PathBuf,
 }
 
@@ -127,6 +134,7 @@ impl Pipeline {
         crate::tokenizer::encode(&self.tokenizer, text, false)
     }
 
+    /// The text of `ids` (special tokens included as text).
     pub fn decode_text(&self, ids: &[u32]) -> Result<String> {
         decode(&self.tokenizer, ids)
     }
@@ -197,6 +205,8 @@ impl Pipeline {
         Ok(profile)
     }
 
+    /// The token sequences [`Pipeline::calibrate`] runs on: `set.sequences` of `set.seq_len`
+    /// tokens of `set.source`'s text.
     pub fn calibration_sequences(&self, set: CalibrationSet) -> Result<Vec<Vec<u32>>> {
         if set.sequences == 0 || set.seq_len == 0 || set.seq_len > self.model.config().context_len {
             let (n, len, ctx) = (set.sequences, set.seq_len, self.model.config().context_len);
