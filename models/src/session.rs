@@ -104,21 +104,22 @@ impl Session<'_> {
                 break;
             }
             ids.push(next);
+            // Given out but not yet in the cache: the next turn starts with it unless decoded.
+            self.pending = Some(next);
             if let Some(text) = stream.next(&p.tokenizer, next)? {
                 on_text(&text);
                 answer += &text;
             }
             if ids.len() == opts.sample_len {
-                self.pending = Some(next);
                 break;
             }
             if self.tokens.len() >= context {
-                self.pending = Some(next);
                 stop = StopReason::ContextFull;
                 break;
             }
             logits = p.model.decode(next)?;
             self.tokens.push(next);
+            self.pending = None;
         }
         if let Some(text) = stream.finish(&p.tokenizer)? {
             on_text(&text);
