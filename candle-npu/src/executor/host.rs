@@ -193,12 +193,20 @@ impl HostGraph {
                     let y = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| (a as f64 * c) as f32));
                     return TensorData::F32(y.collect());
                 }
-                let col: Option<Vec<f32>> = match w_scale {
-                    // The accumulator itself (QNN SFIXED_POINT_32 with scale s_x * s_w).
-                    WScale::PerTensor(s) if spec.dtype == DType::I32 && spec.quant == Some(Quant { scale: x_quant.scale * s, offset: 0 }) => None,
-                    WScale::PerTensor(s) => Some(vec![x_quant.scale * s; w.n]),
-                    WScale::PerChannel(s) => Some(s.iter().map(|&s| x_quant.scale * s).collect()),
-                    WScale::Htp(_) => Some(vec![]),
+                // What each finished accumulator row becomes.
+                enum Finish<'a> {
+                    /// The accumulator itself (QNN SFIXED_POINT_32 with scale s_x * s_w).
+                    Acc,
+                    /// f32 values: the accumulator times a scale per column.
+                    Scale(Vec<f32>),
+                    /// f32 values as the HTP's per-channel lowering computes them.
+                    Htp(&'a ChannelScales),
+                }
+                let finish = match w_scale {
+                    WScale::PerTensor(s) if spec.dtype == DType::I32 && spec.quant == Some(Quant { scale: x_quant.scale * s, offset: 0 }) => Finish::Acc,
+                    WScale::PerTensor(s) => Finish::Scale(vec![x_quant.scale * s; w.n]),
+                    WScale::PerChannel(s) => Finish::Scale(s.iter().map(|&s| x_quant.scale * s).collect()),
+                    WScale::Htp(scales) => Finish::Htp(scales),
                 };
                 // Bias and dequantization on each block of rows as the GEMM finishes it (in cache).
                 let bias = match bias {
@@ -210,10 +218,10 @@ impl HostGraph {
                         if let Some(b) = bias {
                             row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v += b);
                         }
-                        match (w_scale, &col) {
-                            (WScale::Htp(scales), _) => scales.apply_row(row),
-                            (_, Some(col)) => dequantize_row(row, col),
-                            (_, None) => {}
+                        match &finish {
+                            Finish::Acc => {}
+                            Finish::Scale(col) => dequantize_row(row, col),
+                            Finish::Htp(scales) => scales.apply_row(row),
                         }
                     }
                 };
@@ -222,7 +230,7 @@ impl HostGraph {
                     TensorData::I8(v) if *signed_input => w.matmul_i8_then(v, m, x_quant.offset, &each),
                     _ => unreachable!("validated"),
                 };
-                if col.is_none() {
+                if matches!(finish, Finish::Acc) {
                     return TensorData::I32(acc);
                 }
                 let f = dequantized(acc);
