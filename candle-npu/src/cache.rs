@@ -53,6 +53,8 @@ const MAX_META: u32 = 1 << 16;
 pub struct CacheKey([u8; 32]);
 
 impl CacheKey {
+    /// The key of a graph with this [`fingerprint`](crate::Graph::fingerprint) on an executor
+    /// described by `salt`.
     pub fn new(fingerprint: &[u8; 32], salt: &str) -> Self {
         let mut h = Sha256::new();
         h.update(fingerprint);
@@ -74,13 +76,17 @@ impl std::fmt::Debug for CacheKey {
 /// A cache entry read back from disk.
 #[derive(Debug, PartialEq, Eq)]
 pub struct CachedGraph {
+    /// The executor's side table as stored (for QNN: the tensor ids of the graph's inputs, then of
+    /// its outputs).
     pub meta: Vec<u32>,
+    /// The compiled graph (for QNN: the context binary).
     pub payload: Vec<u8>,
 }
 
 /// The outcome of [`GraphCache::load`].
 #[derive(Debug)]
 pub enum Lookup {
+    /// A file for this key, intact (checksum verified).
     Hit(CachedGraph),
     /// No file for this key.
     Miss,
@@ -97,10 +103,12 @@ pub struct GraphCache {
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl GraphCache {
+    /// A cache in `dir`; the folder is created by the first [`store`](Self::store).
     pub fn new(dir: impl Into<PathBuf>) -> Self {
         GraphCache { dir: dir.into() }
     }
 
+    /// The folder holding the cache files.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -111,6 +119,9 @@ impl GraphCache {
         self.dir.join(format!("{name}-{}.bin", key.hex()))
     }
 
+    /// Reads the entry of graph `name` under `key`: [`Lookup::Miss`] without a file,
+    /// [`Lookup::Invalid`] for one that is damaged or holds another key (the module's failure
+    /// policy says what the caller does then).
     pub fn load(&self, name: &str, key: &CacheKey) -> Lookup {
         let path = self.path(name, key);
         let bytes = match std::fs::read(&path) {

@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 /// One chunk: prompt positions `start..start + len`, run as `padded_len` rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chunk {
+    /// Position of the chunk in [`ChunkPlan::chunks`].
     pub index: usize,
+    /// First prompt position of the chunk.
     pub start: usize,
     /// Real tokens in the chunk.
     pub len: usize,
@@ -22,6 +24,7 @@ pub struct Chunk {
 }
 
 impl Chunk {
+    /// Rows computed beyond the chunk's tokens (only a padded last chunk has any).
     pub fn padding(&self) -> usize {
         self.padded_len - self.len
     }
@@ -39,11 +42,15 @@ pub enum Tail {
     Margin,
 }
 
+/// A prompt cut into chunks: whole chunks of the graph sizes, then the rest padded or run as a CPU
+/// margin ([`Tail`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkPlan {
+    /// Tokens in the prompt: the chunks' `len`s add up to it.
     pub prompt_len: usize,
     /// The largest graph size.
     pub chunk_len: usize,
+    /// The chunks in prompt order; only the last may be padded or a margin.
     pub chunks: Vec<Chunk>,
 }
 
@@ -95,6 +102,7 @@ impl ChunkPlan {
         v
     }
 
+    /// Padding rows over all chunks: NPU work spent on no token.
     pub fn padded_tokens(&self) -> usize {
         self.chunks.iter().map(Chunk::padding).sum()
     }

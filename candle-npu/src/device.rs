@@ -37,6 +37,7 @@ pub struct DeviceStats {
     pub prepare_ns: u64,
     /// Wall time spent loading graphs from the cache.
     pub load_ns: u64,
+    /// Wall time spent executing graphs.
     pub execute_ns: u64,
 }
 
@@ -102,14 +103,18 @@ impl NpuDevice {
         Ok(Self::with_executor(Box::new(crate::executor::htp::HtpExecutor::new(config)?)))
     }
 
+    /// A device over `executor` (e.g. an `HtpExecutor` made with its own settings). Graphs with an
+    /// op it does not support are prepared on a host executor with exact numerics.
     pub fn with_executor(executor: Box<dyn Executor>) -> Self {
         NpuDevice { inner: Arc::new(Inner { executor, host: HostExecutor::new(), counters: Counters::default(), margin: OnceLock::new() }) }
     }
 
+    /// The executor's short name ("host", "htp"), for logs and reports.
     pub fn executor_name(&self) -> &'static str {
         self.inner.executor.name()
     }
 
+    /// A snapshot of the counters, shared by every clone of this device.
     pub fn stats(&self) -> DeviceStats {
         let c = &self.inner.counters;
         DeviceStats {
@@ -184,6 +189,7 @@ pub struct PreparedGraph {
 }
 
 impl PreparedGraph {
+    /// Name of the graph it was prepared from.
     pub fn name(&self) -> &str {
         &self.name
     }

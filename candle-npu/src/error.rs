@@ -3,41 +3,105 @@
 
 use std::path::PathBuf;
 
+/// The result of every fallible operation of candle-npu.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Every failure of candle-npu (and of `candle_npu_models`, which shares it), grouped by area
+/// below; each variant carries what a person needs to fix its cause.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     // --- library loading (Hexagon executor) ---
     /// The QNN library at `path` is missing, not a QNN backend, of an unsupported API version,
     /// or refused to create its backend or device (`reason` says which).
     #[error("QNN library {path}: {reason}")]
-    QnnLibrary { path: PathBuf, reason: String },
+    QnnLibrary {
+        /// The library file loaded, or looked for.
+        path: PathBuf,
+        /// Which step failed, with QNN's message when the library gave one.
+        reason: String,
+    },
 
     // --- graph construction and preparation ---
     /// A graph whose structure is invalid (ids, shapes, constants, inputs or outputs): the op at
     /// fault and why.
     #[error("graph '{graph}': op {op} ({shapes}): {reason}")]
-    InvalidGraph { graph: String, op: String, shapes: String, reason: String },
+    InvalidGraph {
+        /// Name of the graph at fault.
+        graph: String,
+        /// The op at fault, or `-` when the fault is a tensor's or the graph's own.
+        op: String,
+        /// The op's operands and output as `name:Type[shape]` (`Graph::describe_op`), or the
+        /// tensor, graph input or output at fault.
+        shapes: String,
+        /// The rule the graph breaks.
+        reason: String,
+    },
     /// The executor cannot run this op with these shapes and types (its `supports` says no).
     #[error("graph '{graph}': executor {executor} cannot run op {op} ({shapes})")]
-    Unsupported { graph: String, executor: &'static str, op: String, shapes: String },
+    Unsupported {
+        /// Name of the graph.
+        graph: String,
+        /// The executor's short name (`Executor::name`, e.g. "htp").
+        executor: &'static str,
+        /// The first op of the graph the executor cannot run.
+        op: String,
+        /// That op's operands and output as `name:Type[shape]`.
+        shapes: String,
+    },
     /// The library refused to prepare (finalize) the graph: the op its log names, QNN's code and
     /// message.
     #[error("graph '{graph}': preparing op {op} ({shapes}) failed: QNN error {code}: {message}")]
-    Prepare { graph: String, op: String, shapes: String, code: u64, message: String },
+    Prepare {
+        /// Name of the graph.
+        graph: String,
+        /// The op being added, or the one QNN's log names at finalize (every op, joined by `+`,
+        /// when the log names none); `-` when the failure is not an op's.
+        op: String,
+        /// That op's operands and output as `name:Type[shape]`, or the step or tensor that
+        /// failed (`contextCreate`, `graphCreate`, `context binary`, an output's name).
+        shapes: String,
+        /// QNN's error code; 0 when a check of this crate failed (a function the library lacks,
+        /// a cache entry that does not fit the graph).
+        code: u64,
+        /// QNN's message for the code with the error lines the library logged, or what this
+        /// crate found wrong.
+        message: String,
+    },
 
     // --- execution ---
     /// A buffer given for a graph input or output of the wrong type or size.
     #[error("graph '{graph}': input/output '{tensor}': expected {expected}, got {got}")]
-    BufferMismatch { graph: String, tensor: String, expected: String, got: String },
+    BufferMismatch {
+        /// Name of the graph.
+        graph: String,
+        /// The tensor the buffer is bound to, or `<inputs>` when the number of input buffers
+        /// is wrong.
+        tensor: String,
+        /// What the tensor needs: type, element count and bytes (or a number of inputs).
+        expected: String,
+        /// What was given, in the same form.
+        got: String,
+    },
     /// The library failed to execute a prepared graph.
     #[error("graph '{graph}': execute failed: QNN error {code}: {message}")]
-    Execute { graph: String, code: u64, message: String },
+    Execute {
+        /// Name of the graph.
+        graph: String,
+        /// QNN's error code; 0 when the library lacks a function this crate needs.
+        code: u64,
+        /// QNN's message for the code with the error lines the library logged.
+        message: String,
+    },
 
     // --- quantization / calibration ---
     /// A quant profile file that is malformed, of another format, or for another model.
     #[error("quant profile {path}: {reason}")]
-    Profile { path: PathBuf, reason: String },
+    Profile {
+        /// The profile file.
+        path: PathBuf,
+        /// What is wrong with it, and on loading what to do (e.g. delete it to recalibrate).
+        reason: String,
+    },
     /// A quantization point the profile has no range for.
     #[error("no calibrated activation range for '{0}' (re-run calibration)")]
     MissingRange(String),
@@ -45,15 +109,31 @@ pub enum Error {
     // --- model loading ---
     /// A model file or folder that is malformed or of an unsupported kind.
     #[error("model {path}: {reason}")]
-    Model { path: PathBuf, reason: String },
+    Model {
+        /// The model file or folder (or the file in it) at fault.
+        path: PathBuf,
+        /// What is malformed or unsupported.
+        reason: String,
+    },
     /// A tensor the family needs is not in the checkpoint.
     #[error("model {path}: missing tensor '{name}'")]
-    MissingTensor { path: PathBuf, name: String },
+    MissingTensor {
+        /// The checkpoint file or folder.
+        path: PathBuf,
+        /// The tensor's name as the checkpoint would spell it.
+        name: String,
+    },
 
     /// A saved KV state (`candle_npu_models::session`) that is corrupt, or was saved for other
     /// weights, another quant profile or another precision.
     #[error("saved KV state {path}: {reason}")]
-    KvState { path: PathBuf, reason: String },
+    KvState {
+        /// The saved state's file.
+        path: PathBuf,
+        /// What is damaged or differs from this model and its settings (or why the state
+        /// could not be written).
+        reason: String,
+    },
 
     // --- input ---
     /// A value given by the caller that is out of range or inconsistent (tokens, lengths,
@@ -65,7 +145,10 @@ pub enum Error {
     /// A prefill stage that was not run because another stage of the same prefill failed: the
     /// other error is the cause.
     #[error("sched: {stage} not run: another stage of this prefill failed")]
-    Aborted { stage: String },
+    Aborted {
+        /// The node that was not run, named `c{chunk}.l{layer}.{stage}` (e.g. "c1.l3.qkv").
+        stage: String,
+    },
     /// A fault of this crate, not of its input: a bug to report, with this message.
     #[error("internal error (please report): {0}")]
     Internal(String),
@@ -76,7 +159,12 @@ pub enum Error {
     Candle(#[from] candle_core::Error),
     /// Reading or writing `path` failed.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        /// The file or folder being read or written.
+        path: PathBuf,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
 }
 
 impl Error {

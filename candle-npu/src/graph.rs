@@ -13,6 +13,8 @@ use crate::error::{Error, Result};
 /// Element type of a graph tensor. Quantized types carry a [`Quant`] in their [`TensorSpec`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum DType {
+    /// 32-bit float, unquantized: float passthrough graphs, and the float side of Quantize /
+    /// Dequantize.
     F32,
     /// Unsigned 8-bit fixed point (QNN UFIXED_POINT_8): activations.
     U8,
@@ -25,9 +27,11 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every type but F32: a tensor of it needs a [`Quant`] (or per-channel scales).
     pub fn is_quantized(self) -> bool {
         !matches!(self, DType::F32)
     }
+    /// Bytes per element: 4 for F32 and I32, 2 for U16, 1 for U8 and I8.
     pub fn size_in_bytes(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
@@ -40,7 +44,10 @@ impl DType {
 /// Per-tensor affine quantization, QNN's convention: `float = (q + offset) * scale`.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Quant {
+    /// Float value of one quantization step; finite and > 0 in a validated graph.
     pub scale: f32,
+    /// Added to the stored integer before scaling: the *negated* zero point, 0 for symmetric
+    /// tensors.
     pub offset: i32,
 }
 
@@ -100,12 +107,16 @@ pub enum TensorKind {
 /// Constant tensor contents.
 #[derive(Debug, Clone)]
 pub enum StaticData {
+    /// Float weights and biases (float passthrough graphs).
     F32(Arc<Vec<f32>>),
+    /// INT8 weights, quantized per tensor or per output channel ([`TensorSpec::channel_scales`]).
     I8(Arc<Vec<i8>>),
+    /// INT32 biases of W8A8 FullyConnected ops (scale `s_in * s_w`, offset 0).
     I32(Arc<Vec<i32>>),
 }
 
 impl StaticData {
+    /// Number of elements (not bytes).
     pub fn len(&self) -> usize {
         match self {
             StaticData::F32(v) => v.len(),
@@ -113,9 +124,11 @@ impl StaticData {
             StaticData::I32(v) => v.len(),
         }
     }
+    /// Whether the data has no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The [`DType`] a constant holding this data must have ([`Graph::validate`] checks).
     pub fn dtype(&self) -> DType {
         match self {
             StaticData::F32(_) => DType::F32,
@@ -131,13 +144,22 @@ pub fn next_data_id() -> u64 {
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
+/// One tensor of a [`Graph`]: name, fixed shape, type, quantization, role, and a constant's data.
 #[derive(Debug, Clone)]
 pub struct TensorSpec {
+    /// For errors, logs and profiles; need not be unique (executors name tensors by id too).
     pub name: String,
+    /// Dimensions, outermost first (data is row-major); static, as every NPU graph's are.
     pub shape: Vec<usize>,
+    /// Element type; a quantized one needs `quant` or `channel_scales`.
     pub dtype: DType,
+    /// Per-tensor scale and offset: required for a quantized type unless `channel_scales` is set;
+    /// `None` for F32.
     pub quant: Option<Quant>,
+    /// Who writes the tensor and when: the caller, an op, or nobody (a constant).
     pub kind: TensorKind,
+    /// The contents of a [`TensorKind::Static`] tensor, of its `dtype` and element count; `None`
+    /// for every other kind.
     pub data: Option<StaticData>,
     /// Per-channel symmetric scales along axis 0 (QNN AXIS_SCALE_OFFSET, offsets 0), one per
     /// output channel of an I8 weight `[N, K]`; `quant` is `None` then. Per-channel weights keep
@@ -152,9 +174,11 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
+    /// Number of elements: the product of the shape (1 for the scalar shape `[]`).
     pub fn elem_count(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Bytes of the tensor's buffer: elements times the element size.
     pub fn size_in_bytes(&self) -> usize {
         self.elem_count() * self.dtype.size_in_bytes()
     }
@@ -181,19 +205,70 @@ pub enum Op {
     /// `out[m, n] = sum_k in[m, k] * weight[n, k] + bias[n]`; weight is `[N, K]` (QNN layout).
     /// W8A8: input U8 (or I8), weight I8 symmetric, bias I32 with scale `s_in * s_w`.
     /// Float passthrough: all F32.
-    FullyConnected { input: TensorId, weight: TensorId, bias: Option<TensorId>, output: TensorId },
+    FullyConnected {
+        /// Activation `[M, K]`: F32, U8 or I8 (W8A8), or U16 (W8A16).
+        input: TensorId,
+        /// Constant `[N, K]`: F32, or I8 symmetric (per tensor, or per output channel).
+        weight: TensorId,
+        /// Constant `[N]` added to every row; not with per-channel weights or W8A16.
+        bias: Option<TensorId>,
+        /// Result `[M, N]`.
+        output: TensorId,
+    },
     /// `out = a @ b` or `a @ b^T`, both dynamic.
-    MatMul { a: TensorId, b: TensorId, transpose_b: bool, output: TensorId },
+    MatMul {
+        /// Left operand `[M, K]`.
+        a: TensorId,
+        /// Right operand: `[K, N]`, or `[N, K]` when `transpose_b`.
+        b: TensorId,
+        /// Multiply by `b^T`: a row-major `[N, K]` operand is used without a transposed copy.
+        transpose_b: bool,
+        /// Result `[M, N]`.
+        output: TensorId,
+    },
     /// F32 -> quantized.
-    Quantize { input: TensorId, output: TensorId },
+    Quantize {
+        /// F32 values.
+        input: TensorId,
+        /// Quantized result: its type and [`Quant`] define the grid (round to nearest, saturate).
+        output: TensorId,
+    },
     /// Quantized -> F32.
-    Dequantize { input: TensorId, output: TensorId },
-    Add { a: TensorId, b: TensorId, output: TensorId },
-    Mul { a: TensorId, b: TensorId, output: TensorId },
-    Sigmoid { input: TensorId, output: TensorId },
+    Dequantize {
+        /// Quantized values, read under their own [`Quant`].
+        input: TensorId,
+        /// F32 result.
+        output: TensorId,
+    },
+    /// Elementwise `a + b`; operands and output have one shape (no broadcasting).
+    Add {
+        /// Left operand.
+        a: TensorId,
+        /// Right operand, of `a`'s shape.
+        b: TensorId,
+        /// The sum, of `a`'s shape.
+        output: TensorId,
+    },
+    /// Elementwise `a * b`; operands and output have one shape (no broadcasting).
+    Mul {
+        /// Left operand.
+        a: TensorId,
+        /// Right operand, of `a`'s shape.
+        b: TensorId,
+        /// The product, of `a`'s shape.
+        output: TensorId,
+    },
+    /// Elementwise `1 / (1 + exp(-x))`.
+    Sigmoid {
+        /// Operand.
+        input: TensorId,
+        /// Result, of the input's shape.
+        output: TensorId,
+    },
 }
 
 impl Op {
+    /// The op's name in errors and logs: QNN's op type (`ElementWiseAdd` for [`Op::Add`]).
     pub fn name(&self) -> &'static str {
         match self {
             Op::FullyConnected { .. } => "FullyConnected",
@@ -206,6 +281,7 @@ impl Op {
         }
     }
 
+    /// The tensors the op reads, in operand order (a FullyConnected's bias last, when it has one).
     pub fn inputs(&self) -> Vec<TensorId> {
         match *self {
             Op::FullyConnected { input, weight, bias, .. } => {
@@ -220,6 +296,7 @@ impl Op {
         }
     }
 
+    /// The one tensor the op writes.
     pub fn output(&self) -> TensorId {
         match *self {
             Op::FullyConnected { output, .. }
@@ -236,18 +313,26 @@ impl Op {
 /// A static graph: tensors, ops in execution order, graph inputs and outputs.
 #[derive(Debug, Clone)]
 pub struct Graph {
+    /// Names the graph in errors, logs, profiles and the prepared-graph cache's file names.
     pub name: String,
+    /// Every tensor of the graph, indexed by [`TensorId`].
     pub tensors: Vec<TensorSpec>,
+    /// Ops in execution order: each reads only inputs, constants and earlier ops' outputs.
     pub ops: Vec<Op>,
+    /// The graph's Input tensors, in the order their buffers are passed to an execution.
     pub inputs: Vec<TensorId>,
+    /// The tensors read back after an execution, in the order they are returned.
     pub outputs: Vec<TensorId>,
 }
 
 impl Graph {
+    /// An empty graph; add tensors with [`Graph::input`] and [`Graph::constant`], ops with
+    /// [`Graph::op`] and its helpers, and outputs with [`Graph::mark_output`].
     pub fn new(name: impl Into<String>) -> Self {
         Graph { name: name.into(), tensors: vec![], ops: vec![], inputs: vec![], outputs: vec![] }
     }
 
+    /// The spec of tensor `id` (panics on an id that is not this graph's).
     pub fn tensor(&self, id: TensorId) -> &TensorSpec {
         &self.tensors[id.0]
     }
@@ -357,6 +442,7 @@ impl Graph {
         self.op(name, dtype, quant, |output| f(input, output), &shape)
     }
 
+    /// An elementwise op of two operands whose output has the shape of `a`.
     pub fn binary(
         &mut self,
         name: &str,
@@ -652,14 +738,20 @@ impl Graph {
 /// Data for one graph input or output.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TensorData {
+    /// Values of an F32 tensor.
     F32(Vec<f32>),
+    /// Stored values of a U8 tensor (floats under the tensor's [`Quant`]).
     U8(Vec<u8>),
+    /// Stored values of a U16 tensor (floats under the tensor's [`Quant`]).
     U16(Vec<u16>),
+    /// Stored values of an I8 tensor (floats under the tensor's [`Quant`]).
     I8(Vec<i8>),
+    /// Stored values of an I32 tensor (floats under the tensor's [`Quant`]).
     I32(Vec<i32>),
 }
 
 impl TensorData {
+    /// The [`DType`] a tensor bound to this buffer must have.
     pub fn dtype(&self) -> DType {
         match self {
             TensorData::F32(_) => DType::F32,
@@ -669,6 +761,7 @@ impl TensorData {
             TensorData::I32(_) => DType::I32,
         }
     }
+    /// Number of elements (not bytes).
     pub fn len(&self) -> usize {
         match self {
             TensorData::F32(v) => v.len(),
@@ -678,9 +771,12 @@ impl TensorData {
             TensorData::I32(v) => v.len(),
         }
     }
+    /// Whether the buffer has no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// `n` stored zeros of `dtype`: for a quantized type that is the float `offset * scale`, not
+    /// 0.0 (e.g. an output buffer to be overwritten).
     pub fn zeros(dtype: DType, n: usize) -> Self {
         match dtype {
             DType::F32 => TensorData::F32(vec![0.0; n]),

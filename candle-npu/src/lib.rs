@@ -13,6 +13,8 @@
 //!   optimum, and [`Trace`] (out-of-order subgraph execution, llm.npu §3.4).
 //! - [`kernels`]: the host's exact INT8 GEMM, F32 GEMM, and the CPU stages' row kernels.
 
+#![warn(missing_docs)]
+
 pub mod cache;
 pub mod chunk;
 pub mod device;

@@ -190,6 +190,9 @@ struct HotColumns {
 
 const COLD: u32 = u32::MAX;
 
+/// One linear layer on every path (see the module docs): its INT8 NPU weight and the FullyConnected
+/// it adds to stage graphs, the shadow path that adds the clipped outliers back
+/// ([`ShadowLinear::finish`]), and the decode matmul.
 pub struct ShadowLinear {
     name: String,
     n: usize,
@@ -294,6 +297,7 @@ impl ShadowLinear {
         })
     }
 
+    /// The layer's name: the prefix of its graph tensors and ops, and its name in logs and errors.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -352,10 +356,12 @@ impl ShadowLinear {
     pub fn set_shadow(&mut self, on: bool) {
         self.shadow = on;
     }
+    /// Whether [`Self::finish`] adds the outliers (see [`Self::set_shadow`]).
     pub fn shadow_enabled(&self) -> bool {
         self.shadow
     }
 
+    /// Number of hot input channels, whose columns are kept contiguous.
     pub fn n_hot(&self) -> usize {
         self.hot.cols.len() / self.n.max(1)
     }

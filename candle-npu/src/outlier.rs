@@ -28,11 +28,16 @@ use crate::quant::quantize_u8;
 /// channels are hot. Linears that share an input (Q, K, V) share its point.
 #[derive(Debug)]
 pub struct InputPoint {
+    /// The quantization point's name, its key in a [`QuantProfile`](crate::QuantProfile) (e.g.
+    /// `blk.3.ffn_in`).
     pub name: String,
     /// Values in `[lo, hi]` go to the NPU as they are; the rest is clipped there and its
     /// remainder runs in float on the CPU.
     pub lo: f32,
+    /// Top of the clip range (>= 0, as `lo` <= 0): the ends of the u8 grid, which may lie a
+    /// fraction of a step beyond the calibrated range.
     pub hi: f32,
+    /// The u8 quantization over the clip range: the NPU graph's input tensor carries it.
     pub quant: Quant,
     /// `hot[c]`: channel `c` had outliers in calibration.
     pub hot: Vec<bool>,
@@ -51,13 +56,16 @@ struct PointCounters {
 /// What a point has seen since it was made (or last reset): for the hot-channel hit rate.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct PointStats {
+    /// Activation values examined (valid rows times channels).
     pub elements: u64,
+    /// Values beyond the clip range, each sent down the shadow path.
     pub outliers: u64,
     /// Outliers that fell in hot channels.
     pub in_hot: u64,
 }
 
 impl PointStats {
+    /// Adds another count to this one (for totals over points or layers).
     pub fn add(&mut self, o: PointStats) {
         self.elements += o.elements;
         self.outliers += o.outliers;
@@ -146,6 +154,7 @@ impl InputPoint {
         out
     }
 
+    /// The counts since the point was made or last reset.
     pub fn stats(&self) -> PointStats {
         PointStats {
             elements: self.stats.elements.load(Ordering::Relaxed),
@@ -159,6 +168,7 @@ impl InputPoint {
         self.stats.per_channel.iter().map(|c| c.load(Ordering::Relaxed)).collect()
     }
 
+    /// Zeroes every count, the per-channel ones included.
     pub fn reset_stats(&self) {
         self.stats.per_channel.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         self.stats.elements.store(0, Ordering::Relaxed);
@@ -171,19 +181,26 @@ impl InputPoint {
 /// are `channel[row_start[r]..row_start[r + 1]]` with their `value`s.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Outliers {
+    /// Channels per row of the activation (the linear's `K`).
     pub cols: usize,
+    /// `rows + 1` offsets into `channel` and `value`, from 0 to their length.
     pub row_start: Vec<u32>,
+    /// Each outlier's input channel, ascending within a row.
     pub channel: Vec<u32>,
+    /// Each outlier's remainder `x - clamp(x, lo, hi)`: what the NPU's clipped input misses.
     pub value: Vec<f32>,
 }
 
 impl Outliers {
+    /// Rows covered: the activation's valid rows, outliers or not.
     pub fn rows(&self) -> usize {
         self.row_start.len().saturating_sub(1)
     }
+    /// Number of outliers over all rows.
     pub fn len(&self) -> usize {
         self.value.len()
     }
+    /// Whether no row has an outlier.
     pub fn is_empty(&self) -> bool {
         self.value.is_empty()
     }
@@ -236,9 +253,13 @@ pub trait WeightSource: Send + Sync {
 
 /// A weight held in memory (`[N, K]`, row-major): for tests and synthetic models.
 pub struct InMemoryWeight {
+    /// What [`WeightSource::describe`] shows.
     pub name: String,
+    /// The weight, `[N, K]` row-major, behind an `Arc` so the caller can keep sharing it.
     pub w: std::sync::Arc<Vec<f32>>,
+    /// Output features (rows).
     pub n: usize,
+    /// Input features (columns).
     pub k: usize,
 }
 

@@ -44,7 +44,11 @@ pub enum ClipMethod {
     /// shadow path, values beyond the range are computed in float, so a narrower range only
     /// costs CPU work: this is the range minimizing the in-range rounding error under an
     /// outlier budget.
-    Budget { fraction: f64 },
+    Budget {
+        /// Largest share of the calibration values allowed beyond the range (a fraction, not a
+        /// percentage).
+        fraction: f64,
+    },
 }
 
 /// Log-spaced histogram resolution: 32 bins per octave (2.2% relative width) over 2^-24..2^24.
@@ -156,6 +160,8 @@ impl PointObs {
 #[derive(Debug, Default, Clone)]
 pub struct Calibrator {
     points: BTreeMap<String, PointObs>,
+    /// Calibration tokens observed, counted by the caller (`observe` sees values, not tokens);
+    /// [`Calibrator::finish`] records it as [`QuantProfile::tokens`].
     pub tokens_seen: usize,
 }
 
@@ -188,9 +194,12 @@ pub const PROFILE_FORMAT: u32 = 2;
 pub struct PointProfile {
     /// The clip range: the NPU's u8 grid covers it; the rest is the shadow path's.
     pub lo: f32,
+    /// Top of the clip range (`lo` is its bottom).
     pub hi: f32,
     /// Observed extremes.
     pub min: f32,
+    /// Largest value seen (`min` the smallest): the range W8A16 inputs and pruned layers' points
+    /// are quantized over.
     pub max: f32,
     /// Share of calibration values beyond the clip range.
     pub beyond: f64,
@@ -204,12 +213,16 @@ pub struct PointProfile {
 /// `blk.3.ffn_in`). Saved as JSON next to the model.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct QuantProfile {
+    /// File format version: [`PROFILE_FORMAT`] for a profile of this build; [`QuantProfile::load`]
+    /// refuses others.
     pub format: u32,
     /// Identifies the weights the profile was calibrated on (see [`model_id`]).
     pub model_id: String,
     /// Calibration tokens seen.
     pub tokens: usize,
+    /// How the clip ranges were chosen.
     pub clip: ClipMethod,
+    /// Each quantization point's calibration, by name.
     pub points: BTreeMap<String, PointProfile>,
     /// Per layer: the loss increase on calibration text when that layer's shadow path is
     /// removed (nats/token). Empty until measured; pruning needs it.
@@ -249,6 +262,7 @@ impl QuantProfile {
         Ok(())
     }
 
+    /// The calibration of `point`; [`Error::MissingRange`] when the profile has none.
     pub fn point(&self, point: &str) -> Result<&PointProfile> {
         self.points.get(point).ok_or_else(|| Error::MissingRange(point.to_string()))
     }

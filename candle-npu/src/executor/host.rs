@@ -31,6 +31,7 @@ impl HostExecutor {
         HostExecutor { numerics }
     }
 
+    /// The arithmetic this executor's results follow.
     pub fn numerics(&self) -> Numerics {
         self.numerics
     }

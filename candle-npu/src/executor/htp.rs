@@ -343,6 +343,7 @@ impl HtpExecutor {
         self.rt.lib.backend_build_id()
     }
 
+    /// The settings this executor was created with.
     pub fn config(&self) -> &HtpConfig {
         &self.rt.config
     }

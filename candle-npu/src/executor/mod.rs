@@ -17,6 +17,9 @@ use crate::graph::{Graph, Op, TensorData};
 pub use host::HostExecutor;
 pub use htp_numerics::Numerics;
 
+/// A processor that runs static graphs: the host CPU ([`HostExecutor`]) or, with feature `qnn`, the
+/// Hexagon NPU (`HtpExecutor`). Used through [`crate::NpuDevice`], which validates graphs, keeps
+/// the counters, and falls back to the host for what the executor does not support.
 pub trait Executor: Send + Sync {
     /// Short name for logs and errors ("host", "htp").
     fn name(&self) -> &'static str;
@@ -48,6 +51,7 @@ pub trait Executor: Send + Sync {
 /// A prepared graph. Inputs are given in the order of `Graph::inputs`, outputs come back in the
 /// order of `Graph::outputs`; the caller ([`crate::PreparedGraph`]) has checked their types and sizes.
 pub trait ExecutableGraph: Send + Sync {
+    /// Run once on new inputs (one buffer per graph input); returns one buffer per graph output.
     fn execute(&self, inputs: &[&TensorData]) -> Result<Vec<TensorData>>;
 
     /// Whether [`Self::execute_rows`] works: the graph's ops are row-wise, and its executor does
@@ -93,11 +97,14 @@ pub enum Origin {
 /// One graph's profile, as the executor measured it (see `HtpConfig::profiling`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GraphProfile {
+    /// Name of the profiled graph.
     pub graph: String,
+    /// How the graph was last prepared: compiled, or loaded from the cache.
     pub origin: Origin,
     /// Time to compile or load the graph, microseconds: the backend's own figure when it reports
     /// one (QNN "(finalize)" / "(init)" events), else wall time around the call.
     pub prepare_us: u64,
+    /// Executions profiled (those `execute_us` sums over).
     pub executions: u64,
     /// Sum over executions, microseconds: the backend's figure when it reports one (QNN
     /// "QNN (execute) time"), else wall time around the call.
@@ -107,10 +114,12 @@ pub struct GraphProfile {
     pub events: Vec<ProfileEvent>,
 }
 
+/// One kind of event the backend reported for a graph, summed over the calls of one phase.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProfileEvent {
     /// "prepare" or "execute".
     pub phase: &'static str,
+    /// The backend's event name; a nested event is `parent / child`.
     pub name: String,
     /// "us", "bytes", "cycles" or "count".
     pub unit: &'static str,

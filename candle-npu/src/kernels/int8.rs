@@ -84,6 +84,7 @@ pub struct Panels {
 }
 
 impl Panels {
+    /// Repacks `w` (`[N, K]`, row-major) into panels of 16 output columns, `K` zero-padded to even.
     pub fn new(w: &[i8], n: usize, k: usize) -> Self {
         assert_eq!(w.len(), n * k, "weight is not [N, K]");
         let kp = k.next_multiple_of(2);

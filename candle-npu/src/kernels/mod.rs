@@ -52,6 +52,8 @@ impl Int8Kernel {
         *KERNEL.get_or_init(|| if int8_gemm(|g| g.may_saturate()) { Int8Kernel::Own(Int8Path::detect()) } else { Int8Kernel::Rten })
     }
 
+    /// The kernel for logs and benchmarks, e.g. "own avx2 (vpmaddwd, i16 lanes)" or rten's kernel
+    /// name.
     pub fn name(self) -> String {
         match self {
             Int8Kernel::Own(Int8Path::Avx2) => "own avx2 (vpmaddwd, i16 lanes)".into(),
@@ -64,7 +66,9 @@ impl Int8Kernel {
 /// A static INT8 weight `[N, K]`, prepacked for `x[M, K] @ w^T`.
 pub struct PackedI8 {
     packed: Packed,
+    /// Output features: rows of the weight, columns of the product.
     pub n: usize,
+    /// Input features: columns of the weight, the activation's row length.
     pub k: usize,
     /// Per output column `sum_k w[n, k]`, to apply an activation offset after the GEMM.
     pub col_sums: Vec<i32>,
@@ -76,6 +80,7 @@ enum Packed {
 }
 
 impl PackedI8 {
+    /// Packs `w` (`[N, K]`, row-major) for the kernel [`Int8Kernel::detect`] chooses.
     pub fn new(w: &[i8], n: usize, k: usize) -> Self {
         Self::with_kernel(w, n, k, Int8Kernel::detect())
     }
@@ -217,17 +222,21 @@ pub fn prefetch<T>(p: *const T) {
 /// A static F32 weight `[N, K]`, prepacked for `x[M, K] @ w^T` (float passthrough mode).
 pub struct PackedF32 {
     packed: PackedBMatrix<f32>,
+    /// Output features: rows of the weight, columns of the product.
     pub n: usize,
+    /// Input features: columns of the weight, the activation's row length.
     pub k: usize,
 }
 
 impl PackedF32 {
+    /// Packs `w` (`[N, K]`, row-major) once, for rten-gemm.
     pub fn new(w: &[f32], n: usize, k: usize) -> Self {
         assert_eq!(w.len(), n * k, "weight is not [N, K]");
         let view = NdTensorView::from_data([n, k], w);
         PackedF32 { packed: f32_gemm(|g| g.prepack_b(view.transposed())), n, k }
     }
 
+    /// `x[M, K] @ w^T`: the `[M, N]` product, row-major.
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
         let a = GemmInputA::Unpacked(NdTensorView::from_data([m, self.k], x));

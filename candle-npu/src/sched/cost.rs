@@ -9,6 +9,8 @@ use crate::error::{Error, Result};
 
 /// Estimated seconds a node takes on its processor.
 pub trait CostModel {
+    /// Seconds `node` takes on its processor; must be finite and >= 0 ([`super::PickContext::new`]
+    /// checks).
     fn cost(&self, node: &Node) -> f64;
 }
 
@@ -22,12 +24,17 @@ impl<F: Fn(&Node) -> f64> CostModel for F {
 /// chunk's rows attends to every row up to its own, so it grows with the chunk's position.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 pub struct LinearCost {
+    /// Seconds per run whatever its size (launch and fixed overhead).
     pub a: f64,
+    /// Seconds per row.
     pub b: f64,
+    /// Seconds per row per key attended (`rows * (start + rows)`): the context term, 0 but for
+    /// attention.
     pub c: f64,
 }
 
 impl LinearCost {
+    /// Seconds for a chunk of `rows` rows whose first row is prompt position `start`.
     pub fn eval(&self, rows: usize, start: usize) -> f64 {
         let (r, s) = (rows as f64, start as f64);
         self.a + self.b * r + self.c * r * (s + r)
@@ -42,14 +49,17 @@ pub struct TableCosts {
 }
 
 impl TableCosts {
+    /// An empty table: every node costs NaN until its (stage, processor) is inserted.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Sets the line of `stage` on `processor`, replacing any earlier one.
     pub fn insert(&mut self, stage: impl Into<String>, processor: Processor, line: LinearCost) {
         self.lines.entry(stage.into()).or_default()[processor.index()] = Some(line);
     }
 
+    /// The line of `stage` on `processor`, if one was inserted or fitted.
     pub fn get(&self, stage: &str, processor: Processor) -> Option<LinearCost> {
         self.lines.get(stage).and_then(|l| l[processor.index()])
     }
@@ -139,10 +149,15 @@ impl Rates {
 /// The dimensions a decoder layer's stage costs scale with.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct LayerShape {
+    /// Width of the residual stream (the model's hidden size).
     pub hidden: usize,
+    /// Width of the FFN's intermediate layer (of gate and of up each).
     pub ffn: usize,
+    /// Query heads.
     pub n_head: usize,
+    /// Key/value heads (fewer than `n_head` under grouped-query attention).
     pub n_kv_head: usize,
+    /// Width of one head.
     pub head_dim: usize,
 }
 
@@ -167,7 +182,9 @@ impl LayerShape {
 /// stage (a norm with quantization) 4 passes over the hidden row.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct AnalyticCosts {
+    /// The decoder layer's dimensions (every layer of a model has the same).
     pub shape: LayerShape,
+    /// The device's throughputs: what turns MACs and elementwise passes into seconds.
     pub rates: Rates,
 }
 

@@ -8,11 +8,15 @@ use crate::error::{Error, Result};
 /// The two processors a prefill runs on. Each runs one node at a time (the paper's eq. 4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Processor {
+    /// The NPU, or the executor standing in for it: the stages' static graphs (the linears).
     Npu,
+    /// The host CPU: the stages around the graphs (norms, attention, activation, the tail), and
+    /// every stage of a margin chunk.
     Cpu,
 }
 
 impl Processor {
+    /// Both processors, in [`Processor::index`] order.
     pub const ALL: [Processor; 2] = [Processor::Npu, Processor::Cpu];
 
     /// Index into per-processor arrays such as [`super::Schedule::busy`].
@@ -23,6 +27,7 @@ impl Processor {
         }
     }
 
+    /// "NPU" or "CPU", for traces, reports and errors.
     pub fn name(self) -> &'static str {
         match self {
             Processor::Npu => "NPU",
@@ -34,7 +39,10 @@ impl Processor {
 /// One stage of a decoder layer as the model supplies it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StageDesc {
+    /// Short stage name (e.g. "qkv", "attn"): the key of per-stage costs, and the last part of its
+    /// nodes' names.
     pub name: String,
+    /// Where the stage runs in a full chunk (a margin chunk runs it on the CPU).
     pub processor: Processor,
     /// Reads the KV rows appended by earlier chunks at the same layer (attention): the only
     /// dependency between chunks.
@@ -42,6 +50,7 @@ pub struct StageDesc {
 }
 
 impl StageDesc {
+    /// A stage of `name` on `processor`; `reads_kv` for a stage that reads earlier chunks' KV rows.
     pub fn new(name: impl Into<String>, processor: Processor, reads_kv: bool) -> Self {
         Self { name: name.into(), processor, reads_kv }
     }
@@ -51,7 +60,9 @@ impl StageDesc {
 /// nodes run on the CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DagChunk {
+    /// Rows the chunk's stages run on (its padded length, > 0): what costs scale with.
     pub rows: usize,
+    /// A CPU margin chunk: all of its nodes run on the CPU.
     pub margin: bool,
 }
 
@@ -59,21 +70,29 @@ pub struct DagChunk {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct NodeId(pub usize);
 
+/// One subgraph of a prefill: one stage of one layer (or the tail) for one chunk, on one processor.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Node {
+    /// Its index in [`SubgraphDag::nodes`].
     pub id: NodeId,
+    /// Index of its chunk, in prompt order.
     pub chunk: usize,
     /// `n_layer` for the tail node.
     pub layer: usize,
+    /// Index of its stage in the layer's stage list (0 for the tail).
     pub stage: usize,
     /// `c{chunk}.l{layer}.{stage_name}`, e.g. "c1.l3.qkv".
     pub name: String,
     /// The stage's name, the key of per-stage costs.
     pub stage_name: String,
+    /// Where it runs: its stage's processor, or the CPU in a margin chunk.
     pub processor: Processor,
+    /// Rows of its chunk ([`DagChunk::rows`]).
     pub rows: usize,
     /// The chunk's first prompt row (the preceding chunks' rows): attention's context grows with it.
     pub start: usize,
+    /// Reads the KV cache ([`StageDesc::reads_kv`]): it waits for the same node of the previous
+    /// chunk.
     pub reads_kv: bool,
 }
 
@@ -145,18 +164,24 @@ impl SubgraphDag {
         Ok(Self { nodes, preds, succs, n_layer, n_stage, has_tail: tail.is_some() })
     }
 
+    /// Every node, indexed by [`NodeId`]: chunk by chunk, each in layer then stage order, tail
+    /// last.
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
     }
 
+    /// The node `id` (panics if it is not in this DAG).
     pub fn node(&self, id: NodeId) -> &Node {
         &self.nodes[id.0]
     }
 
+    /// The nodes `id` waits for: its chunk's previous node and, for a KV-reading stage, the same
+    /// node of the previous chunk.
     pub fn preds(&self, id: NodeId) -> &[NodeId] {
         &self.preds[id.0]
     }
 
+    /// The nodes that wait for `id` (the inverse of [`Self::preds`]).
     pub fn succs(&self, id: NodeId) -> &[NodeId] {
         &self.succs[id.0]
     }
@@ -168,14 +193,17 @@ impl SubgraphDag {
         e
     }
 
+    /// Number of nodes: chunks times (layers times stages, plus one for the tail).
     pub fn len(&self) -> usize {
         self.nodes.len()
     }
 
+    /// Whether the DAG has no nodes (never, for one [`SubgraphDag::new`] built).
     pub fn is_empty(&self) -> bool {
         self.nodes.is_empty()
     }
 
+    /// Number of chunks.
     pub fn n_chunk(&self) -> usize {
         self.len() / self.per_chunk()
     }

@@ -48,6 +48,8 @@ impl ContributionWeights {
     }
 }
 
+/// How a free processor chooses among its ready nodes ([`Policy::pick`]): the same choice in the
+/// simulator and at run time.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Policy {
     /// Only the lowest-id unfinished node may run, anywhere: the sequential engine.
@@ -70,6 +72,8 @@ impl Policy {
         vec![Policy::InOrder, Policy::Fifo, Policy::Contribution(Default::default()), Policy::CriticalPath]
     }
 
+    /// Short name for reports and errors ("in-order", "fifo", "contribution", "critical-path",
+    /// "planned").
     pub fn name(&self) -> &'static str {
         match self {
             Policy::InOrder => "in-order",
@@ -143,14 +147,17 @@ impl<'a> PickContext<'a> {
         Ok(Self { dag, cost, rank, done: vec![false; n], ready_at: vec![f64::INFINITY; n], first_undone: 0 })
     }
 
+    /// The DAG this context describes.
     pub fn dag(&self) -> &'a SubgraphDag {
         self.dag
     }
 
+    /// The estimated seconds of node `id` (finite and >= 0: checked at construction).
     pub fn cost(&self, id: NodeId) -> f64 {
         self.cost[id.0]
     }
 
+    /// Every node's estimated seconds, indexed by [`NodeId`].
     pub fn costs(&self) -> &[f64] {
         &self.cost
     }
@@ -160,10 +167,13 @@ impl<'a> PickContext<'a> {
         self.rank[id.0]
     }
 
+    /// Whether node `id` has finished ([`Self::mark_done`]).
     pub fn is_done(&self, id: NodeId) -> bool {
         self.done[id.0]
     }
 
+    /// Records that node `id` finished; [`Policy::InOrder`] then moves on to the lowest unfinished
+    /// id.
     pub fn mark_done(&mut self, id: NodeId) {
         self.done[id.0] = true;
         while self.first_undone < self.done.len() && self.done[self.first_undone] {

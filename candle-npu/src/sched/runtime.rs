@@ -55,6 +55,7 @@ impl<'a> Runner<'a> {
         Ok(Runner { dag, policy, state: Mutex::new(state), wake: Condvar::new(), t0: Instant::now() })
     }
 
+    /// The DAG whose nodes this runner schedules.
     pub fn dag(&self) -> &'a SubgraphDag {
         self.dag
     }
@@ -124,6 +125,7 @@ impl<'a> Runner<'a> {
 }
 
 impl Grant<'_, '_> {
+    /// The node that holds the processor.
     pub fn node(&self) -> NodeId {
         self.node
     }

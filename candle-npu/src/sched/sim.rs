@@ -13,22 +13,30 @@ use crate::error::{Error, Result};
 /// One node's run on its processor, in seconds from the start of the prefill.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Slice {
+    /// The node that ran.
     pub node: NodeId,
+    /// Where it ran (its node's processor in a valid schedule).
     pub processor: Processor,
+    /// When it started, in seconds.
     pub start: f64,
+    /// When it ended, in seconds: `end - start` is its duration.
     pub end: f64,
 }
 
+/// What ran where and when, simulated ([`simulate`], [`optimal`]) or recorded by a
+/// [`super::Runner`].
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Schedule {
     /// Sorted by start time, then processor.
     pub slices: Vec<Slice>,
+    /// The last end, in seconds from 0 (an empty schedule's is 0).
     pub makespan: f64,
     /// Seconds each processor runs a node, indexed by [`Processor::index`].
     pub busy: [f64; 2],
 }
 
 impl Schedule {
+    /// Sorts `slices` (start, then processor) and sums the makespan and each processor's busy time.
     pub fn from_slices(mut slices: Vec<Slice>) -> Self {
         slices.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.processor.cmp(&b.processor)));
         let mut busy = [0.0; 2];

@@ -22,16 +22,19 @@ struct Event {
     dur_us: f64,
 }
 
+/// Node runs on the two processors, to write as Chrome / Perfetto JSON ([`Trace::to_json`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Trace {
     events: Vec<Event>,
 }
 
 impl Trace {
+    /// An empty trace, to [`record`](Self::record) into at run time.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// One event per slice of `schedule` (simulated or recorded), named after `dag`'s nodes.
     pub fn from_schedule(dag: &SubgraphDag, schedule: &Schedule) -> Self {
         let mut t = Self::new();
         for s in &schedule.slices {
@@ -59,10 +62,12 @@ impl Trace {
         });
     }
 
+    /// Number of node events.
     pub fn len(&self) -> usize {
         self.events.len()
     }
 
+    /// Whether no node event was recorded.
     pub fn is_empty(&self) -> bool {
         self.events.is_empty()
     }
