@@ -132,7 +132,7 @@ fn main() -> Result<()> {
     println!("\nIn-order prefill by stage, chunk 256, share of the time (best of {REPS})");
     println!("| tokens | GEMMs (qkv, o, gate_up, down) | attention (attn) | norm + quantize (attn_in, ffn_in) | SiLU (act) | tail |");
     println!("|---|---|---|---|---|---|");
-    p.model.set_sched(SchedOptions { policy: Policy::InOrder, ..Default::default() });
+    p.model.set_sched(SchedOptions { policy: Policy::InOrder, ..Default::default() })?;
     for n in [256usize, 1024, 2048] {
         let mut best: Option<(f64, std::collections::BTreeMap<String, f64>)> = None;
         for _ in 0..=REPS {
@@ -152,7 +152,7 @@ fn main() -> Result<()> {
         let share = |names: &[&str]| 100.0 * names.iter().map(|k| st.get(*k).copied().unwrap_or(0.0)).sum::<f64>() / secs;
         println!(
             "| {n} | {:.0}% | {:.0}% | {:.0}% | {:.0}% | {:.0}% |",
-            share(&["qkv", "o", "gate_up", "down"]),
+            share(&candle_npu_models::transformer::STAGES.iter().map(|s| s.name).collect::<Vec<_>>()),
             share(&["attn"]),
             share(&["attn_in", "ffn_in"]),
             share(&["act"]),

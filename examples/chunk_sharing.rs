@@ -167,7 +167,7 @@ fn main() -> Result<()> {
         "\nChunk-sharing ablation: {} ({} layers x {} NPU stages), W8A8, chunk length {c}, SoC {}; QNN HTP {} (x86 emulator: finalize times are host times)\n",
         path.file_name().and_then(|n| n.to_str()).unwrap_or("model"),
         p.model.config().n_layer,
-        candle_npu_models::Model::NPU_STAGES_PER_LAYER,
+        candle_npu_models::transformer::N_STAGES,
         args.soc,
         lib.display()
     );

@@ -523,11 +523,11 @@ fn main() -> Result<()> {
         htp_rows.push(suite.row("host executor, shadow W8A8", &mut q, Path::Npu)?);
         let mut h = load(&model_path, &NpuDevice::host_with(Numerics::Htp), Precision::W8A8, WeightQuant::PerChannel)?;
         h.model.set_profile(shadow.clone())?;
-        h.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() });
+        h.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() })?;
         htp_rows.push(suite.row(&format!("HTP numerics, padded (chunks of {})", args.chunk_len), &mut h, Path::Npu)?);
         // The default plan: chunks, then 32-row chunks, then a CPU margin. A window of 512 tokens
         // in chunks of 250 leaves a 12-row margin (with chunks of 256 there would be none).
-        h.model.set_sched(SchedOptions::default());
+        h.model.set_sched(SchedOptions::default())?;
         let margin_len = WINDOW - WINDOW / 250 * 250;
         suite.chunk_len = 250;
         htp_rows.push(suite.row(&format!("HTP numerics, default plan (chunks of 250, a {margin_len}-row CPU margin)"), &mut h, Path::Npu)?);
@@ -688,7 +688,7 @@ fn main() -> Result<()> {
 /// Hot channels per point kind and the float columns they keep.
 fn hot_summary(p: &QuantProfile) -> serde_json::Value {
     let mut kinds = serde_json::Map::new();
-    for kind in candle_npu_models::transformer::POINTS {
+    for kind in candle_npu_models::transformer::STAGES.iter().map(|s| s.point) {
         let pts: Vec<_> = p.points.iter().filter(|(n, _)| n.ends_with(&format!(".{kind}"))).map(|(_, p)| p).collect();
         let (hot, ch): (usize, usize) = pts.iter().fold((0, 0), |a, p| (a.0 + p.hot.len(), a.1 + p.channels));
         kinds.insert(kind.to_string(), json!({ "hot_channels": hot, "channels": ch, "share": hot as f64 / ch.max(1) as f64 }));

@@ -85,7 +85,7 @@ fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usi
     // Every chunk in flight: the DAG's schedule, unconstrained (the simulator's assumption).
     let sched =
         SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], chunks_in_flight: usize::MAX };
-    p.model.set_sched(sched);
+    p.model.set_sched(sched)?;
     p.model.prefill_chunked(tokens, chunk)?;
     let mut best: Option<Run> = None;
     for _ in 0..reps {
@@ -215,7 +215,7 @@ fn main() -> Result<()> {
                 small_chunks: vec![],
                 chunks_in_flight: workers,
                 ..Default::default()
-            });
+            })?;
             p.model.prefill_chunked(&text[..n], args.chunk_len)?;
             let mut best = f64::MAX;
             for _ in 0..args.reps {
@@ -316,7 +316,7 @@ fn interleaved(p: &mut Pipeline, scheds: &[SchedOptions], text: &[u32], lens: &[
     let mut secs = vec![vec![vec![]; lens.len()]; scheds.len()];
     for rep in 0..=args.reps {
         for (i, sched) in scheds.iter().enumerate() {
-            p.model.set_sched(sched.clone());
+            p.model.set_sched(sched.clone())?;
             for (j, &n) in lens.iter().enumerate() {
                 let t = Instant::now();
                 p.model.prefill_chunked(&text[..n], args.chunk_len)?;

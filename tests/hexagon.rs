@@ -24,7 +24,7 @@ fn library_present() -> bool {
 /// every row on the NPU graphs (`pad`), in chunks of 32.
 fn logits(p: &mut candle_npu_models::Pipeline, prompt: &[u32], pad: bool) -> Vec<f32> {
     let tail = if pad { Tail::Pad } else { Tail::Margin };
-    p.model.set_sched(SchedOptions { tail, ..Default::default() });
+    p.model.set_sched(SchedOptions { tail, ..Default::default() }).unwrap();
     p.model.prefill_all_logits_chunked(prompt, 32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
@@ -58,7 +58,7 @@ fn hexagon_prefill_follows_the_htp_numerics_model() {
     x.model.set_profile(profile).unwrap();
     let got = logits(&mut x, &prompt, false);
     let s = htp.stats();
-    let graphs = (x.model.config().n_layer * candle_npu_models::Model::NPU_STAGES_PER_LAYER) as u64;
+    let graphs = (x.model.config().n_layer * candle_npu_models::transformer::N_STAGES) as u64;
     // One chunk on the HTP; the margin's stage graphs ran on the host, with the HTP's numerics.
     assert_eq!((s.fallbacks, s.graphs_prepared, s.executions), (0, graphs, graphs));
     let margin = htp.margin_device();
@@ -119,7 +119,7 @@ fn readme_question_on_the_default_hexagon_plan() {
     let model_dev = NpuDevice::host_with(Numerics::Htp);
     let mut m = smollm2(&model_dev, Precision::W8A8, DecodeWeights::Q8_0);
     m.model.set_profile(profile.clone()).unwrap();
-    m.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() });
+    m.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() }).unwrap();
     let predicted = answer(&mut m, question, 8);
 
     let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
@@ -236,7 +236,7 @@ fn every_stage_graph_of_the_real_models_follows_the_htp_numerics_model() {
         assert!(share >= 0.99, "{}: model bit-exact on {:.3}%", path.display(), 100.0 * share);
         assert!(near >= 0.998, "{}: model within one FP16 step on {:.3}%", path.display(), 100.0 * near);
         let s = htp.stats();
-        let n = (p.model.config().n_layer * candle_npu_models::Model::NPU_STAGES_PER_LAYER) as u64;
+        let n = (p.model.config().n_layer * candle_npu_models::transformer::N_STAGES) as u64;
         assert_eq!((s.fallbacks, s.graphs_prepared, s.executions), (0, n, n), "{}", path.display());
     }
 }

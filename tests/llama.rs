@@ -9,7 +9,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor, D};
 use candle_npu::{Calibrator, ClipMethod, NpuDevice, QuantProfile, WeightQuant};
 use candle_npu_models::transformer::{argmax, mean_nll};
-use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Model, Pipeline, Precision};
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
 use common::*;
 
 /// The calibration these tests measured with: 8 x 256 Wikipedia tokens (the eval's).
@@ -103,7 +103,7 @@ fn npu_graphs_are_prepared_once_and_shared_by_all_chunks() {
     p.model.prefill_chunked(&tokens, 256).unwrap();
     let after = dev.stats();
     let layers = p.model.config().n_layer as u64;
-    let per_chunk = layers * Model::NPU_STAGES_PER_LAYER as u64;
+    let per_chunk = layers * candle_npu_models::transformer::N_STAGES as u64;
     assert_eq!(after.graphs_prepared - before.graphs_prepared, 2 * per_chunk, "graphs prepared = sizes x layers x NPU stages, not x chunks");
     assert_eq!(after.executions - before.executions, per_chunk * 11, "10 chunks and the margin");
     assert_eq!(after.fallbacks, 0);

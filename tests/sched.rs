@@ -12,7 +12,7 @@ use common::*;
 
 /// All-position logits of `toks` in chunks of 64, scheduled by `policy` (NPU queue: one thread).
 fn prefill(p: &mut Pipeline, toks: &[u32], tail: Tail, policy: Policy) -> Vec<f32> {
-    p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1), small_chunks: vec![], ..Default::default() });
+    p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1), small_chunks: vec![], ..Default::default() }).unwrap();
     p.model.prefill_all_logits_chunked(toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
@@ -67,14 +67,14 @@ fn the_default_plan_has_no_padding_and_small_graphs_keep_the_logits() {
     // the 16-row graph (host INT8 GEMM rate) to 16 more margin rows on the CPU after the NPU's
     // chunks. Out of order the margin overlaps them, and the model keeps all 22 rows there.
     let mut plan_of = |policy: Policy| {
-        p.model.set_sched(SchedOptions { policy, small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
+        p.model.set_sched(SchedOptions { policy, small_chunks: vec![16], npu_threads: Some(1), ..Default::default() }).unwrap();
         let plan = p.model.plan_chunked(toks.len(), 64).unwrap();
         (plan.npu_sizes(), plan.margin_tokens(), plan.padded_tokens())
     };
     assert_eq!(plan_of(Policy::InOrder), (vec![16, 64], 6, 0));
     assert_eq!(plan_of(Policy::Fifo), (vec![64], 22, 0));
     for policy in [Policy::InOrder, Policy::Fifo] {
-        p.model.set_sched(SchedOptions { policy: policy.clone(), small_chunks: vec![16], npu_threads: Some(1), ..Default::default() });
+        p.model.set_sched(SchedOptions { policy: policy.clone(), small_chunks: vec![16], npu_threads: Some(1), ..Default::default() }).unwrap();
         let got: Vec<f32> = p.model.prefill_all_logits_chunked(&toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         let err = rel_max_err(&got, &padded);
         assert!(err < 1e-4, "{}: graphs of 64 and 16 vs padded 64: {err}", policy.name());

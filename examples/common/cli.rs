@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
 use candle_npu::{HtpConfig, NpuDevice, ProfilingLevel, Tail};
-use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Pipeline, Precision, StopReason};
+use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Pipeline, Precision, SchedOptions, StopReason};
 use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -231,6 +231,24 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if !path.exists() {
         bail!("model {} not found: run scripts/setup.sh, or pass --model", path.display());
     }
+    let mut sched = SchedOptions::for_device(&device);
+    if let Some(policy) = args.policy {
+        sched.policy = match policy {
+            PolicyArg::InOrder => Policy::InOrder,
+            PolicyArg::Fifo => Policy::Fifo,
+            PolicyArg::Contribution => Policy::Contribution(Default::default()),
+            PolicyArg::CriticalPath => Policy::CriticalPath,
+        };
+    }
+    if let Some(tail) = args.tail {
+        sched.tail = match tail {
+            TailArg::Pad => Tail::Pad,
+            TailArg::Margin => Tail::Margin,
+        };
+    }
+    if let Some(n) = args.npu_threads {
+        sched.npu_threads = Some(n as usize);
+    }
     let opts = LoadOptions {
         precision: if args.f32_prefill { Precision::F32 } else { Precision::W8A8 },
         decode_weights: match args.decode_weights {
@@ -238,6 +256,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             DecodeFormat::Checkpoint => DecodeWeights::Checkpoint,
         },
         chunk_len: Some(chunk_len),
+        sched: Some(sched),
         ..Default::default()
     };
     let t = Instant::now();
@@ -271,25 +290,6 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     bar.finish_and_clear();
     eprintln!("profile ready ({})", candle_npu_models::memory::describe());
 
-    let mut sched = p.model.sched().clone();
-    if let Some(policy) = args.policy {
-        sched.policy = match policy {
-            PolicyArg::InOrder => Policy::InOrder,
-            PolicyArg::Fifo => Policy::Fifo,
-            PolicyArg::Contribution => Policy::Contribution(Default::default()),
-            PolicyArg::CriticalPath => Policy::CriticalPath,
-        };
-    }
-    if let Some(tail) = args.tail {
-        sched.tail = match tail {
-            TailArg::Pad => Tail::Pad,
-            TailArg::Margin => Tail::Margin,
-        };
-    }
-    if let Some(n) = args.npu_threads {
-        sched.npu_threads = Some(n as usize);
-    }
-    p.model.set_sched(sched);
 
     let t = Instant::now();
     p.model.prepare()?;

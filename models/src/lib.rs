@@ -36,3 +36,8 @@ pub use session::Session;
 pub use pipeline::{CalibrationSet, CalibrationSource, Pipeline, TextStream};
 pub use spec::{Config, FamilySpec};
 pub use transformer::{prefill_dag, LoadOptions, Model, Precision, SchedOptions};
+
+/// The README's Rust examples, compiled as doctests (`no_run`: they need a model).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

@@ -28,8 +28,10 @@
 //! would keep one graph but cannot see outliers in channels that were cold in calibration, and
 //! still leaves gate/up without a shadow.) The CPU half of the FFN is one elementwise pass.
 //!
-//! This file holds loading, the layer forward (written once: prefill's stages and decode both
-//! run it) and decode; `transformer/prefill.rs` the plan, schedule and run loop over a prompt's chunks;
+//! The stage list above is one value, [`STAGES`] (`transformer/stages.rs`): loading, the prefill
+//! DAG, graph names, quantization points and calibration read it. This file holds loading, the
+//! layer forward (written once: prefill's stages and decode both run it) and decode;
+//! `transformer/prefill.rs` the plan, schedule and run loop over a prompt's chunks;
 //! `transformer/calibrate.rs` the quantization state and the offline passes that measure it.
 
 use std::collections::HashMap;
@@ -51,9 +53,12 @@ pub use crate::spec::{Config, FamilySpec};
 
 mod calibrate;
 mod prefill;
+mod stages;
 
 use prefill::GraphSet;
 pub use prefill::{prefill_dag, SchedOptions};
+pub use stages::{point, Dim, LinearDef, StageDef, N_STAGES, STAGES};
+use stages::{DOWN, GATE_UP, O, QKV};
 
 /// Arithmetic of the NPU stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -67,31 +72,29 @@ pub enum Precision {
     W8A16,
 }
 
-/// How to load a model.
-#[derive(Debug, Clone, Copy)]
+/// How to load a model, set once: everything here is checked against the model as it loads.
+/// The executor is the [`NpuDevice`] the model is loaded onto.
+#[derive(Debug, Clone)]
 pub struct LoadOptions {
+    /// Arithmetic of the NPU stages in prefill (W8A8 with shadow outliers by default).
     pub precision: Precision,
+    /// How the CPU's decode copy of the weights is stored.
     pub decode_weights: DecodeWeights,
+    /// How the NPU's INT8 weights are scaled (per output channel by default).
     pub weights: WeightQuant,
     /// Rows of the NPU graphs a prompt is cut into (the chunk-sharing length), 1 up to the
     /// model's context: checked at load. `None`: 256, or the model's context where that is
     /// shorter. A smaller length pads less on short prompts, a larger one pays the NPU's
     /// per-graph cost less often.
     pub chunk_len: Option<usize>,
+    /// How prefill is scheduled. `None`: [`SchedOptions::for_device`] of the device loaded onto.
+    pub sched: Option<SchedOptions>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerChannel, chunk_len: None }
+        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerChannel, chunk_len: None, sched: None }
     }
-}
-
-/// The quantization points of a layer (each the input of one NPU stage), in stage order.
-pub const POINTS: [&str; 4] = ["attn_in", "attn_out", "ffn_in", "ffn_down_in"];
-
-/// Name of an activation quantization point.
-pub fn point(layer: usize, which: &str) -> String {
-    format!("blk.{layer}.{which}")
 }
 
 /// One decoder layer: its norms and the seven linears, grouped by the NPU stage that runs them.
@@ -101,8 +104,8 @@ struct Layer {
     qk_norm: Option<QkNorm>,
     /// Gemma's sandwich norms: on the attention output and the FFN output.
     post_norms: Option<(Tensor, Tensor)>,
-    /// q, k, v | o | gate, up | down: the linears of stage `s` read point `POINTS[s]`.
-    stages: [Vec<ShadowLinear>; 4],
+    /// The linears of each stage of [`STAGES`], in its order.
+    stages: [Vec<ShadowLinear>; N_STAGES],
 }
 
 impl Layer {
@@ -126,21 +129,21 @@ impl Layer {
     ) -> Result<()> {
         let eps = cfg.rms_eps as f32;
         let h = x.add_norm(&self.attn_norm, eps)?;
-        let [q, k, v]: [Tensor; 3] = run(0, &h)?.try_into().map_err(|_| Error::Internal("QKV stage must return three outputs".into()))?;
+        let [q, k, v]: [Tensor; 3] = run(QKV, &h)?.try_into().map_err(|_| Error::Internal("QKV stage must return three outputs".into()))?;
         // Uncontended: a layer's attention runs for one chunk at a time, in chunk order (the
         // schedule's cross-chunk edge).
         let mut kv = kv.lock().unwrap_or_else(|e| e.into_inner());
         let a = attend(cfg, spec, &spec.layers[l], self.qk_norm.as_ref(), &mut kv, &q, &k, &v, rows)?;
         drop(kv);
-        let mut o = run(1, &a)?.remove(0);
+        let mut o = run(O, &a)?.remove(0);
         if let Some((post_attn, _)) = &self.post_norms {
             o = candle_nn::ops::rms_norm(&o, post_attn, eps)?;
         }
         x.push(o)?;
         let h = x.add_norm(&self.ffn_norm, eps)?;
-        let [gate, up]: [Tensor; 2] = run(2, &h)?.try_into().map_err(|_| Error::Internal("gate/up stage must return two outputs".into()))?;
+        let [gate, up]: [Tensor; 2] = run(GATE_UP, &h)?.try_into().map_err(|_| Error::Internal("gate/up stage must return two outputs".into()))?;
         let hidden = spec.activation.gated(&gate, &up)?;
-        let mut d = run(3, &hidden)?.remove(0);
+        let mut d = run(DOWN, &hidden)?.remove(0);
         if let Some((_, post_ffn)) = &self.post_norms {
             d = candle_nn::ops::rms_norm(&d, post_ffn, eps)?;
         }
@@ -226,13 +229,13 @@ pub struct Model {
     layers: Vec<Layer>,
     profile: Option<QuantProfile>,
     /// Per layer, per stage: the input point (from the profile).
-    points: Vec<[InputPoint; 4]>,
+    points: Vec<[InputPoint; N_STAGES]>,
     /// Per layer: whether its shadow path runs (see [`Model::set_shadow_layers`]).
     shadow_on: Vec<bool>,
     /// How the INT8 weights are scaled ([`LoadOptions::weights`]).
     weights: WeightQuant,
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
-    a16: Vec<[Quant; 4]>,
+    a16: Vec<[Quant; N_STAGES]>,
     graphs: HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
     kv: Vec<Mutex<KvCache>>,
     pos: usize,
@@ -266,6 +269,8 @@ impl Model {
         check_spec(&cfg, &spec, ckpt)?;
         // Before the weights are read and quantized, not after.
         let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or(256.min(cfg.context_len)), cfg.context_len)?;
+        let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device));
+        sched.validate(cfg.context_len)?;
         let vector = |name: String| ckpt.vector(&names(&name).name);
         // The tables and the final norm first: their shapes tell a wrong config before the layers'
         // quantization takes its seconds.
@@ -284,11 +289,12 @@ impl Model {
                 return Err(Error::Model { path: ckpt.path().to_path_buf(), reason: format!("{name}: shape {dims:?}, the config implies {want:?}") });
             }
         }
-        let (hd, q_rows, kv_rows) = (cfg.head_dim, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim);
+        let hd = cfg.head_dim;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for l in 0..cfg.n_layer {
-            let lin = |name: &str, shape: (usize, usize), bias: bool| -> Result<ShadowLinear> {
-                let full = format!("blk.{l}.{name}");
+            let lin = |def: &LinearDef| -> Result<ShadowLinear> {
+                let full = format!("blk.{l}.{}", def.name);
+                let shape = (def.out.of(&cfg), def.input.of(&cfg));
                 let src = ckpt.mapped_matrix(&names(&format!("{full}.weight")))?;
                 if src.dims() != shape {
                     return Err(Error::Model {
@@ -296,19 +302,15 @@ impl Model {
                         reason: format!("{}: shape {:?}, the config implies {shape:?}", src.describe(), src.dims()),
                     });
                 }
-                let b = match bias {
+                let b = match def.qkv_bias && spec.qkv_bias {
                     true => Some(vector(format!("{full}.bias"))?.to_vec1::<f32>()?),
                     false => None,
                 };
                 ShadowLinear::new(full, src, b, opts.weights, opts.decode_weights)
             };
-            let (h, f, b) = (cfg.hidden, cfg.ffn, spec.qkv_bias);
-            let stages = [
-                vec![lin("attn_q", (q_rows, h), b)?, lin("attn_k", (kv_rows, h), b)?, lin("attn_v", (kv_rows, h), b)?],
-                vec![lin("attn_output", (h, q_rows), false)?],
-                vec![lin("ffn_gate", (f, h), false)?, lin("ffn_up", (f, h), false)?],
-                vec![lin("ffn_down", (h, f), false)?],
-            ];
+            let stages = STAGES.iter().map(|s| s.linears.iter().map(lin).collect::<Result<Vec<_>>>()).collect::<Result<Vec<_>>>()?;
+            let stages: [Vec<ShadowLinear>; N_STAGES] = stages.try_into().map_err(|_| Error::Internal("a stage list of another length".into()))?;
+            let h = cfg.hidden;
             let norm = |name: &str, len: usize| -> Result<Tensor> {
                 let t = vector(format!("blk.{l}.{name}.weight"))?;
                 match t.dims() == [len] {
@@ -328,7 +330,6 @@ impl Model {
             });
         }
         let n = cfg.n_layer;
-        let sched = SchedOptions::for_device(&device);
         Ok(Model {
             chunk_len,
             cfg,
@@ -447,7 +448,7 @@ impl Model {
         for (l, layer) in layers.iter().enumerate() {
             let mut run = |s: usize, h: &Tensor| {
                 if let Some(cal) = cal.as_deref_mut() {
-                    cal.observe(&point(l, POINTS[s]), &h.flatten_all()?.to_vec1::<f32>()?, h.dim(1)?);
+                    cal.observe(&point(l, STAGES[s].point), &h.flatten_all()?.to_vec1::<f32>()?, h.dim(1)?);
                 }
                 layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>()
             };
@@ -500,9 +501,6 @@ impl Model {
             None => Ok(()),
         }
     }
-
-    /// NPU stage graphs per layer (the static, chunk-shared subgraphs).
-    pub const NPU_STAGES_PER_LAYER: usize = 4;
 }
 
 fn qmatmul_dims(m: &QMatMul) -> Vec<usize> {

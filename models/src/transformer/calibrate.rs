@@ -19,7 +19,7 @@ impl Model {
         }
         for (l, layer) in self.layers.iter().enumerate() {
             for (s, lins) in layer.stages.iter().enumerate() {
-                let name = point(l, POINTS[s]);
+                let name = point(l, STAGES[s].point);
                 let (channels, k) = (profile.point(&name)?.channels, lins[0].dims().1);
                 if channels != k {
                     return Err(Error::Input(format!("quant profile point {name} has {channels} channels, the model {k}")));
@@ -28,9 +28,9 @@ impl Model {
         }
         let mut a16 = Vec::with_capacity(self.layers.len());
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            let mut row16 = [Quant::symmetric(1.0); 4];
+            let mut row16 = [Quant::symmetric(1.0); N_STAGES];
             for (s, lins) in layer.stages.iter_mut().enumerate() {
-                let p = profile.point(&point(l, POINTS[s]))?;
+                let p = profile.point(&point(l, STAGES[s].point))?;
                 for lin in lins.iter_mut() {
                     lin.set_hot(&p.hot)?;
                 }
@@ -66,9 +66,10 @@ impl Model {
             if self.shadow_on.get(l) == Some(&on) && self.points.len() > l {
                 continue;
             }
-            let row = (0..4)
-                .map(|s| {
-                    let name = point(l, POINTS[s]);
+            let row = STAGES
+                .iter()
+                .map(|stage| {
+                    let name = point(l, stage.point);
                     let p = profile.point(&name)?;
                     Ok(match on {
                         true => InputPoint::new(name, p.lo, p.hi, p.channels, &p.hot),
@@ -77,7 +78,7 @@ impl Model {
                 })
                 .collect::<Result<Vec<_>>>()?
                 .try_into()
-                .expect("four points");
+                .map_err(|_| Error::Internal("a point per stage".into()))?;
             match self.points.get_mut(l) {
                 Some(r) => *r = row,
                 None => self.points.push(row),

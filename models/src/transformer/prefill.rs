@@ -45,6 +45,23 @@ impl Default for SchedOptions {
 }
 
 impl SchedOptions {
+    /// Why a model of `context_len` tokens cannot run this schedule, if it cannot: at least one
+    /// chunk in flight, at least one NPU thread when a pool is asked for, and graph sizes of 1 row
+    /// up to the context.
+    pub fn validate(&self, context_len: usize) -> Result<()> {
+        let bad = |why: String| Err(Error::Input(format!("schedule: {why}")));
+        if self.chunks_in_flight == 0 {
+            return bad("chunks_in_flight is 0: at least one chunk must be in flight".into());
+        }
+        if self.npu_threads == Some(0) {
+            return bad("npu_threads is Some(0): give the NPU queue at least one thread, or None for the caller's pool".into());
+        }
+        if let Some(&s) = self.small_chunks.iter().find(|&&s| s == 0 || s > context_len) {
+            return bad(format!("small chunk size {s}: expected 1 to the model's context of {context_len} tokens"));
+        }
+        Ok(())
+    }
+
     /// The defaults for prefills on `device`. With the host executor as the NPU, the rows after
     /// the last chunk are a CPU margin: the same arithmetic on the same cores, without padding.
     /// Beside a real NPU they are padded onto it (`Tail::Pad`), for two measured reasons:
@@ -69,21 +86,16 @@ impl SchedOptions {
 /// A prefill chunk's rows for the logits and its shadow-path CPU time.
 pub(super) type ChunkOutput = Result<(Tensor, Duration)>;
 
-pub(super) const STAGE_NAMES: [&str; 4] = ["qkv", "o", "gate_up", "down"];
+/// The DAG node of stage `s`'s CPU work (before the NPU stage) within a layer: [`prefill_dag`]
+/// puts each stage of [`STAGES`] as its CPU node, then its NPU node.
+fn cpu_node(s: usize) -> usize {
+    2 * s
+}
 
-/// A layer's nodes in the prefill DAG: each NPU stage (`STAGE_NAMES`) with the CPU stage that
-/// prepares its input (which also completes the previous stage's output: shadow, bias, and
-/// for `attn_in` the previous layer's residual).
-pub(super) const LAYER_STAGES: [(&str, Processor); 8] = [
-    ("attn_in", Processor::Cpu),
-    ("qkv", Processor::Npu),
-    ("attn", Processor::Cpu),
-    ("o", Processor::Npu),
-    ("ffn_in", Processor::Cpu),
-    ("gate_up", Processor::Npu),
-    ("act", Processor::Cpu),
-    ("down", Processor::Npu),
-];
+/// The DAG node of NPU stage `s` within a layer.
+fn npu_node(s: usize) -> usize {
+    2 * s + 1
+}
 
 /// `chunk_len` when it is a chunk length this model can take: 1 row up to its context.
 pub(super) fn check_chunk_len(chunk_len: usize, context_len: usize) -> Result<usize> {
@@ -93,10 +105,14 @@ pub(super) fn check_chunk_len(chunk_len: usize, context_len: usize) -> Result<us
     Ok(chunk_len)
 }
 
-/// The prefill DAG of `plan` for `n_layer` layers: per layer the 4 NPU stages with the CPU stage
-/// before each (`LAYER_STAGES`), and a CPU tail per chunk (final rows out).
+/// The prefill DAG of `plan` for `n_layer` layers: per layer each NPU stage of [`STAGES`] with
+/// the CPU stage before it, and a CPU tail per chunk (final rows out).
 pub fn prefill_dag(plan: &ChunkPlan, n_layer: usize) -> Result<SubgraphDag> {
-    let stages: Vec<StageDesc> = LAYER_STAGES.iter().map(|&(name, p)| StageDesc::new(name, p, name == "attn")).collect();
+    let stages: Vec<StageDesc> = STAGES
+        .iter()
+        .flat_map(|s| [StageDesc::new(s.cpu, Processor::Cpu, s.cpu_reads_kv), StageDesc::new(s.name, Processor::Npu, false)])
+        .collect();
+    debug_assert!((0..N_STAGES).all(|s| stages[cpu_node(s)].name == STAGES[s].cpu && stages[npu_node(s)].name == STAGES[s].name));
     let chunks: Vec<DagChunk> = plan.chunks.iter().map(|c| DagChunk { rows: c.padded_len, margin: c.margin }).collect();
     SubgraphDag::new(&stages, n_layer, Some(StageDesc::new("tail", Processor::Cpu, false)), &chunks)
 }
@@ -290,7 +306,7 @@ impl Model {
         // chunk to fill, and one worker on the pool measured 4-6% faster than FIFO's four at
         // 1024 tokens (SmolLM2, 2 cores): the chunks run in order whatever the policy.
         let in_order = self.chunks_in_order();
-        let workers = if in_order { 1 } else { plan.chunks.len().min(self.sched.chunks_in_flight.max(1)) };
+        let workers = if in_order { 1 } else { plan.chunks.len().min(self.sched.chunks_in_flight) };
         if self.policy_set_aside(plan.chunks.len()) {
             tracing::debug!(policy = self.sched.policy.name(), "host executor sharing the CPU stages' pool: chunks run in order");
         }
@@ -365,7 +381,7 @@ impl Model {
             dag.node_at(chunk.index, l, s).ok_or_else(|| Error::Internal(format!("sched: no node for chunk {} layer {l} stage {s}", chunk.index)))
         };
         let (m, n_valid) = (chunk.padded_len, chunk.len);
-        let mut cpu = Some(runner.acquire(node(0, 0)?)?);
+        let mut cpu = Some(runner.acquire(node(0, cpu_node(0))?)?);
         let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
         ids.resize(m, 0);
         let mut x = Residual::new(self.embed_rows(&ids)?);
@@ -391,14 +407,14 @@ impl Model {
             };
             let mut run = |s: usize, h: &Tensor| -> Result<Vec<Tensor>> {
                 // The CPU node after this stage: the next stage's input, or the next layer's.
-                let next = if s + 1 < Model::NPU_STAGES_PER_LAYER { node(l, 2 * s + 2)? } else { node(l + 1, 0)? };
+                let next = if s + 1 < N_STAGES { node(l, cpu_node(s + 1))? } else { node(l + 1, cpu_node(0))? };
                 let ys = match graphs {
                     Some(graphs) => {
                         let (input, outliers) = stage.prepare(s, h)?;
                         cpu = None;
                         let outs = {
                             // The NPU's grant, or the CPU's for a margin's host graphs.
-                            let _grant = runner.acquire(node(l, 2 * s + 1)?)?;
+                            let _grant = runner.acquire(node(l, npu_node(s))?)?;
                             let exec = || match chunk.margin {
                                 true => graphs[l][s].execute_rows(&[&input], m),
                                 false => graphs[l][s].execute(&[&input]),
@@ -415,7 +431,7 @@ impl Model {
                     // (Each grant is released before the next is asked for: both are the CPU's.)
                     _ => {
                         cpu = None;
-                        let linears = runner.acquire(node(l, 2 * s + 1)?)?;
+                        let linears = runner.acquire(node(l, npu_node(s))?)?;
                         let ys = layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>()?;
                         drop(linears);
                         cpu = Some(runner.acquire(next)?);
@@ -485,11 +501,15 @@ impl Model {
         self.chunks_in_order() && self.sched.policy != Policy::InOrder && chunks > 1
     }
 
-    /// How the next prefills are scheduled.
-    pub fn set_sched(&mut self, sched: SchedOptions) {
+    /// Schedules the next prefills with `sched` instead of [`LoadOptions::sched`] (for
+    /// comparisons of schedules on one loaded model); checked as at load.
+    pub fn set_sched(&mut self, sched: SchedOptions) -> Result<()> {
+        sched.validate(self.cfg.context_len)?;
         self.sched = sched;
+        Ok(())
     }
 
+    /// How prefills are scheduled.
     pub fn sched(&self) -> &SchedOptions {
         &self.sched
     }
@@ -556,11 +576,11 @@ impl Model {
     pub fn layer_graphs(&self, l: usize, m: usize, precision: Precision) -> Result<Vec<Graph>> {
         self.check_profile(precision)?;
         let layer = &self.layers[l];
-        (0..4)
+        (0..N_STAGES)
             .map(|s| {
                 let lins = &layer.stages[s];
                 let k = lins[0].dims().1;
-                let mut g = Graph::new(format!("blk.{l}.{}.m{m}", STAGE_NAMES[s]));
+                let mut g = Graph::new(format!("blk.{l}.{}.m{m}", STAGES[s].name));
                 let x: TensorId = match precision {
                     Precision::F32 => g.input("x", &[m, k], DType::F32, None),
                     Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
@@ -582,9 +602,9 @@ struct Stage<'a> {
     layer: &'a Layer,
     l: usize,
     /// W8A8 input points and whether the shadow path runs (set with a profile).
-    points: Option<&'a [InputPoint; 4]>,
+    points: Option<&'a [InputPoint; N_STAGES]>,
     shadow: bool,
-    a16: Option<&'a [Quant; 4]>,
+    a16: Option<&'a [Quant; N_STAGES]>,
     /// CPU time of the shadow path in this layer.
     shadow_time: Duration,
     rows: &'a Rows,
