@@ -1,5 +1,6 @@
 //! candle-npu: LLM prefill on the Qualcomm Hexagon NPU (or an INT8 host executor), decode on
-//! candle's CPU path. See DESIGN.md in the repository for the architecture.
+//! candle's CPU path. The modules below are the architecture; the decoder engine and the model
+//! families are the `candle-npu-models` crate (`models/` in the repository).
 //!
 //! - [`graph`]: the static graph IR every executor compiles (QNN's quantization convention).
 //! - [`executor`]: the [`executor::Executor`] boundary, the host executor and (feature `qnn`) Hexagon.

@@ -49,8 +49,8 @@ pub enum DecodeWeights {
     /// The checkpoint's own quantized tensor (e.g. a GGUF's Q4_K / Q6_K), a second copy beside
     /// the INT8 one: smaller per weight than Q8_0 but both are resident, and decode and prefill
     /// then use different weight values. Where the source has no quantized form (HF folders),
-    /// falls back to Q8_0 (logged). The README's "Decode weights" table is the measurement
-    /// behind the default.
+    /// falls back to Q8_0 (logged). The "Decode weights" table of `docs/memory.md` is the
+    /// measurement behind the default.
     Checkpoint,
 }
 
@@ -177,8 +177,7 @@ fn q8_0_blocks(q: &[i8], n: usize, k: usize, scale: impl Fn(usize) -> f32) -> Re
 /// The hot input channels' weight columns, `[n_hot, N]`, contiguous (a column of the row-major
 /// weight is strided: one cache line per output), with a channel -> slot index. They hold the
 /// INT8 values (times the row scales when used), not floats: on SmolLM2, multiplying every
-/// outlier with its INT8 column measured the same perplexity as with float columns (README,
-/// "Memory": x F32 1.0051 / 0.9997 / 1.0037 with no float column, 1.0040 / 0.9963 / 1.0094
+/// outlier with its INT8 column measured the same perplexity as with float columns (`docs/memory.md`: x F32 1.0051 / 0.9997 / 1.0037 with no float column, 1.0040 / 0.9963 / 1.0094
 /// with f16 columns for every hot channel), at a quarter of the f32 memory. The hot set is a
 /// speed structure: cold channels' columns are read on every call, from the host executor's
 /// packed weight when one lives (a cache line per 16 outputs) or from the weight.

@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use candle_npu::{Error, Result};
 
+/// The assets directory: `$CANDLE_NPU_ASSETS` when set, else `assets/` at the workspace root
+/// (found from this crate's manifest directory at compile time).
 pub fn dir() -> PathBuf {
     match std::env::var_os("CANDLE_NPU_ASSETS") {
         Some(d) => PathBuf::from(d),
@@ -63,6 +65,9 @@ pub fn wiki_calibration(n_articles: usize) -> Result<Vec<String>> {
     Ok(wiki_articles()?.into_iter().take(n_articles).map(|(_, t)| t).collect())
 }
 
+/// Held-out evaluation text: the last `n_articles` articles of the sorted list (all of them when
+/// there are fewer). Disjoint from [`wiki_calibration`]'s as long as the two counts together stay
+/// within the file's articles.
 pub fn wiki_heldout(n_articles: usize) -> Result<Vec<String>> {
     let a = wiki_articles()?;
     let start = a.len().saturating_sub(n_articles);
@@ -93,8 +98,11 @@ pub fn moby_dick() -> Result<String> {
 /// One MMLU test question.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MmluQuestion {
+    /// The subject, one of 57 (the file's `topic`, e.g. "moral scenarios").
     pub subject: String,
+    /// The question text.
     pub question: String,
+    /// Choices A to D, in order.
     pub choices: [String; 4],
     /// Index of the correct choice (A = 0).
     pub answer: usize,

@@ -13,8 +13,12 @@ use crate::spec::{Config, FamilySpec, LayerSpec, RopeLayout};
 /// The rows a layer runs on: positions `start..start + m`, of which the first `n_valid` are
 /// tokens (the rest pad a chunk to its graph's length), with RoPE tables for each base in use.
 pub struct Rows {
+    /// Position of the first row: the tokens the cache held before the pass plus the chunk's
+    /// offset in the prompt.
     pub start: usize,
+    /// Rows in the pass: a chunk's graph length (padding included), or the token count on the CPU.
     pub m: usize,
+    /// Rows that are tokens, the only ones appended to the KV cache (`n_valid <= m`).
     pub n_valid: usize,
     /// Tokens the KV cache will hold after this pass (its allocation).
     pub reserve: usize,
@@ -23,6 +27,8 @@ pub struct Rows {
 }
 
 impl Rows {
+    /// The rows `start..start + m` (the first `n_valid` of them tokens) with the RoPE tables of
+    /// each distinct base among `spec`'s layers (Gemma 3 has two), computed once per pass.
     pub fn new(spec: &FamilySpec, start: usize, m: usize, n_valid: usize, reserve: usize) -> Result<Self> {
         let mut rope: Vec<(f32, Vec<f32>, Vec<f32>)> = vec![];
         for l in &spec.layers {
@@ -73,6 +79,7 @@ impl KvCache {
         self.len
     }
 
+    /// No tokens held.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -146,7 +153,9 @@ impl KvCache {
 
 /// Per-head RMSNorm weights of Q and K (Gemma 3).
 pub struct QkNorm {
+    /// The query norm's weight, `[head_dim]`, applied to every query head.
     pub q: Tensor,
+    /// The key norm's weight, `[head_dim]`, applied to every KV head.
     pub k: Tensor,
 }
 

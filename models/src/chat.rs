@@ -18,7 +18,11 @@ use crate::gguf::Gguf;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChatTemplate {
     /// `<|im_start|>role\n...<|im_end|>` (SmolLM2, Qwen2), with the template's default system text.
-    ChatMl { system: Option<String> },
+    ChatMl {
+        /// The system text the template inserts when a conversation has none (SmolLM2's,
+        /// Qwen2.5's), put before the first turn only; `None`: no system turn.
+        system: Option<String>,
+    },
     /// `<start_of_turn>user\n...<end_of_turn>` then `<start_of_turn>model\n` (Gemma).
     Gemma,
     /// `<|user|>\n...<|end|>` then `<|assistant|>\n` (Phi-3).

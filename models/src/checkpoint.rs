@@ -17,6 +17,7 @@ use crate::gguf::Gguf;
 /// Where one engine tensor lives in a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mapped {
+    /// The tensor's name in the checkpoint (`model.layers.3.self_attn.q_proj.weight`).
     pub name: String,
     /// Rows `start..start + len` of a fused matrix of `total` rows (Phi-3's `qkv_proj`,
     /// `gate_up_proj`): `(start, len, total)`.
@@ -24,6 +25,7 @@ pub struct Mapped {
 }
 
 impl Mapped {
+    /// All of tensor `name`: a rename, the common case.
     pub fn whole(name: impl Into<String>) -> Self {
         Mapped { name: name.into(), rows: None }
     }
@@ -32,8 +34,13 @@ impl Mapped {
 /// Engine name (GGUF convention) -> checkpoint location.
 pub type NameMap = dyn Fn(&str) -> Mapped;
 
+/// A model's tensors by their checkpoint names, whatever the format: what
+/// [`Model::load`](crate::Model::load) reads the weights through, each failure an error naming
+/// the file and the tensor.
 pub trait Checkpoint {
+    /// The file or folder, for error messages.
     fn path(&self) -> &Path;
+    /// Whether the tensor exists (how an optional one, e.g. an untied `output.weight`, is found).
     fn contains(&self, name: &str) -> bool;
     /// A vector (norm weight, bias) as F32.
     fn vector(&self, name: &str) -> Result<Tensor>;
@@ -99,10 +106,13 @@ pub struct GgufCheckpoint {
 }
 
 impl GgufCheckpoint {
+    /// The checkpoint of an opened GGUF, with a handle on its file of its own that the matrices
+    /// are read through (positioned reads: no cursor shared with `g`'s reader).
     pub fn new(g: Arc<Gguf>) -> Result<Self> {
         let f = std::fs::File::open(&g.path).map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot open: {e}") })?;
         Ok(GgufCheckpoint { g, file: Arc::new(f) })
     }
+    /// The parsed file: metadata and tensor directory.
     pub fn gguf(&self) -> &Gguf {
         &self.g
     }
@@ -145,6 +155,8 @@ pub struct GgufWeight {
 }
 
 impl GgufWeight {
+    /// Tensor `tensor` of `g`, to be read through `file` (a handle on `g`'s file): checked to be
+    /// a matrix of whole quantization blocks per row; nothing is read yet.
     pub fn new(g: &Gguf, file: Arc<std::fs::File>, tensor: &str) -> Result<Self> {
         let info = g.content.tensor_infos.get(tensor).ok_or_else(|| Error::MissingTensor { path: g.path.clone(), name: tensor.to_string() })?;
         let dims = info.shape.dims();

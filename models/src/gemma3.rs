@@ -14,6 +14,9 @@ const SLIDING_PATTERN: usize = 6;
 const GLOBAL_BASE: f32 = 1_000_000.0;
 const LOCAL_BASE: f32 = 10_000.0;
 
+/// A `gemma3` GGUF: the window `gemma3.attention.sliding_window` (required); the layer pattern
+/// and both RoPE bases from the metadata, else candle-transformers' defaults (every sixth layer
+/// global at base 1e6, the others sliding at 1e4).
 pub fn gguf_spec(g: &Gguf, cfg: &Config) -> Result<FamilySpec> {
     let window = g.u32("gemma3.attention.sliding_window")? as usize;
     let pattern = g.opt_u32("gemma3.attention.sliding_window_type")?.map_or(SLIDING_PATTERN, |v| v as usize).max(1);

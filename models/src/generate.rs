@@ -21,10 +21,12 @@ pub struct GenerateOptions {
     pub top_p: Option<f64>,
     /// Only the `k` most likely tokens (with a temperature; with `top_p` too, top-k first).
     pub top_k: Option<usize>,
+    /// Seed of the sampler's random numbers (unused when greedy).
     pub seed: u64,
     /// Penalty on the logits of tokens among the last `repeat_last_n` of the conversation; 1.0
     /// (the default) is none.
     pub repeat_penalty: f32,
+    /// How many of the conversation's last tokens the repeat penalty applies to.
     pub repeat_last_n: usize,
 }
 
@@ -98,10 +100,12 @@ pub struct GenerateStats {
     pub generated_tokens: usize,
     /// Time of the decode steps after the first token.
     pub decode: Duration,
+    /// Why generation stopped.
     pub stop: StopReason,
 }
 
 impl GenerateStats {
+    /// Prefill speed: this answer's prompt tokens over the prefill time.
     pub fn prefill_tokens_per_sec(&self) -> f64 {
         self.prompt_tokens as f64 / self.prefill.as_secs_f64().max(1e-9)
     }

@@ -12,14 +12,22 @@ use candle_npu::{Error, Result};
 
 use crate::spec::Config;
 
+/// A parsed GGUF file whose every tensor lies within the file ([`Gguf::open`] checks), with typed
+/// metadata reads that name the key in their errors.
 pub struct Gguf {
+    /// The file: errors name it, and [`crate::checkpoint::GgufCheckpoint`] reopens it for matrices.
     pub path: PathBuf,
+    /// candle's parse of the header: metadata, tensor directory, data offset.
     pub content: gguf_file::Content,
-    /// One open file serves tensor loading and the shadow path's cold-column reads.
+    /// One open file serves `qtensor` and `f32_tensor` (matrices are read through the
+    /// checkpoint's own handle).
     reader: std::sync::Mutex<BufReader<File>>,
 }
 
 impl Gguf {
+    /// Parses `path`'s header and checks every tensor's shape and byte range against the file's
+    /// length, so a truncated or damaged file fails here, naming its path, and not inside model
+    /// loading; a panic of candle's reader on a bad header is reported as this file's error.
     pub fn open(path: &Path) -> Result<Self> {
         let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason };
         let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
@@ -68,22 +76,27 @@ impl Gguf {
         Error::Model { path: self.path.clone(), reason: format!("metadata '{key}': {e}") }
     }
 
+    /// Metadata `key` as a u32: an error naming the key when it is absent or of another type.
     pub fn u32(&self, key: &str) -> Result<u32> {
         self.md(key)?.to_u32().map_err(|e| self.md_err(key, e))
     }
 
+    /// Metadata `key` as an f32, as [`Gguf::u32`].
     pub fn f32(&self, key: &str) -> Result<f32> {
         self.md(key)?.to_f32().map_err(|e| self.md_err(key, e))
     }
 
+    /// Metadata `key` as a string, as [`Gguf::u32`].
     pub fn string(&self, key: &str) -> Result<String> {
         self.md(key)?.to_string().cloned().map_err(|e| self.md_err(key, e))
     }
 
+    /// Whether the file has a tensor `name`.
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
     }
 
+    /// Tensor `name` as stored (the file's quantization), read now through the shared reader.
     pub fn qtensor(&self, name: &str) -> Result<QTensor> {
         if !self.has_tensor(name) {
             return Err(Error::MissingTensor { path: self.path.clone(), name: name.to_string() });
@@ -100,6 +113,7 @@ impl Gguf {
         Ok(self.qtensor(name)?.dequantize(&Device::Cpu)?)
     }
 
+    /// Every metadata key with its value.
     pub fn metadata(&self) -> &std::collections::HashMap<String, gguf_file::Value> {
         &self.content.metadata
     }
@@ -108,6 +122,7 @@ impl Gguf {
     pub fn opt_u32(&self, key: &str) -> Result<Option<u32>> {
         self.metadata().get(key).map(|v| v.to_u32().map_err(|e| self.md_err(key, e))).transpose()
     }
+    /// Optional f32 metadata, as [`Gguf::opt_u32`].
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
         self.metadata().get(key).map(|v| v.to_f32().map_err(|e| self.md_err(key, e))).transpose()
     }

@@ -17,6 +17,7 @@ pub struct HfConfig {
 }
 
 impl HfConfig {
+    /// Reads `dir/config.json`: an error naming the file when it is unreadable or not JSON.
     pub fn open(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| Error::Model { path: path.clone(), reason: format!("cannot read: {e}") })?;
@@ -33,21 +34,28 @@ impl HfConfig {
         self.json.get(key).filter(|v| !v.is_null())
     }
 
+    /// Field `key` as a non-negative integer; `None` when absent or null, an error when of
+    /// another type.
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         self.field(key).map(|v| v.as_u64().map(|v| v as usize).ok_or_else(|| self.bad(format!("field '{key}' is not a non-negative integer: {v}")))).transpose()
     }
+    /// Field `key` as a non-negative integer; absent is an error.
     pub fn usize(&self, key: &str) -> Result<usize> {
         self.opt_usize(key)?.ok_or_else(|| self.bad(format!("missing field '{key}'")))
     }
+    /// Field `key` as a number (integers too); `None` when absent or null.
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         self.field(key).map(|v| v.as_f64().ok_or_else(|| self.bad(format!("field '{key}' is not a number: {v}")))).transpose()
     }
+    /// Field `key` as a number; absent is an error.
     pub fn f64(&self, key: &str) -> Result<f64> {
         self.opt_f64(key)?.ok_or_else(|| self.bad(format!("missing field '{key}'")))
     }
+    /// Field `key` as a string; `None` when absent or null.
     pub fn opt_str(&self, key: &str) -> Result<Option<&str>> {
         self.field(key).map(|v| v.as_str().ok_or_else(|| self.bad(format!("field '{key}' is not a string: {v}")))).transpose()
     }
+    /// Field `key` as a boolean; `default` when absent or null.
     pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         self.field(key).map_or(Ok(default), |v| v.as_bool().ok_or_else(|| self.bad(format!("field '{key}' is not a boolean: {v}"))))
     }
@@ -97,7 +105,7 @@ impl HfConfig {
     }
 
     /// Biases on the attention or MLP projections (`attention_bias`, `mlp_bias`) are not in the
-    /// Llama / Mistral spec: refused rather than dropped.
+    /// Llama / Mistral / Phi-3 spec: refused rather than dropped.
     pub fn check_no_biases(&self) -> Result<()> {
         for key in ["attention_bias", "mlp_bias"] {
             if self.field(key).and_then(|v| v.as_bool()) == Some(true) {

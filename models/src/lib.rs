@@ -10,6 +10,8 @@
 //! - [`chat`]: chat templates and stop tokens; [`generate`]: sampling, streaming and multi-turn
 //!   [`session::Session`]s (KV kept between turns, saved and restored) on a [`Pipeline`].
 
+#![warn(missing_docs)]
+
 pub mod assets;
 pub mod attention;
 pub mod chat;

@@ -9,6 +9,8 @@ use crate::gguf::Gguf;
 use crate::hf::HfConfig;
 use crate::spec::{Config, FamilySpec, RopeLayout};
 
+/// A `llama` GGUF: interleaved RoPE (llama.cpp's permuted Q/K rows) at `llama.rope.freq_base`
+/// (10,000 when absent).
 pub fn gguf_spec(g: &Gguf, cfg: &Config) -> Result<FamilySpec> {
     let base = g.opt_f32("llama.rope.freq_base")?.unwrap_or(10_000.0);
     Ok(FamilySpec::plain("llama", cfg, RopeLayout::Interleaved, base))

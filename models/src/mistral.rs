@@ -7,6 +7,8 @@ use candle_npu::Result;
 use crate::hf::HfConfig;
 use crate::spec::{Config, FamilySpec, LayerSpec, RopeLayout};
 
+/// An HF Mistral folder: NeoX RoPE at `rope_theta` (10,000 when absent), every layer within
+/// `sliding_window` when the config sets it; SiLU only, no RoPE scaling or projection biases.
 pub fn hf_spec(hf: &HfConfig, cfg: &Config) -> Result<FamilySpec> {
     hf.check_silu()?;
     hf.check_no_rope_scaling()?;

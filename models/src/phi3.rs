@@ -9,9 +9,13 @@ use crate::checkpoint::Mapped;
 use crate::hf::{standard_name, HfConfig};
 use crate::spec::{Config, FamilySpec, LayerSpec, RopeLayout};
 
+/// An HF Phi-3 folder: NeoX RoPE at `rope_theta` (10,000 when absent) over the
+/// `partial_rotary_factor` share of each head (all of it when absent), every layer within
+/// `sliding_window` when set; SiLU only, no RoPE scaling. Its tensor names: [`names`].
 pub fn hf_spec(hf: &HfConfig, cfg: &Config) -> Result<FamilySpec> {
     hf.check_silu()?;
     hf.check_no_rope_scaling()?;
+    hf.check_no_biases()?;
     let base = hf.opt_f64("rope_theta")?.unwrap_or(10_000.0) as f32;
     let rope_dims = match hf.opt_f64("partial_rotary_factor")? {
         Some(f) if f > 0.0 && f <= 1.0 => (f * cfg.head_dim as f64) as usize,

@@ -45,10 +45,18 @@ pub const SHIPPED_CALIBRATION_TEXT: &str = include_str!("../data/calibration.txt
 /// many of those sequences layer importance is measured (0: not measured, so no pruning).
 #[derive(Debug, Clone, Copy)]
 pub struct CalibrationSet {
+    /// The text calibrated on.
     pub source: CalibrationSource,
+    /// Windows of text run through the layers (8 by default).
     pub sequences: usize,
+    /// Tokens per window, 1 up to the model's context (256 by default).
     pub seq_len: usize,
+    /// How each point's clip range is chosen from the values observed (by default at most
+    /// [`DEFAULT_OUTLIER_BUDGET`] of them beyond it).
     pub clip: ClipMethod,
+    /// Windows, the first of `sequences`, on which each layer's shadow importance is measured
+    /// for pruning (1 + layers W8A8 passes over them); 0 measures none, the default while
+    /// [`DEFAULT_PRUNE_RATE`] is 0.
     pub importance_sequences: usize,
     /// The hot set: the channels that held this share of the calibration text's outliers (a
     /// second, W8A8 pass counts them); 1.0 keeps every channel that had any (no second pass).
@@ -56,15 +64,15 @@ pub struct CalibrationSet {
 }
 
 /// The outlier budget of the default clip ranges: at most this share of calibration values lies
-/// beyond a point's range (see README, "Shadow outliers", for the measured choice).
+/// beyond a point's range (see `docs/shadow.md`, "Clip budget", for the measured choice).
 pub const DEFAULT_OUTLIER_BUDGET: f64 = 1e-2;
 
 /// The share of layers whose shadow path is pruned by default, chosen from the measured
-/// perplexity / shadow-time curve (README, "Shadow outliers").
+/// perplexity / shadow-time curve (`docs/eval.md`, "Pruning curve").
 pub const DEFAULT_PRUNE_RATE: f64 = 0.0;
 
-/// The share of calibration outliers the hot channels hold by default (README, "Shadow
-/// outliers": the measured memory / cold-read trade-off).
+/// The share of calibration outliers the hot channels hold by default (`docs/memory.md`: the
+/// measured memory / shadow-time trade-off).
 pub const DEFAULT_HOT_COVERAGE: f64 = 1.0;
 
 impl Default for CalibrationSet {
@@ -170,7 +178,7 @@ impl Pipeline {
     /// Calibrate on `set.sequences` windows of `set.seq_len` tokens of `set.source`'s text: clip
     /// ranges and hot channels (narrowed to `set.hot_coverage` of the outliers by a counting
     /// pass when it is below 1), then (if `set.importance_sequences > 0`) each layer's shadow
-    /// importance on the first of those windows. The model uses the profile afterwards.
+    /// importance on the first `importance_sequences` of those windows. The model uses the profile afterwards.
     /// `progress(done, total)` counts sequences, counting passes, then importance passes.
     pub fn calibrate(&mut self, set: CalibrationSet, progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
         let seqs = self.calibration_sequences(set)?;
@@ -288,6 +296,7 @@ pub struct TextStream {
 }
 
 impl TextStream {
+    /// A stream with no tokens yet: one per answer.
     pub fn new() -> Self {
         Self::default()
     }

@@ -7,6 +7,8 @@ use crate::gguf::Gguf;
 use crate::hf::HfConfig;
 use crate::spec::{Config, FamilySpec, RopeLayout};
 
+/// A `qwen2` GGUF: biases on Q, K and V, NeoX RoPE at `qwen2.rope.freq_base` (10,000 when
+/// absent).
 pub fn gguf_spec(g: &Gguf, cfg: &Config) -> Result<FamilySpec> {
     let base = g.opt_f32("qwen2.rope.freq_base")?.unwrap_or(10_000.0);
     Ok(FamilySpec { qkv_bias: true, ..FamilySpec::plain("qwen2", cfg, RopeLayout::Neox, base) })

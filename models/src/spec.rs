@@ -10,14 +10,24 @@ use candle_npu::Result;
 /// Sizes of a decoder-only transformer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
+    /// Decoder layers.
     pub n_layer: usize,
+    /// Width of the residual stream (the embedding length).
     pub hidden: usize,
+    /// Query heads.
     pub n_head: usize,
+    /// Key/value heads: `n_head` is a multiple of it (grouped-query attention; equal without).
     pub n_kv_head: usize,
+    /// Size of one head: usually `hidden / n_head`, unless the checkpoint states its own (Gemma 3).
     pub head_dim: usize,
+    /// Inner width of the FFN (the gate and up outputs).
     pub ffn: usize,
+    /// Vocabulary size: rows of the embedding table, logits per position.
     pub vocab: usize,
+    /// RMSNorm epsilon, as the checkpoint gives it (the norms use it as f32).
     pub rms_eps: f64,
+    /// Positions the model takes, prompt and generated tokens together; the KV cache never holds
+    /// more.
     pub context_len: usize,
 }
 
@@ -79,6 +89,8 @@ impl Activation {
     }
 
 
+    /// `act(x)` alone, with candle's ops: [`Activation::gated`]'s path for anything but f32 rows
+    /// of one shape.
     pub fn apply(self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Activation::Silu => candle_nn::ops::silu(x)?,
@@ -101,6 +113,8 @@ pub enum RopeLayout {
 /// What differs between layers of one model.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LayerSpec {
+    /// RoPE's frequency base (`theta`) for this layer's positions: per layer because Gemma 3's
+    /// sliding layers use another base than its global ones.
     pub rope_base: f32,
     /// Sliding-window attention: a position sees itself and the `window - 1` before it (HF's and
     /// llama.cpp's convention); `None` is global attention.
@@ -112,10 +126,13 @@ pub struct LayerSpec {
 pub struct FamilySpec {
     /// For messages and graph names: "llama", "qwen2", "gemma3", "phi3", "mistral".
     pub family: &'static str,
+    /// The FFN's gate activation.
     pub activation: Activation,
+    /// Which dimensions of a head RoPE pairs, as the checkpoint's Q/K rows are laid out.
     pub rope: RopeLayout,
     /// Rotated dimensions of each head (all of them unless the checkpoint says otherwise).
     pub rope_dims: usize,
+    /// One per layer (`Config::n_layer` of them): RoPE base and attention window.
     pub layers: Vec<LayerSpec>,
     /// RMSNorm of each head's query and key before RoPE (Gemma 3).
     pub qk_norm: bool,

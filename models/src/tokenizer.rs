@@ -2,7 +2,7 @@
 //! `tokenizer.json` can be used instead ([`from_file`]).
 //!
 //! The reference is llama.cpp: a tokenizer built here must give the ids `llama-tokenize` gives
-//! for the same file (tests/tokenizer.rs checks this on every model of ASSETS.md). Two GGUF
+//! for the same file (tests/tokenizer.rs checks this on every real model `scripts/setup.sh` fetches). Two GGUF
 //! tokenizer models are understood:
 //!
 //! - `tokenizer.ggml.model = "gpt2"`: GPT-2 byte-level BPE with the file's merge list, after the
@@ -110,6 +110,7 @@ pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
     Ok(tok)
 }
 
+/// A Hugging Face `tokenizer.json`: an HF folder's tokenizer, or one given in place of a GGUF's own.
 pub fn from_file(path: &Path) -> Result<Tokenizer> {
     Tokenizer::from_file(path).map_err(|e| Error::Model { path: path.to_path_buf(), reason: format!("tokenizer: {e}") })
 }

@@ -15,7 +15,7 @@
 //! NPU  O                                      graph blk.L.o
 //! CPU  shadow; residual, rmsnorm; quantize + extract (point blk.L.ffn_in)
 //! NPU  gate, up                               graph blk.L.gate_up
-//! CPU  shadow; SiLU(gate) * up; quantize + extract (point blk.L.ffn_down_in)
+//! CPU  shadow; act(gate) * up; quantize + extract (point blk.L.ffn_down_in)
 //! NPU  down                                   graph blk.L.down
 //! CPU  shadow; residual
 //! ```
@@ -357,22 +357,28 @@ impl Model {
         })
     }
 
+    /// How the family's layer computes.
     pub fn spec(&self) -> &FamilySpec {
         &self.spec
     }
 
+    /// The model's sizes.
     pub fn config(&self) -> &Config {
         &self.cfg
     }
 
+    /// Identifies the weights (sha256 of the checkpoint's files): quant profiles and saved KV
+    /// states are checked against it.
     pub fn model_id(&self) -> &str {
         &self.model_id
     }
 
+    /// The device the NPU stages are prepared and run on.
     pub fn device(&self) -> &NpuDevice {
         &self.device
     }
 
+    /// Arithmetic of the NPU stages in prefill ([`LoadOptions::precision`]).
     pub fn precision(&self) -> Precision {
         self.precision
     }
@@ -382,6 +388,8 @@ impl Model {
         self.pos
     }
 
+    /// The quant profile in use, once one is set ([`Model::set_profile`]): clip ranges, hot
+    /// channels, layer importance.
     pub fn profile(&self) -> Option<&QuantProfile> {
         self.profile.as_ref()
     }
@@ -551,7 +559,7 @@ pub fn mean_nll(logits: &Tensor, tokens: &[u32]) -> Result<f64> {
     Ok(nll / (tokens.len() - 1) as f64)
 }
 
-/// Greedy or sampled next token from logits (candle's `LogitsProcessor` conventions).
+/// The logits as one flat `Vec<f32>` (any shape, any float dtype), as samplers take them.
 pub fn logits_f32(logits: &Tensor) -> Result<Vec<f32>> {
     Ok(logits.to_dtype(CDType::F32)?.flatten_all()?.to_vec1()?)
 }

@@ -124,6 +124,7 @@ impl Model {
         std::mem::take(&mut self.shadow_time)
     }
 
+    /// Zeroes every quantization point's outlier counts (what [`Model::point_stats`] reports).
     pub fn reset_point_stats(&self) {
         self.points.iter().flatten().for_each(InputPoint::reset_stats);
     }

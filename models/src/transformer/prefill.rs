@@ -13,7 +13,7 @@ pub(super) enum GraphSet {
 }
 
 /// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin). The defaults were chosen by
-/// measurement (README, "Out-of-order prefill and margins"): FIFO, 4 chunks in flight, graphs of
+/// measurement (`docs/scheduling.md`): FIFO, 4 chunks in flight, graphs of
 /// the chunk length and of 32 rows, the rest a CPU margin with the host executor
 /// ([`SchedOptions::default`]) or padded beside a real NPU ([`SchedOptions::for_device`]).
 #[derive(Debug, Clone)]
