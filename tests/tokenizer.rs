@@ -1,4 +1,4 @@
-//! Tokenizers built from GGUF metadata give llama.cpp's ids on every real model of ASSETS.md
+//! Tokenizers built from GGUF metadata give llama.cpp's ids on every real model `scripts/setup.sh` fetches
 //! (SmolLM2: GPT-2 BPE + `smollm` split; Qwen2.5: GPT-2 BPE + `qwen2` split; Gemma 3:
 //! SentencePiece BPE with BOS), round-trip text, keep control tokens whole, and refuse what they
 //! cannot build with an error rather than a panic.

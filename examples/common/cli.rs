@@ -113,7 +113,7 @@ struct Args {
     seed: u64,
     /// Rows of the static NPU graphs; the prompt is cut into chunks of this length. Default:
     /// 256, except 32 for `--executor hexagon` on x86, where the HTP is an emulator (~0.3-1
-    /// GMAC/s: one 256-row chunk of SmolLM2 took about 4 minutes there, a 32-row one 30 s).
+    /// GMAC/s: a 32-row chunk of SmolLM2 takes about 12 s there, a 256-row one minutes).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_CHUNK_LEN as i64))]
     chunk_len: Option<u32>,
     #[arg(long, value_enum, default_value = "host")]
@@ -124,7 +124,7 @@ struct Args {
     /// Float prefill (no quantization), e.g. to compare against W8A8.
     #[arg(long)]
     f32_prefill: bool,
-    /// Weights of the CPU decode path (README, "Decode weights", has the measurements).
+    /// Weights of the CPU decode path (docs/memory.md, "Decode weights", has the measurements).
     #[arg(long, value_enum, default_value = "q8_0")]
     decode_weights: DecodeFormat,
     /// Quant profile file (default: next to the model; calibrated and saved when missing).
