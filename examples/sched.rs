@@ -149,6 +149,10 @@ fn main() -> Result<()> {
     if args.reps == 0 || args.lens.is_empty() || args.lens.contains(&0) {
         bail!("--reps and every --lens value must be at least 1");
     }
+    // Before the minutes of runs the chart comes after.
+    if args.sections.iter().any(|s| s == "real") {
+        candle_npu::fs::check_output_path(&args.png, "--png")?;
+    }
     // As the CLI does (see the function).
     candle_npu_models::memory::limit_malloc_arenas(1);
     let on = |s: &str| args.sections.iter().any(|x| x == s);

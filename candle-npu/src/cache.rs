@@ -32,9 +32,19 @@
 //!
 //! A missing file is a miss. A file that is truncated, corrupt (checksum), or holds another
 //! key is [`Lookup::Invalid`]: the caller rebuilds the graph, logs a warning and overwrites the
-//! file. Writes go to a temporary file in the same folder and are renamed into place, so a
+//! file. So is anything at an entry's name that is not a regular file (a folder, a FIFO, a
+//! device: refused before it is opened) or is larger than [`ENTRY_LIMIT`] (refused before it is
+//! read); a write never replaces what is not a regular file, so such an entry stays a warning.
+//! Writes go to a temporary file in the same folder and are renamed into place, so a
 //! crash or a concurrent writer never leaves a half-written file under the final name. A failed
 //! write is a warning, not an error: the cache only saves time.
+//!
+//! A writer killed mid-write (SIGKILL, power loss) leaves its temporary file
+//! (`.<entry>.bin.tmp.<pid>.<seq>.<nanos>`). Opening the cache ([`GraphCache::new`]) deletes the
+//! regular files of that name last modified more than [`STALE_TEMP_AGE`] ago, far longer than
+//! any write takes, so never a live writer's (this process's or another's sharing the folder);
+//! it logs their count and bytes at info. Nothing else in the folder is touched, and a temporary
+//! file that cannot be deleted is a warning, never an error.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -47,6 +57,14 @@ use crate::error::{Error, Result};
 const MAGIC: &[u8; 8] = b"CNPUGRF2";
 /// Side tables are a handful of tensor ids; anything larger is a corrupt length field.
 const MAX_META: u32 = 1 << 16;
+/// The largest entry read: 4 GiB. A context binary is loaded whole into the Hexagon NPU's 32-bit
+/// address space, so no usable one is larger (SmolLM2's largest graph is 2.6 MB; an FFN layer of
+/// a 70B model, 8192 x 28672 x 2 INT8 weights, 470 MB).
+pub const ENTRY_LIMIT: u64 = 4 << 30;
+/// Age after which a temporary file of an interrupted write is deleted: an hour. A write is one
+/// context binary, at most [`ENTRY_LIMIT`], from memory to a local disk: seconds, a minute on a
+/// slow card; its file's modification time moves with every write, so an hour-old one is dead.
+pub const STALE_TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// Identifies one compiled graph: see the [module documentation](self).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -103,9 +121,45 @@ pub struct GraphCache {
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl GraphCache {
-    /// A cache in `dir`; the folder is created by the first [`store`](Self::store).
+    /// A cache in `dir`; the folder is created by the first [`store`](Self::store). Temporary
+    /// files that killed writers left in it are deleted (see the module's failure policy).
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        GraphCache { dir: dir.into() }
+        let cache = GraphCache { dir: dir.into() };
+        cache.remove_stale_temporaries();
+        cache
+    }
+
+    /// Deletes the temporary files of interrupted writes ([`is_entry_temp_name`]) last modified
+    /// more than [`STALE_TEMP_AGE`] ago; logs what it did. Never fails: the cache only saves time.
+    fn remove_stale_temporaries(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return; // No folder yet (created by the first store), or unreadable: the loads will say.
+        };
+        let (mut files, mut bytes) = (0u64, 0u64);
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            if !name.to_str().is_some_and(is_entry_temp_name) {
+                continue;
+            }
+            // Not followed: only a regular file of that name is a temporary file of ours.
+            let Ok(meta) = entry.metadata() else { continue };
+            let stale = meta.modified().ok().and_then(|m| m.elapsed().ok()).is_some_and(|age| age > STALE_TEMP_AGE);
+            if !meta.file_type().is_file() || !stale {
+                continue;
+            }
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => {
+                    files += 1;
+                    bytes += meta.len();
+                }
+                // Another process may have just removed it too.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(path = %entry.path().display(), "graph cache: cannot delete a stale temporary file: {e}"),
+            }
+        }
+        if files > 0 {
+            tracing::info!(dir = %self.dir.display(), files, bytes, "graph cache: deleted the temporary files of interrupted writes");
+        }
     }
 
     /// The folder holding the cache files.
@@ -124,10 +178,10 @@ impl GraphCache {
     /// policy says what the caller does then).
     pub fn load(&self, name: &str, key: &CacheKey) -> Lookup {
         let path = self.path(name, key);
-        let bytes = match std::fs::read(&path) {
+        let bytes = match crate::fs::read_bounded(&path, ENTRY_LIMIT, "graph cache entry") {
             Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Lookup::Miss,
-            Err(e) => return Lookup::Invalid(format!("{}: {e}", path.display())),
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => return Lookup::Miss,
+            Err(e) => return Lookup::Invalid(e.to_string()),
         };
         match parse(&bytes, key) {
             Ok(entry) => Lookup::Hit(entry),
@@ -159,13 +213,25 @@ impl GraphCache {
 /// and renamed into place, so a reader never sees half a file. The temporary name is unique per
 /// process, writer and moment (two containers sharing the folder can have the same pid), and
 /// `create_new` refuses to reuse a name rather than truncate another writer's.
+///
+/// Only a regular file at `path` is replaced: a folder, a symbolic link (the rename would
+/// replace the link itself), a device (as root, `/dev/null` would become a file), a FIFO or a
+/// socket there is an error naming the path and what is there, checked before writing and again
+/// before the rename. [`crate::fs::check_output_path`] checks the same before long work.
 pub fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>) -> Result<()> {
+    let replaceable = || match crate::fs::not_replaceable(path) {
+        Ok(None) => Ok(()),
+        Ok(Some(what)) => Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: not replaced"))),
+        Err(e) => Err(e),
+    };
+    replaceable().map_err(|e| Error::io(path, e))?;
     let tmp = temp_path(path);
     let run = || -> std::io::Result<()> {
         let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         let mut f = std::io::BufWriter::new(file);
         write(&mut f)?;
         f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        replaceable()?;
         std::fs::rename(&tmp, path)
     };
     run().map_err(|e| {
@@ -189,11 +255,24 @@ fn temp_path(path: &Path) -> PathBuf {
     ))
 }
 
+/// Whether `name` is that of a temporary file [`temp_path`] makes for a cache entry:
+/// `.<name>.bin.tmp.<pid>.<seq>.<nanos>`, the three numbers in decimal digits.
+fn is_entry_temp_name(name: &str) -> bool {
+    let mut parts = name.rsplitn(4, '.');
+    let numbers = [parts.next(), parts.next(), parts.next()];
+    let digits = |s: Option<&str>| s.is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
+    numbers.into_iter().all(digits)
+        && parts.next().and_then(|r| r.strip_prefix('.')).and_then(|r| r.strip_suffix(".bin.tmp")).is_some_and(|entry| !entry.is_empty())
+}
+
 /// Checks, before long work whose result goes to `path`, that [`write_atomic`] could write it:
-/// `path` is not a folder, and its folder exists and takes a new file (one is made and removed).
+/// `path` is absent or a regular file (not a folder, a symbolic link, a device...), and its
+/// folder exists and takes a new file (one is made and removed).
 pub fn check_writable(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        return Err(Error::io(path, std::io::Error::other("is a folder, not a file")));
+    match crate::fs::not_replaceable(path) {
+        Ok(None) => {}
+        Ok(Some(what)) => return Err(Error::io(path, std::io::Error::other(what))),
+        Err(e) => return Err(Error::io(path, e)),
     }
     let tmp = temp_path(path);
     std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| Error::io(path, e))?;
@@ -317,6 +396,68 @@ mod tests {
         let other_path = cache.store("g", &other, &[7], &[5u8; 4096]).unwrap();
         let why = invalid(&std::fs::read(other_path).unwrap());
         assert!(why.contains("another graph's key") && why.contains(&path.display().to_string()), "{why}");
+        std::fs::remove_dir_all(cache.dir()).unwrap();
+    }
+
+    #[test]
+    fn opening_deletes_only_stale_temporary_files_of_entries() {
+        let dir = tmp_dir("stale");
+        std::fs::create_dir_all(&dir).unwrap();
+        let entry = GraphCache::new(&dir).path("blk.0.qkv", &CacheKey::new(&[4; 32], ""));
+        let stale = temp_path(&entry);
+        let fresh = temp_path(&entry);
+        assert!(is_entry_temp_name(stale.file_name().unwrap().to_str().unwrap()), "{}", stale.display());
+        let two_hours_ago = std::time::SystemTime::now() - 2 * STALE_TEMP_AGE;
+        let old = |name: &str, bytes: &[u8]| {
+            let p = dir.join(name);
+            std::fs::write(&p, bytes).unwrap();
+            std::fs::File::options().write(true).open(&p).unwrap().set_modified(two_hours_ago).unwrap();
+            p
+        };
+        let stale = old(stale.file_name().unwrap().to_str().unwrap(), &[1; 100]);
+        std::fs::write(&fresh, [2; 10]).unwrap();
+        // Old, but not a temporary file of an entry: an entry, other files, near misses.
+        let kept: Vec<PathBuf> = [
+            entry.file_name().unwrap().to_str().unwrap(),
+            "notes.txt",
+            ".profile.json.tmp.12.0.5",
+            ".blk.0.qkv-00.bin.tmp.12.x.5",
+            ".blk.0.qkv-00.bin.tmp.12.0",
+            "blk.0.qkv-00.bin.tmp.12.0.5",
+            ".bin.tmp.1.2.3",
+        ]
+        .iter()
+        .map(|n| old(n, b"keep"))
+        .collect();
+        // A folder named like a temporary file is not one.
+        let folder = dir.join(".g-00.bin.tmp.1.2.3");
+        std::fs::create_dir(&folder).unwrap();
+        std::fs::File::open(&folder).unwrap().set_modified(two_hours_ago).unwrap();
+
+        let cache = GraphCache::new(&dir);
+        assert!(!stale.exists(), "the stale temporary file is deleted");
+        assert!(fresh.exists(), "a live writer's temporary file is kept");
+        for p in &kept {
+            assert_eq!(std::fs::read(p).unwrap(), b"keep", "{}", p.display());
+        }
+        assert!(folder.is_dir());
+        // And the cache works as before.
+        assert!(matches!(cache.load("blk.0.qkv", &CacheKey::new(&[4; 32], "")), Lookup::Invalid(_)));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn an_entry_that_is_not_a_regular_file_is_invalid_and_not_replaced() {
+        let cache = GraphCache::new(tmp_dir("special"));
+        let key = CacheKey::new(&[5; 32], "");
+        std::fs::create_dir_all(cache.path("g", &key)).unwrap();
+        match cache.load("g", &key) {
+            Lookup::Invalid(why) => assert!(why.contains("is a folder, not a regular file"), "{why}"),
+            other => panic!("expected invalid, got {other:?}"),
+        }
+        let err = cache.store("g", &key, &[], &[1]).unwrap_err().to_string();
+        assert!(err.contains("is a folder") && err.contains("not replaced"), "{err}");
+        assert!(cache.path("g", &key).is_dir());
         std::fs::remove_dir_all(cache.dir()).unwrap();
     }
 

@@ -9,6 +9,7 @@
 //! - [`linear`]: [`ShadowLinear`], the one object per linear layer (NPU weight, shadow path, decode).
 //! - [`outlier`]: the shadow path's CPU half: clipping, outlier extraction, cold columns.
 //! - [`cache`]: the prepared-graph cache (compiled graphs on disk, validated, atomic writes).
+//! - [`fs`]: files from outside: reads bounded to regular files of a size limit, output paths checked.
 //! - [`chunk`]: the [`ChunkPlan`] that makes graphs shareable across chunks.
 //! - [`sched`]: the [`SubgraphDag`] of (chunk, stage) nodes, scheduling [`Policy`]s, simulation, the
 //!   optimum, and [`Trace`] (out-of-order subgraph execution, llm.npu §3.4).
@@ -21,6 +22,7 @@ pub mod chunk;
 pub mod device;
 pub mod error;
 pub mod executor;
+pub mod fs;
 pub mod graph;
 pub mod kernels;
 pub mod linear;

@@ -325,7 +325,10 @@ impl QuantProfile {
 
     /// Load a profile and check it was made for `model_id` by a build that reads its format.
     pub fn load(path: &Path, model_id: &str) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        // Every channel hot in every point of a 126-layer model of 16384 channels and an FFN of
+        // 53248 (Llama-3 405B), at <= 16 bytes a pretty-printed channel id, is ~200 MB.
+        const PROFILE_LIMIT: u64 = 256 * crate::fs::MIB;
+        let bytes = crate::fs::read_bounded(path, PROFILE_LIMIT, "quant profile")?;
         let bad = |reason: String| Error::Profile { path: path.to_path_buf(), reason };
         let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a quant profile: {e}")))?;
         match v.get("format").and_then(|f| f.as_u64()) {
@@ -337,7 +340,7 @@ impl QuantProfile {
         p.validate().map_err(|why| bad(format!("{why}; delete it to recalibrate")))?;
         if p.model_id != model_id {
             return Err(bad(format!(
-                "calibrated for model {}, not this model ({model_id}); delete it or pass the right --profile",
+                "calibrated for model {}, not this model ({model_id}); delete it to recalibrate, or give this model's profile",
                 p.model_id
             )));
         }

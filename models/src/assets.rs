@@ -46,7 +46,7 @@ fn fetched(name: &str) -> Result<PathBuf> {
 /// calibration and held-out splits are reproducible).
 pub fn wiki_articles() -> Result<Vec<(String, String)>> {
     let path = dir().join("wiki_summaries_en.json");
-    let bytes = std::fs::read(&path).map_err(|e| Error::Io { path: path.clone(), source: e })?;
+    let bytes = candle_npu::fs::read_bounded(&path, ASSET_LIMIT, "asset")?;
     let v: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| Error::Input(format!("{}: not JSON: {e}", path.display())))?;
     let obj = v.as_object().ok_or_else(|| Error::Input(format!("{}: expected an object of articles", path.display())))?;
@@ -74,8 +74,11 @@ pub fn wiki_heldout(n_articles: usize) -> Result<Vec<String>> {
     Ok(a[start..].iter().map(|(_, t)| t.clone()).collect())
 }
 
+/// The largest text read whole: mmlu.jsonl, 8 MB (the Wikipedia JSON 6.5 MB); 8x that is ample.
+const ASSET_LIMIT: u64 = 64 * candle_npu::fs::MIB;
+
 fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })
+    candle_npu::fs::read_to_string_bounded(path, ASSET_LIMIT, "asset")
 }
 
 /// State of the Union addresses (233, 1790-2021), in file-name order, i.e. by year.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use candle_npu::{Error, NpuDevice, Result};
 
-use crate::checkpoint::{Mapped, SafetensorsCheckpoint};
+use crate::checkpoint::{Checkpoint, Mapped, SafetensorsCheckpoint};
 use crate::spec::{Config, FamilySpec};
 use crate::transformer::{LoadOptions, Model};
 
@@ -20,7 +20,9 @@ impl HfConfig {
     /// Reads `dir/config.json`: an error naming the file when it is unreadable or not JSON.
     pub fn open(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::Model { path: path.clone(), reason: format!("cannot read: {e}") })?;
+        // A few KB in practice; 16 MiB leaves room for any text a config holds.
+        const CONFIG_LIMIT: u64 = 16 * candle_npu::fs::MIB;
+        let text = candle_npu::fs::read_to_string_bounded(&path, CONFIG_LIMIT, "config.json")?;
         let json = serde_json::from_str(&text).map_err(|e| Error::Model { path: path.clone(), reason: format!("not valid JSON: {e}") })?;
         Ok(HfConfig { path, json })
     }
@@ -170,6 +172,11 @@ pub fn load(dir: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model> 
         other => return Err(hf.bad(format!("model_type '{other}' is not supported (HF folders: {})", HF_MODEL_TYPES.join(", ")))),
     };
     let ckpt = SafetensorsCheckpoint::open(dir)?;
+    // HF's default is tied; a config that says untied needs the output matrix it implies.
+    let output = names("output.weight").name;
+    if !hf.bool_or("tie_word_embeddings", true)? && !ckpt.contains(&output) {
+        return Err(hf.bad(format!("tie_word_embeddings is false but the folder has no '{output}'")));
+    }
     let id = folder_id(dir)?;
     Model::load(cfg, spec, &ckpt, &*names, id, device.clone(), opts)
 }
@@ -205,9 +212,12 @@ pub fn folder_id(dir: &Path) -> Result<String> {
 /// `~/.cache/huggingface/hub`). Never downloads: this machine may have no network, and a model
 /// of several GB should not start downloading behind a flag.
 pub fn resolve_model_id(model_id: &str, cache: Option<&Path>) -> Result<PathBuf> {
-    let cache = match cache {
-        Some(p) => hf_hub::Cache::new(p.to_path_buf()),
-        None => hf_hub::Cache::from_env(),
+    // hf-hub's own default panics where there is no home folder: the same rule, as an error.
+    let cache = match (cache, std::env::var_os("HF_HOME"), std::env::var_os("HOME").filter(|h| !h.is_empty())) {
+        (Some(p), _, _) => hf_hub::Cache::new(p.to_path_buf()),
+        (None, Some(hf_home), _) => hf_hub::Cache::new(PathBuf::from(hf_home).join("hub")),
+        (None, None, Some(home)) => hf_hub::Cache::new(PathBuf::from(home).join(".cache/huggingface/hub")),
+        (None, None, None) => return Err(Error::Input(format!("model {model_id}: no hf-hub cache folder to look in: set HF_HOME (or HOME)"))),
     };
     match cache.model(model_id.to_string()).get("config.json") {
         Some(config) => Ok(config.parent().map(Path::to_path_buf).unwrap_or_default()),

@@ -55,6 +55,10 @@ pub enum LoadError {
          folder holding {QNN_HTP_LIBRARY_NAME})"
     )]
     NotFound { path: PathBuf },
+    /// Refused before dlopen, from the file's ELF header ([`check_elf`]): not a regular file,
+    /// not an ELF shared library, or one of another architecture than this process's.
+    #[error("QNN library {path} {reason}")]
+    NotLoadable { path: PathBuf, reason: String },
     #[error("dlopen of QNN library {path} failed: {message}")]
     Open { path: PathBuf, message: String },
     #[error("{path} is not a QNN backend library: symbol {symbol} not found ({message})")]
@@ -124,13 +128,21 @@ impl QnnLibrary {
     /// [`QnnInterfaceFunctions_t`] exists in the library's table.
     ///
     /// A bare file name (e.g. `libQnnHtp.so`, as on Android where the app's native library folder
-    /// is on the loader's search path) is handed to dlopen as is; any other path must exist.
+    /// is on the loader's search path) is handed to dlopen as is; any other path must exist and
+    /// pass [`check_elf`] (dlopen reports a library of another architecture as "No such file
+    /// or directory").
     pub fn load(path: &Path) -> Result<Self, LoadError> {
         let bare_name = path.parent().is_none_or(|p| p.as_os_str().is_empty());
         if !bare_name && !path.exists() {
             return Err(LoadError::NotFound {
                 path: path.to_path_buf(),
             });
+        }
+        if !bare_name {
+            check_elf(path).map_err(|reason| LoadError::NotLoadable {
+                path: path.to_path_buf(),
+                reason,
+            })?;
         }
         let lib = {
             let _guard = LOAD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -308,6 +320,82 @@ unsafe fn c_str_lossy(p: *const std::ffi::c_char) -> Option<String> {
     }
 }
 
+/// ELF `e_machine` values and the names `std::env::consts::ARCH` gives them (Hexagon's: the
+/// DSP-side `lib*Skel.so` files QNN ships next to the host libraries).
+const ELF_MACHINES: [(u16, &str); 6] = [
+    (3, "x86"),
+    (40, "arm"),
+    (62, "x86_64"),
+    (164, "hexagon"),
+    (183, "aarch64"),
+    (243, "riscv64"),
+];
+
+/// Checks, from its ELF header, that `path` is a shared library this process can dlopen:
+/// `Err` says what it is instead, e.g. "is an aarch64 ELF library; this process is x86_64".
+/// Only the first 20 bytes are read (magic, class, byte order, `e_type` at 16, `e_machine` at
+/// 18), after the metadata says it is a regular file (opening a FIFO would block). A process
+/// architecture missing from the table is not checked; off Linux and Android nothing is (other
+/// systems' libraries are not ELF).
+pub fn check_elf(path: &Path) -> Result<(), String> {
+    if !cfg!(any(target_os = "linux", target_os = "android")) {
+        return Ok(());
+    }
+    use std::io::Read;
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot be read: {e}"))?;
+    if !meta.is_file() {
+        return Err("is not a regular file".into());
+    }
+    let mut head = [0u8; 20];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => {
+                format!("is not an ELF shared library ({} bytes)", meta.len())
+            }
+            _ => format!("cannot be read: {e}"),
+        })?;
+    if &head[..4] != b"\x7fELF" {
+        return Err("is not an ELF shared library".into());
+    }
+    let half = |at: usize| match head[5] {
+        2 => u16::from_be_bytes([head[at], head[at + 1]]),
+        _ => u16::from_le_bytes([head[at], head[at + 1]]),
+    };
+    let (e_type, e_machine) = (half(16), half(18));
+    const ET_DYN: u16 = 3;
+    if e_type != ET_DYN {
+        return Err(format!(
+            "is an ELF file but not a shared library (e_type {e_type})"
+        ));
+    }
+    let name_of = |m: u16| ELF_MACHINES.iter().find(|(id, _)| *id == m).map(|(_, n)| *n);
+    let here = std::env::consts::ARCH;
+    let Some(expected) = ELF_MACHINES.iter().find(|(_, n)| *n == here).map(|(id, _)| *id) else {
+        return Ok(());
+    };
+    if e_machine != expected {
+        let lib = match name_of(e_machine) {
+            Some(n) if n.starts_with(['a', 'e', 'i', 'o', 'u', 'x']) => format!("an {n} ELF library"),
+            Some(n) => format!("a {n} ELF library"),
+            None => format!("an ELF library for machine {e_machine}"),
+        };
+        return Err(format!("is {lib}; this process is {here}"));
+    }
+    let class = match head[4] {
+        1 => 32,
+        2 => 64,
+        c => return Err(format!("is an ELF file of unknown class {c}")),
+    };
+    let bits = usize::BITS;
+    if class != bits {
+        return Err(format!(
+            "is a {class}-bit ELF library; this process is {here} ({bits}-bit)"
+        ));
+    }
+    Ok(())
+}
+
 /// dlopen with `RTLD_NOW | RTLD_LOCAL`, as QNN's own tools do: missing dependencies show up
 /// here rather than as a crash at the first call, and QNN's symbols do not leak into the
 /// global namespace (two backends could otherwise clash).
@@ -378,5 +466,61 @@ impl Drop for StdoutSilenced {
             libc::dup2(self.saved, 1);
             libc::close(self.saved);
         }
+    }
+}
+
+#[cfg(all(test, any(target_os = "linux", target_os = "android")))]
+mod tests {
+    use super::*;
+
+    /// A 20-byte ELF header: 64-bit little-endian, `e_type`, `e_machine`.
+    fn elf_header(e_type: u16, e_machine: u16) -> Vec<u8> {
+        let mut h = b"\x7fELF\x02\x01\x01".to_vec();
+        h.resize(16, 0);
+        h.extend_from_slice(&e_type.to_le_bytes());
+        h.extend_from_slice(&e_machine.to_le_bytes());
+        h.resize(64, 0);
+        h
+    }
+
+    fn file(tag: &str, bytes: &[u8]) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("qnn-sys-elf-{tag}-{}.so", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    #[test]
+    fn a_library_of_another_architecture_is_named_before_dlopen() {
+        // aarch64 (183) on any other host; x86_64 (62) on an aarch64 one.
+        let (foreign, name) = if std::env::consts::ARCH == "aarch64" { (62, "x86_64") } else { (183, "aarch64") };
+        let p = file("arch", &elf_header(3, foreign));
+        let why = check_elf(&p).unwrap_err();
+        let here = std::env::consts::ARCH;
+        assert_eq!(why, format!("is an {name} ELF library; this process is {here}"));
+        let err = QnnLibrary::load(&p).unwrap_err();
+        assert!(matches!(&err, LoadError::NotLoadable { path, .. } if *path == p), "{err:?}");
+        assert_eq!(err.to_string(), format!("QNN library {} {why}", p.display()));
+        // The same header for this process's machine passes (when the table knows it).
+        if let Some((native, _)) = ELF_MACHINES.iter().find(|(_, n)| *n == here) {
+            std::fs::write(&p, elf_header(3, *native)).unwrap();
+            assert_eq!(check_elf(&p), Ok(()));
+            // An executable or object file, not a shared library.
+            std::fs::write(&p, elf_header(1, *native)).unwrap();
+            assert!(check_elf(&p).unwrap_err().contains("not a shared library (e_type 1)"));
+        }
+        std::fs::write(&p, elf_header(3, 164)).unwrap();
+        assert!(check_elf(&p).unwrap_err().starts_with("is a hexagon ELF library"));
+        std::fs::remove_file(p).ok();
+    }
+
+    #[test]
+    fn text_short_and_special_files_are_not_elf_libraries() {
+        let p = file("text", b"INPUT(libQnnHtp.so.2)\n");
+        assert_eq!(check_elf(&p).unwrap_err(), "is not an ELF shared library");
+        std::fs::write(&p, b"\x7fELF").unwrap();
+        assert_eq!(check_elf(&p).unwrap_err(), "is not an ELF shared library (4 bytes)");
+        std::fs::remove_file(p).ok();
+        assert_eq!(check_elf(Path::new("/dev/zero")).unwrap_err(), "is not a regular file");
+        assert!(check_elf(&std::env::temp_dir()).unwrap_err().contains("not a regular file"));
     }
 }

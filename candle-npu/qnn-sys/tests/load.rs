@@ -163,14 +163,14 @@ fn bare_names_go_to_the_dynamic_loader_search() {
 }
 
 #[test]
-fn not_a_shared_object_gives_open_error() {
+fn not_a_shared_object_is_refused_before_dlopen() {
     let path =
         std::env::temp_dir().join(format!("qnn-sys-not-a-library-{}.so", std::process::id()));
     std::fs::write(&path, b"this is not an ELF file").unwrap();
     let err = QnnLibrary::load(&path).unwrap_err();
     std::fs::remove_file(&path).ok();
     assert!(
-        matches!(&err, LoadError::Open { path: p, message } if *p == path && !message.is_empty()),
+        matches!(&err, LoadError::NotLoadable { path: p, reason } if *p == path && reason == "is not an ELF shared library"),
         "{err:?}"
     );
 }

@@ -265,13 +265,18 @@ impl std::fmt::Debug for HtpExecutor {
 impl HtpExecutor {
     /// Loads `libQnnHtp.so` from `config.lib_dir` and creates the log, backend and device.
     ///
-    /// A missing library, a file that is not a QNN backend, a library whose API version this
-    /// crate does not support, or a backend/device the library refuses to create gives
+    /// A missing library, a file that is not a QNN backend (or not an ELF library, or one of
+    /// another architecture: checked from its header before dlopen), a library whose API version
+    /// this crate does not support, or a backend/device the library refuses to create gives
     /// [`Error::QnnLibrary`] naming the library's path.
     pub fn new(config: HtpConfig) -> Result<Self> {
         let path = config.library_path();
         let lib_err = |reason: String| Error::QnnLibrary { path: path.clone(), reason };
-        let lib = QnnLibrary::load(&path).map_err(|e| lib_err(e.to_string()))?;
+        let lib = QnnLibrary::load(&path).map_err(|e| match e {
+            // "is an aarch64 ELF library; this process is x86_64": the path is said once.
+            LoadError::NotLoadable { reason, .. } => lib_err(reason),
+            e => lib_err(e.to_string()),
+        })?;
         let f = *lib.functions();
         let (Some(log_create), Some(backend_create), Some(device_create)) = (f.logCreate, f.backendCreate, f.deviceCreate)
         else {
@@ -1341,5 +1346,30 @@ mod tests {
         let c = HtpConfig { lib_dir: Some("/x/y".into()), ..Default::default() };
         assert_eq!(c.library_path(), PathBuf::from("/x/y/libQnnHtp.so"));
         assert_eq!(HtpConfig::default().soc_model, 57);
+    }
+
+    #[test]
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    fn a_library_of_another_architecture_is_named_not_dlopened() {
+        let dir = std::env::temp_dir().join(format!("candle-npu-htp-arch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // An ELF header: 64-bit little-endian shared library (e_type 3) for aarch64 (e_machine
+        // 183), or x86_64 (62) on an aarch64 host.
+        let (machine, name) = if std::env::consts::ARCH == "aarch64" { (62u16, "x86_64") } else { (183, "aarch64") };
+        let mut elf = b"\x7fELF\x02\x01\x01".to_vec();
+        elf.resize(16, 0);
+        elf.extend_from_slice(&3u16.to_le_bytes());
+        elf.extend_from_slice(&machine.to_le_bytes());
+        elf.resize(64, 0);
+        let config = HtpConfig { lib_dir: Some(dir.clone()), ..Default::default() };
+        std::fs::write(config.library_path(), &elf).unwrap();
+        let err = HtpExecutor::new(config.clone()).unwrap_err();
+        let want = format!("QNN library {}: is an {name} ELF library; this process is {}", config.library_path().display(), std::env::consts::ARCH);
+        assert!(matches!(&err, Error::QnnLibrary { path, .. } if *path == config.library_path()), "{err:?}");
+        assert_eq!(err.to_string(), want);
+        std::fs::write(config.library_path(), "a text file in place of the library").unwrap();
+        let err = HtpExecutor::new(config).unwrap_err().to_string();
+        assert!(err.ends_with("libQnnHtp.so: is not an ELF shared library"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

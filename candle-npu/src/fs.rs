@@ -1,0 +1,266 @@
+//! Files from outside, read and written defensively.
+//!
+//! Every file this workspace reads whole into memory (quant profiles, `tokenizer.json`,
+//! `config.json`, `tokenizer_config.json`, the assets' texts, prepared-graph cache entries) is
+//! read by [`read_bounded`]: only a regular file, of at most a limit its caller gives with the
+//! reason for it. A path such as `/dev/zero` (endless), a FIFO (opening it blocks until a writer
+//! comes) or a folder is refused from its metadata, before it is opened; a file over the limit
+//! is refused from its size, and one that grows while read is still read no further than the
+//! limit. Model weights (GGUF, safetensors) are memory-mapped or read by offset, never whole,
+//! and are not concerned.
+//!
+//! Outputs are written by [`crate::cache::write_atomic`], which replaces nothing but a regular
+//! file; [`check_output_path`] says so (and that the folder exists) before the work whose result
+//! is written, so a bad path is reported at once rather than after minutes of prefill.
+
+use std::io::Read;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+
+/// One mebibyte, for limits.
+pub const MIB: u64 = 1 << 20;
+
+/// The bytes of the regular file at `path` (a symbolic link to one is followed), refused when it
+/// is anything else or holds more than `limit` bytes. `what` names the file in the errors (e.g.
+/// "quant profile"); every error is [`Error::Io`] naming `path`, and a missing file keeps the
+/// operating system's error (kind `NotFound`).
+pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>> {
+    let refuse = |why: String| Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {why}")));
+    let over = |size: String| refuse(format!("{size} bytes, over the limit of {limit} bytes ({})", human(limit)));
+    // Before opening it: opening a FIFO blocks, reading a device may never end.
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(refuse(format!("is {}, not a regular file", kind(&meta.file_type()))));
+    }
+    if meta.len() > limit {
+        return Err(over(meta.len().to_string()));
+    }
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // The file opened may not be the one looked at (the path was replaced in between).
+    let opened = file.metadata().map_err(|e| Error::io(path, e))?;
+    if !opened.is_file() {
+        return Err(refuse(format!("is {}, not a regular file", kind(&opened.file_type()))));
+    }
+    let mut bytes = Vec::with_capacity(opened.len().min(limit) as usize);
+    // One byte more than the limit: a file that grew while read is seen to be over it.
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+    if bytes.len() as u64 > limit {
+        return Err(refuse(format!("grew while read beyond the limit of {limit} bytes ({})", human(limit))));
+    }
+    Ok(bytes)
+}
+
+/// [`read_bounded`], as UTF-8 text (an error naming `path` when it is not).
+pub fn read_to_string_bounded(path: &Path, limit: u64, what: &str) -> Result<String> {
+    String::from_utf8(read_bounded(path, limit, what)?).map_err(|e| {
+        Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what}: not UTF-8 text: {e}")))
+    })
+}
+
+/// Checks, before any work whose result is written to `path`, that it can go there: nothing is
+/// at `path` or a regular file is (which is replaced; not a folder, a symbolic link, a device, a
+/// FIFO or a socket, which [`write_atomic`](crate::cache::write_atomic) refuses), and its folder
+/// exists and is a folder. Nothing is created. `what` names the output in the error (e.g.
+/// `--trace`): [`Error::Input`] with `what`, the path and the cause.
+pub fn check_output_path(path: &Path, what: &str) -> Result<()> {
+    let bad = |why: String| Error::Input(format!("{what} {}: {why}", path.display()));
+    if path.as_os_str().is_empty() {
+        return Err(bad("an empty path".into()));
+    }
+    match not_replaceable(path) {
+        Ok(None) => {}
+        Ok(Some(why)) => return Err(bad(why)),
+        // A parent that is a file: said below.
+        Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {}
+        Err(e) => return Err(bad(e.to_string())),
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) => Err(bad(format!("{} is {}, not a folder", dir.display(), kind(&m.file_type())))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(bad(format!("folder {} does not exist", dir.display()))),
+        Err(e) => Err(bad(format!("folder {}: {e}", dir.display()))),
+    }
+}
+
+/// What makes `path` one an output must not replace (`None`: nothing is there, or a regular
+/// file): e.g. "is a symbolic link (to /etc/passwd), not a regular file". Symbolic links are not
+/// followed: renaming over one replaces the link, not its target. Errors are the operating
+/// system's, other than `NotFound`.
+pub(crate) fn not_replaceable(path: &Path) -> std::io::Result<Option<String>> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let t = meta.file_type();
+    Ok(if t.is_file() {
+        None
+    } else if t.is_dir() {
+        Some("is a folder, not a file".into())
+    } else if t.is_symlink() {
+        let to = std::fs::read_link(path).map(|t| format!(" (to {})", t.display())).unwrap_or_default();
+        Some(format!("is a symbolic link{to}, not a regular file"))
+    } else {
+        Some(format!("is {}, not a regular file", kind(&t)))
+    })
+}
+
+/// "a folder", "a character device", ... for messages.
+fn kind(t: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_char_device() {
+            return "a character device";
+        } else if t.is_block_device() {
+            return "a block device";
+        } else if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        } else if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if t.is_dir() {
+        "a folder"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "a special file"
+    }
+}
+
+/// `n` bytes in the largest unit it reaches, for limits: "256 MiB", "4 GiB", "1.5 KiB".
+fn human(n: u64) -> String {
+    let units = [("GiB", 1u64 << 30), ("MiB", MIB), ("KiB", 1 << 10)];
+    let (unit, size) = units.into_iter().find(|&(_, s)| n >= s).unwrap_or(("bytes", 1));
+    format!("{:.1} {unit}", n as f64 / size as f64).replace(".0 ", " ")
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use crate::cache::write_atomic;
+    use std::io::Write;
+    use std::path::PathBuf;
+
+    fn scratch(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("candle-npu-fs-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn err_of<T: std::fmt::Debug>(r: Result<T>) -> String {
+        r.unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_regular_file_within_the_limit_is_read() {
+        let d = scratch("ok");
+        let p = d.join("a.json");
+        std::fs::write(&p, b"{\"a\": 1}").unwrap();
+        assert_eq!(read_bounded(&p, 8, "test file").unwrap(), b"{\"a\": 1}");
+        assert_eq!(read_to_string_bounded(&p, 100, "test file").unwrap(), "{\"a\": 1}");
+        // A symbolic link to a regular file is read through.
+        let l = d.join("link.json");
+        std::os::unix::fs::symlink(&p, &l).unwrap();
+        assert_eq!(read_bounded(&l, 8, "test file").unwrap().len(), 8);
+        std::fs::write(&p, [0xff, 0xfe]).unwrap();
+        assert!(err_of(read_to_string_bounded(&p, 100, "test file")).contains("not UTF-8"));
+        std::fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn dev_zero_and_folders_are_refused_unread() {
+        let e = err_of(read_bounded(Path::new("/dev/zero"), 1 << 20, "quant profile"));
+        assert!(e.contains("/dev/zero") && e.contains("quant profile") && e.contains("is a character device, not a regular file"), "{e}");
+        let d = scratch("dir");
+        let e = err_of(read_bounded(&d, 1 << 20, "tokenizer"));
+        assert!(e.contains(&d.display().to_string()) && e.contains("is a folder, not a regular file"), "{e}");
+        let missing = d.join("missing.json");
+        match read_bounded(&missing, 10, "x") {
+            Err(Error::Io { path, source }) => assert!(path == missing && source.kind() == std::io::ErrorKind::NotFound),
+            other => panic!("{other:?}"),
+        }
+        std::fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn a_file_over_the_limit_is_refused_with_the_limit_and_its_size() {
+        let d = scratch("big");
+        let p = d.join("big.json");
+        std::fs::write(&p, vec![b' '; 1025]).unwrap();
+        let e = err_of(read_bounded(&p, 1024, "quant profile"));
+        assert!(e.contains(&p.display().to_string()) && e.contains("1025 bytes, over the limit of 1024 bytes (1 KiB)"), "{e}");
+        assert_eq!(human(4 << 30), "4 GiB");
+        assert_eq!(human(1536), "1.5 KiB");
+        assert_eq!(human(1000), "1000 bytes");
+        // A sparse file of 3 GiB: refused from its size, nothing allocated.
+        std::fs::File::create(&p).unwrap().set_len(3 << 30).unwrap();
+        let e = err_of(read_bounded(&p, 256 * MIB, "quant profile"));
+        assert!(e.contains("3221225472 bytes") && e.contains("limit of 268435456 bytes (256 MiB)"), "{e}");
+        std::fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn a_fifo_is_refused_without_blocking() {
+        let d = scratch("fifo");
+        let p = d.join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&p).status().unwrap();
+        assert!(made.success());
+        // Opening it for reading would block until a writer comes: the test would hang.
+        let e = err_of(read_bounded(&p, 1024, "tokenizer"));
+        assert!(e.contains(&p.display().to_string()) && e.contains("is a FIFO (named pipe), not a regular file"), "{e}");
+        let e = err_of(check_output_path(&p, "--trace"));
+        assert!(e.contains("FIFO"), "{e}");
+        let e = err_of(write_atomic(&p, |f| f.write_all(b"x")));
+        assert!(e.contains("FIFO"), "{e}");
+        use std::os::unix::fs::FileTypeExt;
+        assert!(std::fs::symlink_metadata(&p).unwrap().file_type().is_fifo(), "the FIFO is still there");
+        std::fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn outputs_replace_only_regular_files() {
+        let d = scratch("out");
+        // Absent, in an existing folder: fine, and nothing is created by the check.
+        let absent = d.join("trace.json");
+        check_output_path(&absent, "--trace").unwrap();
+        assert!(!absent.exists());
+        write_atomic(&absent, |f| f.write_all(b"1")).unwrap();
+        // A regular file: replaced.
+        check_output_path(&absent, "--trace").unwrap();
+        write_atomic(&absent, |f| f.write_all(b"2")).unwrap();
+        assert_eq!(std::fs::read(&absent).unwrap(), b"2");
+        // A symbolic link: neither it nor its target is touched.
+        let target = d.join("target");
+        std::fs::write(&target, b"keep").unwrap();
+        let link = d.join("link.json");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = err_of(check_output_path(&link, "--trace"));
+        assert!(e.contains("--trace") && e.contains(&link.display().to_string()) && e.contains("is a symbolic link (to "), "{e}");
+        let e = err_of(write_atomic(&link, |f| f.write_all(b"clobbered")));
+        assert!(e.contains(&link.display().to_string()) && e.contains("symbolic link"), "{e}");
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        // A folder, a device.
+        let e = err_of(check_output_path(&d, "--trace"));
+        assert!(e.contains("is a folder, not a file"), "{e}");
+        assert!(err_of(write_atomic(&d, |f| f.write_all(b"x"))).contains("is a folder"));
+        assert!(err_of(check_output_path(Path::new("/dev/null"), "--trace")).contains("is a character device"));
+        // The folder: missing, or a file.
+        let e = err_of(check_output_path(&d.join("no/such/t.json"), "--trace"));
+        assert!(e.contains(&format!("folder {} does not exist", d.join("no/such").display())), "{e}");
+        let e = err_of(check_output_path(&target.join("t.json"), "--png"));
+        assert!(e.contains(&format!("{} is a regular file, not a folder", target.display())), "{e}");
+        // Only the files written are left: no temporary file of a refused write.
+        let mut left: Vec<String> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(left, ["link.json", "target", "trace.json"]);
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
