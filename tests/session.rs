@@ -109,7 +109,7 @@ fn a_saved_session_restores_the_same_kv() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("turn1.kv");
     let opts = GenerateOptions { sample_len: 6, ..Default::default() };
-    let more = p.encode_piece(&p.template.follow_up("And of Spain?")).unwrap();
+    let more = p.encode_follow_up("And of Spain?", false).unwrap();
     let (saved_tokens, want) = {
         let mut s = p.session();
         s.send("What is the capital of France?", &opts, |_| {}).unwrap();

@@ -121,6 +121,11 @@ struct Args {
     /// Use the prompt as is, without the model's chat template.
     #[arg(long)]
     no_chat_template: bool,
+    /// Control tokens spelled in the prompt (`<|im_end|>`, `<start_of_turn>`) become those
+    /// tokens. Without it they are plain text: only the chat template's markers are control
+    /// tokens, so a prompt cannot end its turn and write the assistant's.
+    #[arg(long)]
+    parse_special: bool,
     /// Float prefill (no quantization), e.g. to compare against W8A8.
     #[arg(long)]
     f32_prefill: bool,
@@ -170,8 +175,9 @@ fn temperature(s: &str) -> std::result::Result<f64, String> {
 
 fn top_p(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
-        _ => Err(format!("'{s}' is not a top-p: a probability in (0, 1]")),
+        // candle's sampler compares in f32: a top-p that rounds to 0 there would keep no token.
+        Ok(p) if p as f32 > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("'{s}' is not a top-p: a probability in (0, 1], at least {:e}", f32::MIN_POSITIVE)),
     }
 }
 
@@ -185,11 +191,16 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let args = Args::parse();
     // The prefill's chunk workers share one heap arena (see the function for why).
     candle_npu_models::memory::limit_malloc_arenas(1);
-    // Checked before the minutes of work the trace would come after.
+    // Output paths, checked before the model loads and the minutes of work they come after: a
+    // regular file or nothing there (never a folder, link or device), in an existing folder.
     if let Some(trace) = &args.trace {
-        if let Some(dir) = trace.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
-            bail!("--trace {}: folder {} does not exist", trace.display(), dir.display());
-        }
+        candle_npu::fs::check_output_path(trace, "--trace")?;
+    }
+    // A profile is read when it exists (a regular file, or a link to one), written when not.
+    match &args.profile {
+        Some(p) if p.exists() && !p.is_file() => bail!("--profile {}: not a regular file", p.display()),
+        Some(p) if !p.exists() => candle_npu::fs::check_output_path(p, "--profile")?,
+        _ => {}
     }
     let device = match args.executor {
         ExecutorKind::Host => NpuDevice::host(),
@@ -274,7 +285,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
 
     // The prompt and the options checked against the model before the calibration, which can
     // take minutes.
-    let tokens = p.encode(&args.prompt, !args.no_chat_template)?;
+    let tokens = p.encode_with(&args.prompt, !args.no_chat_template, args.parse_special)?;
     let context = p.model.config().context_len;
     p.model.plan(tokens.len()).context("the prompt")?;
 
@@ -326,6 +337,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         temperature: args.temperature,
         top_p: args.top_p,
         seed: args.seed,
+        parse_special: args.parse_special,
         ..Default::default()
     };
     let before = device.stats();

@@ -6,7 +6,9 @@
 //!
 //! The text [`ChatTemplate::apply`] returns never contains BOS: the tokenizer adds it when asked
 //! for special tokens (`crate::tokenizer::encode(tok, text, true)`), as the file's
-//! `add_bos_token` says, so it is not added twice.
+//! `add_bos_token` says, so it is not added twice. A pipeline tokenizes the template's text and
+//! the prompt apart ([`ChatTemplate::around`]): markers such as `<|im_end|>` typed in a prompt stay
+//! text, and only the template's own become control tokens.
 
 use std::path::Path;
 
@@ -53,6 +55,8 @@ impl ChatTemplate {
         } else if t.contains("[INST]") {
             ChatTemplate::Mistral
         } else {
+            // Said, not dropped quietly: prompts then go to the model as they are.
+            tracing::warn!(template_start = %t.chars().take(80).collect::<String>(), "unrecognized chat template: prompts are used without one");
             ChatTemplate::None
         }
     }
@@ -62,7 +66,9 @@ impl ChatTemplate {
     /// one gives [`ChatTemplate::None`]; an unreadable file or malformed field is an error.
     pub fn from_tokenizer_config(path: &Path) -> Result<Self> {
         let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason };
-        let bytes = std::fs::read(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
+        // Gemma 3's, listing its 6K+ added tokens, is 1.2 MB; 64 MiB is ample for any template.
+        const TOKENIZER_CONFIG_LIMIT: u64 = 64 * candle_npu::fs::MIB;
+        let bytes = candle_npu::fs::read_bounded(path, TOKENIZER_CONFIG_LIMIT, "tokenizer_config.json")?;
         let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
         let text = match v.get("chat_template") {
             None | Some(serde_json::Value::Null) => return Ok(ChatTemplate::None),
@@ -79,32 +85,46 @@ impl ChatTemplate {
 
     /// The prompt as one user turn, ending where the model's answer starts.
     pub fn apply(&self, prompt: &str) -> String {
-        match self {
+        let (before, after) = self.around();
+        format!("{before}{prompt}{after}")
+    }
+
+    /// The template's text before and after the prompt in [`ChatTemplate::apply`]: apart, so that
+    /// only the template's markers become control tokens, never the prompt's text
+    /// (`crate::tokenizer::encode_user`).
+    pub fn around(&self) -> (String, String) {
+        let (before, after) = match self {
             ChatTemplate::ChatMl { system } => {
                 let sys = system.as_ref().map(|s| format!("<|im_start|>system\n{s}<|im_end|>\n")).unwrap_or_default();
-                format!("{sys}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+                return (format!("{sys}<|im_start|>user\n"), "<|im_end|>\n<|im_start|>assistant\n".into());
             }
-            ChatTemplate::Gemma => {
-                format!("<start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n")
-            }
-            ChatTemplate::Phi3 => format!("<|user|>\n{prompt}<|end|>\n<|assistant|>\n"),
-            ChatTemplate::Mistral => format!("[INST] {prompt} [/INST]"),
-            ChatTemplate::None => prompt.to_string(),
-        }
+            ChatTemplate::Gemma => ("<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),
+            ChatTemplate::Phi3 => ("<|user|>\n", "<|end|>\n<|assistant|>\n"),
+            ChatTemplate::Mistral => ("[INST] ", " [/INST]"),
+            ChatTemplate::None => ("", ""),
+        };
+        (before.into(), after.into())
     }
 
     /// A later user turn of a conversation, ending where the model's answer starts: it first
     /// closes the previous answer, whose end-of-turn token was sampled but never went into the
     /// KV cache (generation stops there), then opens the turn without the system text.
     pub fn follow_up(&self, prompt: &str) -> String {
-        let (close, turn) = match self {
-            ChatTemplate::ChatMl { .. } => ("<|im_end|>\n", ChatTemplate::ChatMl { system: None }.apply(prompt)),
-            ChatTemplate::Gemma => ("<end_of_turn>\n", self.apply(prompt)),
-            ChatTemplate::Phi3 => ("<|end|>\n", self.apply(prompt)),
-            ChatTemplate::Mistral => ("</s>", self.apply(prompt)),
-            ChatTemplate::None => ("\n\n", self.apply(prompt)),
+        let (before, after) = self.follow_up_around();
+        format!("{before}{prompt}{after}")
+    }
+
+    /// The template's text before and after the prompt in [`ChatTemplate::follow_up`] (see
+    /// [`ChatTemplate::around`]).
+    pub fn follow_up_around(&self) -> (String, String) {
+        let (close, (before, after)) = match self {
+            ChatTemplate::ChatMl { .. } => ("<|im_end|>\n", ChatTemplate::ChatMl { system: None }.around()),
+            ChatTemplate::Gemma => ("<end_of_turn>\n", self.around()),
+            ChatTemplate::Phi3 => ("<|end|>\n", self.around()),
+            ChatTemplate::Mistral => ("</s>", self.around()),
+            ChatTemplate::None => ("\n\n", self.around()),
         };
-        format!("{close}{turn}")
+        (format!("{close}{before}"), after)
     }
 
     /// Tokens that end the assistant's turn, besides the model's EOS.

@@ -28,6 +28,10 @@ pub struct GenerateOptions {
     pub repeat_penalty: f32,
     /// How many of the conversation's last tokens the repeat penalty applies to.
     pub repeat_last_n: usize,
+    /// Control tokens spelled in the prompt (`<|im_end|>`, `<start_of_turn>`) become those
+    /// tokens, as llama.cpp's `parse_special`. Off by default: a prompt is the user's text, and
+    /// with it on a prompt can close its turn and write the assistant's.
+    pub parse_special: bool,
 }
 
 impl Default for GenerateOptions {
@@ -40,6 +44,7 @@ impl Default for GenerateOptions {
             seed: 299792458,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            parse_special: false,
         }
     }
 }
@@ -51,8 +56,9 @@ impl GenerateOptions {
         if self.temperature.is_some_and(|t| !(t >= 0.0 && t.is_finite())) {
             return bad(format!("temperature {:?}: expected a finite value >= 0", self.temperature));
         }
-        if self.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
-            return bad(format!("top-p {:?}: expected a share in (0, 1]", self.top_p));
+        // candle's sampler compares in f32: a top-p that rounds to 0 there keeps no token.
+        if self.top_p.is_some_and(|p| !(p as f32 > 0.0 && p <= 1.0)) {
+            return bad(format!("top-p {:?}: expected a share in (0, 1], at least {:e}", self.top_p, f32::MIN_POSITIVE));
         }
         if self.top_k == Some(0) {
             return bad("top-k 0: expected at least 1".into());
@@ -126,13 +132,24 @@ impl Pipeline {
 
 }
 
-/// `logits` with the repeat penalty over the conversation's last tokens.
-pub(crate) fn penalized(logits: &Tensor, tokens: &[u32], opts: &GenerateOptions) -> Result<Tensor> {
-    if opts.repeat_penalty == 1.0 {
-        return Ok(logits.clone());
+/// `logits` with the repeat penalty over the conversation's last tokens, and the ids without
+/// text (`textless`: padding rows of the embedding) at minus infinity, so no sampler picks one.
+pub(crate) fn penalized(logits: &Tensor, tokens: &[u32], textless: &[u32], opts: &GenerateOptions) -> Result<Tensor> {
+    let mut logits = logits.clone();
+    if opts.repeat_penalty != 1.0 {
+        let last = &tokens[tokens.len().saturating_sub(opts.repeat_last_n)..];
+        logits = candle_transformers::utils::apply_repeat_penalty(&logits, opts.repeat_penalty, last)?;
     }
-    let last = &tokens[tokens.len().saturating_sub(opts.repeat_last_n)..];
-    Ok(candle_transformers::utils::apply_repeat_penalty(logits, opts.repeat_penalty, last)?)
+    if textless.is_empty() {
+        return Ok(logits);
+    }
+    let mut v = logits_f32(&logits)?;
+    for &i in textless {
+        if let Some(l) = v.get_mut(i as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+    Ok(Tensor::from_vec(v, logits.shape(), logits.device())?)
 }
 
 /// Mean negative log-likelihood (nats/token) of `tokens` under row-aligned logits
@@ -160,4 +177,27 @@ pub fn logits_f32(logits: &Tensor) -> Result<Vec<f32>> {
 /// Top-1 token.
 pub fn argmax(logits: &Tensor) -> Result<u32> {
     Ok(logits.argmax(candle_core::D::Minus1)?.to_scalar::<u32>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_top_p_that_keeps_no_token_in_candle_s_f32_sampler_is_refused() {
+        let opts = |p| GenerateOptions { temperature: Some(1.0), top_p: Some(p), ..Default::default() };
+        let e = opts(1e-50).validate().unwrap_err().to_string();
+        assert!(e.contains("top-p"), "{e}");
+        assert!(opts(1e-30).validate().is_ok());
+    }
+
+    #[test]
+    fn ids_without_text_are_never_picked() {
+        let logits = Tensor::new(&[0.0f32, 5.0, 1.0, 9.0], &candle_core::Device::Cpu).unwrap();
+        let opts = GenerateOptions::default();
+        assert_eq!(argmax(&penalized(&logits, &[], &[], &opts).unwrap()).unwrap(), 3);
+        let masked = penalized(&logits, &[], &[3], &opts).unwrap();
+        assert_eq!(argmax(&masked).unwrap(), 1);
+        assert_eq!(logits_f32(&masked).unwrap()[3], f32::NEG_INFINITY);
+    }
 }

@@ -24,6 +24,9 @@ pub struct Pipeline {
     pub stop_tokens: Vec<u32>,
     /// The model file or folder it was loaded from.
     pub model_path: PathBuf,
+    /// Ids of the embedding that have no token in the tokenizer (a vocabulary padded to a round
+    /// size): they have no text, so generation never samples them.
+    pub(crate) textless: Vec<u32>,
 }
 
 /// Which text calibration reads (user texts: [`Pipeline::calibrate_on`]).
@@ -111,8 +114,8 @@ impl Pipeline {
         for s in template.stop_strings() {
             stop_tokens.extend(tok.token_to_id(s));
         }
-        check_tokenizer(&tok, &model, &stop_tokens, path)?;
-        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: path.to_path_buf() })
+        let textless = check_tokenizer(&tok, &model, &stop_tokens, path)?;
+        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: path.to_path_buf(), textless })
     }
 
     /// An HF folder: `config.json`, `*.safetensors`, `tokenizer.json` (or `tokenizer`), and the
@@ -126,20 +129,36 @@ impl Pipeline {
         for s in template.stop_strings() {
             stop_tokens.extend(tok.token_to_id(s));
         }
-        check_tokenizer(&tok, &model, &stop_tokens, dir)?;
-        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: dir.to_path_buf() })
+        let textless = check_tokenizer(&tok, &model, &stop_tokens, dir)?;
+        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: dir.to_path_buf(), textless })
     }
 
     /// Token ids of a prompt, with the special tokens the tokenizer adds (Gemma's BOS), wrapped
-    /// in the chat template when `chat`.
+    /// in the chat template when `chat`. Control tokens spelled in `text` (`<|im_end|>`) are
+    /// plain text: only the template's markers are control tokens ([`Pipeline::encode_with`]).
     pub fn encode(&self, text: &str, chat: bool) -> Result<Vec<u32>> {
-        let text = if chat { self.template.apply(text) } else { text.to_string() };
-        crate::tokenizer::encode(&self.tokenizer, &text, true)
+        self.encode_with(text, chat, false)
     }
 
-    /// Token ids of `text` alone: no special tokens (a piece of a longer text).
+    /// [`Pipeline::encode`], and with `parse_special` the control tokens spelled in `text` become
+    /// those tokens (llama.cpp's `parse_special`): for text the caller trusts as much as the
+    /// template, since it can close the user's turn and write the assistant's.
+    pub fn encode_with(&self, text: &str, chat: bool, parse_special: bool) -> Result<Vec<u32>> {
+        let (before, after) = if chat { self.template.around() } else { Default::default() };
+        crate::tokenizer::encode_user(&self.tokenizer, &before, text, &after, true, parse_special)
+    }
+
+    /// Token ids of a later turn of a conversation ([`ChatTemplate::follow_up`]), no BOS; the
+    /// control tokens in `text` are plain text unless `parse_special`.
+    pub fn encode_follow_up(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        let (before, after) = self.template.follow_up_around();
+        crate::tokenizer::encode_user(&self.tokenizer, &before, text, &after, false, parse_special)
+    }
+
+    /// Token ids of `text` alone: no BOS/EOS (a piece of a longer text), control tokens spelled
+    /// in it as plain text (to match them: `crate::tokenizer::encode(&p.tokenizer, text, false)`).
     pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>> {
-        crate::tokenizer::encode(&self.tokenizer, text, false)
+        crate::tokenizer::encode_user(&self.tokenizer, "", text, "", false, false)
     }
 
     /// The text of `ids` (special tokens included as text).
@@ -161,7 +180,11 @@ impl Pipeline {
         if path.exists() {
             let p = QuantProfile::load(&path, self.model.model_id())?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");
-            self.model.set_profile(p)?;
+            // Its refusals name the file they came from.
+            self.model.set_profile(p).map_err(|e| match e {
+                Error::Input(reason) => Error::Profile { path: path.clone(), reason },
+                e => e,
+            })?;
         } else {
             // Before the minutes of calibration, not after.
             candle_npu::cache::check_writable(&path)?;
@@ -268,17 +291,29 @@ impl Pipeline {
 
 /// A tokenizer that can produce ids the model has no embedding for (or stop ids it can never
 /// sample) belongs to another model: an error, not garbage or a generation that never stops.
-fn check_tokenizer(tok: &Tokenizer, model: &Model, stop: &[u32], path: &Path) -> Result<()> {
+/// The tokenizer against the model: every token id and stop id within the embedding. Returns
+/// the embedding's ids without a token (padding), which generation must never sample.
+fn check_tokenizer(tok: &Tokenizer, model: &Model, stop: &[u32], path: &Path) -> Result<Vec<u32>> {
     let vocab = model.config().vocab;
     let bad = |reason: String| Err(Error::Model { path: path.to_path_buf(), reason });
+    let ids = tok.get_vocab(true).into_values().collect::<std::collections::HashSet<u32>>();
     // The largest id, not the count: added tokens may sit beyond a gap.
-    if let Some(max) = tok.get_vocab(true).into_values().max().filter(|&m| m as usize >= vocab) {
+    if let Some(&max) = ids.iter().max().filter(|&&m| m as usize >= vocab) {
         return bad(format!("the tokenizer has token id {max}, the model's vocabulary {vocab}: a tokenizer of another model?"));
     }
     if let Some(s) = stop.iter().find(|&&s| s as usize >= vocab) {
         return bad(format!("stop token id {s} is beyond the model's vocabulary of {vocab}"));
     }
-    Ok(())
+    let textless: Vec<u32> = (0..vocab as u32).filter(|i| !ids.contains(i)).collect();
+    // A few padding rows are common (vocabularies rounded up for the GPU); most of the
+    // embedding without text is a tokenizer of another model.
+    if textless.len() * 2 > vocab {
+        return bad(format!("the tokenizer has {} tokens for an embedding of {vocab} rows: a tokenizer of another model?", ids.len()));
+    }
+    if !textless.is_empty() {
+        tracing::info!(ids = textless.len(), vocab, "embedding rows without a token (padding): never sampled");
+    }
+    Ok(textless)
 }
 
 /// Generated text as it comes, never splitting a character: a token may hold part of a

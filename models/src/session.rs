@@ -68,15 +68,16 @@ impl Session<'_> {
 
     /// The user's next turn: its tokens (the chat template's, closing the previous answer) are
     /// prefilled after the conversation, then the answer is generated as
-    /// [`Pipeline::generate`] does.
+    /// [`Pipeline::generate`] does. Control tokens spelled in `text` stay text unless
+    /// [`GenerateOptions::parse_special`].
     pub fn send(&mut self, text: &str, opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         opts.validate()?;
         let p = &mut *self.p;
         let mut new: Vec<u32> = self.pending.into_iter().collect();
         if self.tokens.is_empty() {
-            new.extend(p.encode(text, true)?);
+            new.extend(p.encode_with(text, true, opts.parse_special)?);
         } else {
-            new.extend(p.encode_piece(&p.template.follow_up(text))?);
+            new.extend(p.encode_follow_up(text, opts.parse_special)?);
         }
         if new.is_empty() {
             return Err(Error::Input("an empty prompt: nothing to answer".into()));
@@ -95,7 +96,7 @@ impl Session<'_> {
         let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
         let t = Instant::now();
         while ids.len() < opts.sample_len {
-            let next = sampler.sample(&penalized(&logits, &self.tokens, opts)?)?;
+            let next = sampler.sample(&penalized(&logits, &self.tokens, &p.textless, opts)?)?;
             if ids.is_empty() {
                 ttft = prefill + t.elapsed();
             }
@@ -195,6 +196,10 @@ impl<W: Write> Write for HashingWriter<W> {
 fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Option<u32>)> {
     let bad = |reason: String| Error::KvState { path: path.to_path_buf(), reason };
     let io = |e: std::io::Error| Error::Io { path: path.to_path_buf(), source: e };
+    // Before opening it too: opening a FIFO blocks until a writer comes.
+    if !std::fs::metadata(path).map_err(io)?.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
     let mut f = std::fs::File::open(path).map_err(io)?;
     let meta = f.metadata().map_err(io)?;
     if !meta.is_file() {

@@ -15,7 +15,9 @@
 //!
 //! In both, control tokens (`<|im_start|>`, `<start_of_turn>`, ...) and user-defined tokens (Gemma's
 //! runs of newlines, HTML tags) are matched as whole tokens in the raw text before anything else,
-//! as llama.cpp does. Whether BOS/EOS are added follows `tokenizer.ggml.add_bos_token` /
+//! as llama.cpp does. In a user's text control tokens are plain text unless the caller asks
+//! ([`encode_user`], llama.cpp's `parse_special`): only the chat template's markers are control
+//! tokens, so a prompt cannot forge turns of the conversation. Whether BOS/EOS are added follows `tokenizer.ggml.add_bos_token` /
 //! `add_eos_token` (llama.cpp's defaults when a key is absent: BOS for SentencePiece, nothing for
 //! GPT-2 BPE); they are added by the tokenizer's post-processor, i.e. only when a caller asks for
 //! special tokens: `tokenizer.encode(text, true)` or [`encode`]`(tok, text, true)`.
@@ -112,15 +114,75 @@ pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
 
 /// A Hugging Face `tokenizer.json`: an HF folder's tokenizer, or one given in place of a GGUF's own.
 pub fn from_file(path: &Path) -> Result<Tokenizer> {
-    Tokenizer::from_file(path).map_err(|e| Error::Model { path: path.to_path_buf(), reason: format!("tokenizer: {e}") })
+    // The largest published ones (Gemma 3's 262K tokens with their merges) are ~33 MB.
+    const TOKENIZER_LIMIT: u64 = 128 * candle_npu::fs::MIB;
+    let bytes = candle_npu::fs::read_bounded(path, TOKENIZER_LIMIT, "tokenizer")?;
+    Tokenizer::from_bytes(bytes).map_err(|e| Error::Model { path: path.to_path_buf(), reason: format!("tokenizer: {e}") })
 }
 
 /// Token ids of `text`. With `add_special`, the BOS/EOS the tokenizer's post-processor adds (for
 /// a GGUF: as its `add_bos_token` / `add_eos_token` keys say, like llama.cpp; for a
-/// `tokenizer.json`: its own post-processor). Control tokens in `text` always match as one token.
+/// `tokenizer.json`: its own post-processor). Control tokens in `text` always match as one token
+/// (llama.cpp's `parse_special = true`): for text the program writes, such as a chat template's;
+/// a user's text goes through [`encode_user`].
 pub fn encode(tok: &Tokenizer, text: &str, add_special: bool) -> Result<Vec<u32>> {
     let enc = tok.encode(text, add_special).map_err(|e| Error::Input(format!("tokenizer: {e}")))?;
     Ok(enc.get_ids().to_vec())
+}
+
+/// Token ids of a user's `text` between the chat template's text `before` and `after` (both
+/// empty without a template). The template's control tokens (`<|im_start|>`, `<start_of_turn>`,
+/// ...) match as one token each; in `text` they are plain text unless `parse_special`, as
+/// llama.cpp's `parse_special = false` has it (user-defined tokens, Gemma's runs of newlines,
+/// still match): `<|im_end|>` typed by a user becomes `<`, `|`, `im`, ..., so a prompt cannot
+/// close its turn and forge the next one. `add_special`: BOS/EOS as in [`encode`], once.
+///
+/// The template's text is cut at its last control token before `text` and its first after it,
+/// and what lies between (`user\n`, the text, ...) is tokenized as one piece: the tokenizer cuts
+/// the whole string at control tokens too, so a prompt without markers gets the same ids as
+/// [`encode`] of `before + text + after`.
+pub fn encode_user(tok: &Tokenizer, before: &str, text: &str, after: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>> {
+    if parse_special {
+        return encode(tok, &format!("{before}{text}{after}"), add_special);
+    }
+    let err = |e: tokenizers::Error| Error::Input(format!("tokenizer: {e}"));
+    let (head, tail) = (tok.encode(before, false).map_err(err)?, tok.encode(after, false).map_err(err)?);
+    let controls = |enc: &tokenizers::Encoding| -> Vec<usize> {
+        enc.get_ids().iter().enumerate().filter(|&(_, &id)| is_control(tok, id)).map(|(i, _)| i).collect()
+    };
+    let bad_offset = || Error::Input("tokenizer: a control token's offsets are not within the template's text".into());
+    let (head_ids, head_text) = match controls(&head).last() {
+        Some(&i) => (&head.get_ids()[..=i], before.get(head.get_offsets()[i].1..).ok_or_else(bad_offset)?),
+        None => (&[][..], before),
+    };
+    let (tail_ids, tail_text) = match controls(&tail).first() {
+        Some(&j) => (&tail.get_ids()[j..], after.get(..tail.get_offsets()[j].0).ok_or_else(bad_offset)?),
+        None => (&[][..], after),
+    };
+    let middle = encode_plain(tok, &format!("{head_text}{text}{tail_text}"))?;
+    let ids = head_ids.iter().chain(&middle).chain(tail_ids);
+    let enc: tokenizers::Encoding = ids.map(|&id| (id, String::new(), (0, 0), None, 0)).collect();
+    Ok(tok.post_process(enc, None, add_special).map_err(err)?.get_ids().to_vec())
+}
+
+/// Ids of `text` with no control token matched (no BOS/EOS). Text without any (nearly all) is
+/// tokenized once as it is; only text that spells one pays for a copy of the tokenizer with
+/// `tokenizers`' `encode_special_tokens` switch on (it skips special added tokens when
+/// splitting, as llama.cpp skips control tokens when not parsing them).
+fn encode_plain(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let ids = encode(tok, text, false)?;
+    if !ids.iter().any(|&id| is_control(tok, id)) {
+        return Ok(ids);
+    }
+    let mut plain = tok.clone();
+    plain.set_encode_special_tokens(true);
+    encode(&plain, text, false)
+}
+
+/// A special added token: a GGUF's control tokens, a `tokenizer.json`'s `special` ones.
+fn is_control(tok: &Tokenizer, id: u32) -> bool {
+    let added = tok.get_added_vocabulary();
+    added.simple_id_to_token(id).is_some_and(|t| added.is_special_token(&t))
 }
 
 /// GPT-2 byte-level BPE from the file's vocabulary and merge list.
