@@ -89,6 +89,18 @@ fn damaged_model_metadata_is_an_error_naming_it() {
         ("missing tensor", |_, ts| ts.retain(|(n, _)| n != "blk.1.ffn_up.weight"), "missing tensor 'blk.1.ffn_up.weight'"),
         ("transposed tensor", |_, ts| transform(ts, "blk.0.ffn_up.weight", |t| t.t().unwrap().contiguous().unwrap()), "the config implies (128, 64)"),
         ("NaN weight", |_, ts| transform(ts, "blk.1.attn_k.weight", |t| poison(t, f32::NAN)), "has NaN at [0, 3]"),
+        ("NaN norm", |_, ts| transform(ts, "blk.0.attn_norm.weight", |t| poison(t, f32::NAN)), "tensor 'blk.0.attn_norm.weight': value 3 is NaN"),
+        ("infinite final norm", |_, ts| transform(ts, "output_norm.weight", |t| poison(t, f32::NEG_INFINITY)), "tensor 'output_norm.weight': value 3 is -inf"),
+        ("NaN embedding", |_, ts| transform(ts, "token_embd.weight", |t| poison(t, f32::NAN)), "tensor 'token_embd.weight': value 3 is NaN"),
+        (
+            "duplicate tensor",
+            |_, ts| {
+                let t = ts.iter().find(|(n, _)| n == "blk.0.ffn_up.weight").unwrap().1.clone();
+                ts.push(("blk.0.ffn_up.weight".into(), t));
+            },
+            "two tensors share a name",
+        ),
+        ("duplicate metadata key", |md, _| md.push(("llama.block_count".into(), Value::U32(2))), "a key is given twice"),
         ("infinite weight", |_, ts| transform(ts, "blk.0.ffn_down.weight", |t| poison(t, f32::INFINITY)), "has inf at [0, 3]"),
         (
             "final norm of the wrong size",
@@ -129,9 +141,24 @@ fn damaged_gguf_bytes_are_an_error_naming_the_file() {
     error_naming(open(&good[..64]), "not a valid GGUF file", Some(&path));
     error_naming(open(b"GGUF"), "not a valid GGUF file", Some(&path));
     error_naming(open(&[]), "not a valid GGUF file", Some(&path));
-    // An alignment of 0 makes candle's reader divide by zero: caught, reported as the file's.
+    // An alignment of 0 would make candle's reader divide by zero: found before it reads.
     let zero_align = write_gguf(&dir.join("align.gguf"), |md, _| set(md, "general.alignment", Value::U32(0)));
-    error_naming(Gguf::open(&zero_align).map(|_| ()), "alignment of 0", Some(&zero_align));
+    error_naming(Gguf::open(&zero_align).map(|_| ()), "general.alignment is 0", Some(&zero_align));
+    // Two tensors over the same bytes (hand-written header: two F32 vectors of 8 at offset 0).
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes()); // version
+    b.extend(2u64.to_le_bytes()); // tensors
+    b.extend(0u64.to_le_bytes()); // metadata
+    for name in [b'a', b'b'] {
+        b.extend(1u64.to_le_bytes());
+        b.push(name);
+        b.extend(1u32.to_le_bytes()); // dims
+        b.extend(8u64.to_le_bytes());
+        b.extend(0u32.to_le_bytes()); // F32
+        b.extend(0u64.to_le_bytes()); // offset
+    }
+    b.resize(b.len().next_multiple_of(32) + 64, 0);
+    error_naming(open(&b), "tensors 'a' and 'b' overlap", Some(&path));
     // A tensor whose header dims multiply past u64 (hand-written header: one F32 tensor).
     let mut b = b"GGUF".to_vec();
     b.extend(3u32.to_le_bytes()); // version

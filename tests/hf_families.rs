@@ -228,6 +228,10 @@ fn a_model_id_resolves_in_the_hf_hub_cache_and_an_absent_one_is_a_clear_error() 
     assert!(e.contains("test/absent") && e.contains(&cache.display().to_string()) && e.contains("models--test--absent"), "{e}");
 }
 
+fn st_path(dir: &Path) -> PathBuf {
+    dir.join("model.safetensors")
+}
+
 fn load_err(dir: &Path) -> String {
     match hf::load(dir, &NpuDevice::host(), LoadOptions::default()) {
         Ok(_) => panic!("{} loaded", dir.display()),
@@ -285,6 +289,55 @@ fn bad_hf_folders_are_clear_errors() {
         let e = load_err(&d);
         assert!(e.contains(cause) && e.contains("config.json"), "{e}");
     }
+    // Phi-3 with biases: refused as Llama's are.
+    let d = tmpdir("phi3-biases");
+    let mut c = base_config("phi3");
+    c["attention_bias"] = serde_json::json!(true);
+    write_model(&d, c, true, 4);
+    assert!(load_err(&d).contains("attention_bias is true"));
+    // A config with fewer layers than the folder: refused, not a truncated model.
+    let d = tmpdir("fewer-layers");
+    let mut c = base_config("mistral");
+    c["num_hidden_layers"] = serde_json::json!(LAYERS - 1);
+    write_model(&d, c, false, 4);
+    let e = load_err(&d);
+    assert!(e.contains(&format!("more layers than the config's {}", LAYERS - 1)) && e.contains(&format!("model.layers.{}.input_layernorm", LAYERS - 1)), "{e}");
+    // Untied by the config but without the output matrix: refused, not silently tied.
+    let d = tmpdir("untied-no-head");
+    write_model(&d, base_config("llama"), false, 4);
+    let st = d.join("model.safetensors");
+    let mut ts = candle_core::safetensors::load(&st, &Device::Cpu).unwrap();
+    ts.remove("lm_head.weight");
+    candle_core::safetensors::save(&ts, &st).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("tie_word_embeddings is false") && e.contains("lm_head.weight"), "{e}");
+    // The same tensor in two files, an integer tensor, a NaN in a norm and in the embedding.
+    let d = tmpdir("dup-across-files");
+    write_model(&d, base_config("llama"), false, 4);
+    let norm0 = candle_core::safetensors::load(&st_path(&d), &Device::Cpu).unwrap().remove("model.norm.weight").unwrap();
+    candle_core::safetensors::save(&HashMap::from([("model.norm.weight".to_string(), norm0)]), d.join("model-extra.safetensors")).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("tensor 'model.norm.weight' is in both"), "{e}");
+    let edit = |name: &str, f: &dyn Fn(&Tensor) -> Tensor| {
+        let d = tmpdir("edited");
+        write_model(&d, base_config("llama"), false, 4);
+        let mut ts = candle_core::safetensors::load(&st_path(&d), &Device::Cpu).unwrap();
+        let t = f(&ts[name]);
+        ts.insert(name.to_string(), t);
+        candle_core::safetensors::save(&ts, st_path(&d)).unwrap();
+        load_err(&d)
+    };
+    let e = edit("model.layers.0.input_layernorm.weight", &|t| t.to_dtype(candle_core::DType::I64).unwrap());
+    assert!(e.contains("tensor 'model.layers.0.input_layernorm.weight'") && e.contains("I64") && e.contains("floats"), "{e}");
+    let poison = |t: &Tensor, v: f32| {
+        let mut x = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        x[5] = v;
+        Tensor::from_vec(x, t.shape(), &Device::Cpu).unwrap()
+    };
+    let e = edit("model.layers.1.post_attention_layernorm.weight", &|t| poison(t, f32::NAN));
+    assert!(e.contains("tensor 'model.layers.1.post_attention_layernorm.weight': value 5 is NaN"), "{e}");
+    let e = edit("model.embed_tokens.weight", &|t| poison(t, f32::INFINITY));
+    assert!(e.contains("tensor 'model.embed_tokens.weight': value 5 is inf"), "{e}");
     // No weights at all, and no folder.
     let d = tmpdir("no-weights");
     std::fs::write(d.join("config.json"), base_config("llama").to_string()).unwrap();

@@ -97,6 +97,52 @@ impl WeightSource for Rows {
     }
 }
 
+/// An error naming tensor `name` of `path` when one of `t`'s values is NaN or infinite: a norm
+/// weight, bias or embedding row that is not a number turns every logit after it into NaN (a
+/// model that loads and generates garbage), so it is refused at load like a linear weight.
+fn check_finite(t: &Tensor, name: &str, path: &Path) -> Result<()> {
+    let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(Error::Model { path: path.to_path_buf(), reason: format!("tensor '{name}': value {i} is {}", values[i]) }),
+        None => Ok(()),
+    }
+}
+
+/// The first value (float types) or block (quantized types) of `q` that is not finite, if any.
+/// A quantized block's values are integers times its scale (and minus its min): finite exactly
+/// when those are, so only they are read (a dequantized copy of Gemma 3's embedding would be
+/// 670 MB of f32).
+pub fn first_non_finite(q: &QTensor) -> Result<Option<usize>> {
+    #[derive(Clone, Copy)]
+    enum Float {
+        F16,
+        Bf16,
+        F32,
+    }
+    use Float::{Bf16, F16, F32};
+    // The float fields of one block (or element): (byte offset, type). Layouts: ggml's
+    // `block_q*` structs (candle's `k_quants.rs`).
+    let fields: &[(usize, Float)] = match q.dtype() {
+        GgmlDType::F32 => &[(0, F32)],
+        GgmlDType::F16 => &[(0, F16)],
+        GgmlDType::BF16 => &[(0, Bf16)],
+        GgmlDType::Q4_0 | GgmlDType::Q5_0 | GgmlDType::Q8_0 => &[(0, F16)],
+        GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q8_1 | GgmlDType::Q4K | GgmlDType::Q5K => &[(0, F16), (2, F16)],
+        GgmlDType::Q2K => &[(80, F16), (82, F16)],
+        GgmlDType::Q3K => &[(108, F16)],
+        GgmlDType::Q6K => &[(208, F16)],
+        GgmlDType::Q8K => &[(0, F32)],
+    };
+    let data = q.data()?;
+    let finite = |b: &[u8], (at, ty): (usize, Float)| match ty {
+        // An f16 or bf16 is NaN or infinite exactly when its exponent bits are all set.
+        F16 => u16::from_le_bytes([b[at], b[at + 1]]) & 0x7c00 != 0x7c00,
+        Bf16 => u16::from_le_bytes([b[at], b[at + 1]]) & 0x7f80 != 0x7f80,
+        F32 => f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]).is_finite(),
+    };
+    Ok(data.chunks_exact(q.dtype().type_size()).position(|block| !fields.iter().all(|&f| finite(block, f))))
+}
+
 // --- GGUF ---
 
 /// A GGUF file: tensors keep their quantized form until a float is asked for.
@@ -126,13 +172,19 @@ impl Checkpoint for GgufCheckpoint {
         self.g.has_tensor(name)
     }
     fn vector(&self, name: &str) -> Result<Tensor> {
-        self.g.f32_tensor(name)
+        let t = self.g.f32_tensor(name)?;
+        check_finite(&t, name, self.path())?;
+        Ok(t)
     }
     fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>> {
         Ok(Arc::new(GgufWeight::new(&self.g, self.file.clone(), name)?))
     }
     fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul> {
         let t = self.g.qtensor(name)?;
+        if let Some(i) = first_non_finite(&t)? {
+            let unit = if t.dtype().block_size() == 1 { "value" } else { "block" };
+            return Err(Error::Model { path: self.path().to_path_buf(), reason: format!("tensor '{name}': {unit} {i} is NaN or infinite ({:?})", t.dtype()) });
+        }
         Ok(match decode {
             DecodeWeights::F32 => QMatMul::Tensor(t.dequantize(&Device::Cpu)?),
             DecodeWeights::Q8_0 | DecodeWeights::Checkpoint => QMatMul::from_qtensor(t)?,
@@ -223,6 +275,21 @@ impl SafetensorsCheckpoint {
         if files.is_empty() {
             return Err(bad("no *.safetensors file in the folder".into()));
         }
+        // What candle's loader would merge or convert silently: a tensor named in two files (it
+        // keeps one) and integer tensors (it converts them to F32).
+        let mut seen = std::collections::HashMap::new();
+        for file in &files {
+            // SAFETY: as below: read-only, not modified while mapped.
+            let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(file) }.map_err(|e| bad(format!("{}: {e}", file.display())))?;
+            for (name, view) in st.tensors() {
+                if let Some(first) = seen.insert(name.clone(), file.clone()) {
+                    return Err(bad(format!("tensor '{name}' is in both {} and {}", first.display(), file.display())));
+                }
+                if !DType::try_from(view.dtype()).is_ok_and(|d| d.is_float()) {
+                    return Err(bad(format!("tensor '{name}' in {} is {:?}: a model's tensors are floats", file.display(), view.dtype())));
+                }
+            }
+        }
         // SAFETY: the checkpoint files are opened read-only and must not be modified while the
         // model is loaded (candle's documented condition for mmaped safetensors).
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu) }.map_err(|e| bad(format!("safetensors: {e}")))?;
@@ -249,6 +316,7 @@ impl Checkpoint for SafetensorsCheckpoint {
         if t.rank() != 1 {
             return Err(Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': expected a vector, shape {:?}", t.dims()) });
         }
+        check_finite(&t, name, &self.dir)?;
         Ok(t)
     }
     fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>> {
@@ -260,6 +328,7 @@ impl Checkpoint for SafetensorsCheckpoint {
     }
     fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul> {
         let t = self.get(name)?;
+        check_finite(&t, name, &self.dir)?;
         Ok(match decode {
             DecodeWeights::F32 => QMatMul::Tensor(t),
             // A float checkpoint has no quantized form of its own: Q8_0 as for the linears.
@@ -290,5 +359,41 @@ impl WeightSource for SafetensorsWeight {
     }
     fn describe(&self) -> String {
         format!("{} in {}", self.name, self.dir.display())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::ggml_file::qtensor_from_ggml;
+
+    /// `t` quantized to `dtype` with the 2-byte field at `at` of block `block` set to `bits`.
+    fn damaged(dtype: GgmlDType, block: usize, at: usize, bits: u16) -> QTensor {
+        let t = Tensor::arange(0f32, 4.0 * 256.0, &Device::Cpu).unwrap().affine(1e-3, -0.5).unwrap().reshape((4, 256)).unwrap();
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let mut bytes = q.data().unwrap().to_vec();
+        let off = block * dtype.type_size() + at;
+        bytes[off..off + 2].copy_from_slice(&bits.to_le_bytes());
+        qtensor_from_ggml(dtype, &bytes, vec![4, 256], &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_non_finite_block_scale_is_found_where_each_format_keeps_it() {
+        const F16_NAN: u16 = 0x7e00;
+        const F16_INF: u16 = 0x7c00;
+        // (format, byte offset of a scale or min within its block)
+        for (dtype, at) in [(GgmlDType::Q8_0, 0), (GgmlDType::Q4_1, 2), (GgmlDType::Q4K, 2), (GgmlDType::Q6K, 208), (GgmlDType::Q3K, 108), (GgmlDType::Q2K, 82)] {
+            assert_eq!(first_non_finite(&damaged(dtype, 0, 0, 0x3c00)).unwrap(), None, "{dtype:?} with a finite scale");
+            for bits in [F16_NAN, F16_INF] {
+                let blocks = 4 * 256 / dtype.block_size();
+                let block = blocks - 1;
+                assert_eq!(first_non_finite(&damaged(dtype, block, at, bits)).unwrap(), Some(block), "{dtype:?} {bits:#x}");
+            }
+        }
+        // Half floats, element by element.
+        let t = Tensor::new(&[1f32, 2.0, f32::NAN, 4.0], &Device::Cpu).unwrap();
+        for dtype in [GgmlDType::F16, GgmlDType::BF16, GgmlDType::F32] {
+            assert_eq!(first_non_finite(&QTensor::quantize(&t, dtype).unwrap()).unwrap(), Some(2), "{dtype:?}");
+        }
     }
 }

@@ -2,9 +2,8 @@
 //! `Err` naming the path and what is wrong, never a panic.
 
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-
 
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{Device, Tensor};
@@ -33,16 +32,29 @@ impl Gguf {
         let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
         let file_len = file.metadata().map_err(|e| bad(e.to_string()))?.len();
         let mut reader = BufReader::new(file);
-        // candle's reader trusts a few header values (an alignment of 0 divides by zero): a panic
-        // in it is this file's fault, reported as such.
+        // What candle's reader trusts or merges, read first: an alignment of 0 would divide by
+        // zero inside it, and it keeps one of two tensors (or metadata keys) of the same name.
+        let header = Header::read(&mut reader, file_len).map_err(|e| bad(format!("not a valid GGUF file: {e}")))?;
+        if header.alignment == Some(0) {
+            return Err(bad("not a valid GGUF file: general.alignment is 0".into()));
+        }
+        reader.seek(SeekFrom::Start(0)).map_err(|e| bad(e.to_string()))?;
+        // Still guarded: a panic in candle's reader is this file's fault, reported as such.
         let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| gguf_file::Content::read(&mut reader)));
         let content = match read {
             Ok(r) => r.map_err(|e| bad(format!("not a valid GGUF file: {e}")))?,
             Err(_) => return Err(bad("not a valid GGUF file: its header made the GGUF reader fail (e.g. an alignment of 0)".into())),
         };
+        if content.tensor_infos.len() as u64 != header.tensors {
+            return Err(bad(format!("{} tensors in the header, {} distinct names: two tensors share a name", header.tensors, content.tensor_infos.len())));
+        }
+        if content.metadata.len() as u64 != header.keys {
+            return Err(bad(format!("{} metadata entries, {} distinct keys: a key is given twice", header.keys, content.metadata.len())));
+        }
         // Every tensor's shape and bytes checked now, with checked arithmetic (header values are
         // the file's word, and a product that wraps would pass the bounds check), so a truncated
         // or damaged file is reported here and not deep inside model loading.
+        let mut ranges = Vec::with_capacity(content.tensor_infos.len());
         for (name, info) in &content.tensor_infos {
             let dims = info.shape.dims();
             if dims.is_empty() || dims.contains(&0) {
@@ -59,8 +71,13 @@ impl Gguf {
                         "truncated: tensor '{name}' ends at byte {end} but the file has {file_len} bytes (re-run scripts/setup.sh)"
                     )))
                 }
-                Some(_) => {}
+                Some(end) => ranges.push((end - bytes.unwrap_or(0), end, name)),
             }
+        }
+        // Disjoint bytes: two tensors over the same bytes are a damaged (or forged) directory.
+        ranges.sort();
+        if let Some(w) = ranges.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(bad(format!("tensors '{}' and '{}' overlap (bytes {}..{} and {}..{})", w[0].2, w[1].2, w[0].0, w[0].1, w[1].0, w[1].1)));
         }
         Ok(Gguf { path: path.to_path_buf(), content, reader: std::sync::Mutex::new(reader) })
     }
@@ -162,5 +179,90 @@ impl Gguf {
             return Err(Error::Model { path: self.path.clone(), reason: format!("{arch}.block_count is {} but the file has more layers", cfg.n_layer) });
         }
         Ok(cfg)
+    }
+}
+
+/// The counts of a GGUF header and its `general.alignment`, read by walking the metadata (each
+/// length bounded by the file's size) before candle's reader sees the file.
+struct Header {
+    tensors: u64,
+    keys: u64,
+    alignment: Option<u64>,
+}
+
+impl Header {
+    fn read(r: &mut impl Read, file_len: u64) -> std::result::Result<Self, String> {
+        let mut buf = [0u8; 8];
+        let mut take = |r: &mut dyn Read, n: usize| -> std::result::Result<u64, String> {
+            r.read_exact(&mut buf[..n]).map_err(|e| format!("header: {e}"))?;
+            let mut b = [0u8; 8];
+            b[..n].copy_from_slice(&buf[..n]);
+            Ok(u64::from_le_bytes(b))
+        };
+        if take(r, 4)? != u64::from(u32::from_le_bytes(*b"GGUF")) {
+            return Err("no GGUF magic".into());
+        }
+        let version = take(r, 4)?;
+        // Version 1 counted with u32, later versions with u64.
+        let count = if version == 1 { 4 } else { 8 };
+        let (tensors, keys) = (take(r, count)?, take(r, count)?);
+        let mut alignment = None;
+        for _ in 0..keys {
+            let len = take(r, count)?;
+            if len > file_len {
+                return Err(format!("a metadata key of {len} bytes in a file of {file_len}"));
+            }
+            let mut key = vec![0u8; len as usize];
+            r.read_exact(&mut key).map_err(|e| format!("header: {e}"))?;
+            let ty = take(r, 4)?;
+            if key == b"general.alignment" {
+                alignment = Some(match ty {
+                    4 => take(r, 4)?,
+                    10 => take(r, 8)?,
+                    _ => return Err(format!("general.alignment has value type {ty}, expected an unsigned integer")),
+                });
+            } else {
+                skip_value(r, ty, count, file_len, &mut take)?;
+            }
+        }
+        Ok(Header { tensors, keys, alignment })
+    }
+}
+
+/// Skips one metadata value of GGUF type `ty`.
+fn skip_value(
+    r: &mut impl Read,
+    ty: u64,
+    count: usize,
+    file_len: u64,
+    take: &mut impl FnMut(&mut dyn Read, usize) -> std::result::Result<u64, String>,
+) -> std::result::Result<(), String> {
+    let skip = |r: &mut dyn Read, n: u64| -> std::result::Result<(), String> {
+        if n > file_len {
+            return Err(format!("a metadata value of {n} bytes in a file of {file_len}"));
+        }
+        let got = std::io::copy(&mut r.take(n), &mut std::io::sink()).map_err(|e| format!("header: {e}"))?;
+        if got != n {
+            return Err("header: truncated metadata".into());
+        }
+        Ok(())
+    };
+    match ty {
+        0 | 1 | 7 => skip(r, 1),
+        2 | 3 => skip(r, 2),
+        4..=6 => skip(r, 4),
+        10..=12 => skip(r, 8),
+        8 => {
+            let len = take(r, count)?;
+            skip(r, len)
+        }
+        9 => {
+            let (elem, n) = (take(r, 4)?, take(r, count)?);
+            if n > file_len {
+                return Err(format!("an array of {n} values in a file of {file_len} bytes"));
+            }
+            (0..n).try_for_each(|_| skip_value(r, elem, count, file_len, take))
+        }
+        _ => Err(format!("metadata value type {ty} is not a GGUF type")),
     }
 }

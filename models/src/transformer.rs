@@ -330,6 +330,15 @@ impl Model {
                 stages,
             });
         }
+        // The config against the checkpoint the other way: a layer past the last one the config
+        // names (a config that drops layers would run a truncated model without a word).
+        let next = names(&format!("blk.{}.attn_norm.weight", cfg.n_layer)).name;
+        if ckpt.contains(&next) {
+            return Err(Error::Model {
+                path: ckpt.path().to_path_buf(),
+                reason: format!("the checkpoint has more layers than the config's {} ('{next}' exists)", cfg.n_layer),
+            });
+        }
         let n = cfg.n_layer;
         Ok(Model {
             chunk_len,
