@@ -450,13 +450,28 @@ impl ShadowLinear {
         Ok(())
     }
 
-    /// Decode (candle CPU): `x @ w^T + b` for `x` `[rows, K]`.
+    /// Decode (candle CPU): `x @ w^T + b` for `x` `[rows, K]`. One row on Q8_0 decode weights
+    /// (every decode step) runs this crate's matrix-vector kernel ([`crate::kernels::gemv::matvec`]);
+    /// everything else is candle's matmul.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.decode.forward(x)?;
+        let y = match self.gemv(x)? {
+            Some(y) => y,
+            None => self.decode.forward(x)?,
+        };
         Ok(match &self.bias_t {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+
+    /// `x @ w^T` by the decode kernel when `x` is one F32 row and the decode weight is the
+    /// INT8 copy in Q8_0 blocks ([`DecodeWeights::Q8_0`]; a checkpoint's own tensors stay with
+    /// candle, whose results they then equal bit for bit).
+    fn gemv(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        match &self.npu.int8 {
+            Int8::Q8_0(w) => crate::kernels::gemv::matvec(w, x),
+            Int8::Raw(_) => Ok(None),
+        }
     }
 }
 

@@ -235,6 +235,8 @@ pub struct Model {
     shadow_on: Vec<bool>,
     /// How the INT8 weights are scaled ([`LoadOptions::weights`]).
     weights: WeightQuant,
+    /// The decode weights' format ([`LoadOptions::decode_weights`]).
+    decode_weights: DecodeWeights,
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
     a16: Vec<[Quant; N_STAGES]>,
     graphs: HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
@@ -356,6 +358,7 @@ impl Model {
             a16: vec![],
             shadow_on: vec![],
             weights: opts.weights,
+            decode_weights: opts.decode_weights,
             shadow_time: std::time::Duration::ZERO,
             graphs: HashMap::new(),
             kv: (0..n).map(|_| Mutex::default()).collect(),
@@ -510,6 +513,14 @@ impl Model {
 
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(rows, &self.final_norm, self.cfg.rms_eps as f32)?;
+        // A decode step's one row on a Q8_0 output table (Gemma's tied embedding, Qwen's output):
+        // the engine's kernel, as for the linears. With the checkpoint's own decode weights,
+        // candle's matmul (its results are then candle's bit for bit).
+        if let (QMatMul::QTensor(w), DecodeWeights::Q8_0) = (&self.lm_head, self.decode_weights) {
+            if let Some(y) = candle_npu::kernels::gemv::matvec(w, &h)? {
+                return Ok(y);
+            }
+        }
         Ok(self.lm_head.forward(&h)?)
     }
 
