@@ -7,10 +7,13 @@
 //! ```text
 //! cargo run --release --example bench_prefill
 //! ```
+#[path = "common/requantize.rs"]
+mod requantize;
+
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{Device, Tensor};
 use candle_npu::kernels::{Int8Kernel, PackedI8};
 use candle_npu::NpuDevice;
@@ -35,26 +38,7 @@ fn best(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 
 /// The SmolLM2 GGUF with every matrix re-encoded as `dtype` (F32 = the dequantized reference).
 fn requantized(dtype: GgmlDType) -> Result<std::path::PathBuf> {
-    let out = assets::dir().join(format!(".bench/smollm2-{dtype:?}.gguf"));
-    if out.exists() {
-        return Ok(out);
-    }
-    std::fs::create_dir_all(out.parent().unwrap())?;
-    let mut f = std::fs::File::open(assets::smollm2())?;
-    let ct = gguf_file::Content::read(&mut f)?;
-    let mut tensors = vec![];
-    for name in ct.tensor_infos.keys() {
-        let q = ct.tensor(&mut f, name, &Device::Cpu)?;
-        let t = q.dequantize(&Device::Cpu)?;
-        let q = if t.rank() == 2 && t.dim(1)? % 32 == 0 { QTensor::quantize(&t, dtype)? } else { QTensor::quantize(&t, GgmlDType::F32)? };
-        tensors.push((name.clone(), q));
-    }
-    let md: Vec<(&str, &gguf_file::Value)> = ct.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tr: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tmp = out.with_extension(format!("tmp{}", std::process::id()));
-    gguf_file::write(&mut std::fs::File::create(&tmp)?, &md, &tr)?;
-    std::fs::rename(&tmp, &out)?;
-    Ok(out)
+    requantize::requantized(&assets::smollm2(), "smollm2", dtype)
 }
 
 fn candle_model(dtype: GgmlDType) -> Result<ModelWeights> {

@@ -1,0 +1,178 @@
+//! Decode throughput, side by side in one run: this engine's CPU decode (candle ops, Q8_0
+//! decode weights made from the NPU's INT8 copy) against llama.cpp's `llama-bench` on the same
+//! weights requantized to Q8_0, for the three real models, at a context of 64 and 2048 tokens,
+//! on a quiet machine and beside a busy process (a shell spinning on one core: on a phone, every
+//! other app). Also the machine's memory bandwidth (a STREAM-like read of a buffer far larger
+//! than the caches), the limit decode is measured against: the bytes one token reads (weights,
+//! the output matrix, the KV rows) over the bandwidth.
+//!
+//! ```text
+//! cargo run --release --example bench_decode -- [--llama-bench PATH] [--models smollm2,qwen,gemma]
+//! ```
+//!
+//! llama.cpp is not part of this repository: build `llama-bench` from the PyPI
+//! `llama-cpp-python` sdist's vendored source (cmake) and give its path (or `$LLAMA_BENCH`).
+#[path = "common/requantize.rs"]
+mod requantize;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::GgmlDType;
+use candle_npu::NpuDevice;
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// `llama-bench` binary for the llama.cpp rows (default: `$LLAMA_BENCH`; none: our rows only).
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+    /// Models: smollm2, qwen, gemma.
+    #[arg(long, value_delimiter = ',', default_value = "smollm2,qwen,gemma")]
+    models: Vec<String>,
+    /// Decoded tokens per measurement.
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// Interleaved rounds; each figure is the median over them.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Contexts (tokens in the KV cache before decoding).
+    #[arg(long, value_delimiter = ',', default_value = "64,2048")]
+    contexts: Vec<usize>,
+    /// Threads of both engines.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+/// A process spinning on one core until dropped.
+struct Busy(Child);
+
+impl Busy {
+    fn start() -> Result<Self> {
+        Ok(Busy(Command::new("sh").args(["-c", "while :; do :; done"]).stdout(Stdio::null()).spawn().context("starting the busy process")?))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Read bandwidth, GB/s: the best of 5 sums over a 512 MiB buffer, `threads` threads.
+fn bandwidth(threads: usize) -> f64 {
+    let words: usize = 64 << 20; // 512 MiB of u64
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let sum: u64 = std::thread::scope(|s| {
+            let chunk = words.div_ceil(threads);
+            let hs: Vec<_> = buf.chunks(chunk).map(|c| s.spawn(move || c.iter().fold(0u64, |a, &v| a.wrapping_add(v)))).collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Our decode tokens/s after `context` tokens in the cache (filled by the engine's prefill).
+fn ours(p: &mut Pipeline, context: usize, tokens: usize) -> Result<f64> {
+    let prompt: Vec<u32> = (0..context as u32).map(|i| 100 + i % 1000).collect();
+    p.model.prefill(&prompt)?;
+    let mut next = 1u32;
+    let t = Instant::now();
+    for _ in 0..tokens {
+        next = candle_npu_models::transformer::argmax(&p.model.decode(next)?)?;
+    }
+    Ok(tokens as f64 / t.elapsed().as_secs_f64())
+}
+
+/// llama-bench's decode tokens/s (`tg`) after `context` tokens (`-d`), one repetition.
+fn llama(bin: &Path, model: &Path, context: usize, tokens: usize, threads: usize) -> Result<f64> {
+    let out = Command::new(bin)
+        .args(["-m", &model.display().to_string(), "-p", "0", "-n", &tokens.to_string(), "-d", &context.to_string()])
+        .args(["-t", &threads.to_string(), "-r", "1", "-o", "json"])
+        .stderr(Stdio::null())
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stdout));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench's JSON")?;
+    v.get(0).and_then(|r| r.get("avg_ts")).and_then(|t| t.as_f64()).context("llama-bench's avg_ts")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let llama_bench = args.llama_bench.clone().or_else(|| std::env::var_os("LLAMA_BENCH").map(PathBuf::from));
+    if args.rounds == 0 || args.tokens == 0 {
+        bail!("--rounds and --tokens must be at least 1");
+    }
+    let bw = bandwidth(args.threads);
+    println!("Memory read bandwidth ({} threads, 512 MiB, best of 5): {bw:.1} GB/s", args.threads);
+    println!(
+        "Decode tokens/s, median of {} interleaved rounds of {} tokens, {} threads{}",
+        args.rounds,
+        args.tokens,
+        args.threads,
+        if llama_bench.is_some() { "; llama.cpp: llama-bench on the same weights as Q8_0" } else { " (no --llama-bench: our rows only)" }
+    );
+    println!("\n| model | context | load | ours | llama.cpp | ours / llama.cpp | ours: GB/s read (share of {bw:.0}) |");
+    println!("|---|---|---|---|---|---|---|");
+    for m in &args.models {
+        let (path, name) = match m.as_str() {
+            "smollm2" => (assets::smollm2(), "smollm2"),
+            "qwen" => (assets::qwen25_coder_05b()?, "qwen25-coder-05b"),
+            "gemma" => (assets::gemma3_270m()?, "gemma3-270m"),
+            other => bail!("unknown model {other}: smollm2, qwen or gemma"),
+        };
+        let q8 = match &llama_bench {
+            Some(_) => Some(requantize::requantized(&path, name, GgmlDType::Q8_0)?),
+            None => None,
+        };
+        let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
+        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        // Bytes one decode step reads: every decode weight (Q8_0: 34 bytes per 32) and, per
+        // context token, a K and a V row per layer in f32.
+        let cfg = p.model.config().clone();
+        let weights: usize = p.model.linears().map(|l| l.dims().0 * l.dims().1).sum::<usize>() + cfg.vocab * cfg.hidden;
+        let kv_row = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4;
+        for &context in &args.contexts {
+            for busy in [false, true] {
+                let (mut a, mut b) = (vec![], vec![]);
+                for _ in 0..args.rounds {
+                    let _load = if busy { Some(Busy::start()?) } else { None };
+                    a.push(ours(&mut p, context, args.tokens)?);
+                    if let (Some(bin), Some(q8)) = (&llama_bench, &q8) {
+                        b.push(llama(bin, q8, context, args.tokens, args.threads)?);
+                    }
+                }
+                let ours = median(a);
+                let bytes = weights as f64 * 34.0 / 32.0 + (context as f64) * kv_row as f64;
+                let gbs = ours * bytes / 1e9;
+                let (theirs, ratio) = match b.is_empty() {
+                    true => ("-".to_string(), "-".to_string()),
+                    false => {
+                        let t = median(b);
+                        (format!("{t:.1}"), format!("{:.2}x", ours / t))
+                    }
+                };
+                let load = if busy { "busy process" } else { "quiet" };
+                println!("| {name} | {context} | {load} | {ours:.1} | {theirs} | {ratio} | {gbs:.1} ({:.0}%) |", 100.0 * gbs / bw);
+            }
+        }
+    }
+    Ok(())
+}
