@@ -9,7 +9,10 @@
 #[path = "fuzz/props.rs"]
 mod props;
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::llama_example;
+
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
@@ -274,15 +277,6 @@ fn streamed_text_never_splits_a_character() {
         let partial = ids.iter().filter(|&&id| tok.decode(&[id], false).unwrap().contains('\u{FFFD}')).count();
         assert!(partial > 0, "{}: no token splits a character in this text", path.display());
     }
-}
-
-/// The `llama` example binary cargo built beside this test.
-fn llama_example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps");
-    let bin = dir.join("examples").join(format!("llama{}", std::env::consts::EXE_SUFFIX));
-    assert!(bin.exists(), "{} missing: `cargo test` builds the examples", bin.display());
-    bin
 }
 
 /// Runs the example with `args`: (success, stdout, stderr).

@@ -4,6 +4,9 @@
 //! naming the path and the cause; the command-line cases fail before the model loads (no
 //! "loaded" line), so they need no model file.
 
+mod common;
+use common::llama_example;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -45,15 +48,6 @@ fn files_read_whole_are_regular_files_within_a_limit() {
     std::fs::File::create(&tok).unwrap().set_len(1 << 40).unwrap();
     error_naming(candle_npu_models::tokenizer::from_file(&tok), &tok, "over the limit of 134217728 bytes (128 MiB)");
     std::fs::remove_dir_all(dir).unwrap();
-}
-
-/// The `llama` example binary cargo built beside this test.
-fn llama_example() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps");
-    let bin = dir.join("examples").join(format!("llama{}", std::env::consts::EXE_SUFFIX));
-    assert!(bin.exists(), "{} missing: `cargo test` builds the examples", bin.display());
-    bin
 }
 
 /// Runs the example with `args`, expecting it to fail before loading the model; its stderr.

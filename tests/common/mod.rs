@@ -33,3 +33,12 @@ pub fn reference_ids(file: &str) -> Vec<u32> {
     let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     j[file].as_array().unwrap_or_else(|| panic!("{file} not in {}", path.display())).iter().map(|v| v.as_u64().unwrap() as u32).collect()
 }
+
+/// The `llama` example binary cargo built beside the running test (for command-line cases).
+pub fn llama_example() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(std::path::Path::parent).expect("target/<profile>/deps");
+    let bin = dir.join("examples").join(format!("llama{}", std::env::consts::EXE_SUFFIX));
+    assert!(bin.exists(), "{} missing: `cargo test` builds the examples", bin.display());
+    bin
+}
