@@ -314,14 +314,14 @@ fn bad_hf_folders_are_clear_errors() {
     // The same tensor in two files, an integer tensor, a NaN in a norm and in the embedding.
     let d = tmpdir("dup-across-files");
     write_model(&d, base_config("llama"), false, 4);
-    let norm0 = candle_core::safetensors::load(&st_path(&d), &Device::Cpu).unwrap().remove("model.norm.weight").unwrap();
+    let norm0 = candle_core::safetensors::load(st_path(&d), &Device::Cpu).unwrap().remove("model.norm.weight").unwrap();
     candle_core::safetensors::save(&HashMap::from([("model.norm.weight".to_string(), norm0)]), d.join("model-extra.safetensors")).unwrap();
     let e = load_err(&d);
     assert!(e.contains("tensor 'model.norm.weight' is in both"), "{e}");
     let edit = |name: &str, f: &dyn Fn(&Tensor) -> Tensor| {
         let d = tmpdir("edited");
         write_model(&d, base_config("llama"), false, 4);
-        let mut ts = candle_core::safetensors::load(&st_path(&d), &Device::Cpu).unwrap();
+        let mut ts = candle_core::safetensors::load(st_path(&d), &Device::Cpu).unwrap();
         let t = f(&ts[name]);
         ts.insert(name.to_string(), t);
         candle_core::safetensors::save(&ts, st_path(&d)).unwrap();
