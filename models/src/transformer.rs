@@ -513,9 +513,10 @@ impl Model {
 
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(rows, &self.final_norm, self.cfg.rms_eps as f32)?;
-        // A decode step's one row on a Q8_0 output table (Gemma's tied embedding, Qwen's output):
-        // the engine's kernel, as for the linears. With the checkpoint's own decode weights,
-        // candle's matmul (its results are then candle's bit for bit).
+        // A decode step's one row on a Q8_0 or Q4_1 output table (Gemma's and SmolLM2's tied
+        // embeddings, Qwen's output): the engine's kernel, as for the linears. With the
+        // checkpoint's own decode weights, candle's matmul (its results are then candle's bit
+        // for bit).
         if let (QMatMul::QTensor(w), DecodeWeights::Q8_0) = (&self.lm_head, self.decode_weights) {
             if let Some(y) = candle_npu::kernels::gemv::matvec(w, &h)? {
                 return Ok(y);

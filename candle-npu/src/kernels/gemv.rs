@@ -1,44 +1,61 @@
-//! The decode matrix-vector product (M = 1) on weights in ggml's Q8_0 blocks, at memory speed.
+//! The decode matrix-vector product (M = 1) on weights in ggml's Q8_0 and Q4_1 blocks, at memory
+//! speed.
 //!
 //! Decode reads every weight once per token and does two operations per weight byte, so its speed
 //! is the memory's: the kernel only has to keep the loads coming. It reads the weights where they
-//! are, in candle's `BlockQ8_0` storage (`QTensor::data()` of a Q8_0 tensor, rows = output
-//! features): per 32 consecutive weights of a row, 34 bytes, an f16 scale `d` (little-endian)
-//! then 32 i8; a row of K weights is K / 32 blocks, rows one after another. No repacking, so
-//! there is no second copy of the weights.
+//! are, in candle's block storage (`QTensor::data()`, rows = output features; a row of K weights
+//! is K / 32 blocks, rows one after another), so there is no second copy of the weights:
+//! - Q8_0 (`BlockQ8_0`): per 32 consecutive weights of a row, 34 bytes, an f16 scale `d`
+//!   (little-endian) then 32 i8 `q`; weight i is `d * q[i]`.
+//! - Q4_1 (`BlockQ4_1`; SmolLM2's tied embedding and output table): per 32 weights, 20 bytes, an
+//!   f16 scale `d` and an f16 minimum `m` (little-endian) then 16 bytes `qs` of two 4-bit weights
+//!   each; weight j (0..16) is `d * (qs[j] & 0x0F) + m`, weight j + 16 is `d * (qs[j] >> 4) + m`
+//!   (candle's `BlockQ4_1::to_float`, ggml's `dequantize_row_q4_1`).
 //!
-//! The activation is quantized once per token to the same blocks ([`Q8Activation`], ggml's
+//! The activation is quantized once per token to Q8_0 blocks ([`Q8Activation`], ggml's
 //! `quantize_row_q8_0`, as candle's Q8_0 matmul does) but with an f32 scale where ggml rounds it
-//! to f16: the block dot products are then exact in i32, and the only float work is one
-//! multiply-add per block, `d_w * d_x * dot`.
+//! to f16: the block dot products are then exact in i32, and the only float work is per block
+//! - Q8_0: one multiply-add, `d_w * d_x * sum_i q_i qx_i`;
+//! - Q4_1: two, `d_w * d_x * sum_i q_i qx_i + m_w * d_x * sum_i qx_i` (with `q_i` the unsigned
+//!   nibbles, 0..15: the sum of `(d_w q_i + m_w) * d_x qx_i`), the activation's block sums
+//!   `sum_i qx_i` computed once per token ([`Q8Activation::sums`], as ggml's Q8_1 blocks carry
+//!   theirs for its Q4_1 product).
 //!
 //! Paths, chosen once per process ([`GemvPath::detect`]; tests run every path this machine has):
-//! - [`GemvPath::Avx2`] (x86_64 with AVX2, FMA and F16C): a block of 32 i8 x 32 i8 in four
-//!   instructions with ggml's sign trick (`vpsignb` twice, `vpmaddubsw`, `vpmaddwd` by ones), the
-//!   rows one after another so that the weights are one sequential stream, prefetched 8 KiB
-//!   ahead (see `x86` for why, and the measurements).
+//! - [`GemvPath::Avx2`] (x86_64 with AVX2, FMA and F16C): a Q8_0 block of 32 i8 x 32 i8 in four
+//!   instructions with ggml's sign trick (`vpsignb` twice, `vpmaddubsw`, `vpmaddwd` by ones), a
+//!   Q4_1 block's nibbles unpacked into 32 bytes (a broadcast load, a shift of its upper half and
+//!   a mask) and then `vpmaddubsw` directly (the nibbles are the unsigned operand); the rows one
+//!   after another so that the weights are one sequential stream, prefetched 8 KiB ahead (see
+//!   `x86` for why, and the measurements).
 //! - [`GemvPath::Portable`]: plain Rust, any CPU (aarch64 included), and the AVX2 path's
 //!   cross-check.
 
 use std::ops::Range;
 use std::sync::OnceLock;
 
-/// Values per Q8_0 block.
+/// Values per block (Q8_0 and Q4_1 alike).
 pub const QK: usize = 32;
 /// Bytes per Q8_0 weight block: an f16 scale, then 32 i8.
 pub const BLOCK_BYTES: usize = 34;
+/// Bytes per Q4_1 weight block: an f16 scale and an f16 minimum, then 32 4-bit weights.
+pub const Q4_1_BLOCK_BYTES: usize = 20;
 
 /// The activation as Q8_0 blocks: per 32 values one f32 scale and 32 i8 (ggml's
-/// `quantize_row_q8_0`: `d = max|x| / 127`, `q = round(x / d)`, so `q` is in [-127, 127]).
+/// `quantize_row_q8_0`: `d = max|x| / 127`, `q = round(x / d)`, so `q` is in [-127, 127]), and
+/// per block the sum of its `q` (for [`gemv_q4_1`]'s minimum term).
 ///
 /// [`gemv_q8_0`] needs `q` in [-127, 127] (its AVX2 path negates `q`, and -(-128) wraps), and
-/// asserts it: build the fields by hand only with that range.
+/// asserts it: build the fields by hand only with that range. [`gemv_q4_1`] takes any i8 but
+/// needs `sums` to be the blocks' sums, and asserts that.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Q8Activation {
     /// One per block of 32 values (`q.len() / 32`).
     pub scales: Vec<f32>,
     /// The quantized values, in [-127, 127].
     pub q: Vec<i8>,
+    /// One per block: the sum of its 32 `q` (exact: at most 32 * 128 in magnitude).
+    pub sums: Vec<i32>,
 }
 
 impl Q8Activation {
@@ -59,18 +76,21 @@ impl Q8Activation {
         assert!(x.len().is_multiple_of(QK), "Q8Activation: {} values is not a whole number of 32-value blocks", x.len());
         self.q.resize(x.len(), 0);
         self.scales.resize(x.len() / QK, 0.0);
-        for ((xb, qb), d) in x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).zip(&mut self.scales) {
+        self.sums.resize(x.len() / QK, 0);
+        let blocks = x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).zip(self.scales.iter_mut().zip(&mut self.sums));
+        for ((xb, qb), (d, sum)) in blocks {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             *d = amax / 127.0;
             let id = if *d != 0.0 { 1.0 / *d } else { 0.0 };
             for (q, &v) in qb.iter_mut().zip(xb) {
                 *q = (v * id).round().clamp(-127.0, 127.0) as i8;
             }
+            *sum = qb.iter().map(|&q| q as i32).sum();
         }
     }
 }
 
-/// Which kernel [`gemv_q8_0`] runs.
+/// Which kernel [`gemv_q8_0`] and [`gemv_q4_1`] run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemvPath {
     /// x86_64 with AVX2, FMA and F16C (every AVX2 CPU has F16C: Intel since Ivy Bridge, AMD
@@ -116,36 +136,91 @@ pub fn gemv_q8_0(w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: 
 /// [`gemv_q8_0`] on `path` (tests run every path this machine runs); panics if the CPU lacks
 /// the path's features.
 pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: &mut [f32]) {
-    assert!(k.is_multiple_of(QK), "gemv_q8_0: K = {k} is not a multiple of 32");
-    let nb = k / QK;
-    let row_bytes = nb * BLOCK_BYTES;
-    assert_eq!(x.q.len(), k, "gemv_q8_0: the activation has {} values for K = {k}", x.q.len());
-    assert_eq!(x.scales.len(), nb, "gemv_q8_0: the activation has {} scales for K = {k} ({nb} blocks)", x.scales.len());
-    assert!(rows.start <= rows.end, "gemv_q8_0: rows {rows:?} are reversed");
-    assert_eq!(out.len(), rows.len(), "gemv_q8_0: out has {} values for rows {rows:?}", out.len());
-    if row_bytes == 0 {
-        out.fill(0.0);
+    let Some((w, nb)) = checked_rows("gemv_q8_0", BLOCK_BYTES, w, k, x, &rows, out) else {
         return;
-    }
-    assert!(
-        w.len().is_multiple_of(row_bytes) && rows.end <= w.len() / row_bytes,
-        "gemv_q8_0: the weight's {} bytes are not whole rows of K = {k} ({row_bytes} bytes each) up to row {}",
-        w.len(),
-        rows.end
-    );
+    };
+    assert!(path.runs_here(), "gemv_q8_0: this CPU cannot run {path:?}");
     // `contains` on bytes is a memchr: K bytes, against rows.len() * K of weights.
     assert!(!x.q.contains(&i8::MIN), "gemv_q8_0: the activation has a -128 (Q8Activation::quantize gives [-127, 127])");
-    assert!(path.runs_here(), "gemv_q8_0: this CPU cannot run {path:?}");
-    let w = &w[rows.start * row_bytes..rows.end * row_bytes];
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
-        // of `nb` blocks, and the activation has `nb` blocks (asserted above) with no -128.
+        // of `nb` blocks and the activation has `nb` blocks (`checked_rows`), with no -128
+        // (asserted above).
         GemvPath::Avx2 => unsafe { x86::gemv_avx2(w, nb, x, out) },
         #[cfg(not(target_arch = "x86_64"))]
         GemvPath::Avx2 => unreachable!("GemvPath::Avx2 never runs off x86_64 (asserted above)"),
         GemvPath::Portable => gemv_portable(w, nb, x, out),
     }
+}
+
+/// `out[j] = sum over blocks b of d_w(r, b) * d_x(b) * sum_i q[r, b, i] * q_x[b, i]
+/// + m_w(r, b) * d_x(b) * sum_i q_x[b, i]` for the rows `r` in `rows`: the product of the
+/// dequantized weights `d_w * q + m_w` (`q` the nibbles, 0..15) with the quantized activation,
+/// on [`GemvPath::detect`]'s path.
+///
+/// As [`gemv_q8_0`], for `w` in Q4_1 blocks (see the module docs). The activation's `sums` must
+/// be its blocks' sums (as [`Q8Activation::quantize`] fills them); any i8 is taken, -128 too.
+pub fn gemv_q4_1(w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: &mut [f32]) {
+    gemv_q4_1_on(GemvPath::detect(), w, k, x, rows, out)
+}
+
+/// [`gemv_q4_1`] on `path` (tests run every path this machine runs); panics if the CPU lacks
+/// the path's features.
+pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: &mut [f32]) {
+    let Some((w, nb)) = checked_rows("gemv_q4_1", Q4_1_BLOCK_BYTES, w, k, x, &rows, out) else {
+        return;
+    };
+    assert!(path.runs_here(), "gemv_q4_1: this CPU cannot run {path:?}");
+    assert_eq!(x.sums.len(), nb, "gemv_q4_1: the activation has {} block sums for K = {k} ({nb} blocks)", x.sums.len());
+    // K additions, against rows.len() * K weights (as `gemv_q8_0`'s memchr): a wrong sum would
+    // shift every row's result by `m_w * d_x` times its error, silently.
+    assert!(
+        x.q.chunks_exact(QK).zip(&x.sums).all(|(qb, &s)| qb.iter().map(|&q| q as i32).sum::<i32>() == s),
+        "gemv_q4_1: the activation's block sums are not its values' (Q8Activation::quantize fills them)"
+    );
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
+        // of `nb` blocks and the activation has `nb` blocks (`checked_rows`) and `nb` sums
+        // (asserted above).
+        GemvPath::Avx2 => unsafe { x86::gemv_q4_1_avx2(w, nb, x, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        GemvPath::Avx2 => unreachable!("GemvPath::Avx2 never runs off x86_64 (asserted above)"),
+        GemvPath::Portable => gemv_q4_1_portable(w, nb, x, out),
+    }
+}
+
+/// The sizes both formats check (`name` is the caller's, for the messages; `block_bytes` its
+/// block size): the bytes of `rows` and the blocks per row, or `None` for K = 0, `out` then
+/// zeroed (an empty sum).
+fn checked_rows<'w>(
+    name: &str,
+    block_bytes: usize,
+    w: &'w [u8],
+    k: usize,
+    x: &Q8Activation,
+    rows: &Range<usize>,
+    out: &mut [f32],
+) -> Option<(&'w [u8], usize)> {
+    assert!(k.is_multiple_of(QK), "{name}: K = {k} is not a multiple of 32");
+    let nb = k / QK;
+    let row_bytes = nb * block_bytes;
+    assert_eq!(x.q.len(), k, "{name}: the activation has {} values for K = {k}", x.q.len());
+    assert_eq!(x.scales.len(), nb, "{name}: the activation has {} scales for K = {k} ({nb} blocks)", x.scales.len());
+    assert!(rows.start <= rows.end, "{name}: rows {rows:?} are reversed");
+    assert_eq!(out.len(), rows.len(), "{name}: out has {} values for rows {rows:?}", out.len());
+    if row_bytes == 0 {
+        out.fill(0.0);
+        return None;
+    }
+    assert!(
+        w.len().is_multiple_of(row_bytes) && rows.end <= w.len() / row_bytes,
+        "{name}: the weight's {} bytes are not whole rows of K = {k} ({row_bytes} bytes each) up to row {}",
+        w.len(),
+        rows.end
+    );
+    Some((&w[rows.start * row_bytes..rows.end * row_bytes], nb))
 }
 
 /// The portable path: per block an i32 dot of 32 i8 pairs (a fixed-size loop, for the
@@ -160,6 +235,26 @@ fn gemv_portable(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
             let qx: &[i8; QK] = qx.try_into().expect("32-value block");
             let dot: i32 = qw.iter().zip(qx).map(|(&w, &q)| w as i8 as i32 * q as i32).sum();
             acc += dw * dx * dot as f32;
+        }
+        *o = acc;
+    }
+}
+
+/// The portable Q4_1 path: per block the i32 dot of the 16 low nibbles with the block's first 16
+/// activations and of the 16 high nibbles with its last 16, then the two terms in f32 (see
+/// [`gemv_q4_1`]). 6 GB/s on the build machine for SSE2 (candle's Q4_1 matmul, whose dot
+/// product is scalar: 1.5 on one thread).
+fn gemv_q4_1_portable(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
+    for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * Q4_1_BLOCK_BYTES)) {
+        let mut acc = 0f32;
+        let blocks = row.chunks_exact(Q4_1_BLOCK_BYTES).zip(x.q.chunks_exact(QK)).zip(x.scales.iter().zip(&x.sums));
+        for ((blk, qx), (&dx, &sx)) in blocks {
+            let dw = half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f32();
+            let mw = half::f16::from_bits(u16::from_le_bytes([blk[2], blk[3]])).to_f32();
+            let qs: &[u8; QK / 2] = blk[4..].try_into().expect("20-byte block");
+            let (lo, hi) = qx.split_at(QK / 2);
+            let dot: i32 = qs.iter().zip(lo).zip(hi).map(|((&q, &a), &b)| (q & 0x0F) as i32 * a as i32 + (q >> 4) as i32 * b as i32).sum();
+            acc += dw * dx * dot as f32 + mw * dx * sx as f32;
         }
         *o = acc;
     }
@@ -189,11 +284,30 @@ fn gemv_portable(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
 /// - one row at a time: 28-30 (50, 40); prefetching 4 KiB ahead 33-34, 8 KiB ahead 36-39 (50,
 ///   46), 16-32 KiB ahead no better for the short matrix and a larger overshoot past a
 ///   caller's rows. The activation block, reloaded per row, comes from L1.
+///
+/// A Q4_1 block needs no sign trick: its nibbles (0..15) are `vpmaddubsw`'s unsigned operand as
+/// they are. Why it never saturates: a pair sums to at most 2 * 15 * 127 = 3810 in magnitude for
+/// [`super::Q8Activation::quantize`]'s activations (2 * 15 * 128 = 3840 for a -128, which
+/// [`super::gemv_q4_1`] takes), far below 32767; the 8 i32 lanes (at most 4 * 15 * 128 = 7680
+/// each) are exact in f32. `d_w * d_x` scales the lanes in one FMA, and `m_w * d_x` takes the
+/// block sum of the activation in another; a group of four blocks converts and multiplies its
+/// four `(d, m)` pairs at once. The same prefetch and one row at a time; four accumulators.
+/// Measured as above (2026-11-25), 49152x576 (SmolLM2's table) and 576x1536, GB/s of weight
+/// bytes:
+/// - per block: the scales with scalar instructions, two accumulators: 20, 21 (the same
+///   repeated: the vector ALUs are the limit, not the memory); four accumulators no better;
+/// - four blocks' scales at once as above: 24-26, 26-28 (repeated 25-26, 28-29). A block is
+///   still six vector ALU instructions (shift, mask, `vpmaddubsw`, `vpmaddwd`, convert, FMA),
+///   about what a Q8_0 block takes, for 20 bytes instead of 34: Q4_1 streams fewer bytes per
+///   second. Two blocks per register (their products added as i16 before `vpmaddwd`, which
+///   needs the activation permuted per block pair) gave 26 and 31: not worth a second layout of
+///   the activation. Closing the gap takes `vpdpbusd` (AVX-VNNI or AVX-512 VNNI: the multiply
+///   and the widening in one instruction), a path of its own.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Q8Activation, BLOCK_BYTES, QK};
+    use super::{Q8Activation, BLOCK_BYTES, Q4_1_BLOCK_BYTES, QK};
 
     /// Bytes ahead of the current block to prefetch (see the module docs).
     pub(super) const PREFETCH: usize = 8192;
@@ -244,6 +358,90 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `w` is `out.len()` whole rows of `nb` Q4_1 blocks; `x` has
+    /// `nb` blocks and `nb` sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_q4_1_avx2(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
+        let (xq, xd, xs) = (x.q.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * Q4_1_BLOCK_BYTES)) {
+            // SAFETY: `row` is `nb` blocks, the activation `nb` blocks and sums; the CPU has the
+            // features.
+            *o = unsafe { row_dot_q4_1(row.as_ptr(), nb, xq, xd, xs) };
+        }
+    }
+
+    /// One row's Q4_1 product.
+    ///
+    /// # Safety
+    /// As [`gemv_q4_1_avx2`], for the `nb` blocks at `w`; inlined only into it (its features).
+    #[inline(always)]
+    unsafe fn row_dot_q4_1(w: *const u8, nb: usize, xq: *const i8, xd: *const f32, xs: *const i32) -> f32 {
+        // SAFETY: every read is of blocks below `nb`, in the row, and of the activation's first
+        // `nb` blocks and sums (the caller's contract), or of `scales` below; prefetches never
+        // fault, wherever they point.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let low = _mm256_set1_epi8(0x0F);
+            let shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+            let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+            let blk = |b: usize| w.add(Q4_1_BLOCK_BYTES * b);
+            // Block b's d and m as one i32 (little-endian: d in the low half).
+            let dm = |b: usize| blk(b).cast::<i32>().read_unaligned();
+            // Block b's 32 products (nibbles times activations) summed in 8 lanes, as f32.
+            let dot = |b: usize| {
+                // `qs` in both halves, the high one shifted right by 4 (`qs >> 4`): with the mask,
+                // the low half is the low nibbles (weights 0..16), the high half the high nibbles
+                // (16..32), in the order of the activation's 32 bytes. The 32-bit shift brings
+                // the next byte's low bits into the top of each byte; the mask drops them.
+                let qs = _mm256_broadcastsi128_si256(_mm_loadu_si128(blk(b).add(4).cast()));
+                let nibbles = _mm256_and_si256(_mm256_srlv_epi32(qs, shifts), low);
+                let xv = _mm256_loadu_si256(xq.add(QK * b).cast());
+                // Nibbles (unsigned) times x: see the module docs for why no pair saturates.
+                _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(nibbles, xv), ones))
+            };
+            let mut acc = [_mm256_setzero_ps(); 4];
+            // The odd lanes collect the minimum terms (the even ones `d_w * d_x * sum`, unused).
+            let mut mins = _mm256_setzero_ps();
+            // A group's four block scales go through memory, one store and four broadcast loads
+            // (load ports), where registers would take four shuffles on the vector ALUs that the
+            // dot products keep busy: 5-8% faster. `black_box` hides that the loads read what was
+            // just stored, or LLVM turns them back into shuffles.
+            let mut scales = [0f32; 8];
+            let scales_out = scales.as_mut_ptr();
+            let scales_in = std::hint::black_box(scales_out);
+            for b in (0..nb - nb % 4).step_by(4) {
+                // A group is 80 bytes: two prefetches 40 bytes apart reach every cache line.
+                _mm_prefetch::<_MM_HINT_T0>(blk(b).wrapping_add(PREFETCH).cast());
+                _mm_prefetch::<_MM_HINT_T0>(blk(b).wrapping_add(PREFETCH + 2 * Q4_1_BLOCK_BYTES).cast());
+                // Four blocks' [d0, m0, d1, m1, d2, m2, d3, m3] times [dx0, dx0, dx1, dx1, ...]:
+                // per block `d_w * d_x`, then `m_w * d_x`, which takes the block sum in an FMA.
+                let dms = _mm_insert_epi32::<1>(_mm_cvtsi32_si128(dm(b)), dm(b + 1));
+                let dms = _mm_insert_epi32::<3>(_mm_insert_epi32::<2>(dms, dm(b + 2)), dm(b + 3));
+                let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd.add(b))), pairs);
+                let scaled = _mm256_mul_ps(_mm256_cvtph_ps(dms), dx);
+                let sums = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_loadu_si128(xs.add(b).cast())), pairs);
+                mins = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(sums), mins);
+                _mm256_storeu_ps(scales_out, scaled);
+                acc[0] = _mm256_fmadd_ps(dot(b), _mm256_broadcast_ss(&*scales_in), acc[0]);
+                acc[1] = _mm256_fmadd_ps(dot(b + 1), _mm256_broadcast_ss(&*scales_in.add(2)), acc[1]);
+                acc[2] = _mm256_fmadd_ps(dot(b + 2), _mm256_broadcast_ss(&*scales_in.add(4)), acc[2]);
+                acc[3] = _mm256_fmadd_ps(dot(b + 3), _mm256_broadcast_ss(&*scales_in.add(6)), acc[3]);
+            }
+            // The last nb % 4 blocks one at a time, with the same roundings.
+            for b in nb - nb % 4..nb {
+                _mm_prefetch::<_MM_HINT_T0>(blk(b).wrapping_add(PREFETCH).cast());
+                // [d * d_x, m * d_x, 0, 0], the upper lanes zero.
+                let scaled = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dm(b))), _mm_set1_ps(*xd.add(b)));
+                let scaled = _mm256_set_m128(_mm_setzero_ps(), scaled);
+                mins = _mm256_fmadd_ps(scaled, _mm256_set1_ps(*xs.add(b) as f32), mins);
+                acc[0] = _mm256_fmadd_ps(dot(b), _mm256_broadcastss_ps(_mm256_castps256_ps128(scaled)), acc[0]);
+            }
+            let acc = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            hsum(_mm256_add_ps(acc, _mm256_blend_ps::<0b0101_0101>(mins, _mm256_setzero_ps())))
+        }
+    }
+
     /// An f16 (its bits) as f32, with F16C's `vcvtph2ps`: exact, subnormals included.
     #[inline(always)]
     unsafe fn f16_to_f32(bits: u16) -> f32 {
@@ -274,31 +472,37 @@ mod x86 {
     }
 }
 
-/// `x @ w^T` for one F32 row `x` (`[1, K]`) and a Q8_0 matrix `w` (`[N, K]`) on the CPU, by
-/// [`gemv_q8_0`] in 64-row chunks over the cores ([`super::claim`]: it keeps its speed beside
-/// busy processes, where candle's pool does not); `None` for any other operands, which the
-/// caller's candle matmul then takes.
+/// `x @ w^T` for one F32 row `x` (`[1, K]`) and a Q8_0 or Q4_1 matrix `w` (`[N, K]`) on the CPU,
+/// by [`gemv_q8_0`] or [`gemv_q4_1`] in 64-row chunks over the cores ([`super::claim`]: it keeps
+/// its speed beside busy processes, where candle's pool does not); `None` for any other operands,
+/// which the caller's candle matmul then takes.
 pub fn matvec(w: &candle_core::quantized::QTensor, x: &candle_core::Tensor) -> crate::Result<Option<candle_core::Tensor>> {
+    use candle_core::quantized::GgmlDType;
     let (n, k) = match w.shape().dims() {
         &[n, k] => (n, k),
         _ => return Ok(None),
     };
-    if w.dtype() != candle_core::quantized::GgmlDType::Q8_0 || x.dims() != [1, k] || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
+    let gemv: fn(&[u8], usize, &Q8Activation, Range<usize>, &mut [f32]) = match w.dtype() {
+        GgmlDType::Q8_0 => gemv_q8_0,
+        GgmlDType::Q4_1 => gemv_q4_1,
+        _ => return Ok(None),
+    };
+    if x.dims() != [1, k] || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
         return Ok(None);
     }
     let bytes = w.data()?;
     let xq = Q8Activation::quantize(&x.flatten_all()?.to_vec1::<f32>()?);
     let mut y = vec![0f32; n];
     let out = OutPtr(y.as_mut_ptr());
-    // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB: microseconds, enough to amortize
-    // claiming one, small enough that a late helper leaves little to wait for). Small products
-    // stay on the caller.
+    // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB in Q8_0, ~23 KB in Q4_1:
+    // microseconds, enough to amortize claiming one, small enough that a late helper leaves
+    // little to wait for). Small products stay on the caller.
     let helpers = if n * k >= 1 << 16 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
     super::claim::for_each_chunk(n, 64, helpers, &|rows| {
         // SAFETY: `rows` is within 0..n and each range goes to exactly one call
         // (`for_each_chunk`), so the slices are disjoint; `y` outlives the loop.
         let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(rows.start), rows.len()) };
-        gemv_q8_0(&bytes, k, &xq, rows, out);
+        gemv(&bytes, k, &xq, rows, out);
     });
     Ok(Some(candle_core::Tensor::from_vec(y, (1, n), &candle_core::Device::Cpu)?))
 }
@@ -391,18 +595,108 @@ mod tests {
         (k / QK + 5) as f64 * f32::EPSILON as f64 * abs
     }
 
-    fn check(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>) {
+    /// `n` rows of `k` random weights as Q4_1 bytes, every nibble value. Row `r`'s scales and
+    /// minimums are of kind `r % 6` as in [`weights`], the minimums of either sign (a real
+    /// block's minimum is mostly negative; zero and subnormal ones too).
+    fn q4_1_weights(rng: &mut impl Rng, n: usize, k: usize) -> Vec<u8> {
+        let mut w = Vec::with_capacity(n * k / QK * Q4_1_BLOCK_BYTES);
+        for r in 0..n {
+            for _ in 0..k / QK {
+                w.extend(scale_bits(rng, r % 6).to_le_bytes());
+                w.extend((scale_bits(rng, r % 6) ^ if rng.random() { 0x8000 } else { 0 }).to_le_bytes());
+                w.extend((0..QK / 2).map(|_| rng.random::<u8>()));
+            }
+        }
+        w
+    }
+
+    /// Block `b`'s 32 weights as (d, m, nibbles): weight i is `d * q[i] + m`, `q[j]` the low
+    /// nibble of byte j and `q[j + 16]` its high nibble (candle's `BlockQ4_1::to_float`).
+    fn q4_1_block(w: &[u8], b: usize) -> (f64, f64, [u8; QK]) {
+        let blk = &w[b * Q4_1_BLOCK_BYTES..][..Q4_1_BLOCK_BYTES];
+        let d = half::f16::from_bits(u16::from_le_bytes([blk[0], blk[1]])).to_f64();
+        let m = half::f16::from_bits(u16::from_le_bytes([blk[2], blk[3]])).to_f64();
+        let q = std::array::from_fn(|i| if i < QK / 2 { blk[4 + i] & 0x0F } else { blk[4 + i - QK / 2] >> 4 });
+        (d, m, q)
+    }
+
+    /// [`reference`] for Q4_1: row `r`'s product in f64 (exact but for the final roundings) and
+    /// the sum of the absolute terms the kernel adds, `sum_b |d_w d_x| sum_i q_i |q_x,i| +
+    /// |m_w d_x sum_i q_x,i|`, that bounds its f32 error.
+    fn reference_q4_1(w: &[u8], k: usize, x: &Q8Activation, r: usize) -> (f64, f64) {
+        let nb = k / QK;
+        let (mut sum, mut abs) = (0f64, 0f64);
+        for b in 0..nb {
+            let (d, m, q) = q4_1_block(w, r * nb + b);
+            let dx = x.scales[b] as f64;
+            let qx = &x.q[b * QK..][..QK];
+            let dot: i64 = q.iter().zip(qx).map(|(&q, &v)| q as i64 * v as i64).sum();
+            let dot_abs: i64 = q.iter().zip(qx).map(|(&q, &v)| (q as i64 * v as i64).abs()).sum();
+            let xsum: i64 = qx.iter().map(|&v| v as i64).sum();
+            sum += d * dx * dot as f64 + m * dx * xsum as f64;
+            abs += (d * dx).abs() * dot_abs as f64 + (m * dx * xsum as f64).abs();
+        }
+        (sum, abs)
+    }
+
+    /// [`tolerance`] for Q4_1. Each block's two integer sums are exact (the AVX2 lanes hold at
+    /// most 7680, a block 61440, a block sum of the activation 4096, all below 2^24), so again the error is the float work, counted per term along its way to
+    /// the result. The portable path: `d_w * d_x` or `m_w * d_x` rounded, its product with the
+    /// integer sum, the two terms' sum, then K / 32 additions: K / 32 + 3. The AVX2 path: the
+    /// scale rounded, its FMA into one of four accumulators (a chain of at most K / 128 + 3 FMAs,
+    /// the tail of K / 32 % 4 blocks on the first), 2 levels summing the four, 1 adding the
+    /// minimum terms, the 3 levels of the 8-lane sum: at most K / 128 + 10. So `(K / 32 + 10) u`
+    /// bounds both, and `f32::EPSILON` = 2u doubles it as [`tolerance`] does; it sees a single
+    /// nibble off by one (see `the_tolerance_sees_one_nibble_off_by_one`).
+    fn tolerance_q4_1(k: usize, abs: f64) -> f64 {
+        (k / QK + 10) as f64 * f32::EPSILON as f64 * abs
+    }
+
+    /// The two weight formats, for the tests they share.
+    #[derive(Debug, Clone, Copy)]
+    enum Format {
+        Q8_0,
+        Q4_1,
+    }
+
+    impl Format {
+        fn weights(self, rng: &mut impl Rng, n: usize, k: usize) -> Vec<u8> {
+            match self {
+                Format::Q8_0 => weights(rng, n, k),
+                Format::Q4_1 => q4_1_weights(rng, n, k),
+            }
+        }
+
+        fn reference(self, w: &[u8], k: usize, x: &Q8Activation, r: usize) -> (f64, f64) {
+            match self {
+                Format::Q8_0 => reference(w, k, x, r),
+                Format::Q4_1 => reference_q4_1(w, k, x, r),
+            }
+        }
+
+        fn tolerance(self, k: usize, abs: f64) -> f64 {
+            match self {
+                Format::Q8_0 => tolerance(k, abs),
+                Format::Q4_1 => tolerance_q4_1(k, abs),
+            }
+        }
+
+        fn gemv_on(self, path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: &mut [f32]) {
+            match self {
+                Format::Q8_0 => gemv_q8_0_on(path, w, k, x, rows, out),
+                Format::Q4_1 => gemv_q4_1_on(path, w, k, x, rows, out),
+            }
+        }
+    }
+
+    fn check(format: Format, path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>) {
         let mut out = vec![f32::NAN; rows.len()];
-        gemv_q8_0_on(path, w, k, x, rows.clone(), &mut out);
+        format.gemv_on(path, w, k, x, rows.clone(), &mut out);
         for (j, r) in rows.clone().enumerate() {
-            let (want, abs) = reference(w, k, x, r);
+            let (want, abs) = format.reference(w, k, x, r);
             let err = (out[j] as f64 - want).abs();
-            assert!(
-                err <= tolerance(k, abs),
-                "{path:?} K = {k} rows {rows:?}: row {r} is {} for {want} (error {err:e} > {:e})",
-                out[j],
-                tolerance(k, abs)
-            );
+            let tol = format.tolerance(k, abs);
+            assert!(err <= tol, "{format:?} {path:?} K = {k} rows {rows:?}: row {r} is {} for {want} (error {err:e} > {tol:e})", out[j]);
         }
     }
 
@@ -410,15 +704,19 @@ mod tests {
     fn every_path_matches_the_f64_reference() {
         // K of one block, two, SmolLM2's hidden and intermediate sizes, and past 2048; row counts
         // with every tail (n % 4 = 1, 2, 3, and 0 with a sub-range that leaves a tail).
+        // Q4_1's AVX2 path takes blocks in fours: K / 32 = 1, 2, 7, 18, 48, 65 leave every tail
+        // (0 to 3 blocks) after no group, one or many.
         let mut rng = rand::rngs::StdRng::seed_from_u64(26);
-        for k in [32, 64, 576, 1536, 2048 + 32] {
-            for n in [1, 2, 3, 4, 7, 13, 22] {
-                let w = weights(&mut rng, n, k);
-                for mixed in [false, true] {
-                    let x = Q8Activation::quantize(&activations(&mut rng, k, mixed));
-                    for path in paths() {
-                        for rows in [0..n, 1..n, n / 2..n, 0..n / 2 + 1, n..n] {
-                            check(path, &w, k, &x, rows);
+        for format in [Format::Q8_0, Format::Q4_1] {
+            for k in [32, 64, 224, 576, 1536, 2048 + 32] {
+                for n in [1, 2, 3, 4, 7, 13, 22] {
+                    let w = format.weights(&mut rng, n, k);
+                    for mixed in [false, true] {
+                        let x = Q8Activation::quantize(&activations(&mut rng, k, mixed));
+                        for path in paths() {
+                            for rows in [0..n, 1..n, n / 2..n, 0..n / 2 + 1, n..n] {
+                                check(format, path, &w, k, &x, rows);
+                            }
                         }
                     }
                 }
@@ -445,6 +743,37 @@ mod tests {
     }
 
     #[test]
+    fn the_tolerance_sees_one_nibble_off_by_one() {
+        // As for Q8_0, on blocks as a quantizer makes them (d > 0, the minimum m between -15 d
+        // and 0, so that the weights straddle zero): a nibble one step off against an activation
+        // of +-127 changes the product by 127 d_w d_x, which must exceed the tolerance at K = 576.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        let k = 576;
+        let mut w = Vec::new();
+        for _ in 0..k / QK {
+            let d: f32 = rng.random_range(1e-3..0.1);
+            w.extend(half::f16::from_f32(d).to_bits().to_le_bytes());
+            w.extend(half::f16::from_f32(-d * rng.random_range(0.0..15.0)).to_bits().to_le_bytes());
+            w.extend((0..QK / 2).map(|_| rng.random::<u8>()));
+        }
+        let x = Q8Activation::quantize(&activations(&mut rng, k, false));
+        let (want, abs) = reference_q4_1(&w, k, &x, 0);
+        // Every position of the first block whose activation is +-127, each nibble half.
+        let at_127: Vec<usize> = (0..QK).filter(|&i| x.q[i].abs() == 127).collect();
+        assert!(!at_127.is_empty(), "a block's maximum quantizes to +-127");
+        for i in at_127 {
+            let (byte, shift) = (4 + i % (QK / 2), if i < QK / 2 { 0 } else { 4 });
+            let mut off = w.clone();
+            let q = (w[byte] >> shift) & 0x0F;
+            let q_off = if q == 15 { 14 } else { q + 1 };
+            off[byte] = (w[byte] & !(0x0F << shift)) | (q_off << shift);
+            let (got, _) = reference_q4_1(&off, k, &x, 0);
+            let (step, tol) = ((got - want).abs(), tolerance_q4_1(k, abs));
+            assert!(step > tol, "position {i}: one step is {step:e}, the tolerance {tol:e}");
+        }
+    }
+
+    #[test]
     fn every_path_is_exact_at_the_saturation_corners() {
         // The largest pair sums the AVX2 path forms: w = -128 (|w| = 128 as the unsigned operand)
         // and +127 against activations of +-127, in runs of equal signs. With unit scales the
@@ -468,7 +797,7 @@ mod tests {
         for x in xs {
             let x = Q8Activation::quantize(&x);
             assert!(x.scales.iter().all(|&d| d == 1.0 / 127.0) && x.q.iter().all(|q| q.abs() == 127));
-            let x = Q8Activation { scales: vec![1.0; k / QK], q: x.q };
+            let x = Q8Activation { scales: vec![1.0; k / QK], ..x };
             let want: Vec<f32> = (0..5).map(|r| reference(&w, k, &x, r).0 as f32).collect();
             assert!(want.iter().any(|v| v.abs() >= 32.0 * 128.0 * 127.0), "the corner must be reached: {want:?}");
             for path in paths() {
@@ -476,6 +805,73 @@ mod tests {
                 gemv_q8_0_on(path, &w, k, &x, 0..5, &mut out);
                 assert_eq!(out, want, "{path:?}");
             }
+        }
+    }
+
+    #[test]
+    fn every_path_is_exact_at_q4_1s_corners() {
+        // The largest sums the Q4_1 kernel forms: nibbles of 15 (and patterns of 15 and 0)
+        // against activations of +-127 and of -128, which gemv_q4_1 takes. With unit scales, the
+        // minimums 0, 1 and -1 and d_x = 1, every product is an integer below 2^24, exact in
+        // f32: any saturation, wrong nibble or wrong minimum term shows. K = 224 is a group of
+        // four blocks and a tail of three.
+        let k = 224;
+        let nibble = |row: usize, b: usize, i: usize| -> u8 {
+            match row {
+                0 => 15,
+                1 => 0,
+                2 => if (i / 8).is_multiple_of(2) { 15 } else { 0 },
+                3 => if i < QK / 2 { 15 } else { 0 },
+                _ => ((b * 7 + i * 5) % 16) as u8,
+            }
+        };
+        for m in [0.0f32, 1.0, -1.0] {
+            let mut w = Vec::new();
+            for row in 0..5 {
+                for b in 0..k / QK {
+                    w.extend(half::f16::from_f32(1.0).to_bits().to_le_bytes());
+                    w.extend(half::f16::from_f32(m).to_bits().to_le_bytes());
+                    w.extend((0..QK / 2).map(|j| nibble(row, b, j) | nibble(row, b, j + QK / 2) << 4));
+                }
+            }
+            let xs: [Vec<i8>; 4] = [
+                vec![-128; k],
+                vec![127; k],
+                vec![-127; k],
+                (0..k).map(|i| if i % 4 < 2 { 127 } else { -128 }).collect(),
+            ];
+            for q in xs {
+                let sums = q.chunks_exact(QK).map(|b| b.iter().map(|&v| v as i32).sum()).collect();
+                let x = Q8Activation { scales: vec![1.0; k / QK], q, sums };
+                let want: Vec<f32> = (0..5).map(|r| reference_q4_1(&w, k, &x, r).0 as f32).collect();
+                if m == 0.0 && x.q[0] == -128 {
+                    assert_eq!(want[0], -(k as f32) * 15.0 * 128.0, "the corner must be reached");
+                }
+                for path in paths() {
+                    let mut out = vec![0.0; 5];
+                    gemv_q4_1_on(path, &w, k, &x, 0..5, &mut out);
+                    assert_eq!(out, want, "{path:?} m = {m}");
+                }
+            }
+        }
+    }
+
+    /// `out`, a kernel's product of `qt` (a candle QTensor, N x K) with `x`, against candle's
+    /// dequantized weights times the dequantized activation, in f64. The tolerance is the
+    /// kernel's (from the format's reference, which reads the blocks as the kernels do) plus the
+    /// rounding of the dequantized weights (none for Q8_0, one each for Q4_1's `d * q + m`:
+    /// f32::EPSILON is twice that); the reference itself is checked against candle's weights too.
+    fn check_against_candle(format: Format, qt: &candle_core::quantized::QTensor, x: &Q8Activation, out: &[f32]) {
+        let (n, k) = qt.shape().dims2().unwrap();
+        let wd: Vec<f32> = qt.dequantize(&candle_core::Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let bytes = qt.data().unwrap();
+        for r in 0..n {
+            let terms = (0..k).map(|i| wd[r * k + i] as f64 * x.q[i] as f64 * x.scales[i / QK] as f64);
+            let (want, abs_w) = (terms.clone().sum::<f64>(), terms.map(f64::abs).sum::<f64>());
+            let (reference, abs) = format.reference(&bytes, k, x, r);
+            let tol = format.tolerance(k, abs) + f32::EPSILON as f64 * abs_w;
+            assert!((reference - want).abs() <= tol, "{format:?} row {r}: the test's reference {reference} for candle's {want}");
+            assert!((out[r] as f64 - want).abs() <= tol, "{format:?} row {r}: {} for {want} (tolerance {tol:e})", out[r]);
         }
     }
 
@@ -504,16 +900,67 @@ mod tests {
     }
 
     #[test]
+    fn reads_candles_q4_1_storage() {
+        // A Q4_1 QTensor's bytes, as candle stores them (its quantizer: d = (max - min) / 15,
+        // m = min), rows of every kind: random, constant (d = 0), all negative, spanning 1e-3.
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        let (n, k) = (9, 224);
+        let wf: Vec<f32> = (0..n * k)
+            .map(|i| match i / k {
+                0 => 0.5,
+                1 => rng.random_range(-3.0..-1.0),
+                2 => rng.random_range(0.0..1e-3),
+                _ => rng.random_range(-2.0..2.0),
+            })
+            .collect();
+        let qt = QTensor::quantize(&Tensor::from_vec(wf, (n, k), &Device::Cpu).unwrap(), GgmlDType::Q4_1).unwrap();
+        let bytes = qt.data().unwrap();
+        assert_eq!(bytes.len(), n * k / QK * Q4_1_BLOCK_BYTES);
+        let x = Q8Activation::quantize(&activations(&mut rng, k, true));
+        for path in paths() {
+            let mut out = vec![0.0; n];
+            gemv_q4_1_on(path, &bytes, k, &x, 0..n, &mut out);
+            check_against_candle(Format::Q4_1, &qt, &x, &out);
+        }
+    }
+
+    #[test]
+    fn matvec_takes_q8_0_and_q4_1_and_leaves_the_rest() {
+        // 300 rows: past the size that brings in the helpers, and not a whole number of chunks.
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (n, k) = (300, 256);
+        let w = Tensor::from_vec((0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>(), (n, k), &Device::Cpu).unwrap();
+        let xs = activations(&mut rng, k, true);
+        let x = Tensor::from_vec(xs.clone(), (1, k), &Device::Cpu).unwrap();
+        for (dtype, format) in [(GgmlDType::Q8_0, Format::Q8_0), (GgmlDType::Q4_1, Format::Q4_1)] {
+            let qt = QTensor::quantize(&w, dtype).unwrap();
+            let y = matvec(&qt, &x).unwrap().expect("matvec takes this dtype");
+            assert_eq!(y.dims(), [1, n]);
+            check_against_candle(format, &qt, &Q8Activation::quantize(&xs), &y.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            // Two rows are candle's matmul's.
+            assert!(matvec(&qt, &Tensor::cat(&[&x, &x], 0).unwrap()).unwrap().is_none(), "{dtype:?}");
+        }
+        for dtype in [GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::F32] {
+            assert!(matvec(&QTensor::quantize(&w, dtype).unwrap(), &x).unwrap().is_none(), "{dtype:?}");
+        }
+    }
+
+    #[test]
     fn the_quantizer_is_ggmls() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let k = 2048 + 32;
         let x = activations(&mut rng, k, true);
         assert!(x.chunks_exact(QK).any(|b| b.iter().all(|&v| v == 0.0)), "the data must have an all-zero block");
         let a = Q8Activation::quantize(&x);
-        assert_eq!((a.q.len(), a.scales.len()), (k, k / QK));
-        for ((xb, qb), &d) in x.chunks_exact(QK).zip(a.q.chunks_exact(QK)).zip(&a.scales) {
+        assert_eq!((a.q.len(), a.scales.len(), a.sums.len()), (k, k / QK, k / QK));
+        for (((xb, qb), &d), &sum) in x.chunks_exact(QK).zip(a.q.chunks_exact(QK)).zip(&a.scales).zip(&a.sums) {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             assert_eq!(d, amax / 127.0);
+            assert_eq!(sum, qb.iter().map(|&q| q as i32).sum::<i32>());
             if amax == 0.0 {
                 assert!(qb.iter().all(|&q| q == 0), "an all-zero block quantizes to 0");
                 continue;
@@ -534,10 +981,10 @@ mod tests {
         // A token's activation into the buffers of the last: the same allocations.
         let mut rng = rand::rngs::StdRng::seed_from_u64(12);
         let mut a = Q8Activation::quantize(&activations(&mut rng, 576, true));
-        let (q, s) = (a.q.as_ptr(), a.scales.as_ptr());
+        let (q, s, sums) = (a.q.as_ptr(), a.scales.as_ptr(), a.sums.as_ptr());
         let x = activations(&mut rng, 576, true);
         a.quantize_into(&x);
-        assert_eq!((a.q.as_ptr(), a.scales.as_ptr()), (q, s), "quantize_into reallocated");
+        assert_eq!((a.q.as_ptr(), a.scales.as_ptr(), a.sums.as_ptr()), (q, s, sums), "quantize_into reallocated");
         assert_eq!(a, Q8Activation::quantize(&x));
         // A shorter K shrinks the lengths (not the buffers).
         a.quantize_into(&x[..64]);
@@ -571,18 +1018,20 @@ mod tests {
     #[test]
     fn an_empty_k_or_row_range_gives_zeros_or_nothing() {
         let x = Q8Activation::quantize(&[]);
-        for path in paths() {
-            let mut out = vec![f32::NAN; 3];
-            gemv_q8_0_on(path, &[], 0, &x, 0..3, &mut out);
-            assert_eq!(out, [0.0; 3], "{path:?}");
-            gemv_q8_0_on(
-                path,
-                &weights(&mut rand::rngs::StdRng::seed_from_u64(1), 2, 64),
-                64,
-                &Q8Activation::quantize(&[1.0; 64]),
-                2..2,
-                &mut [],
-            );
+        for format in [Format::Q8_0, Format::Q4_1] {
+            for path in paths() {
+                let mut out = vec![f32::NAN; 3];
+                format.gemv_on(path, &[], 0, &x, 0..3, &mut out);
+                assert_eq!(out, [0.0; 3], "{format:?} {path:?}");
+                format.gemv_on(
+                    path,
+                    &format.weights(&mut rand::rngs::StdRng::seed_from_u64(1), 2, 64),
+                    64,
+                    &Q8Activation::quantize(&[1.0; 64]),
+                    2..2,
+                    &mut [],
+                );
+            }
         }
     }
 
@@ -613,5 +1062,31 @@ mod tests {
         let mut x = Q8Activation::quantize(&[1.0; 32]);
         x.q[5] = i8::MIN;
         gemv_q8_0(&w, 32, &x, 0..1, &mut [0.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "not whole rows of K = 64 (40 bytes each)")]
+    fn q8_0_bytes_as_q4_1_panic() {
+        // Two Q8_0 rows (136 bytes) are no whole number of Q4_1 rows.
+        let w = weights(&mut rand::rngs::StdRng::seed_from_u64(1), 2, 64);
+        gemv_q4_1(&w, 64, &Q8Activation::quantize(&[1.0; 64]), 0..2, &mut [0.0; 2]);
+    }
+
+    #[test]
+    #[should_panic(expected = "block sums are not its values'")]
+    fn q4_1_with_wrong_block_sums_panics() {
+        let w = q4_1_weights(&mut rand::rngs::StdRng::seed_from_u64(1), 1, 64);
+        let mut x = Q8Activation::quantize(&[1.0; 64]);
+        x.q[40] -= 1;
+        gemv_q4_1(&w, 64, &x, 0..1, &mut [0.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "has 1 block sums for K = 64 (2 blocks)")]
+    fn q4_1_without_block_sums_panics() {
+        let w = q4_1_weights(&mut rand::rngs::StdRng::seed_from_u64(1), 1, 64);
+        let mut x = Q8Activation::quantize(&[1.0; 64]);
+        x.sums.pop();
+        gemv_q4_1(&w, 64, &x, 0..1, &mut [0.0]);
     }
 }
