@@ -86,3 +86,12 @@ fn command_line_outputs_are_checked_before_the_model_loads() {
     assert!(err.contains(&format!("folder {} does not exist", dir.join("no/such").display())), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_model_id_without_a_home_folder_is_an_error_not_a_panic() {
+    // hf-hub's own default panics with no home folder; ours says what to set.
+    let out = Command::new(llama_example()).args(["--model-id", "org/absent", "--sample-len", "0"]).env_remove("HOME").env_remove("HF_HOME").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !err.contains("panicked"), "{err}");
+    assert!(err.contains("org/absent") && err.contains("set HF_HOME (or HOME)"), "{err}");
+}
