@@ -74,5 +74,71 @@ fn prefill(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, gemm, row_kernels, prefill);
+/// One attention task of a 2048-token SmolLM2 prefill: the last 64-row block of one KV head's 3
+/// query heads (192 stacked rows of 64) over 2048 keys. "materialized" is the engine before the
+/// tiled kernel (the block's whole score matrix, 1.5 MB, then its softmax and one P.V GEMM);
+/// "tiled" is `kernels::attention::attend` (128-key tiles, merged). And decode's one row of the
+/// same head (3 stacked rows) over the 2048 keys.
+fn attention(c: &mut Criterion) {
+    use candle_npu::kernels::attention::{attend, HeadKv, Partial, Scratch};
+    use candle_npu::kernels::{matmul_f32_serial, rows::softmax_numerators};
+    let (hd, keys_n, rows) = (64usize, 2048usize, 192usize);
+    let val = |i: usize| ((i * 7919) % 2000) as f32 / 1000.0 - 1.0;
+    let keys: Vec<f32> = (0..keys_n * hd).map(val).collect();
+    let values: Vec<f32> = (0..keys_n * hd).map(|i| val(i + 13)).collect();
+    let q: Vec<f32> = (0..rows * hd).map(|i| val(i + 101)).collect();
+    // Stacked row i is position keys_n - 64 + i % 64.
+    let end = |i: usize| keys_n - 64 + i % 64 + 1;
+    let mut g = c.benchmark_group("attention_2048");
+    g.sample_size(20);
+    g.throughput(Throughput::Elements((rows * keys_n) as u64));
+    g.bench_function("block_materialized", |b| {
+        b.iter(|| {
+            let mut p = matmul_f32_serial(&q, &keys, rows, hd, keys_n, true);
+            let mut sums = Vec::with_capacity(rows);
+            for (i, row) in p.chunks_exact_mut(keys_n).enumerate() {
+                sums.push(softmax_numerators(&mut row[..end(i)], 0.125));
+                row[end(i)..].fill(0.0);
+            }
+            let mut o = matmul_f32_serial(&p, &values, rows, keys_n, hd, false);
+            for (row, s) in o.chunks_exact_mut(hd).zip(sums) {
+                row.iter_mut().for_each(|v| *v /= s);
+            }
+            o
+        })
+    });
+    let kv = HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd };
+    let mut scratch = Scratch::default();
+    let mut acc = Partial::default();
+    g.bench_function("block_tiled", |b| {
+        b.iter(|| {
+            acc.reset(rows, hd);
+            attend(&q, kv, &|i| 0..end(i), 0.125, &mut acc, &mut scratch);
+            let mut o = vec![0f32; rows * hd];
+            acc.normalized_into(&mut o);
+            o
+        })
+    });
+    g.throughput(Throughput::Bytes((2 * keys_n * hd * 4) as u64));
+    g.bench_function("decode_row_tiled", |b| {
+        b.iter(|| {
+            acc.reset(3, hd);
+            attend(&q[..3 * hd], kv, &|_| 0..keys_n, 0.125, &mut acc, &mut scratch);
+        })
+    });
+    g.bench_function("decode_row_materialized", |b| {
+        b.iter(|| {
+            let mut p = matmul_f32_serial(&q[..3 * hd], &keys, 3, hd, keys_n, true);
+            let sums: Vec<f32> = p.chunks_exact_mut(keys_n).map(|r| softmax_numerators(r, 0.125)).collect();
+            let mut o = matmul_f32_serial(&p, &values, 3, keys_n, hd, false);
+            for (row, s) in o.chunks_exact_mut(hd).zip(sums) {
+                row.iter_mut().for_each(|v| *v /= s);
+            }
+            o
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, gemm, row_kernels, attention, prefill);
 criterion_main!(benches);

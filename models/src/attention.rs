@@ -3,8 +3,12 @@
 //! why it stays on the CPU while the position-free linears run as shared static graphs.
 
 use candle_core::{Device, Tensor};
-use candle_npu::kernels::matmul_f32_serial;
-use candle_npu::kernels::rows::{rows_per_task, softmax_numerators, with_f32};
+use std::ops::Range;
+use std::sync::Mutex;
+
+use candle_npu::kernels::attention::{self as kernel, HeadKv, Partial, Scratch};
+use candle_npu::kernels::claim;
+use candle_npu::kernels::rows::{rows_per_task, with_f32};
 use candle_npu::Result;
 use rayon::prelude::*;
 
@@ -144,10 +148,10 @@ impl KvCache {
         Some(KvCache { k: k.to_vec(), v: v.to_vec(), heads, head_dim, cap: len, len })
     }
 
-    /// Tokens `from..to` of head `h`: `[to - from, head_dim]` keys and values.
-    fn head(&self, h: usize, from: usize, to: usize) -> (&[f32], &[f32]) {
-        let range = (h * self.cap + from) * self.head_dim..(h * self.cap + to) * self.head_dim;
-        (&self.k[range.clone()], &self.v[range])
+    /// The tokens of head `h`: `[len, head_dim]` keys and values.
+    fn head_kv(&self, h: usize) -> HeadKv<'_> {
+        let range = h * self.cap * self.head_dim..(h * self.cap + self.len) * self.head_dim;
+        HeadKv { keys: &self.k[range.clone()], values: &self.v[range], first: 0, head_dim: self.head_dim }
     }
 }
 
@@ -179,70 +183,54 @@ pub fn attend(c: &Config, spec: &FamilySpec, layer: &LayerSpec, qk_norm: Option<
 }
 
 /// Query rows per attention block: a chunk of 256 rows makes 4 blocks per KV head (the cores stay
-/// busy, and a block's key range ends at its own last row). Each block packs its keys and values
-/// for the GEMMs (at 32 rows, packing was 5.5% of a 2000-token prefill's CPU samples).
+/// busy, and a block's key range ends at its own last row).
 const ROW_BLOCK: usize = 64;
 
 /// Block-causal grouped-query attention of the rows' queries (`q`: `[m, n_head, head_dim]`, after
-/// RoPE) over the cache. Each block is one KV head and one block of query rows, with the query
-/// heads that share the KV head stacked as rows of one GEMM (no K/V copies); its keys end at the
-/// block's last position and start at its first row's window, so the masked part of a score
-/// matrix is never computed except inside the diagonal block, where each row's softmax simply
-/// ends at its own position. No mask is materialized. Returns `[m, n_head * head_dim]`.
+/// RoPE) over the cache, by the engine's tiled kernel ([`candle_npu::kernels::attention`]).
+/// Each task is one KV head and one block of query rows, with the query heads that share the KV
+/// head stacked as rows (no K/V copies); its keys end at the block's last position and start at
+/// its first row's window, so nothing above the diagonal block is computed and no mask is built.
+/// A pass of few rows (decode, a short turn) has too few such tasks for the cores: its tiles of
+/// keys are the tasks instead, merged in order afterwards (flash-decoding); a row gives the same
+/// bits either way. Returns `[m, n_head * head_dim]`.
 fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usize>, scale: f32) -> Vec<f32> {
     let (nkv, hd, m, t) = (cache.heads, cache.head_dim, rows.m, cache.len);
-    let groups = nh / nkv;
-    let blocks = m.div_ceil(ROW_BLOCK);
+    let mut out = vec![0f32; m * nh * hd];
     if t == 0 {
-        return vec![0.0; m * nh * hd];
+        return out;
     }
-    // Keys visible from row `r`: `lo(r)..hi(r)`. Padding rows past the prompt see what its last
-    // token sees (never nothing, which would make their softmax 0 / 0; their outputs are unused).
+    // Keys visible from row `r`. Padding rows past the prompt see what its last token sees
+    // (never nothing, which would make their softmax 0 / 0; their outputs are unused).
     let pos = |r: usize| (rows.start + r).min(t - 1);
-    let lo = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w));
-    let hi = |r: usize| pos(r) + 1;
-    // Block `task`: KV head `h`, query rows `r0..r1`.
-    let task_rows = |task: usize| {
-        let b = task % blocks;
-        (task / blocks, b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m))
-    };
-    // Rows s0..s1 of KV head h (a `Part`), over the keys from s0's window to s1 - 1's position;
-    // the queries stacked the same way.
-    let part = |h: usize, s0: usize, s1: usize| {
+    let span = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w))..pos(r) + 1;
+    let blocks = m.div_ceil(ROW_BLOCK);
+    if nkv * blocks < 2 * rayon::current_num_threads() {
+        split_keys(q, cache, 0..m, nh, &span, scale, &mut out);
+        return out;
+    }
+    let groups = nh / nkv;
+    // Rows s0..s1 of KV head h (a `Part`).
+    let part = |h: usize, s0: usize, s1: usize, scratch: &mut Scratch| {
         let rb = s1 - s0;
-        let (kb, ke) = (lo(s0), hi(s1 - 1));
-        let (keys, values) = cache.head(h, kb, ke);
-        let n = ke - kb;
-        let mut qs = Vec::with_capacity(groups * rb * hd);
-        for g in 0..groups {
-            for r in s0..s1 {
-                qs.extend_from_slice(&q[(r * nh + h * groups + g) * hd..][..hd]);
-            }
-        }
-        let mut p = matmul_f32_serial(&qs, keys, groups * rb, hd, n, true);
-        let mut sums = Vec::with_capacity(groups * rb);
-        for (i, row) in p.chunks_exact_mut(n).enumerate() {
-            let r = s0 + i % rb;
-            let (a, z) = (lo(r) - kb, hi(r) - kb);
-            sums.push(softmax_numerators(&mut row[a..z], scale));
-            row[..a].fill(0.0);
-            row[z..].fill(0.0);
-        }
-        let mut o = matmul_f32_serial(&p, values, groups * rb, n, hd, false);
-        for (row, sum) in o.chunks_exact_mut(hd).zip(sums) {
-            row.iter_mut().for_each(|v| *v /= sum);
-        }
-        Part { s0, s1, o }
+        let qs = stacked(q, h, s0..s1, nh, groups, hd);
+        let mut acc = Partial::default();
+        acc.reset(groups * rb, hd);
+        kernel::attend(&qs, cache.head_kv(h), &|i| span(s0 + i % rb), scale, &mut acc, scratch);
+        let mut o = vec![0f32; groups * rb * hd];
+        acc.normalized_into(&mut o);
+        Part { s0, o }
     };
     // A block whose keys are mostly its own diagonal (a prompt's first few blocks) runs as two
     // halves, the first ending its keys at its own last row: half of the diagonal's masked
     // corner is not computed (10% of the attention GEMMs at 256 tokens).
-    let block = |task: usize| {
-        let (h, r0, r1) = task_rows(task);
-        let (n, rb) = (hi(r1 - 1) - lo(r0), r1 - r0);
-        match rb >= ROW_BLOCK / 2 && n <= 4 * ROW_BLOCK {
-            true => vec![part(h, r0, r0 + rb / 2), part(h, r0 + rb / 2, r1)],
-            false => vec![part(h, r0, r1)],
+    let block = |task: usize, scratch: &mut Scratch| {
+        let (h, b) = (task / blocks, task % blocks);
+        let (r0, r1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+        let rb = r1 - r0;
+        match rb >= ROW_BLOCK / 2 && span(r1 - 1).end - span(r0).start <= 4 * ROW_BLOCK {
+            true => vec![part(h, r0, r0 + rb / 2, scratch), part(h, r0 + rb / 2, r1, scratch)],
+            false => vec![part(h, r0, r1, scratch)],
         }
     };
     // A block's work grows with its keys: a task is block b and block blocks - 1 - b of one KV
@@ -254,7 +242,8 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
         .flat_map_iter(|t| {
             let (h, b) = (t / pairs, t % pairs);
             let other = (blocks - 1 - b != b).then_some(blocks - 1 - b);
-            [Some(b), other].into_iter().flatten().map(move |b| (h * blocks + b, block(h * blocks + b)))
+            let mut scratch = Scratch::default();
+            [Some(b), other].into_iter().flatten().map(|b| (h * blocks + b, block(h * blocks + b, &mut scratch))).collect::<Vec<_>>()
         })
         .collect();
     let mut tasks: Vec<Vec<Part>> = (0..nkv * blocks).map(|_| vec![]).collect();
@@ -262,27 +251,76 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
         tasks[i] = o;
     }
     // Each block of rows gathers its blocks' outputs (block `h * blocks + b` for KV head h).
-    let mut out = vec![0f32; m * nh * hd];
     out.par_chunks_mut(ROW_BLOCK * nh * hd).enumerate().for_each(|(b, out)| {
         for h in 0..nkv {
-            for &Part { s0, s1, ref o } in &tasks[h * blocks + b] {
-                for g in 0..groups {
-                    for i in 0..s1 - s0 {
-                        let row = s0 - b * ROW_BLOCK + i;
-                        out[(row * nh + h * groups + g) * hd..][..hd].copy_from_slice(&o[(g * (s1 - s0) + i) * hd..][..hd]);
-                    }
-                }
+            for Part { s0, o } in &tasks[h * blocks + b] {
+                unstack(o, h, s0 - b * ROW_BLOCK, nh, groups, hd, out);
             }
         }
     });
     out
 }
 
-/// The attention output of query rows `s0..s1` of one KV head's query heads: `[groups * (s1 -
-/// s0), head_dim]`, query head g's row s0 + i at row g * (s1 - s0) + i.
+/// Attention of the rows `rows` (few: a decode step, a short turn) with every KV head's tiles of
+/// keys as the tasks, claimed by the caller and the pool's workers ([`claim`]: no one waits for
+/// a helper that has not started), then merged per head in position order.
+fn split_keys(q: &[f32], cache: &KvCache, rows: Range<usize>, nh: usize, span: &(dyn Fn(usize) -> Range<usize> + Sync), scale: f32, out: &mut [f32]) {
+    let (nkv, hd, m) = (cache.heads, cache.head_dim, rows.len());
+    let groups = nh / nkv;
+    let tiles: Vec<usize> = kernel::tile_starts(rows.clone().map(span), 0..cache.len).collect();
+    let stacks: Vec<Vec<f32>> = (0..nkv).map(|h| stacked(q, h, rows.clone(), nh, groups, hd)).collect();
+    let span_of = |i: usize| span(rows.start + i % m);
+    let partials: Vec<Mutex<Partial>> = (0..nkv * tiles.len()).map(|_| Mutex::default()).collect();
+    // Tiles of a few microseconds each; a short cache stays on the caller.
+    let helpers = if cache.len * hd * nkv >= 1 << 15 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
+    claim::for_each_chunk(partials.len(), 1, helpers, &|range| {
+        let mut scores = vec![];
+        for i in range {
+            let (h, tile) = (i / tiles.len(), tiles[i % tiles.len()]);
+            let mut p = partials[i].lock().unwrap_or_else(|e| e.into_inner());
+            p.reset(groups * m, hd);
+            kernel::attend_tile(&stacks[h], cache.head_kv(h), &span_of, scale, tile, &mut p, &mut scores);
+        }
+    });
+    let mut acc = Partial::default();
+    let mut o = vec![0f32; groups * m * hd];
+    for h in 0..nkv {
+        acc.reset(groups * m, hd);
+        for p in &partials[h * tiles.len()..(h + 1) * tiles.len()] {
+            acc.merge(&p.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+        acc.normalized_into(&mut o);
+        unstack(&o, h, rows.start, nh, groups, hd, out);
+    }
+}
+
+/// The queries of KV head `h`'s query heads for `rows`, stacked: query head g's row `r` at row
+/// `g * rows.len() + (r - rows.start)`, `[groups * rows.len(), head_dim]`.
+fn stacked(q: &[f32], h: usize, rows: Range<usize>, nh: usize, groups: usize, hd: usize) -> Vec<f32> {
+    let mut qs = Vec::with_capacity(groups * rows.len() * hd);
+    for g in 0..groups {
+        for r in rows.clone() {
+            qs.extend_from_slice(&q[(r * nh + h * groups + g) * hd..][..hd]);
+        }
+    }
+    qs
+}
+
+/// [`stacked`]'s inverse for outputs: `o`'s rows (`[groups * n, head_dim]`) to the rows `at..at +
+/// n` of `out` (`[_, n_head * head_dim]`), in KV head `h`'s query heads.
+fn unstack(o: &[f32], h: usize, at: usize, nh: usize, groups: usize, hd: usize, out: &mut [f32]) {
+    let n = o.len() / (groups * hd);
+    for g in 0..groups {
+        for i in 0..n {
+            out[((at + i) * nh + h * groups + g) * hd..][..hd].copy_from_slice(&o[(g * n + i) * hd..][..hd]);
+        }
+    }
+}
+
+/// The attention output of query rows from `s0` of one KV head's query heads: `[groups * rows,
+/// head_dim]`, query head g's row s0 + i at row g * rows + i.
 struct Part {
     s0: usize,
-    s1: usize,
     o: Vec<f32>,
 }
 

@@ -12,6 +12,7 @@
 //! 1024x2048x2048 (issue 2): rten-gemm 443 GOPS, pire-gemm 592 GOPS but column-major output only and
 //! an unsafe API, gemmkit 456 GOPS without Arm SDOT. `benches/prefill.rs` has the model's shapes.
 
+pub mod attention;
 pub mod claim;
 pub mod gemv;
 pub mod int8;
@@ -257,12 +258,29 @@ pub fn matmul_f32(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, transpose_
 /// thread (attention: one task per KV head and block of query rows). rten-gemm would split each
 /// call over the pool again, and a task's GEMMs are too small to gain from it.
 pub fn matmul_f32_serial(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, transpose_b: bool) -> Vec<f32> {
-    assert!(a.len() >= m * k && b.len() >= k * n, "matmul_f32_serial: a {} < {m}x{k} or b {} < {k}x{n}", a.len(), b.len());
-    let mut out = Vec::with_capacity(m * n);
+    let mut out = vec![0f32; m * n];
+    matmul_f32_serial_into(&mut out, false, a, b, m, k, n, transpose_b);
+    out
+}
+
+/// [`matmul_f32_serial`] into `out` (`[M, N]`, row-major): `out = a @ b`, or with `accumulate`
+/// `out += a @ b`. No allocation: attention's tiles reuse one buffer per task.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_f32_serial_into(out: &mut [f32], accumulate: bool, a: &[f32], b: &[f32], m: usize, k: usize, n: usize, transpose_b: bool) {
+    assert!(
+        a.len() >= m * k && b.len() >= k * n && out.len() >= m * n,
+        "matmul_f32_serial: a {} < {m}x{k}, b {} < {k}x{n} or out {} < {m}x{n}",
+        a.len(),
+        b.len(),
+        out.len()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
     // Strides in elements: column then row. B^T is `b` read with its strides swapped.
     let (rhs_cs, rhs_rs) = if transpose_b { (k as isize, 1) } else { (1, n as isize) };
-    // SAFETY: the asserts above bound every read; `out` has room for the m x n outputs, which
-    // gemm writes without reading (`read_dst` false) before `set_len`.
+    // SAFETY: the assert above bounds every read and write; gemm reads `out` only with
+    // `accumulate` (`read_dst`), when the caller's values in it are initialized f32.
     unsafe {
         gemm::gemm(
             m,
@@ -271,23 +289,21 @@ pub fn matmul_f32_serial(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, tra
             out.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            accumulate,
             a.as_ptr(),
             1,
             k as isize,
             b.as_ptr(),
             rhs_cs,
             rhs_rs,
-            0.0,
+            1.0,
             1.0,
             false,
             false,
             false,
             gemm::Parallelism::None,
         );
-        out.set_len(m * n);
     }
-    out
 }
 
 #[cfg(test)]

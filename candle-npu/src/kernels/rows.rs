@@ -66,28 +66,41 @@ macro_rules! multiversion {
 /// AVX2 + FMA has intrinsics of its own (`softmax_avx2`); elsewhere the plain loop, as built.
 /// The two differ by the FMAs' rounding (a few ulps).
 pub fn softmax_numerators(row: &mut [f32], scale: f32) -> f32 {
+    exp_shifted(row, scale, scale * row_max(row))
+}
+
+/// The largest value of `row` (`-inf` when it is empty).
+pub fn row_max(row: &[f32]) -> f32 {
+    lanes_fold(row, f32::NEG_INFINITY, |a, b| if b > a { b } else { a }).iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `e^(scale * v - shift)` in place of every `v`, and their sum, for `shift >= scale * max(row)`
+/// (every exponent <= 0): softmax numerators against a maximum the caller chose, as attention's
+/// running softmax needs (a block of keys is shifted by the largest score seen so far).
+///
+/// AVX2 + FMA has intrinsics of its own (`exp_shifted_avx2`); elsewhere the plain loop, as
+/// built. The two differ by the FMAs' rounding (a few ulps).
+pub fn exp_shifted(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA.
-        return unsafe { softmax_avx2(row, scale) };
+        return unsafe { exp_shifted_avx2(row, scale, shift) };
     }
-    softmax(row, scale)
+    exp_shifted_plain(row, scale, shift)
 }
 
-/// [`softmax`] with [`exp`]'s steps as FMAs, two vectors at a time. `exp` is a chain of about
+/// [`exp_shifted_plain`] with [`exp`]'s steps as FMAs, two vectors at a time. `exp` is a chain of about
 /// 20 dependent operations: the vectorized plain loop, one vector per step, was bound by that
 /// chain's latency (3.5 cycles a value, a fifth of a 1024-token prefill's attention); fused
 /// steps shorten it, and the second vector fills the pipes while the first waits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_avx2(row: &mut [f32], scale: f32) -> f32 {
+unsafe fn exp_shifted_avx2(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     use std::arch::x86_64::*;
     if row.is_empty() {
         return 0.0;
     }
-    let max = lanes_fold(row, f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
-    let max = max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let (vscale, vshift) = (_mm256_set1_ps(scale), _mm256_set1_ps(scale * max));
+    let (vscale, vshift) = (_mm256_set1_ps(scale), _mm256_set1_ps(shift));
     // e^(v * scale - shift), the exponent <= 0.
     let numerator = |v: __m256| exp8(_mm256_fmsub_ps(v, vscale, vshift));
     let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -514,14 +527,8 @@ fn quantize(values: &[f32], inv_scale: f32, offset: f32, out: &mut [MaybeUninit<
 }
 
 #[inline(always)]
-fn softmax(row: &mut [f32], scale: f32) -> f32 {
-    if row.is_empty() {
-        return 0.0;
-    }
-    let max = lanes_fold(row, f32::NEG_INFINITY, |a, b| if b > a { b } else { a });
-    let max = max.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let shift = scale * max;
-    // scale > 0: the scaled row's max is scale * max, and every exponent is <= 0.
+fn exp_shifted_plain(row: &mut [f32], scale: f32, shift: f32) -> f32 {
+    // shift >= scale * max: every exponent is <= 0.
     let mut sums = [0f32; LANES];
     let mut chunks = row.chunks_exact_mut(LANES);
     for c in &mut chunks {
@@ -559,7 +566,7 @@ fn lanes_fold(row: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; LANE
 /// `e^x = 2^n * e^r` with `n = round(x / ln 2)`, `|r| <= ln 2 / 2`, and `e^r` by Cephes' degree-6
 /// polynomial.
 #[inline(always)]
-fn exp(x: f32) -> f32 {
+pub(crate) fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
     // Round to nearest by the 1.5 * 2^23 trick (SSE2 has no vector round).
     const MAGIC: f32 = 12_582_912.0;
@@ -738,7 +745,7 @@ mod tests {
             let z: f64 = row.iter().map(|&v| ((scale * (v - max)) as f64).exp()).sum();
             let want: Vec<f64> = row.iter().map(|&v| ((scale * (v - max)) as f64).exp() / z).collect();
             let mut paths: Vec<Vec<f32>> = vec![row.clone(), row.clone()];
-            let sums = [softmax(&mut paths[0], scale), softmax_numerators(&mut paths[1], scale)];
+            let sums = [exp_shifted_plain(&mut paths[0], scale, scale * row_max(&row)), softmax_numerators(&mut paths[1], scale)];
             for (got, sum) in paths.iter().zip(sums) {
                 for (g, w) in got.iter().map(|g| g / sum).zip(&want) {
                     assert!((g as f64 - w).abs() <= 1e-6 * w.max(1e-3), "len {len}: {g} vs {w}");

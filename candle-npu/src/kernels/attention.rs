@@ -1,0 +1,354 @@
+//! Causal attention of query rows over one KV head, tiled over the keys (flash attention): a
+//! tile's scores live in a scratch of [`KEY_BLOCK`] columns, never a row's whole key range (at
+//! 4096 tokens, 3 MB for one 64-row block of SmolLM2's 3 query heads per KV head).
+//!
+//! The layout is the caller's (`models`' attention): the query heads that share a KV head are
+//! stacked as the rows of one matrix, `[rows, head_dim]`, so that grouped-query attention is
+//! one GEMM per tile and no K/V is copied per query head; each row sees the keys of one range of
+//! positions (its causal end, the start of its sliding window), given per row. A tile that no
+//! row sees is never computed (block-sparse for sliding windows).
+//!
+//! Each tile gives a [`Partial`] of its own (its scores shifted by the tile's own maximum), and
+//! a row's result is its tiles' partials merged in position order. Tiles start at multiples of
+//! [`KEY_BLOCK`] positions, so a row's tiles depend only on the row's own span: its bits do not
+//! change with what else the cache holds, nor with whether its tiles ran on one thread
+//! ([`attend`]) or were spread over the cores and merged afterwards ([`attend_tile`],
+//! [`Partial::merge`]: flash-decoding, how decode's one row uses every core).
+//!
+//! Accumulation is f32 throughout: the GEMMs are the `gemm` crate's f32 kernels, the softmax
+//! numerators [`super::rows::exp_shifted`], the sums f32.
+
+use std::ops::Range;
+
+use super::matmul_f32_serial_into;
+use super::rows::{exp, exp_shifted, row_max};
+
+/// Keys per tile. On the 2-core build machine one 2048-key task of SmolLM2 (192 stacked rows)
+/// took 991 / 938 / 906 us with tiles of 128 / 256 / 512 keys, against 902 us for the whole
+/// score matrix at once (`benches/prefill.rs`, `attention_2048`): each tile costs two GEMM calls
+/// and a merge, and the whole matrix already ran at the FMA pipes' peak (about 110 GFLOP/s on one
+/// core), so only the tile's overhead could show. 512 keys: 384 KB of scores for 192 rows.
+pub const KEY_BLOCK: usize = 512;
+
+/// The keys and values of one KV head, `[len, head_dim]` each, position `first + i` at row `i`.
+#[derive(Clone, Copy)]
+pub struct HeadKv<'a> {
+    /// Keys, row-major.
+    pub keys: &'a [f32],
+    /// Values, row-major.
+    pub values: &'a [f32],
+    /// The position of the first row.
+    pub first: usize,
+    /// Values per key (the head's dimension).
+    pub head_dim: usize,
+}
+
+impl HeadKv<'_> {
+    /// The positions held: `first..first + len`.
+    fn positions(&self) -> Range<usize> {
+        self.first..self.first + self.keys.len() / self.head_dim
+    }
+}
+
+/// Attention over some of the keys, not yet normalized: per row the largest scaled score seen
+/// (`max`), the sum of the numerators against it (`sum`) and their product with the values
+/// (`out`, `[rows, head_dim]`). A row that has seen no key has `max = -inf`, `sum = 0`.
+#[derive(Debug, Clone, Default)]
+pub struct Partial {
+    /// Per row: the largest `scale * q.k` so far.
+    pub max: Vec<f32>,
+    /// Per row: `sum_j e^(scale * q.k_j - max)`.
+    pub sum: Vec<f32>,
+    /// Per row: `sum_j e^(scale * q.k_j - max) v_j`.
+    pub out: Vec<f32>,
+    /// Values per row of `out`.
+    pub head_dim: usize,
+}
+
+impl Partial {
+    /// No keys seen yet, for `rows` rows of `head_dim` (reusing the buffers).
+    pub fn reset(&mut self, rows: usize, head_dim: usize) {
+        self.max.clear();
+        self.max.resize(rows, f32::NEG_INFINITY);
+        self.sum.clear();
+        self.sum.resize(rows, 0.0);
+        self.out.clear();
+        self.out.resize(rows * head_dim, 0.0);
+        self.head_dim = head_dim;
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.max.len()
+    }
+
+    /// Folds in `other`, the same rows over other keys (flash-decoding's combine): both are
+    /// rescaled to the larger maximum.
+    pub fn merge(&mut self, other: &Partial) {
+        assert_eq!((self.rows(), self.head_dim), (other.rows(), other.head_dim), "Partial::merge: other rows or head_dim");
+        let hd = self.head_dim;
+        for r in 0..self.rows() {
+            let (a, b) = (self.max[r], other.max[r]);
+            if b == f32::NEG_INFINITY {
+                continue;
+            }
+            let (out, add) = (&mut self.out[r * hd..][..hd], &other.out[r * hd..][..hd]);
+            if a == f32::NEG_INFINITY {
+                // A row that had seen nothing takes the other's as it is.
+                (self.max[r], self.sum[r]) = (b, other.sum[r]);
+                out.copy_from_slice(add);
+                continue;
+            }
+            // Both factors are e^(<= 0), one of them e^0 = 1 exactly.
+            let m = a.max(b);
+            let (ca, cb) = (exp(a - m), exp(b - m));
+            self.sum[r] = self.sum[r] * ca + other.sum[r] * cb;
+            out.iter_mut().zip(add).for_each(|(o, &p)| *o = *o * ca + p * cb);
+            self.max[r] = m;
+        }
+    }
+
+    /// The attention output of every row, `out / sum`, into `dst` (`[rows, head_dim]`). A row
+    /// that saw no key gives zeros.
+    pub fn normalized_into(&self, dst: &mut [f32]) {
+        let hd = self.head_dim;
+        for ((d, o), &s) in dst.chunks_exact_mut(hd).zip(self.out.chunks_exact(hd)).zip(&self.sum) {
+            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            d.iter_mut().zip(o).for_each(|(d, &o)| *d = o * inv);
+        }
+    }
+}
+
+/// A task's reusable buffers: a tile's scores and its partial.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    scores: Vec<f32>,
+    tile: Partial,
+}
+
+/// The positions of the tiles that rows seeing `spans` (within `held`) need, in order.
+pub fn tile_starts(spans: impl Iterator<Item = Range<usize>>, held: Range<usize>) -> impl Iterator<Item = usize> {
+    let (mut lo, mut hi) = (usize::MAX, 0);
+    for s in spans.map(|s| clip(s, &held)).filter(|s| !s.is_empty()) {
+        (lo, hi) = (lo.min(s.start), hi.max(s.end));
+    }
+    (lo < hi).then(|| (lo / KEY_BLOCK * KEY_BLOCK..hi).step_by(KEY_BLOCK)).into_iter().flatten()
+}
+
+/// Attention of the query rows `q` (`[acc.rows(), head_dim]`) over every key of `kv` they see,
+/// merged into `acc`: row `r` sees the positions `span(r)` (intersected with those `kv` holds; it
+/// may be empty), with scores `scale * q.k`. The tiles run in order on this thread.
+///
+/// Wrong sizes are the caller's bug and panic, naming them.
+pub fn attend(q: &[f32], kv: HeadKv<'_>, span: &dyn Fn(usize) -> Range<usize>, scale: f32, acc: &mut Partial, scratch: &mut Scratch) {
+    let held = kv.positions();
+    for t in tile_starts((0..acc.rows()).map(span), held) {
+        let Scratch { scores, tile } = scratch;
+        tile.reset(acc.rows(), kv.head_dim);
+        attend_tile(q, kv, span, scale, t, tile, scores);
+        acc.merge(tile);
+    }
+}
+
+/// The tile of keys at positions `start..start + KEY_BLOCK` (`start` a multiple of
+/// [`KEY_BLOCK`]) of [`attend`], into `tile` (reset by the caller to the rows and head
+/// dimension): each row's scores shifted by the row's largest in the tile. A row that sees no key
+/// of the tile is left as reset. `scores` is scratch.
+pub fn attend_tile(
+    q: &[f32],
+    kv: HeadKv<'_>,
+    span: &dyn Fn(usize) -> Range<usize>,
+    scale: f32,
+    start: usize,
+    tile: &mut Partial,
+    scores: &mut Vec<f32>,
+) {
+    let (rows, hd) = (tile.rows(), kv.head_dim);
+    assert!(
+        hd > 0
+            && tile.head_dim == hd
+            && q.len() == rows * hd
+            && kv.keys.len() == kv.values.len()
+            && kv.keys.len().is_multiple_of(hd)
+            && start.is_multiple_of(KEY_BLOCK),
+        "attention::attend_tile: q {} for {rows} rows of {hd}, keys {}, values {}, partial of {}, tile at {start}",
+        q.len(),
+        kv.keys.len(),
+        kv.values.len(),
+        tile.head_dim
+    );
+    let held = kv.positions();
+    let (b0, b1) = (start.max(held.start), (start + KEY_BLOCK).min(held.end));
+    if b0 >= b1 {
+        return;
+    }
+    let n = b1 - b0;
+    let (keys, values) = (&kv.keys[(b0 - held.start) * hd..][..n * hd], &kv.values[(b0 - held.start) * hd..][..n * hd]);
+    scores.resize(rows * n, 0.0);
+    let s = &mut scores[..rows * n];
+    matmul_f32_serial_into(s, false, q, keys, rows, hd, n, true);
+    for (r, row) in s.chunks_exact_mut(n).enumerate() {
+        let seen = clip(span(r), &(b0..b1));
+        let (a, z) = (seen.start - b0, seen.end - b0);
+        if a < z {
+            let m = scale * row_max(&row[a..z]);
+            tile.sum[r] = exp_shifted(&mut row[a..z], scale, m);
+            tile.max[r] = m;
+        }
+        row[..a].fill(0.0);
+        row[z..].fill(0.0);
+    }
+    matmul_f32_serial_into(&mut tile.out, false, s, values, rows, n, hd, false);
+}
+
+/// `a` within `b` (an empty range inside `b` when they do not meet).
+fn clip(a: Range<usize>, b: &Range<usize>) -> Range<usize> {
+    let start = a.start.max(b.start).min(b.end);
+    start..a.end.min(b.end).max(start)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Softmax attention of one row over `keys`/`values` rows `span` in f64, from its definition.
+    fn reference(q: &[f32], keys: &[f32], values: &[f32], hd: usize, span: Range<usize>, scale: f32) -> Vec<f64> {
+        let s: Vec<f64> =
+            span.clone().map(|j| scale as f64 * (0..hd).map(|d| q[d] as f64 * keys[j * hd + d] as f64).sum::<f64>()).collect();
+        let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = s.iter().map(|v| (v - max).exp()).sum();
+        (0..hd).map(|d| span.clone().zip(&s).map(|(j, v)| (v - max).exp() / z * values[j * hd + d] as f64).sum()).collect()
+    }
+
+    fn random(rng: &mut impl Rng, n: usize, spread: f32) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-spread..spread)).collect()
+    }
+
+    /// Every row against the definition, for spans that start and end inside, on and across
+    /// key blocks (causal ends, sliding windows, a span of one key, an empty one), with scores
+    /// large enough that an unshifted exponent would overflow.
+    #[test]
+    fn tiled_attention_matches_the_definition() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for (hd, len, spread) in [(8usize, 300usize, 2.0f32), (64, 2 * KEY_BLOCK + 5, 1.0), (16, KEY_BLOCK, 30.0), (4, 1, 1.0)] {
+            let (keys, values) = (random(&mut rng, len * hd, spread), random(&mut rng, len * hd, 2.0));
+            let spans: Vec<Range<usize>> = vec![0..len, 0..1, len - 1..len, len / 2..len, 3..len.min(KEY_BLOCK + 9).max(4), 5..5, 1..len];
+            let spans: Vec<Range<usize>> = spans.into_iter().map(|s| s.start.min(len)..s.end.min(len)).collect();
+            let q = random(&mut rng, spans.len() * hd, spread);
+            let mut acc = Partial::default();
+            acc.reset(spans.len(), hd);
+            attend(&q, HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd }, &|r| spans[r].clone(), 0.3, &mut acc, &mut Scratch::default());
+            let mut got = vec![f32::NAN; spans.len() * hd];
+            acc.normalized_into(&mut got);
+            for (r, span) in spans.iter().enumerate() {
+                let want = match span.is_empty() {
+                    true => vec![0.0; hd],
+                    false => reference(&q[r * hd..][..hd], &keys, &values, hd, span.clone(), 0.3),
+                };
+                for (d, (&g, w)) in got[r * hd..][..hd].iter().zip(want).enumerate() {
+                    // f32 sums of up to 2 * KEY_BLOCK + 5 terms of magnitude <= 2: a few 1e-6.
+                    assert!((g as f64 - w).abs() < 2e-5, "hd {hd} len {len} row {r} span {span:?} dim {d}: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    /// Rows' results do not depend on the keys they do not see: a cache holding more positions
+    /// (a later turn's prefix, a longer prompt) gives the same bits. (Across different numbers of
+    /// rows, the bits follow the `gemm` crate's kernel choice for the tile's shape; the model's
+    /// session test checks end to end that a prompt cut anywhere gives the same logits.)
+    #[test]
+    fn rows_give_the_same_bits_whatever_else_the_cache_holds() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (hd, len) = (32, 3 * KEY_BLOCK + 17);
+        let (keys, values) = (random(&mut rng, len * hd, 1.5), random(&mut rng, len * hd, 1.5));
+        let q = random(&mut rng, 40 * hd, 1.5);
+        // Row i of 40 at position 300 + i, causal, window 200.
+        let span = |i: usize| (300 + i + 1).saturating_sub(200)..300 + i + 1;
+        let run = |keys_held: usize| {
+            let mut acc = Partial::default();
+            acc.reset(40, hd);
+            let kv = HeadKv { keys: &keys[..keys_held * hd], values: &values[..keys_held * hd], first: 0, head_dim: hd };
+            attend(&q, kv, &span, 0.2, &mut acc, &mut Scratch::default());
+            let mut out = vec![0f32; 40 * hd];
+            acc.normalized_into(&mut out);
+            out
+        };
+        let all = run(len);
+        for held in [340, 341, KEY_BLOCK + 300] {
+            assert_eq!(run(held.min(len)), all, "{held} keys held");
+        }
+    }
+
+    /// A key range split into parts at any position, each folded alone and merged, agrees with
+    /// the whole range (to rounding: the merge rescales in another order).
+    #[test]
+    fn split_keys_merge_to_the_whole() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (hd, len, rows) = (64, 1000, 3);
+        let (keys, values) = (random(&mut rng, len * hd, 3.0), random(&mut rng, len * hd, 1.0));
+        let q = random(&mut rng, rows * hd, 3.0);
+        let span = |_r: usize| 0..len;
+        let fold = |range: Range<usize>| {
+            let mut acc = Partial::default();
+            acc.reset(rows, hd);
+            let kv = HeadKv { keys: &keys[range.start * hd..range.end * hd], values: &values[range.start * hd..range.end * hd], first: range.start, head_dim: hd };
+            attend(&q, kv, &span, 0.125, &mut acc, &mut Scratch::default());
+            acc
+        };
+        let mut whole = vec![0f32; rows * hd];
+        fold(0..len).normalized_into(&mut whole);
+        for cuts in [vec![0, 256, 512, 768, 1000], vec![0, 1, 999, 1000], vec![0, 333, 1000], vec![0, 0, 1000]] {
+            let mut acc = fold(cuts[0]..cuts[1]);
+            for w in cuts[1..].windows(2) {
+                acc.merge(&fold(w[0]..w[1]));
+            }
+            let mut got = vec![0f32; rows * hd];
+            acc.normalized_into(&mut got);
+            for (i, (g, w)) in got.iter().zip(&whole).enumerate() {
+                assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "cuts {cuts:?} value {i}: {g} vs {w}");
+            }
+        }
+    }
+
+    /// Tiles computed apart (on other threads, in any order) and merged in position order give
+    /// the bits of [`attend`]: decode's split over the cores changes nothing.
+    #[test]
+    fn tiles_merged_in_order_give_the_bits_of_attend() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (hd, len, rows) = (64, 5 * KEY_BLOCK + 3, 4);
+        let (keys, values) = (random(&mut rng, len * hd, 2.0), random(&mut rng, len * hd, 1.0));
+        let q = random(&mut rng, rows * hd, 2.0);
+        let kv = HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd };
+        let span = |r: usize| (r * 100)..len - r;
+        let mut whole = Partial::default();
+        whole.reset(rows, hd);
+        attend(&q, kv, &span, 0.125, &mut whole, &mut Scratch::default());
+        let starts: Vec<usize> = tile_starts((0..rows).map(span), 0..len).collect();
+        assert_eq!(starts, (0..len).step_by(KEY_BLOCK).collect::<Vec<_>>());
+        // Computed last to first, merged first to last.
+        let tiles: Vec<Partial> = starts
+            .iter()
+            .rev()
+            .map(|&t| {
+                let mut p = Partial::default();
+                p.reset(rows, hd);
+                attend_tile(&q, kv, &span, 0.125, t, &mut p, &mut vec![]);
+                p
+            })
+            .collect();
+        let mut merged = Partial::default();
+        merged.reset(rows, hd);
+        tiles.iter().rev().for_each(|t| merged.merge(t));
+        assert_eq!((merged.max, merged.sum, merged.out), (whole.max, whole.sum, whole.out));
+    }
+
+    #[test]
+    #[should_panic(expected = "attention::attend_tile")]
+    fn wrong_sizes_panic_naming_them() {
+        let mut acc = Partial::default();
+        acc.reset(2, 4);
+        attend(&[0.0; 7], HeadKv { keys: &[0.0; 8], values: &[0.0; 8], first: 0, head_dim: 4 }, &|_| 0..2, 1.0, &mut acc, &mut Scratch::default());
+    }
+}
