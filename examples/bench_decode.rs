@@ -45,6 +45,13 @@ struct Args {
     /// Threads of both engines.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// The chat case: prompts of these lengths, then `--chat-tokens` generated, end to end
+    /// (empty: skip it).
+    #[arg(long, value_delimiter = ',', default_value = "42,600")]
+    chat: Vec<usize>,
+    /// Tokens generated in the chat case.
+    #[arg(long, default_value_t = 128)]
+    chat_tokens: usize,
 }
 
 /// A process spinning on one core until dropped.
@@ -93,6 +100,35 @@ fn ours(p: &mut Pipeline, context: usize, tokens: usize) -> Result<f64> {
     Ok(tokens as f64 / t.elapsed().as_secs_f64())
 }
 
+/// Seconds of a chat turn on our engine: the prompt's prefill (chunked, on the host executor's
+/// W8A8 graphs) and `tokens` greedy decode steps, from an empty cache.
+fn ours_chat(p: &mut Pipeline, prompt: usize, tokens: usize) -> Result<f64> {
+    let prompt: Vec<u32> = (0..prompt as u32).map(|i| 100 + i % 1000).collect();
+    let t = Instant::now();
+    let mut next = candle_npu_models::transformer::argmax(&p.model.prefill(&prompt)?)?;
+    for _ in 0..tokens {
+        next = candle_npu_models::transformer::argmax(&p.model.decode(next)?)?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Seconds of llama-bench's prompt + generation test (`-pg prompt,tokens`), one repetition: its
+/// `avg_ts` counts the prompt and the generated tokens over the whole time.
+fn llama_chat(bin: &Path, model: &Path, prompt: usize, tokens: usize, threads: usize) -> Result<f64> {
+    let out = Command::new(bin)
+        .args(["-m", &model.display().to_string(), "-p", "0", "-n", "0", "-pg", &format!("{prompt},{tokens}")])
+        .args(["-t", &threads.to_string(), "-r", "1", "-o", "json"])
+        .stderr(Stdio::null())
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stdout));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench's JSON")?;
+    let tps = v.get(0).and_then(|r| r.get("avg_ts")).and_then(|t| t.as_f64()).context("llama-bench's avg_ts")?;
+    Ok((prompt + tokens) as f64 / tps)
+}
+
 /// llama-bench's decode tokens/s (`tg`) after `context` tokens (`-d`), one repetition.
 fn llama(bin: &Path, model: &Path, context: usize, tokens: usize, threads: usize) -> Result<f64> {
     let out = Command::new(bin)
@@ -130,6 +166,7 @@ fn main() -> Result<()> {
     );
     println!("\n| model | context | load | ours | llama.cpp | ours / llama.cpp | ours: GB/s read (share of {bw:.0}) |");
     println!("|---|---|---|---|---|---|---|");
+    let mut chat = vec![];
     for m in &args.models {
         let (path, name) = match m.as_str() {
             "smollm2" => (assets::smollm2(), "smollm2"),
@@ -173,6 +210,30 @@ fn main() -> Result<()> {
                 println!("| {name} | {context} | {load} | {ours:.1} | {theirs} | {ratio} | {gbs:.1} ({:.0}%) |", 100.0 * gbs / bw);
             }
         }
+        for &prompt in &args.chat {
+            let (mut a, mut b) = (vec![], vec![]);
+            for _ in 0..args.rounds {
+                a.push(ours_chat(&mut p, prompt, args.chat_tokens)?);
+                if let (Some(bin), Some(q8)) = (&llama_bench, &q8) {
+                    b.push(llama_chat(bin, q8, prompt, args.chat_tokens, args.threads)?);
+                }
+            }
+            let ours = median(a);
+            let (theirs, ratio) = match b.is_empty() {
+                true => ("-".to_string(), "-".to_string()),
+                false => {
+                    let t = median(b);
+                    (format!("{t:.2} s"), format!("{:.2}x", t / ours))
+                }
+            };
+            chat.push(format!("| {name} | {prompt} + {} | {ours:.2} s | {theirs} | {ratio} |", args.chat_tokens));
+        }
+    }
+    if !chat.is_empty() {
+        println!("\nChat end to end: a prompt's prefill and {} generated tokens, from an empty cache, quiet; median of {} rounds", args.chat_tokens, args.rounds);
+        println!("\n| model | prompt + generated | ours | llama.cpp | llama.cpp time / ours |");
+        println!("|---|---|---|---|---|");
+        chat.iter().for_each(|r| println!("{r}"));
     }
     Ok(())
 }

@@ -1,12 +1,17 @@
 //! Prefill throughput, side by side in one run on SmolLM2-135M:
 //! this engine (host executor, W8A8) vs candle-transformers' `quantized_llama` with F32 and Q8_0
-//! weights, and llama.cpp with Q8_0 weights when the Python package `llama-cpp-python` is
-//! installed, at 64, 256 and 1024 prompt tokens; where an in-order prefill's time goes, by stage;
-//! and the INT8 GEMM's GOPS on the model's shapes against the multiply pipes' measured peak.
+//! weights (up to 1024 tokens), and llama.cpp with Q8_0 weights (`llama-bench` given by path, or
+//! the Python package `llama-cpp-python` when installed), at 64, 256, 1024 and 4096 prompt
+//! tokens; with `--qwen`, Qwen2.5-Coder-0.5B against llama.cpp too; where an in-order prefill's
+//! time goes, by stage; and the INT8 GEMM's GOPS on the model's shapes against the multiply
+//! pipes' measured peak.
 //!
 //! ```text
-//! cargo run --release --example bench_prefill
+//! cargo run --release --example bench_prefill -- [--llama-bench PATH] [--qwen] [--lens 64,256,1024,4096]
 //! ```
+//!
+//! llama.cpp is not part of this repository: build `llama-bench` from the PyPI
+//! `llama-cpp-python` sdist's vendored source (cmake) and give its path (or `$LLAMA_BENCH`).
 #[path = "common/requantize.rs"]
 mod requantize;
 
@@ -21,7 +26,6 @@ use candle_npu::sched::Policy;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
 use candle_transformers::models::quantized_llama::ModelWeights;
 
-const LENS: [usize; 3] = [64, 256, 1024];
 const REPS: usize = 3;
 
 /// Best of `REPS` runs after one warm-up (which also prepares the NPU graphs).
@@ -48,66 +52,179 @@ fn candle_model(dtype: GgmlDType) -> Result<ModelWeights> {
     Ok(ModelWeights::from_gguf(ct, &mut f, &Device::Cpu)?)
 }
 
-fn main() -> Result<()> {
-    let dev = NpuDevice::host();
-    let mut p = Pipeline::load(&assets::smollm2(), None, &dev, LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() })?;
-    p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
-    let mut text = vec![];
-    for a in assets::wiki_heldout(400)? {
-        text.extend(p.encode(&a, false)?);
-        if text.len() > 2048 {
-            break;
+/// Options (`cargo run --release --example bench_prefill -- --help`).
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// `llama-bench` binary for the llama.cpp rows (default: `$LLAMA_BENCH`; without one, the
+    /// Python package `llama-cpp-python` when installed; neither: our rows only).
+    #[arg(long)]
+    llama_bench: Option<std::path::PathBuf>,
+    /// Prompt lengths (tokens). candle's rows are measured up to 1024 (at 4096 they take minutes).
+    #[arg(long, value_delimiter = ',', default_value = "64,256,1024,4096")]
+    lens: Vec<usize>,
+    /// Also Qwen2.5-Coder-0.5B against llama.cpp (ours and llama.cpp only).
+    #[arg(long)]
+    qwen: bool,
+    /// Skip the stage breakdown and the GEMM table.
+    #[arg(long)]
+    table_only: bool,
+}
+
+/// Where the llama.cpp rows come from.
+enum Llama {
+    /// `llama-bench -p N -n 0`, one repetition per call.
+    Bench(std::path::PathBuf, std::path::PathBuf),
+    /// `llama-cpp-python` in one process.
+    Python(LlamaCpp),
+}
+
+impl Llama {
+    fn start(bin: Option<&std::path::Path>, gguf: &std::path::Path, tokens: &[u32]) -> Result<Option<Self>> {
+        Ok(match bin {
+            Some(b) => Some(Llama::Bench(b.to_path_buf(), gguf.to_path_buf())),
+            None => LlamaCpp::start(gguf, tokens)?.map(Llama::Python),
+        })
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            Llama::Bench(..) => "llama.cpp (llama-bench), Q8_0 weights",
+            Llama::Python(_) => "llama.cpp (llama-cpp-python), Q8_0 weights",
         }
     }
-    // Every engine at every length once per round, rounds interleaved: the machine's speed
-    // drifts over minutes, and a ratio is only meaningful between runs close in time.
+
+    /// Seconds of a prefill of `n` tokens (llama-bench: its own prompt of that length).
+    fn prefill(&mut self, n: usize) -> Result<f64> {
+        match self {
+            Llama::Python(l) => {
+                let t = Instant::now();
+                l.prefill(n)?;
+                Ok(t.elapsed().as_secs_f64())
+            }
+            Llama::Bench(bin, model) => {
+                let out = std::process::Command::new(&*bin)
+                    .args(["-m", &model.display().to_string(), "-p", &n.to_string(), "-n", "0", "-t", &cores().to_string(), "-r", "1", "-o", "json"])
+                    .stderr(std::process::Stdio::null())
+                    .output()?;
+                anyhow::ensure!(out.status.success(), "{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stdout));
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+                let tps = v.get(0).and_then(|r| r.get("avg_ts")).and_then(|t| t.as_f64()).ok_or_else(|| anyhow::anyhow!("llama-bench's avg_ts"))?;
+                Ok(n as f64 / tps)
+            }
+        }
+    }
+}
+
+/// Held-out Wikipedia tokens, at least `n`.
+fn heldout(p: &Pipeline, n: usize) -> Result<Vec<u32>> {
+    let mut text = vec![];
+    for a in assets::wiki_heldout(2000)? {
+        text.extend(p.encode(&a, false)?);
+        if text.len() > n {
+            return Ok(text);
+        }
+    }
+    anyhow::bail!("the held-out text has fewer than {n} tokens")
+}
+
+/// Every engine at every length once per round, rounds interleaved (the machine's speed drifts
+/// over minutes, and a ratio is only meaningful between runs close in time); round 0 is the
+/// warm-up. `run(engine, n)` returns seconds, or `None` where that engine is not measured.
+/// Returns tokens/s, best of the rounds.
+fn interleaved(engines: usize, lens: &[usize], mut run: impl FnMut(usize, usize) -> Result<Option<f64>>) -> Result<Vec<Vec<Option<f64>>>> {
+    let mut fastest = vec![vec![None::<f64>; lens.len()]; engines];
+    for round in 0..=REPS {
+        for (e, fastest) in fastest.iter_mut().enumerate() {
+            for (i, &n) in lens.iter().enumerate() {
+                if let Some(s) = run(e, n)? {
+                    if round > 0 {
+                        fastest[i] = Some(fastest[i].map_or(s, |b: f64| b.min(s)));
+                    }
+                }
+            }
+        }
+    }
+    Ok(fastest.into_iter().map(|f| f.into_iter().zip(lens).map(|(s, &n)| s.map(|s| n as f64 / s)).collect()).collect())
+}
+
+fn print_table(title: &str, lens: &[usize], labels: &[String], tps: &[Vec<Option<f64>>]) {
+    println!("\n{title}");
+    let head: Vec<String> = lens.iter().map(|n| format!("{n:>8}")).collect();
+    println!("| {:<42} | {} |", "engine", head.join(" | "));
+    println!("|{:-<44}|{}", "", lens.iter().map(|_| "---------:|").collect::<String>());
+    for (label, row) in labels.iter().zip(tps) {
+        let cells: Vec<String> = row.iter().map(|t| t.map_or(format!("{:>8}", "-"), |t| format!("{t:>8.1}"))).collect();
+        println!("| {label:<42} | {} |", cells.join(" | "));
+    }
+    if let Some(llama) = labels.iter().position(|l| l.starts_with("llama.cpp")) {
+        for (label, row) in labels.iter().zip(tps).filter(|(l, _)| l.starts_with("candle-npu")) {
+            let r: Vec<String> = row.iter().zip(&tps[llama]).map(|(a, b)| a.zip(*b).map_or("-".into(), |(a, b)| format!("{:.2}x", a / b))).collect();
+            println!("{label} / llama.cpp: {} at {lens:?} tokens", r.join(", "));
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    let args = <Args as clap::Parser>::parse();
+    let llama_bench = args.llama_bench.clone().or_else(|| std::env::var_os("LLAMA_BENCH").map(std::path::PathBuf::from));
+    let lens = args.lens.clone();
+    let max = lens.iter().copied().max().unwrap_or(0);
+    let dev = NpuDevice::host();
+    let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+    let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts.clone())?;
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+    let text = heldout(&p, max.max(2048))?;
     let mut candle = [("candle quantized_llama, F32 weights", GgmlDType::F32), ("candle quantized_llama, Q8_0 weights", GgmlDType::Q8_0)]
         .map(|(label, dtype)| candle_model(dtype).map(|m| (label, m)))
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
-    let mut llama = LlamaCpp::start(&requantized(GgmlDType::Q8_0)?, &text)?;
+    let mut llama = Llama::start(llama_bench.as_deref(), &requantized(GgmlDType::Q8_0)?, &text)?;
     if llama.is_none() {
-        println!("llama.cpp row: not measured (`pip install llama-cpp-python` adds it)");
+        println!("llama.cpp row: not measured (give --llama-bench, or `pip install llama-cpp-python`)");
     }
     let labels: Vec<String> = [256usize, 64]
         .map(|c| format!("candle-npu host W8A8, chunk {c}"))
         .into_iter()
         .chain(candle.iter().map(|(l, _)| l.to_string()))
-        .chain(llama.as_ref().map(|_| "llama.cpp (llama-cpp-python), Q8_0 weights".to_string()))
+        .chain(llama.as_ref().map(|l| l.label().to_string()))
         .collect();
-    let mut fastest = vec![[f64::MAX; LENS.len()]; labels.len()];
-    for round in 0..=REPS {
-        for (e, fastest) in fastest.iter_mut().enumerate() {
-            for (i, &n) in LENS.iter().enumerate() {
-                let t = Instant::now();
-                match e {
-                    0 | 1 => drop(p.model.prefill_chunked(&text[..n], [256, 64][e])?),
-                    2 | 3 => {
-                        let m = &mut candle[e - 2].1;
-                        m.clear_kv_cache();
-                        m.forward(&Tensor::new(&text[..n], &Device::Cpu)?.unsqueeze(0)?, 0)?;
-                    }
-                    _ => llama.as_mut().expect("a row only when running").prefill(n)?,
-                }
-                // Round 0 is the warm-up (it also prepares the NPU graphs).
-                if round > 0 {
-                    fastest[i] = fastest[i].min(t.elapsed().as_secs_f64());
-                }
+    let tps = interleaved(labels.len(), &lens, |e, n| {
+        let t = Instant::now();
+        match e {
+            0 | 1 => drop(p.model.prefill_chunked(&text[..n], [256, 64][e])?),
+            2 | 3 if n > 1024 => return Ok(None),
+            2 | 3 => {
+                let m = &mut candle[e - 2].1;
+                m.clear_kv_cache();
+                m.forward(&Tensor::new(&text[..n], &Device::Cpu)?.unsqueeze(0)?, 0)?;
             }
+            _ => return llama.as_mut().expect("a row only when running").prefill(n).map(Some),
         }
+        Ok(Some(t.elapsed().as_secs_f64()))
+    })?;
+    drop(candle);
+    let title = format!("Prefill, SmolLM2-135M, tokens/s (best of {REPS} interleaved rounds after a warm-up), {} threads", cores());
+    print_table(&title, &lens, &labels, &tps);
+
+    if args.qwen {
+        let path = assets::qwen25_coder_05b()?;
+        let mut q = Pipeline::load(&path, None, &dev, opts)?;
+        q.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        let text = heldout(&q, max)?;
+        let mut llama = Llama::start(llama_bench.as_deref(), &requantize::requantized(&path, "qwen25-coder-05b", GgmlDType::Q8_0)?, &text)?;
+        let labels: Vec<String> = std::iter::once("candle-npu host W8A8, chunk 256".to_string()).chain(llama.as_ref().map(|l| l.label().to_string())).collect();
+        let tps = interleaved(labels.len(), &lens, |e, n| match e {
+            0 => {
+                let t = Instant::now();
+                q.model.prefill_chunked(&text[..n], 256)?;
+                Ok(Some(t.elapsed().as_secs_f64()))
+            }
+            _ => llama.as_mut().expect("a row only when running").prefill(n).map(Some),
+        })?;
+        print_table(&format!("Prefill, Qwen2.5-Coder-0.5B, tokens/s (best of {REPS} interleaved rounds after a warm-up), {} threads", cores()), &lens, &labels, &tps);
     }
-    let rows: Vec<(String, Vec<f64>)> = labels.into_iter().zip(&fastest).map(|(l, b)| (l, LENS.iter().zip(b).map(|(&n, s)| n as f64 / s).collect())).collect();
-    println!("\nPrefill, SmolLM2-135M, tokens/s (best of {REPS} interleaved rounds after a warm-up), {} threads", std::thread::available_parallelism()?);
-    println!("| {:<40} | {:>8} | {:>8} | {:>8} |", "engine", LENS[0], LENS[1], LENS[2]);
-    println!("|{:-<42}|{:->10}|{:->10}|{:->10}|", "", "", "", "");
-    for (label, tps) in &rows {
-        println!("| {:<40} | {:>8.1} | {:>8.1} | {:>8.1} |", label, tps[0], tps[1], tps[2]);
-    }
-    if let Some((_, llama)) = rows.iter().find(|(l, _)| l.starts_with("llama.cpp")) {
-        for (label, tps) in rows.iter().filter(|(l, _)| l.starts_with("candle-npu")) {
-            let r: Vec<String> = tps.iter().zip(llama).map(|(a, b)| format!("{:.2}x", a / b)).collect();
-            println!("{label} / llama.cpp: {} at {:?} tokens", r.join(", "), LENS);
-        }
+    if args.table_only {
+        return Ok(());
     }
 
     // Where an in-order prefill's time goes (every stage alone on both cores), from the

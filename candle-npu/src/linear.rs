@@ -458,6 +458,28 @@ impl ShadowLinear {
             Some(y) => y,
             None => self.decode.forward(x)?,
         };
+        self.with_bias(y)
+    }
+
+    /// [`ShadowLinear::forward`] of each of `linears` (a stage's, sharing the input `x`): one row
+    /// on Q8_0 decode weights is one call of the decode kernel for all of them
+    /// ([`crate::kernels::gemv::matvec_many`]: `x` quantized once, one parallel loop), the same
+    /// values as one call each.
+    pub fn forward_all(linears: &[ShadowLinear], x: &Tensor) -> Result<Vec<Tensor>> {
+        let q8: Option<Vec<&QTensor>> = linears
+            .iter()
+            .map(|l| match &l.npu.int8 {
+                Int8::Q8_0(w) => Some(&**w),
+                Int8::Raw(_) => None,
+            })
+            .collect();
+        let Some(ys) = q8.map(|ws| crate::kernels::gemv::matvec_many(&ws, x)).transpose()?.flatten() else {
+            return linears.iter().map(|l| l.forward(x)).collect();
+        };
+        linears.iter().zip(ys).map(|(l, y)| l.with_bias(y)).collect()
+    }
+
+    fn with_bias(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.bias_t {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -483,6 +505,26 @@ mod tests {
     fn weight(n: usize, k: usize) -> Arc<dyn WeightSource> {
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * (1.0 + (i / k) as f32)).collect();
         Arc::new(InMemoryWeight { name: "w".into(), w: Arc::new(w), n, k })
+    }
+
+    /// A stage's linears in one kernel call give each linear's own values, bit for bit (biases
+    /// added), and a stage with a linear off the kernel falls back to one call each.
+    #[test]
+    fn forward_all_equals_one_forward_each() {
+        let k = 96;
+        let lins: Vec<ShadowLinear> = [(70, None), (40, Some(vec![0.5f32; 40])), (130, None)]
+            .into_iter()
+            .map(|(n, b)| ShadowLinear::new("l", weight(n, k), b, WeightQuant::PerChannel, DecodeWeights::Q8_0).unwrap())
+            .collect();
+        let x = Tensor::from_vec((0..k).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>(), (1, k), &Device::Cpu).unwrap();
+        let one_each: Vec<Vec<f32>> = lins.iter().map(|l| l.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap()).collect();
+        let all: Vec<Vec<f32>> = ShadowLinear::forward_all(&lins, &x).unwrap().iter().map(|y| y.flatten_all().unwrap().to_vec1().unwrap()).collect();
+        assert_eq!(all, one_each);
+        assert_eq!(one_each[1][0] - 0.5, lins[1].gemv(&x).unwrap().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()[0], "the bias is added");
+        // Two rows: candle's matmul, one call each.
+        let x2 = Tensor::cat(&[&x, &x], 0).unwrap();
+        let ys = ShadowLinear::forward_all(&lins, &x2).unwrap();
+        assert_eq!(ys.iter().map(|y| y.dims().to_vec()).collect::<Vec<_>>(), [vec![2, 70], vec![2, 40], vec![2, 130]]);
     }
 
     #[test]

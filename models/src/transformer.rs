@@ -471,7 +471,7 @@ impl Model {
                 if let Some(cal) = cal.as_deref_mut() {
                     cal.observe(&point(l, STAGES[s].point), &h.flatten_all()?.to_vec1::<f32>()?, h.dim(1)?);
                 }
-                layer.stages[s].iter().map(|lin| lin.forward(h)).collect::<Result<Vec<_>>>()
+                ShadowLinear::forward_all(&layer.stages[s], h)
             };
             layer.forward(cfg, spec, l, &mut x, &rows, &kv[l], &mut run)?;
         }

@@ -477,34 +477,56 @@ mod x86 {
 /// its speed beside busy processes, where candle's pool does not); `None` for any other operands,
 /// which the caller's candle matmul then takes.
 pub fn matvec(w: &candle_core::quantized::QTensor, x: &candle_core::Tensor) -> crate::Result<Option<candle_core::Tensor>> {
+    Ok(matvec_many(&[w], x)?.map(|mut ys| ys.remove(0)))
+}
+
+/// [`matvec`] of one row `x` with each of `ws` (a stage's linears that share their input: Q, K
+/// and V, or gate and up): `x` is quantized once and the matrices' rows are one parallel loop,
+/// where a call per matrix quantized it three times and woke the helpers three times per layer.
+/// `None` unless every matrix takes `x` ([`matvec`]'s operands).
+pub fn matvec_many(ws: &[&candle_core::quantized::QTensor], x: &candle_core::Tensor) -> crate::Result<Option<Vec<candle_core::Tensor>>> {
     use candle_core::quantized::GgmlDType;
-    let (n, k) = match w.shape().dims() {
-        &[n, k] => (n, k),
-        _ => return Ok(None),
-    };
-    let gemv: fn(&[u8], usize, &Q8Activation, Range<usize>, &mut [f32]) = match w.dtype() {
-        GgmlDType::Q8_0 => gemv_q8_0,
-        GgmlDType::Q4_1 => gemv_q4_1,
-        _ => return Ok(None),
-    };
-    if x.dims() != [1, k] || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
+    type Gemv = fn(&[u8], usize, &Q8Activation, Range<usize>, &mut [f32]);
+    let k = x.dim(candle_core::D::Minus1)?;
+    let mut mats: Vec<(Gemv, std::borrow::Cow<'_, [u8]>, usize)> = Vec::with_capacity(ws.len());
+    for w in ws {
+        let gemv: Gemv = match w.dtype() {
+            GgmlDType::Q8_0 => gemv_q8_0,
+            GgmlDType::Q4_1 => gemv_q4_1,
+            _ => return Ok(None),
+        };
+        match w.shape().dims() {
+            &[n, wk] if wk == k => mats.push((gemv, w.data()?, n)),
+            _ => return Ok(None),
+        }
+    }
+    if ws.is_empty() || x.dims() != [1, k] || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
         return Ok(None);
     }
-    let bytes = w.data()?;
-    let xq = Q8Activation::quantize(&x.flatten_all()?.to_vec1::<f32>()?);
-    let mut y = vec![0f32; n];
+    let xq = crate::kernels::rows::with_f32(x, Q8Activation::quantize)?;
+    // Row offsets of each matrix in the one output.
+    let starts: Vec<usize> = mats.iter().scan(0, |at, m| Some(std::mem::replace(at, *at + m.2))).collect();
+    let total: usize = mats.iter().map(|m| m.2).sum();
+    let mut y = vec![0f32; total];
     let out = OutPtr(y.as_mut_ptr());
     // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB in Q8_0, ~23 KB in Q4_1:
     // microseconds, enough to amortize claiming one, small enough that a late helper leaves
     // little to wait for). Small products stay on the caller.
-    let helpers = if n * k >= 1 << 16 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
-    super::claim::for_each_chunk(n, 64, helpers, &|rows| {
-        // SAFETY: `rows` is within 0..n and each range goes to exactly one call
-        // (`for_each_chunk`), so the slices are disjoint; `y` outlives the loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(rows.start), rows.len()) };
-        gemv(&bytes, k, &xq, rows, out);
+    let helpers = if total * k >= 1 << 16 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
+    super::claim::for_each_chunk(total, 64, helpers, &|rows| {
+        // The chunk's rows, matrix by matrix (a chunk may cross from one matrix to the next).
+        for ((gemv, bytes, n), &s) in mats.iter().zip(&starts) {
+            let (a, b) = (rows.start.max(s), rows.end.min(s + n));
+            if a < b {
+                // SAFETY: `a..b` is within `rows`, which is within 0..total and goes to exactly
+                // one call (`for_each_chunk`), so the slices are disjoint; `y` outlives the loop.
+                let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(a), b - a) };
+                gemv(bytes, k, &xq, a - s..b - s, out);
+            }
+        }
     });
-    Ok(Some(candle_core::Tensor::from_vec(y, (1, n), &candle_core::Device::Cpu)?))
+    let ys = mats.iter().zip(&starts).map(|((_, _, n), &s)| candle_core::Tensor::from_slice(&y[s..s + n], (1, *n), &candle_core::Device::Cpu));
+    Ok(Some(ys.collect::<candle_core::Result<Vec<_>>>()?))
 }
 
 /// The output of a parallel loop whose ranges write disjoint parts (see its use).
