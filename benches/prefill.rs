@@ -77,8 +77,9 @@ fn prefill(c: &mut Criterion) {
 /// One attention task of a 2048-token SmolLM2 prefill: the last 64-row block of one KV head's 3
 /// query heads (192 stacked rows of 64) over 2048 keys. "materialized" is the engine before the
 /// tiled kernel (the block's whole score matrix, 1.5 MB, then its softmax and one P.V GEMM);
-/// "tiled" is `kernels::attention::attend` (128-key tiles, merged). And decode's one row of the
-/// same head (3 stacked rows) over the 2048 keys.
+/// "tiled" is `kernels::attention::attend` (512-key tiles, merged). And decode's one position of
+/// the same head (3 stacked rows) over the 2048 keys: tiled GEMMs, the one-position kernel
+/// (`attend_tile_one`), and the whole score row at once.
 fn attention(c: &mut Criterion) {
     use candle_npu::kernels::attention::{attend, HeadKv, Partial, Scratch};
     use candle_npu::kernels::{matmul_f32_serial, rows::softmax_numerators};
@@ -124,6 +125,19 @@ fn attention(c: &mut Criterion) {
         b.iter(|| {
             acc.reset(3, hd);
             attend(&q[..3 * hd], kv, &|_| 0..keys_n, 0.125, &mut acc, &mut scratch);
+        })
+    });
+    g.bench_function("decode_row_one_position", |b| {
+        use candle_npu::kernels::attention::{attend_tile_one, tile_starts};
+        let mut tile = Partial::default();
+        let mut scores = vec![];
+        b.iter(|| {
+            acc.reset(3, hd);
+            for t in tile_starts(std::iter::once(0..keys_n), 0..keys_n) {
+                tile.reset(3, hd);
+                attend_tile_one(&q[..3 * hd], kv, 0..keys_n, 0.125, t, &mut tile, &mut scores);
+                acc.merge(&tile);
+            }
         })
     });
     g.bench_function("decode_row_materialized", |b| {

@@ -45,10 +45,12 @@ struct Args {
     /// Threads of both engines.
     #[arg(long, default_value_t = 2)]
     threads: usize,
-    /// The chat case: prompts of these lengths, then `--chat-tokens` generated, end to end
-    /// (empty: skip it).
+    /// The chat case: prompts of these lengths, then `--chat-tokens` generated, end to end.
     #[arg(long, value_delimiter = ',', default_value = "42,600")]
     chat: Vec<usize>,
+    /// Skip the chat case.
+    #[arg(long)]
+    no_chat: bool,
     /// Tokens generated in the chat case.
     #[arg(long, default_value_t = 128)]
     chat_tokens: usize,
@@ -210,7 +212,7 @@ fn main() -> Result<()> {
                 println!("| {name} | {context} | {load} | {ours:.1} | {theirs} | {ratio} | {gbs:.1} ({:.0}%) |", 100.0 * gbs / bw);
             }
         }
-        for &prompt in &args.chat {
+        for &prompt in args.chat.iter().filter(|_| !args.no_chat) {
             let (mut a, mut b) = (vec![], vec![]);
             for _ in 0..args.rounds {
                 a.push(ours_chat(&mut p, prompt, args.chat_tokens)?);

@@ -28,6 +28,8 @@ pub struct Rows {
     pub reserve: usize,
     /// (base, cos, sin), each table `[m, rope_dims / 2]`.
     rope: Vec<(f32, Vec<f32>, Vec<f32>)>,
+    /// A decode step ([`Rows::decode_step`]).
+    decode: bool,
 }
 
 impl Rows {
@@ -41,7 +43,16 @@ impl Rows {
                 rope.push((l.rope_base, cos, sin));
             }
         }
-        Ok(Rows { start, m, n_valid, reserve, rope })
+        Ok(Rows { start, m, n_valid, reserve, rope, decode: false })
+    }
+
+    /// Marks one row on the CPU path (decode weights) as a decode step: its attention takes the
+    /// one-position kernel ([`kernel::attend_tile_one`]), which agrees with the prefill's to
+    /// rounding only; a decode row's linears differ from a prefill row's anyway, so no two are
+    /// compared bit for bit.
+    pub fn decode_step(mut self) -> Self {
+        self.decode = self.m == 1;
+        self
     }
 
     fn tables(&self, base: f32) -> (&[f32], &[f32]) {
@@ -206,7 +217,7 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
     let span = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w))..pos(r) + 1;
     let blocks = m.div_ceil(ROW_BLOCK);
     if nkv * blocks < 2 * rayon::current_num_threads() {
-        split_keys(q, cache, 0..m, nh, &span, scale, &mut out);
+        split_keys(q, cache, 0..m, nh, &span, scale, rows.decode, &mut out);
         return out;
     }
     let groups = nh / nkv;
@@ -263,8 +274,10 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
 
 /// Attention of the rows `rows` (few: a decode step, a short turn) with every KV head's tiles of
 /// keys as the tasks, claimed by the caller and the pool's workers ([`claim`]: no one waits for
-/// a helper that has not started), then merged per head in position order.
-fn split_keys(q: &[f32], cache: &KvCache, rows: Range<usize>, nh: usize, span: &(dyn Fn(usize) -> Range<usize> + Sync), scale: f32, out: &mut [f32]) {
+/// a helper that has not started), then merged per head in position order. `one`: the rows are
+/// one position's, on the one-position kernel ([`Rows::decode_step`]).
+#[allow(clippy::too_many_arguments)]
+fn split_keys(q: &[f32], cache: &KvCache, rows: Range<usize>, nh: usize, span: &(dyn Fn(usize) -> Range<usize> + Sync), scale: f32, one: bool, out: &mut [f32]) {
     let (nkv, hd, m) = (cache.heads, cache.head_dim, rows.len());
     let groups = nh / nkv;
     let tiles: Vec<usize> = kernel::tile_starts(rows.clone().map(span), 0..cache.len).collect();
@@ -279,7 +292,10 @@ fn split_keys(q: &[f32], cache: &KvCache, rows: Range<usize>, nh: usize, span: &
             let (h, tile) = (i / tiles.len(), tiles[i % tiles.len()]);
             let mut p = partials[i].lock().unwrap_or_else(|e| e.into_inner());
             p.reset(groups * m, hd);
-            kernel::attend_tile(&stacks[h], cache.head_kv(h), &span_of, scale, tile, &mut p, &mut scores);
+            match one {
+                true => kernel::attend_tile_one(&stacks[h], cache.head_kv(h), span(rows.start), scale, tile, &mut p, &mut scores),
+                false => kernel::attend_tile(&stacks[h], cache.head_kv(h), &span_of, scale, tile, &mut p, &mut scores),
+            }
         }
     });
     let mut acc = Partial::default();
@@ -402,24 +418,28 @@ mod tests {
             cache.append(&k0, &v0, start, nkv, hd, start + n_valid);
             let (k1, v1, q) = (random(m * nkv * hd), random(m * nkv * hd), random(m * nh * hd));
             cache.append(&k1, &v1, n_valid, nkv, hd, start + n_valid);
-            let rows = Rows { start, m, n_valid, reserve: start + n_valid, rope: vec![] };
-            let got = causal(&q, &cache, &rows, nh, window, scale);
-            let (keys, values): (Vec<f32>, Vec<f32>) = (k0.iter().chain(&k1).copied().collect(), v0.iter().chain(&v1).copied().collect());
-            for r in 0..n_valid {
-                let pos = start + r;
-                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                for h in 0..nh {
-                    let kh = h / (nh / nkv);
-                    let qv = &q[(r * nh + h) * hd..][..hd];
-                    let s: Vec<f64> = (lo..=pos)
-                        .map(|j| scale as f64 * (0..hd).map(|d| qv[d] as f64 * keys[(j * nkv + kh) * hd + d] as f64).sum::<f64>())
-                        .collect();
-                    let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = s.iter().map(|v| (v - max).exp()).sum();
-                    for d in 0..hd {
-                        let want: f64 = (lo..=pos).zip(&s).map(|(j, v)| (v - max).exp() / z * values[(j * nkv + kh) * hd + d] as f64).sum();
-                        let g = got[(r * nh + h) * hd + d] as f64;
-                        assert!((g - want).abs() < 1e-5, "start {start} row {r} head {h} dim {d}: {g} vs {want}");
+            // A one-row pass also as a decode step (the one-position kernel).
+            let rows = Rows { start, m, n_valid, reserve: start + n_valid, rope: vec![], decode: false };
+            let runs = [Some(rows), (m == 1).then(|| Rows { start, m, n_valid, reserve: start + n_valid, rope: vec![], decode: true })];
+            for rows in runs.into_iter().flatten() {
+                let got = causal(&q, &cache, &rows, nh, window, scale);
+                let (keys, values): (Vec<f32>, Vec<f32>) = (k0.iter().chain(&k1).copied().collect(), v0.iter().chain(&v1).copied().collect());
+                for r in 0..n_valid {
+                    let pos = start + r;
+                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    for h in 0..nh {
+                        let kh = h / (nh / nkv);
+                        let qv = &q[(r * nh + h) * hd..][..hd];
+                        let s: Vec<f64> = (lo..=pos)
+                            .map(|j| scale as f64 * (0..hd).map(|d| qv[d] as f64 * keys[(j * nkv + kh) * hd + d] as f64).sum::<f64>())
+                            .collect();
+                        let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let z: f64 = s.iter().map(|v| (v - max).exp()).sum();
+                        for d in 0..hd {
+                            let want: f64 = (lo..=pos).zip(&s).map(|(j, v)| (v - max).exp() / z * values[(j * nkv + kh) * hd + d] as f64).sum();
+                            let g = got[(r * nh + h) * hd + d] as f64;
+                            assert!((g - want).abs() < 1e-5, "start {start} row {r} head {h} dim {d} decode {}: {g} vs {want}", rows.decode);
+                        }
                     }
                 }
             }

@@ -464,7 +464,7 @@ impl Model {
     fn run_layers_cpu(&mut self, tokens: &[u32], mut cal: Option<&mut Calibrator>) -> Result<Tensor> {
         let n = tokens.len();
         let mut x = Residual::new(self.embed_rows(tokens)?);
-        let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?;
+        let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?.decode_step();
         let Model { cfg, spec, layers, kv, .. } = self;
         for (l, layer) in layers.iter().enumerate() {
             let mut run = |s: usize, h: &Tensor| {

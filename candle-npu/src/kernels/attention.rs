@@ -201,6 +201,166 @@ pub fn attend_tile(
     matmul_f32_serial_into(&mut tile.out, false, s, values, rows, n, hd, false);
 }
 
+/// [`attend_tile`] for the rows of one query position (a decode step: the query heads of one KV
+/// head), by dot products straight off the keys and values as they lie. The GEMMs' per-call
+/// cost (two calls a tile, a tile per KV head and layer) was about a tenth of a SmolLM2 decode
+/// step at a short context, and their packing of the keys read them twice at a long one.
+/// Every row sees `span` (one position's keys). Agrees with [`attend_tile`] to rounding, not
+/// bit for bit: decode's rows are never compared with a prefill's (their linears differ).
+pub fn attend_tile_one(q: &[f32], kv: HeadKv<'_>, span: Range<usize>, scale: f32, start: usize, tile: &mut Partial, scores: &mut Vec<f32>) {
+    let (rows, hd) = (tile.rows(), kv.head_dim);
+    assert!(
+        hd > 0
+            && tile.head_dim == hd
+            && q.len() == rows * hd
+            && kv.keys.len() == kv.values.len()
+            && kv.keys.len().is_multiple_of(hd)
+            && start.is_multiple_of(KEY_BLOCK),
+        "attention::attend_tile_one: q {} for {rows} rows of {hd}, keys {}, values {}, partial of {}, tile at {start}",
+        q.len(),
+        kv.keys.len(),
+        kv.values.len(),
+        tile.head_dim
+    );
+    let held = kv.positions();
+    let seen = clip(clip(span, &held), &(start..start + KEY_BLOCK));
+    if seen.is_empty() {
+        return;
+    }
+    let n = seen.len();
+    let at = (seen.start - held.start) * hd;
+    let (keys, values) = (&kv.keys[at..][..n * hd], &kv.values[at..][..n * hd]);
+    scores.resize(rows * n, 0.0);
+    let s = &mut scores[..rows * n];
+    dots(q, keys, hd, s);
+    for (r, row) in s.chunks_exact_mut(n).enumerate() {
+        let m = scale * row_max(row);
+        tile.sum[r] = exp_shifted(row, scale, m);
+        tile.max[r] = m;
+    }
+    weighted_sum(s, values, hd, &mut tile.out);
+}
+
+/// `s[r * n + j] = q_r . k_j` for the rows of `q` and the `n` keys (`[n, hd]`).
+fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA; the sizes are whole vectors (checked above).
+        return unsafe { x86::dots(q, keys, hd, s) };
+    }
+    let n = keys.len() / hd;
+    for (qr, sr) in q.chunks_exact(hd).zip(s.chunks_exact_mut(n)) {
+        for (k, out) in keys.chunks_exact(hd).zip(sr) {
+            *out = qr.iter().zip(k).map(|(a, b)| a * b).sum();
+        }
+    }
+}
+
+/// `out[r] = sum_j p[r * n + j] v_j` for the rows of `p` and the `n` values (`[n, hd]`).
+fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: as in `dots`.
+        return unsafe { x86::weighted_sum(p, values, hd, out) };
+    }
+    let n = values.len() / hd;
+    for (pr, o) in p.chunks_exact(n).zip(out.chunks_exact_mut(hd)) {
+        o.fill(0.0);
+        for (&w, v) in pr.iter().zip(values.chunks_exact(hd)) {
+            o.iter_mut().zip(v).for_each(|(o, &v)| *o += w * v);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Sum of the 8 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    /// [`super::dots`], `hd` a multiple of 8: two keys at a time, so each query vector loaded
+    /// serves two products; the keys are read once, in order.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
+        let n = keys.len() / hd;
+        let rows = q.len() / hd;
+        let mut j = 0;
+        while j < n {
+            let two = j + 1 < n;
+            let (k0, k1) = (keys[j * hd..].as_ptr(), keys[(j + two as usize) * hd..].as_ptr());
+            for r in 0..rows {
+                let qr = q[r * hd..].as_ptr();
+                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                for c in (0..hd).step_by(8) {
+                    // SAFETY: c + 8 <= hd, and each pointer starts a row of hd values.
+                    unsafe {
+                        let x = _mm256_loadu_ps(qr.add(c));
+                        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0.add(c)), a0);
+                        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1.add(c)), a1);
+                    }
+                }
+                s[r * n + j] = hsum(a0);
+                if two {
+                    s[r * n + j + 1] = hsum(a1);
+                }
+            }
+            j += 2;
+        }
+    }
+
+    /// [`super::weighted_sum`], `hd` a multiple of 8: per strip of 8 values, the sums of up to 8
+    /// rows in registers over every key.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
+        let n = values.len() / hd;
+        let rows = p.len() / n.max(1);
+        for r0 in (0..rows).step_by(8) {
+            let (p, out) = (&p[r0 * n..], &mut out[r0 * hd..]);
+            // SAFETY (each): the rows exist (`rows - r0` of them), `hd` is a multiple of 8.
+            unsafe {
+                match rows - r0 {
+                    1 => strips::<1>(p, values, hd, n, out),
+                    2 => strips::<2>(p, values, hd, n, out),
+                    3 => strips::<3>(p, values, hd, n, out),
+                    4 => strips::<4>(p, values, hd, n, out),
+                    5 => strips::<5>(p, values, hd, n, out),
+                    6 => strips::<6>(p, values, hd, n, out),
+                    7 => strips::<7>(p, values, hd, n, out),
+                    _ => strips::<8>(p, values, hd, n, out),
+                }
+            }
+        }
+    }
+
+    /// `R` rows of [`weighted_sum`] (`p` and `out` start at the first).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn strips<const R: usize>(p: &[f32], values: &[f32], hd: usize, n: usize, out: &mut [f32]) {
+        assert!(p.len() >= R * n && out.len() >= R * hd && values.len() >= n * hd && hd.is_multiple_of(8));
+        for c in (0..hd).step_by(8) {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for j in 0..n {
+                // SAFETY: j < n and c + 8 <= hd (asserted): within `values`; i < R rows of `p`.
+                unsafe {
+                    let v = _mm256_loadu_ps(values.as_ptr().add(j * hd + c));
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.get_unchecked(i * n + j)), v, *a);
+                    }
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                // SAFETY: i < R rows and c + 8 <= hd: within `out` (asserted).
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i * hd + c), *a) };
+            }
+        }
+    }
+}
+
 /// `a` within `b` (an empty range inside `b` when they do not meet).
 fn clip(a: Range<usize>, b: &Range<usize>) -> Range<usize> {
     let start = a.start.max(b.start).min(b.end);
@@ -342,6 +502,42 @@ mod tests {
         merged.reset(rows, hd);
         tiles.iter().rev().for_each(|t| merged.merge(t));
         assert_eq!((merged.max, merged.sum, merged.out), (whole.max, whole.sum, whole.out));
+    }
+
+    /// Decode's kernel against the definition and against [`attend_tile`], for heads of 64 and
+    /// 8 (its AVX2 path where the CPU has it) and of 12 (the plain path), 1 to 9 rows (past one
+    /// block of 8 in registers), odd key counts and spans that start and end inside a tile.
+    #[test]
+    fn one_position_kernel_matches_the_definition() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        for (hd, rows, len, span) in [(64usize, 3usize, 700usize, 0..700), (8, 9, 37, 3..30), (12, 7, 520, 100..513), (64, 1, 1, 0..1), (256, 4, 600, 88..600)] {
+            let (keys, values) = (random(&mut rng, len * hd, 2.0), random(&mut rng, len * hd, 1.0));
+            let q = random(&mut rng, rows * hd, 2.0);
+            let kv = HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd };
+            let (mut one, mut gemm) = (Partial::default(), Partial::default());
+            one.reset(rows, hd);
+            gemm.reset(rows, hd);
+            for t in tile_starts(std::iter::once(span.clone()), 0..len) {
+                let mut p = Partial::default();
+                p.reset(rows, hd);
+                attend_tile_one(&q, kv, span.clone(), 0.2, t, &mut p, &mut vec![]);
+                one.merge(&p);
+                p.reset(rows, hd);
+                attend_tile(&q, kv, &|_| span.clone(), 0.2, t, &mut p, &mut vec![]);
+                gemm.merge(&p);
+            }
+            let (mut a, mut b) = (vec![0f32; rows * hd], vec![0f32; rows * hd]);
+            one.normalized_into(&mut a);
+            gemm.normalized_into(&mut b);
+            for r in 0..rows {
+                let want = reference(&q[r * hd..][..hd], &keys, &values, hd, span.clone(), 0.2);
+                for d in 0..hd {
+                    let (x, y) = (a[r * hd + d], b[r * hd + d]);
+                    assert!((x as f64 - want[d]).abs() < 2e-5, "hd {hd} rows {rows} row {r} dim {d}: {x} vs {}", want[d]);
+                    assert!((x - y).abs() < 2e-5, "hd {hd} row {r} dim {d}: {x} vs the GEMM tile's {y}");
+                }
+            }
+        }
     }
 
     #[test]
