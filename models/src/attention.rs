@@ -202,9 +202,9 @@ const ROW_BLOCK: usize = 64;
 /// Each task is one KV head and one block of query rows, with the query heads that share the KV
 /// head stacked as rows (no K/V copies); its keys end at the block's last position and start at
 /// its first row's window, so nothing above the diagonal block is computed and no mask is built.
-/// A pass of few rows (decode, a short turn) has too few such tasks for the cores: its tiles of
-/// keys are the tasks instead, merged in order afterwards (flash-decoding); a row gives the same
-/// bits either way. Returns `[m, n_head * head_dim]`.
+/// A decode step, and a pass of rows too few for such tasks to keep the cores busy (a short
+/// turn), spread their tiles of keys over the cores instead, merged in order afterwards
+/// (flash-decoding); a decode step takes the one-position kernel. Returns `[m, n_head * head_dim]`.
 fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usize>, scale: f32) -> Vec<f32> {
     let (nkv, hd, m, t) = (cache.heads, cache.head_dim, rows.m, cache.len);
     let mut out = vec![0f32; m * nh * hd];
@@ -216,7 +216,7 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
     let pos = |r: usize| (rows.start + r).min(t - 1);
     let span = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w))..pos(r) + 1;
     let blocks = m.div_ceil(ROW_BLOCK);
-    if nkv * blocks < 2 * rayon::current_num_threads() {
+    if rows.decode || nkv * blocks < 2 * rayon::current_num_threads() {
         split_keys(q, cache, 0..m, nh, &span, scale, rows.decode, &mut out);
         return out;
     }
