@@ -286,6 +286,7 @@ fn main() -> Result<()> {
                 fit_runs.push(measure(&mut p, &c, &text[..args.lens[0].max(chunk)], chunk, 1)?);
             }
             let host = fit(&fit_runs)?;
+            refit_phone(&host, &shape)?;
             println!("\n## Simulated, (a) stage costs fit on this machine's in-order runs");
             println!("Check against the real runs at chunk {} (simulated / measured seconds):", args.chunk_len);
             for &n in &args.lens {
@@ -311,6 +312,40 @@ fn main() -> Result<()> {
         sim_table("phone (c), Qwen1.5-1.8B", &qwen15, &args.lens, 24)?;
         sensitivity("phone (c), Qwen1.5-1.8B", &qwen15, 1024, 64, 24)?;
     }
+    Ok(())
+}
+
+/// The phone model's CPU rates refit from this machine's stage costs, as
+/// [`Rates::SNAPDRAGON_8_GEN_3`]'s are made: the ratio of the CPU's attention MAC rate to its
+/// elementwise rate comes from the host (the fitted lines' per-key term of `attn` and per-row
+/// terms of the norm and activation stages, one core each), and both rates are scaled so that
+/// the CPU's share of the paper's Qwen1.5-1.8B split (256 tokens) is its 157.5 ms.
+fn refit_phone(host: &TableCosts, s: &LayerShape) -> Result<()> {
+    let line = |n: &str| host.get(n, Processor::Cpu).ok_or_else(|| anyhow!("no fitted CPU line for {n}"));
+    let macs = (2 * s.n_head * s.head_dim) as f64 / line("attn")?.c;
+    let per_value = [("attn_in", 4 * s.hidden), ("ffn_in", 4 * s.hidden), ("act", 4 * s.ffn)]
+        .iter()
+        .map(|&(n, v)| Ok(line(n)?.b / v as f64))
+        .collect::<Result<Vec<f64>>>()?;
+    let elem = per_value.iter().sum::<f64>() / per_value.len() as f64;
+    let ratio = macs * elem;
+    // The paper's model at 256 tokens in "value units" (an elementwise value costs 1, a MAC
+    // 1 / ratio), then the unit that makes the CPU total 157.5 ms.
+    let qwen15 = LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 };
+    let units = AnalyticCosts { shape: qwen15, rates: Rates { cpu_macs: ratio, cpu_elem: 1.0, ..Rates::SNAPDRAGON_8_GEN_3 } };
+    let dag = dag_for(256, 256, 24)?;
+    let cpu_units: f64 = dag.nodes().iter().filter(|n| n.processor == Processor::Cpu).map(|n| units.cost(n)).sum();
+    let cpu_elem = 0.1575 / cpu_units;
+    println!("\n## The phone model's CPU rates, refit from this machine's stage costs");
+    println!(
+        "host, one core: attention {:.1} GMAC/s, elementwise {:.3} ns per value ({:.2} / {:.2} / {:.2} ns: attn_in, ffn_in, act): {ratio:.1} MACs per value (the model had 10)",
+        macs / 1e9,
+        elem * 1e9,
+        per_value[0] * 1e9,
+        per_value[1] * 1e9,
+        per_value[2] * 1e9
+    );
+    println!("Snapdragon 8 Gen 3 refit: cpu_macs {:.1} GMAC/s, cpu_elem {:.3} ns (Rates::SNAPDRAGON_8_GEN_3 has {:.1} and {:.3})", ratio / cpu_elem / 1e9, cpu_elem * 1e9, Rates::SNAPDRAGON_8_GEN_3.cpu_macs / 1e9, Rates::SNAPDRAGON_8_GEN_3.cpu_elem * 1e9);
     Ok(())
 }
 

@@ -141,9 +141,12 @@ impl Rates {
     /// 73 TOPS is a peak the paper's W8A8 graphs do not reach; §2.2 measures NPU INT8 matmul at
     /// 4.5-5.8x the CPU's INT8). The CPU's ~157 ms is attention (6.44 GMAC at chunk 0) plus
     /// 287 M elementwise values; no separate CPU rates are published, so they keep the host's
-    /// ratio (10 MAC per elementwise value) and are scaled to sum to 157 ms: 59 GMAC/s and
-    /// 0.169 ns per value. `phone_rates_reproduce_the_papers_split` checks the calibration.
-    pub const SNAPDRAGON_8_GEN_3: Rates = Rates { npu_macs: 0.987e12, npu_min_rows: 32, cpu_macs: 59.1e9, cpu_elem: 0.169e-9 };
+    /// ratio and are scaled to sum to 157 ms. The ratio was refit on 2026-11-25 from the host's
+    /// stage costs with the tiled attention kernel (`cargo run --release --example sched`, its
+    /// refit section: attention 52.3 GMAC/s and 0.525 ns per elementwise value on one core,
+    /// 27.5 MACs per value; it had been 10): 91.0 GMAC/s and 0.302 ns per value (were 59.1 and
+    /// 0.169). `phone_rates_reproduce_the_papers_split` checks the calibration.
+    pub const SNAPDRAGON_8_GEN_3: Rates = Rates { npu_macs: 0.987e12, npu_min_rows: 32, cpu_macs: 91.0e9, cpu_elem: 0.302e-9 };
 }
 
 /// The dimensions a decoder layer's stage costs scale with.

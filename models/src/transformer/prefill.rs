@@ -73,10 +73,10 @@ impl SchedOptions {
     ///   HTP (`docs/accuracy.md`).
     /// - **Speed on a phone.** The phone cost model ([`Rates::SNAPDRAGON_8_GEN_3`], FIFO) puts the
     ///   CPU stages on the critical path and the NPU mostly idle, so rows padded onto the NPU cost
-    ///   less than margin rows on the CPU: padded makespans are 0.13x (a 20-token prompt, all margin
-    ///   otherwise) to 0.98x the margin's at 20-1500 tokens for SmolLM2, Gemma 3 and
-    ///   Qwen2.5-Coder, one case excepted (Qwen at 100 tokens: 1.09x); `examples/sched.rs
-    ///   --sections tail` prints the table.
+    ///   less than margin rows on the CPU in most cases: padded makespans are 0.23x (a 20-token
+    ///   prompt, all margin otherwise) to 1.00x the margin's at 20-1500 tokens for SmolLM2,
+    ///   Gemma 3 and Qwen2.5-Coder, two cases excepted (Qwen at 100 and 300 tokens: 1.14x and
+    ///   1.03x); `examples/sched.rs --sections tail` prints the table (`docs/accuracy.md`).
     pub fn for_device(device: &NpuDevice) -> Self {
         let tail = if device.on_host() { Tail::Margin } else { Tail::Pad };
         SchedOptions { tail, ..Default::default() }
