@@ -12,6 +12,8 @@
 //!
 //! llama.cpp is not part of this repository: build `llama-bench` from the PyPI
 //! `llama-cpp-python` sdist's vendored source (cmake) and give its path (or `$LLAMA_BENCH`).
+#[path = "common/llama_bench.rs"]
+mod llama_bench;
 #[path = "common/requantize.rs"]
 mod requantize;
 
@@ -117,33 +119,13 @@ fn ours_chat(p: &mut Pipeline, prompt: usize, tokens: usize) -> Result<f64> {
 /// Seconds of llama-bench's prompt + generation test (`-pg prompt,tokens`), one repetition: its
 /// `avg_ts` counts the prompt and the generated tokens over the whole time.
 fn llama_chat(bin: &Path, model: &Path, prompt: usize, tokens: usize, threads: usize) -> Result<f64> {
-    let out = Command::new(bin)
-        .args(["-m", &model.display().to_string(), "-p", "0", "-n", "0", "-pg", &format!("{prompt},{tokens}")])
-        .args(["-t", &threads.to_string(), "-r", "1", "-o", "json"])
-        .stderr(Stdio::null())
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    if !out.status.success() {
-        bail!("{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stdout));
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench's JSON")?;
-    let tps = v.get(0).and_then(|r| r.get("avg_ts")).and_then(|t| t.as_f64()).context("llama-bench's avg_ts")?;
+    let tps = llama_bench::avg_ts(bin, model, &["-p", "0", "-n", "0", "-pg", &format!("{prompt},{tokens}")], threads)?;
     Ok((prompt + tokens) as f64 / tps)
 }
 
 /// llama-bench's decode tokens/s (`tg`) after `context` tokens (`-d`), one repetition.
 fn llama(bin: &Path, model: &Path, context: usize, tokens: usize, threads: usize) -> Result<f64> {
-    let out = Command::new(bin)
-        .args(["-m", &model.display().to_string(), "-p", "0", "-n", &tokens.to_string(), "-d", &context.to_string()])
-        .args(["-t", &threads.to_string(), "-r", "1", "-o", "json"])
-        .stderr(Stdio::null())
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    if !out.status.success() {
-        bail!("{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stdout));
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench's JSON")?;
-    v.get(0).and_then(|r| r.get("avg_ts")).and_then(|t| t.as_f64()).context("llama-bench's avg_ts")
+    llama_bench::avg_ts(bin, model, &["-p", "0", "-n", &tokens.to_string(), "-d", &context.to_string()], threads)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -12,6 +12,8 @@
 //!
 //! llama.cpp is not part of this repository: build `llama-bench` from the PyPI
 //! `llama-cpp-python` sdist's vendored source (cmake) and give its path (or `$LLAMA_BENCH`).
+#[path = "common/llama_bench.rs"]
+mod llama_bench;
 #[path = "common/requantize.rs"]
 mod requantize;
 
@@ -101,16 +103,7 @@ impl Llama {
                 l.prefill(n)?;
                 Ok(t.elapsed().as_secs_f64())
             }
-            Llama::Bench(bin, model) => {
-                let out = std::process::Command::new(&*bin)
-                    .args(["-m", &model.display().to_string(), "-p", &n.to_string(), "-n", "0", "-t", &cores().to_string(), "-r", "1", "-o", "json"])
-                    .stderr(std::process::Stdio::null())
-                    .output()?;
-                anyhow::ensure!(out.status.success(), "{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stdout));
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-                let tps = v.get(0).and_then(|r| r.get("avg_ts")).and_then(|t| t.as_f64()).ok_or_else(|| anyhow::anyhow!("llama-bench's avg_ts"))?;
-                Ok(n as f64 / tps)
-            }
+            Llama::Bench(bin, model) => Ok(n as f64 / llama_bench::avg_ts(bin, model, &["-p", &n.to_string(), "-n", "0"], cores())?),
         }
     }
 }

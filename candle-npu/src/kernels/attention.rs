@@ -163,20 +163,7 @@ pub fn attend_tile(
     tile: &mut Partial,
     scores: &mut Vec<f32>,
 ) {
-    let (rows, hd) = (tile.rows(), kv.head_dim);
-    assert!(
-        hd > 0
-            && tile.head_dim == hd
-            && q.len() == rows * hd
-            && kv.keys.len() == kv.values.len()
-            && kv.keys.len().is_multiple_of(hd)
-            && start.is_multiple_of(KEY_BLOCK),
-        "attention::attend_tile: q {} for {rows} rows of {hd}, keys {}, values {}, partial of {}, tile at {start}",
-        q.len(),
-        kv.keys.len(),
-        kv.values.len(),
-        tile.head_dim
-    );
+    let (rows, hd) = check_sizes("attend_tile", q, kv, tile, start);
     let held = kv.positions();
     let (b0, b1) = (start.max(held.start), (start + KEY_BLOCK).min(held.end));
     if b0 >= b1 {
@@ -208,20 +195,7 @@ pub fn attend_tile(
 /// Every row sees `span` (one position's keys). Agrees with [`attend_tile`] to rounding, not
 /// bit for bit: decode's rows are never compared with a prefill's (their linears differ).
 pub fn attend_tile_one(q: &[f32], kv: HeadKv<'_>, span: Range<usize>, scale: f32, start: usize, tile: &mut Partial, scores: &mut Vec<f32>) {
-    let (rows, hd) = (tile.rows(), kv.head_dim);
-    assert!(
-        hd > 0
-            && tile.head_dim == hd
-            && q.len() == rows * hd
-            && kv.keys.len() == kv.values.len()
-            && kv.keys.len().is_multiple_of(hd)
-            && start.is_multiple_of(KEY_BLOCK),
-        "attention::attend_tile_one: q {} for {rows} rows of {hd}, keys {}, values {}, partial of {}, tile at {start}",
-        q.len(),
-        kv.keys.len(),
-        kv.values.len(),
-        tile.head_dim
-    );
+    let (rows, hd) = check_sizes("attend_tile_one", q, kv, tile, start);
     let held = kv.positions();
     let seen = clip(clip(span, &held), &(start..start + KEY_BLOCK));
     if seen.is_empty() {
@@ -359,6 +333,26 @@ mod x86 {
             }
         }
     }
+}
+
+/// (rows, head_dim) of a tile call, after checking that its sizes agree; wrong sizes are the
+/// caller's bug and panic, naming `what` and them.
+fn check_sizes(what: &str, q: &[f32], kv: HeadKv<'_>, tile: &Partial, start: usize) -> (usize, usize) {
+    let (rows, hd) = (tile.rows(), kv.head_dim);
+    assert!(
+        hd > 0
+            && tile.head_dim == hd
+            && q.len() == rows * hd
+            && kv.keys.len() == kv.values.len()
+            && kv.keys.len().is_multiple_of(hd)
+            && start.is_multiple_of(KEY_BLOCK),
+        "attention::{what}: q {} for {rows} rows of {hd}, keys {}, values {}, partial of {}, tile at {start}",
+        q.len(),
+        kv.keys.len(),
+        kv.values.len(),
+        tile.head_dim
+    );
+    (rows, hd)
 }
 
 /// `a` within `b` (an empty range inside `b` when they do not meet).
