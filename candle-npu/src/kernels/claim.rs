@@ -56,8 +56,8 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as for `Send`: shared only to be copied out and dereferenced under the same rule.
 unsafe impl Sync for SendPtr {}
 
-/// Runs `f` over `0..n` in chunks of `chunk` items, on the calling thread and on up to
-/// `helpers` of the team's threads ([`Team`]); returns when every chunk is done. Every chunk runs
+/// Runs `f` over `0..n` in chunks of `chunk` items, on the calling thread and, when `helpers`
+/// is not 0, on the team's threads ([`Team`]); returns when every chunk is done. Every chunk runs
 /// exactly once; which thread runs it is not determined, so `f` must write disjoint outputs per
 /// range.
 pub fn for_each_chunk(n: usize, chunk: usize, helpers: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
@@ -101,7 +101,7 @@ struct Posted {
 
 /// The helper threads, one per core but the caller's (rayon's thread count, less one), started
 /// at first use and kept for the process. Between loops a helper spins for [`Team::HOT`], then
-/// yields until [`Team::WARM`], then parks: within a decode step (a product every 10-40 us) it
+/// goes on spinning with a yield every 64 turns until [`Team::WARM`], then parks: within a decode step (a product every 10-40 us) it
 /// is awake when the next loop is posted, so handing it work costs no system call; beside a busy
 /// process its yields give the core away, and an idle process parks it at once.
 ///
@@ -118,7 +118,7 @@ struct Team {
 impl Team {
     /// Spinning on the epoch after a loop.
     const HOT: std::time::Duration = std::time::Duration::from_micros(50);
-    /// Yielding after that, before parking.
+    /// Spinning with yields after that, before parking.
     const WARM: std::time::Duration = std::time::Duration::from_micros(500);
 
     fn get() -> &'static Team {
