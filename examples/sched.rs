@@ -17,6 +17,10 @@
 //! - `tail` (on its own, simulated only): a prompt's last rows padded onto the NPU or run as a
 //!   CPU margin, on the Snapdragon 8 Gen 3 model, for the three real models: why a real NPU's
 //!   default is `Tail::Pad` (`SchedOptions::for_device`).
+//! - `phone` (on its own, simulated only): projected prefill tokens/s and NPU/CPU busy shares of
+//!   the three real models and of the published anchors' models on the Snapdragon 8 Gen 3 model,
+//!   at 256 and 1024 tokens, and how much faster its NPU or CPU would have to be to reach each
+//!   anchor.
 //!
 //! ```text
 //! cargo run --release --example sched
@@ -126,17 +130,90 @@ fn tail_on_the_phone() -> Result<()> {
     Ok(())
 }
 
+/// Projected prefill on the phone model ([`Rates::SNAPDRAGON_8_GEN_3`], FIFO, graphs of 256 and
+/// 32 rows, the last rows padded onto the NPU as a real NPU's default plan does) for the three
+/// real models and for the models of the published anchors, at 256 and 1024 tokens; for each
+/// anchor, how much faster the phone model's NPU, its CPU, or both would have to be to reach it.
+fn phone_projections() -> Result<()> {
+    let rates = Rates::SNAPDRAGON_8_GEN_3;
+    // (model, layer shape, layers, the anchor: tokens/s and where it comes from)
+    let mut models: Vec<(String, LayerShape, usize, Option<(f64, &str)>)> = vec![];
+    for (name, path) in [("SmolLM2-135M", assets::smollm2()), ("Gemma 3 270M", assets::gemma3_270m()?), ("Qwen2.5-Coder-0.5B", assets::qwen25_coder_05b()?)] {
+        let p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
+        models.push((name.into(), p.model.layer_shape(), p.model.config().n_layer, None));
+    }
+    // The anchors' models, from their published configs.
+    let anchors = [
+        ("Qwen1.5-1.8B", LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 }, 24, 1106.0, "llm.npu, Snapdragon 8 Gen 3"),
+        ("Qwen3-1.7B", LayerShape { hidden: 2048, ffn: 6144, n_head: 16, n_kv_head: 8, head_dim: 128 }, 28, 758.0, "mllm QNN AOT, SM8650"),
+        ("Llama-3.2-1B", LayerShape { hidden: 2048, ffn: 8192, n_head: 32, n_kv_head: 8, head_dim: 64 }, 16, 3200.0, "AI Hub w4a16, 8 Elite"),
+    ];
+    for (name, shape, layers, tps, source) in anchors {
+        models.push((name.into(), shape, layers, Some((tps, source))));
+    }
+    let run = |shape: LayerShape, layers: usize, n: usize, rates: Rates| -> Result<Schedule> {
+        let plan = ChunkPlan::with_sizes(n, &[256, 32], usize::MAX, Tail::Pad)?;
+        Ok(simulate(&prefill_dag(&plan, layers)?, &AnalyticCosts { shape, rates }, &Policy::Fifo)?)
+    };
+    println!("## Projected prefill on the Snapdragon 8 Gen 3 model, FIFO, graphs of 256 and 32 rows, padded");
+    println!("tokens/s (NPU / CPU busy share of the makespan); for an anchor, the NPU, the CPU or both sped up by how much reach it at 1024 tokens");
+    println!("| model | 256 tokens | 1024 tokens | anchor | NPU alone | CPU alone | both |\n|---|---|---|---|---|---|---|");
+    for (name, shape, layers, anchor) in &models {
+        let cells = [256usize, 1024]
+            .iter()
+            .map(|&n| {
+                let s = run(*shape, *layers, n, rates)?;
+                Ok(format!("{:.0} ({:.0}% / {:.0}%)", n as f64 / s.makespan, 100.0 * s.utilization(Processor::Npu), 100.0 * s.utilization(Processor::Cpu)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (anchor, npu, cpu) = match anchor {
+            None => ("-".to_string(), "-".to_string(), "- | -".to_string()),
+            Some((target, source)) => {
+                let tps = |r: Rates| run(*shape, *layers, 1024, r).map(|s| 1024.0 / s.makespan);
+                // The smallest factor (to 1%) up to 100x that reaches the anchor, if any.
+                let factor = |scale: &dyn Fn(f64) -> Rates| -> Result<String> {
+                    if tps(scale(1.0))? >= *target {
+                        return Ok("reached".into());
+                    }
+                    if tps(scale(100.0))? < *target {
+                        return Ok("not by it alone".into());
+                    }
+                    let (mut lo, mut hi) = (1.0f64, 100.0f64);
+                    while hi / lo > 1.01 {
+                        let mid = (lo * hi).sqrt();
+                        if tps(scale(mid))? >= *target {
+                            hi = mid;
+                        } else {
+                            lo = mid;
+                        }
+                    }
+                    Ok(format!("{hi:.2}x"))
+                };
+                let npu = factor(&|f| Rates { npu_macs: rates.npu_macs * f, ..rates })?;
+                let cpu = factor(&|f| Rates { cpu_macs: rates.cpu_macs * f, cpu_elem: rates.cpu_elem / f, ..rates })?;
+                let both = factor(&|f| Rates { npu_macs: rates.npu_macs * f, cpu_macs: rates.cpu_macs * f, cpu_elem: rates.cpu_elem / f, ..rates })?;
+                (format!("{target:.0} ({source})"), npu, format!("{cpu} | {both}"))
+            }
+        };
+        println!("| {name} | {} | {} | {anchor} | {npu} | {cpu} |", cells[0], cells[1]);
+    }
+    Ok(())
+}
+
 fn bubbles(s: &Schedule) -> String {
     format!("{:.0}% / {:.0}%", 100.0 * s.bubble_rate(Processor::Npu), 100.0 * s.bubble_rate(Processor::Cpu))
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if let Some(bad) = args.sections.iter().find(|s| !["real", "shared", "sim", "tail"].contains(&s.as_str())) {
-        bail!("unknown section '{bad}': choose from real, shared, sim, tail");
+    if let Some(bad) = args.sections.iter().find(|s| !["real", "shared", "sim", "tail", "phone"].contains(&s.as_str())) {
+        bail!("unknown section '{bad}': choose from real, shared, sim, tail, phone");
     }
     if args.sections.iter().all(|s| s == "tail") {
         return tail_on_the_phone();
+    }
+    if args.sections.iter().all(|s| s == "phone") {
+        return phone_projections();
     }
     let shared_only = args.sections.iter().all(|s| s == "shared");
     if !shared_only && args.sections.iter().any(|s| s == "shared") {
