@@ -24,6 +24,10 @@ struct Cursor {
     chunks: usize,
     chunk: usize,
     n: usize,
+    /// The first panic of a chunk, whichever thread ran it: the caller raises it once every
+    /// claimed chunk is done (a helper that unwound would leave its chunk undone, and the caller
+    /// waiting for it forever; a caller that unwound at once would free `f` under a helper).
+    panic: std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
 
 impl Cursor {
@@ -41,7 +45,10 @@ impl Cursor {
             }
             let start = c * self.chunk;
             // SAFETY: `c` is claimed, so the caller is still waiting for it (see above).
-            unsafe { (*job)(start..(start + self.chunk).min(self.n)) };
+            let run = || unsafe { (*job)(start..(start + self.chunk).min(self.n)) };
+            if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+                self.panic.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(payload);
+            }
             self.done.fetch_add(1, Ordering::AcqRel);
             ran += 1;
         }
@@ -70,7 +77,7 @@ pub fn for_each_chunk(n: usize, chunk: usize, helpers: usize, f: &(dyn Fn(Range<
         }
         return;
     }
-    let cursor = Arc::new(Cursor { next: AtomicUsize::new(0), done: AtomicUsize::new(0), chunks, chunk, n });
+    let cursor = Arc::new(Cursor { next: AtomicUsize::new(0), done: AtomicUsize::new(0), chunks, chunk, n, panic: Default::default() });
     // SAFETY: the lifetime is erased so that a helper (a `'static` thread) can hold the pointer;
     // it dereferences it only for a chunk it claimed, and this function returns only when every
     // claimed chunk is done, so `f` outlives every use.
@@ -88,6 +95,10 @@ pub fn for_each_chunk(n: usize, chunk: usize, helpers: usize, f: &(dyn Fn(Range<
         } else {
             std::thread::yield_now();
         }
+    }
+    let panic = cursor.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(payload) = panic {
+        std::panic::resume_unwind(payload);
     }
 }
 
@@ -229,6 +240,32 @@ mod tests {
             });
             assert!(by_helper.load(Ordering::Relaxed) > 0, "after a pause of {pause} ms, no chunk ran on a helper");
         }
+    }
+
+    /// A chunk that panics, on a helper or on the caller, panics the caller with its message
+    /// once the other chunks are done (not a hang, not an abort), and the team keeps working.
+    #[test]
+    fn a_panicking_chunk_panics_the_caller_after_the_others() {
+        for bad in [0usize, 7] {
+            let done = AtomicU32::new(0);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                for_each_chunk(8, 1, 1, &|r: Range<usize>| {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    if r.start == bad {
+                        panic!("chunk {bad} failed");
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                });
+            }));
+            let msg = r.expect_err("the loop must panic").downcast::<String>().map(|m| *m).unwrap_or_default();
+            assert_eq!(msg, format!("chunk {bad} failed"));
+            assert_eq!(done.load(Ordering::Relaxed), 7, "every other chunk ran before the panic was raised");
+        }
+        let hits = AtomicU32::new(0);
+        for_each_chunk(100, 3, 1, &|r: Range<usize>| {
+            hits.fetch_add(r.len() as u32, Ordering::Relaxed);
+        });
+        assert_eq!(hits.load(Ordering::Relaxed), 100, "the team works after a panic");
     }
 
     #[test]
