@@ -137,7 +137,8 @@ fn tail_on_the_phone() -> Result<()> {
 fn phone_projections() -> Result<()> {
     let rates = Rates::SNAPDRAGON_8_GEN_3;
     // (model, layer shape, layers, the anchor: tokens/s and where it comes from)
-    let mut models: Vec<(String, LayerShape, usize, Option<(f64, &str)>)> = vec![];
+    type Row = (String, LayerShape, usize, Option<(f64, &'static str)>);
+    let mut models: Vec<Row> = vec![];
     for (name, path) in [("SmolLM2-135M", assets::smollm2()), ("Gemma 3 270M", assets::gemma3_270m()?), ("Qwen2.5-Coder-0.5B", assets::qwen25_coder_05b()?)] {
         let p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
         models.push((name.into(), p.model.layer_shape(), p.model.config().n_layer, None));

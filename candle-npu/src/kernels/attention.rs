@@ -387,7 +387,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for (hd, len, spread) in [(8usize, 300usize, 2.0f32), (64, 2 * KEY_BLOCK + 5, 1.0), (16, KEY_BLOCK, 30.0), (4, 1, 1.0)] {
             let (keys, values) = (random(&mut rng, len * hd, spread), random(&mut rng, len * hd, 2.0));
-            let spans: Vec<Range<usize>> = vec![0..len, 0..1, len - 1..len, len / 2..len, 3..len.min(KEY_BLOCK + 9).max(4), 5..5, 1..len];
+            let spans: Vec<Range<usize>> = vec![0..len, 0..1, len - 1..len, len / 2..len, 3..len.clamp(4, KEY_BLOCK + 9), 5..5, 1..len];
             let spans: Vec<Range<usize>> = spans.into_iter().map(|s| s.start.min(len)..s.end.min(len)).collect();
             let q = random(&mut rng, spans.len() * hd, spread);
             let mut acc = Partial::default();

@@ -11,7 +11,7 @@
 //! a helper that starts late finds nothing left and returns, and the caller waits only for
 //! chunks a helper has claimed and not finished (yielding its core meanwhile, which a preempted
 //! helper may need). The helpers are a team of this module's own threads that stay awake briefly
-//! between loops ([`Team`]), so that handing a helper a product costs no system call.
+//! between loops (`Team`), so that handing a helper a product costs no system call.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -64,7 +64,7 @@ unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 /// Runs `f` over `0..n` in chunks of `chunk` items, on the calling thread and, when `helpers`
-/// is not 0, on the team's threads ([`Team`]); returns when every chunk is done. Every chunk runs
+/// is not 0, on the team's threads (`Team`); returns when every chunk is done. Every chunk runs
 /// exactly once; which thread runs it is not determined, so `f` must write disjoint outputs per
 /// range.
 pub fn for_each_chunk(n: usize, chunk: usize, helpers: usize, f: &(dyn Fn(Range<usize>) + Sync)) {

@@ -170,8 +170,8 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
     }
 }
 
-/// `out[j] = sum over blocks b of d_w(r, b) * d_x(b) * sum_i q[r, b, i] * q_x[b, i]
-/// + m_w(r, b) * d_x(b) * sum_i q_x[b, i]` for the rows `r` in `rows`: the product of the
+/// `out[j] = sum over blocks b of d_w(r, b) * d_x(b) * sum_i q[r, b, i] * q_x[b, i] +
+/// m_w(r, b) * d_x(b) * sum_i q_x[b, i]` for the rows `r` in `rows`: the product of the
 /// dequantized weights `d_w * q + m_w` (`q` the nibbles, 0..15) with the quantized activation,
 /// on [`GemvPath::detect`]'s path.
 ///
