@@ -54,6 +54,9 @@ pub const QNN_MIN_ERROR_MEM: u16 = 8000;
 pub const QNN_MIN_ERROR_DEVICE: u16 = 14000;
 /// Common error code for a failed memory allocation.
 pub const QNN_COMMON_ERROR_MEM_ALLOC: u16 = 1002;
+/// Common error code for something the library does not do on this platform (e.g. loading a
+/// weight-shared context binary with the x86 library).
+pub const QNN_COMMON_ERROR_NOT_SUPPORTED: u16 = 1000;
 
 // ---------------------------------------------------------------------------------------------
 // Data types (`Qnn_DataType_t`): high byte = kind, low byte = bit width (in hex-looking decimal).
@@ -184,6 +187,14 @@ pub const QNN_HTP_GRAPH_OPTIMIZATION_TYPE_FINALIZE_OPTIMIZATION_FLAG: u32 = 3;
 
 pub const QNN_PRECISION_FLOAT32: u32 = 0;
 pub const QNN_PRECISION_FLOAT16: u32 = 1;
+
+// ---------------------------------------------------------------------------------------------
+// HTP context custom config (`QnnHtpContext_CustomConfig_t::option`; the same values in the HTP
+// 5.25 and 5.43 headers).
+// ---------------------------------------------------------------------------------------------
+
+/// A C `bool`: graphs of the context share static tensors of equal bytes in its binary.
+pub const QNN_HTP_CONTEXT_CONFIG_OPTION_WEIGHT_SHARING_ENABLED: u32 = 1;
 
 // ---------------------------------------------------------------------------------------------
 // HTP device custom config (`QnnHtpDevice_CustomConfig_t::option`), SoC models, arches.

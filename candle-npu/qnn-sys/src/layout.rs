@@ -125,6 +125,9 @@ assert_offset!(QnnHtpGraph_OptimizationOption_t, floatValue, 4);
 assert_layout!(QnnHtpGraph_CustomConfigValue_t, 48, 8);
 assert_layout!(QnnHtpGraph_CustomConfig_t, 56, 8);
 assert_offset!(QnnHtpGraph_CustomConfig_t, value, 8);
+// The union holds a pointer and a u64 in every header version: it starts at 8.
+assert_layout!(QnnHtpContext_CustomConfig_t, 40, 8);
+assert_offset!(QnnHtpContext_CustomConfig_t, value, 8);
 assert_layout!(QnnHtpDevice_Arch_t, 8, 4);
 assert_offset!(QnnHtpDevice_Arch_t, arch, 4);
 assert_layout!(QnnHtpDevice_CustomConfigValue_t, 8, 8);

@@ -710,6 +710,41 @@ impl QnnHtpGraph_CustomConfig_t {
     }
 }
 
+/// Value union of [`QnnHtpContext_CustomConfig_t`]: a C `bool` for
+/// `QNN_HTP_CONTEXT_CONFIG_OPTION_WEIGHT_SHARING_ENABLED`; the other options (a group
+/// registration of a pointer and a u64, a u64 memory budget, ...) are not typed, and
+/// `_reserved` holds room for the largest (16 bytes in the HTP 5.43 header, padded to 32 since
+/// later versions add options; the library reads only the member its option names).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub union QnnHtpContext_CustomConfigValue_t {
+    pub weightSharingEnabled: bool,
+    pub _reserved: [u64; 4],
+}
+
+/// `QnnHtpContext_CustomConfig_t` (40 bytes here: the option at 0, the union at 8). Pass it
+/// wrapped as `QnnContext_Config_t::custom(&mut cfg as *mut _ as *mut c_void)` to
+/// `contextCreate`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct QnnHtpContext_CustomConfig_t {
+    /// `QNN_HTP_CONTEXT_CONFIG_OPTION_*`.
+    pub option: u32,
+    pub value: QnnHtpContext_CustomConfigValue_t,
+}
+
+impl QnnHtpContext_CustomConfig_t {
+    /// `WEIGHT_SHARING_ENABLED`: graphs of one context whose static tensors hold the same bytes
+    /// keep one copy of them in the context binary (by content, whatever their names). The x86
+    /// library prepares such a binary but refuses to load it back (1000, "Shared weights buffer
+    /// isn't supported on this platform"); on a device it needs HTP v73 or later.
+    pub fn weight_sharing(enabled: bool) -> Self {
+        let mut value = QnnHtpContext_CustomConfigValue_t { _reserved: [0; 4] };
+        value.weightSharingEnabled = enabled;
+        Self { option: crate::consts::QNN_HTP_CONTEXT_CONFIG_OPTION_WEIGHT_SHARING_ENABLED, value }
+    }
+}
+
 /// Value of `QNN_HTP_DEVICE_CONFIG_OPTION_ARCH`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

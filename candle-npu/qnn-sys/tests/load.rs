@@ -267,6 +267,13 @@ impl Runtime {
 
     /// The full runtime with the SoC set to SM8650 in the layout the library expects.
     fn new(lib: &'static QnnLibrary) -> Self {
+        Self::with_context_configs(lib, &[])
+    }
+
+    /// [`Runtime::new`] with `configs` given to `contextCreate`.
+    fn with_context_configs(lib: &'static QnnLibrary, configs: &[*const QnnContext_Config_t]) -> Self {
+        let mut list = configs.to_vec();
+        list.push(null());
         let cfg = HtpDeviceCustomConfig::soc(lib.htp_device_config_layout(), QNN_SOC_MODEL_SM8650);
         let mut rt = match Self::with_device(lib, Some(cfg)) {
             Ok(rt) => rt,
@@ -276,7 +283,7 @@ impl Runtime {
         unsafe {
             check(
                 lib,
-                f.contextCreate.unwrap()(rt.backend, rt.device, null(), &mut rt.context),
+                f.contextCreate.unwrap()(rt.backend, rt.device, list.as_ptr(), &mut rt.context),
                 "contextCreate",
             );
         }
@@ -728,6 +735,101 @@ fn fully_connected_with_param_static_weight_and_profile() {
     );
     eprintln!("profile events: {described:?}");
     unsafe { check(lib, f.profileFree.unwrap()(profile), "profileFree") };
+}
+
+/// HTP weight sharing, as this library does it. A context holding a 16-row and a 4-row
+/// FullyConnected over weights of equal bytes (named apart) keeps one copy of them in its binary
+/// when created with `WEIGHT_SHARING_ENABLED`, and both graphs compute exactly in the process
+/// that made them; the binary without sharing loads back, the shared one does not on x86 (1000,
+/// NOT_SUPPORTED: the x86 library prepares shared weights but cannot load them; a v73+ device
+/// does). What issue 28's one-context-per-model cache has to build around.
+#[test]
+fn weight_sharing_is_by_content_and_the_x86_library_cannot_load_it() {
+    let Some(lib) = lib() else { return };
+    let _serial = RUNTIME_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let f = lib.functions();
+    const K: usize = 512;
+    const N: usize = 512;
+    // -127..=127 (the symmetric INT8 range).
+    let w: Vec<i8> = (0..N * K).map(|i| (((i * 7919 + i / K) % 255) as i32 - 127) as i8).collect();
+    let x: Vec<u8> = (0..16 * K).map(|i| ((i * 104_729) % 256) as u8).collect();
+    // One context, two graphs (16 and 4 rows) over copies of `w`; returns the runtime, the
+    // 4-row graph with its tensor ids, and the context binary.
+    let build = |share: bool| {
+        let mut custom = QnnHtpContext_CustomConfig_t::weight_sharing(true);
+        let cfg = QnnContext_Config_t::custom(&mut custom as *mut _ as *mut c_void);
+        let configs: Vec<*const QnnContext_Config_t> = if share { vec![&cfg as *const _] } else { vec![] };
+        let rt = Runtime::with_context_configs(lib, &configs);
+        let mut small = None;
+        // The library reads static data at graphFinalize; each graph gets its own copy.
+        let mut weights = [w.clone(), w.clone()];
+        for (weight, (m, name)) in weights.iter_mut().zip([(16usize, c"fc16"), (4, c"fc4")]) {
+            let graph = rt.graph(name, &[]);
+            let (mut dx, mut dw, mut dy) = ([m as u32, K as u32], [N as u32, K as u32], [m as u32, N as u32]);
+            let empty = Qnn_ClientBuffer_t::empty();
+            let q = |scale: f32, offset: i32| Qnn_QuantizeParams_t::scale_offset(scale, offset);
+            let tx = rt.tensor(graph, c"x", QNN_TENSOR_TYPE_APP_WRITE, QNN_DATATYPE_UFIXED_POINT_8, q(1.0, -128), &mut dx, empty);
+            let wname = if m == 16 { c"w_a" } else { c"w_b" };
+            let tw = rt.tensor(graph, wname, QNN_TENSOR_TYPE_STATIC, QNN_DATATYPE_SFIXED_POINT_8, q(1.0, 0), &mut dw, Qnn_ClientBuffer_t::from_slice(weight));
+            // F32 out, as the stage graphs: with an SFIXED_POINT_32 output (exact for the 3
+            // columns of the test above) columns 32-35 came out equal to columns 0-3 here.
+            let ty = rt.tensor(graph, c"y", QNN_TENSOR_TYPE_APP_READ, QNN_DATATYPE_FLOAT_32, Qnn_QuantizeParams_t::undefined(), &mut dy, empty);
+            let (mut inputs, mut outputs) = ([tx, tw], [ty]);
+            let op = Qnn_OpConfig_t::v1(c"fc".as_ptr(), QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(), QNN_OP_FULLY_CONNECTED.as_ptr(), &mut [], &mut inputs, &mut outputs);
+            unsafe {
+                check(lib, f.graphAddNode.unwrap()(graph, op), "graphAddNode");
+                check(lib, f.graphFinalize.unwrap()(graph, null_mut(), null_mut()), "graphFinalize");
+            }
+            if m == 4 {
+                small = Some((graph, tx.id(), ty.id()));
+            }
+        }
+        let mut bound = 0u64;
+        unsafe { check(lib, f.contextGetBinarySize.unwrap()(rt.context, &mut bound), "contextGetBinarySize") };
+        let mut binary = vec![0u8; bound as usize];
+        let mut written = 0u64;
+        unsafe { check(lib, f.contextGetBinary.unwrap()(rt.context, binary.as_mut_ptr().cast(), bound, &mut written), "contextGetBinary") };
+        binary.truncate(written as usize);
+        (rt, small.expect("the 4-row graph"), binary)
+    };
+    let (plain_rt, _, plain) = build(false);
+    drop(plain_rt);
+    let (rt, (graph, x_id, y_id), shared) = build(true);
+    eprintln!("context binary: {} bytes without weight sharing, {} with", plain.len(), shared.len());
+    assert!(
+        plain.len() - shared.len().min(plain.len()) >= N * K * 3 / 4,
+        "weight sharing should keep one of the two {} KB copies: {} vs {} bytes",
+        N * K / 1024,
+        shared.len(),
+        plain.len()
+    );
+    // The 4-row graph computes in the context that shares its weight, to the HTP's FP16
+    // float arithmetic (a wrong weight would be off by the size of the values).
+    let (xs, ws) = (&x, &w);
+    let want: Vec<i32> =
+        (0..4).flat_map(|r| (0..N).map(move |n| (0..K).map(|k| (xs[r * K + k] as i32 - 128) * ws[n * K + k] as i32).sum::<i32>())).collect();
+    let mut xin = x[..4 * K].to_vec();
+    let mut y = vec![0f32; 4 * N];
+    let inputs = [Qnn_Tensor_t::for_execute(x_id, Qnn_ClientBuffer_t::from_slice(&mut xin))];
+    let mut outputs = [Qnn_Tensor_t::for_execute(y_id, Qnn_ClientBuffer_t::from_slice(&mut y))];
+    check(lib, execute(lib, graph, &inputs, &mut outputs, null_mut()), "graphExecute");
+    // Two FP16 steps of the largest value.
+    let tol = want.iter().map(|v| v.unsigned_abs()).max().unwrap_or(0) as f32 * 2.0 / 1024.0;
+    if let Some(i) = (0..y.len()).find(|&i| (y[i] - want[i] as f32).abs() > tol) {
+        panic!("the 4-row graph over the shared weight: output {i} is {}, expected {} (tolerance {tol})", y[i], want[i]);
+    }
+    // Loading: the plain binary loads, the shared one is refused on x86.
+    for (binary, shared) in [(&plain, false), (&shared, true)] {
+        let mut context = null_mut();
+        let rc = unsafe { f.contextCreateFromBinary.unwrap()(rt.backend, rt.device, null(), binary.as_ptr().cast(), binary.len() as u64, &mut context, null_mut()) };
+        if rc == QNN_SUCCESS {
+            unsafe { check(lib, f.contextFree.unwrap()(context, null_mut()), "contextFree") };
+        }
+        match (shared, cfg!(target_arch = "x86_64")) {
+            (true, true) => assert_eq!(error_code(rc), QNN_COMMON_ERROR_NOT_SUPPORTED, "loading a weight-shared binary on x86: {}", lib.error_message(rc)),
+            _ => check(lib, rc, &format!("contextCreateFromBinary (weight sharing: {shared})")),
+        }
+    }
 }
 
 /// The HTP device config must follow the library's layout: this library (HTP API 5.51) rejects
