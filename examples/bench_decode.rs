@@ -135,7 +135,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let llama_bench = args.llama_bench.clone().or_else(|| std::env::var_os("LLAMA_BENCH").map(PathBuf::from));
+    let llama_bench = llama_bench::binary(args.llama_bench.as_deref());
     if args.rounds == 0 || args.tokens == 0 {
         bail!("--rounds and --tokens must be at least 1");
     }

@@ -159,7 +159,7 @@ fn print_table(title: &str, lens: &[usize], labels: &[String], tps: &[Vec<Option
 
 fn main() -> Result<()> {
     let args = <Args as clap::Parser>::parse();
-    let llama_bench = args.llama_bench.clone().or_else(|| std::env::var_os("LLAMA_BENCH").map(std::path::PathBuf::from));
+    let llama_bench = llama_bench::binary(args.llama_bench.as_deref());
     let lens = args.lens.clone();
     let max = lens.iter().copied().max().unwrap_or(0);
     let dev = NpuDevice::host();

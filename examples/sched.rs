@@ -104,13 +104,18 @@ fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usi
     best.ok_or_else(|| anyhow!("--reps must be at least 1"))
 }
 
+/// The three real models: a name for tables and the checkpoint.
+fn real_models() -> Result<[(&'static str, PathBuf); 3]> {
+    Ok([("SmolLM2-135M", assets::smollm2()), ("Gemma 3 270M", assets::gemma3_270m()?), ("Qwen2.5-Coder-0.5B", assets::qwen25_coder_05b()?)])
+}
+
 /// Simulated prefill makespans on the phone model ([`Rates::SNAPDRAGON_8_GEN_3`], FIFO, graphs of
 /// 256 and 32 rows): the last rows padded onto the NPU against a CPU margin.
 fn tail_on_the_phone() -> Result<()> {
     let lens = [20usize, 37, 100, 300, 700, 1500];
     println!("## Simulated prefill, Snapdragon 8 Gen 3 model, FIFO, graphs of 256 and 32 rows: ms padded / ms margin (ratio)");
     println!("| model | {} |\n|---|{}", lens.map(|n| format!("{n} tokens")).join(" | "), "---|".repeat(lens.len()));
-    for path in [assets::smollm2(), assets::gemma3_270m()?, assets::qwen25_coder_05b()?] {
+    for (_, path) in real_models()? {
         let p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
         let costs = AnalyticCosts { shape: p.model.layer_shape(), rates: Rates::SNAPDRAGON_8_GEN_3 };
         let n_layer = p.model.config().n_layer;
@@ -139,7 +144,7 @@ fn phone_projections() -> Result<()> {
     // (model, layer shape, layers, the anchor: tokens/s and where it comes from)
     type Row = (String, LayerShape, usize, Option<(f64, &'static str)>);
     let mut models: Vec<Row> = vec![];
-    for (name, path) in [("SmolLM2-135M", assets::smollm2()), ("Gemma 3 270M", assets::gemma3_270m()?), ("Qwen2.5-Coder-0.5B", assets::qwen25_coder_05b()?)] {
+    for (name, path) in real_models()? {
         let p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
         models.push((name.into(), p.model.layer_shape(), p.model.config().n_layer, None));
     }

@@ -1,10 +1,15 @@
 //! llama.cpp's `llama-bench`, for the benchmarks' llama.cpp rows (never in CI). Build it from the
 //! PyPI `llama-cpp-python` sdist's vendored source (cmake, `GGML_NATIVE=ON`), outside the repo.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
+
+/// The `llama-bench` binary: the one given on the command line, else `$LLAMA_BENCH`.
+pub fn binary(arg: Option<&Path>) -> Option<PathBuf> {
+    arg.map(Path::to_path_buf).or_else(|| std::env::var_os("LLAMA_BENCH").map(PathBuf::from))
+}
 
 /// `llama-bench`'s `avg_ts` (tokens/s) for one repetition of the test that `test` describes
 /// (e.g. `-p 256 -n 0`, or `-p 0 -n 64 -d 2048`), on `model` with `threads` threads.

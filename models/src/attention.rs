@@ -217,7 +217,7 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
     let span = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w))..pos(r) + 1;
     let blocks = m.div_ceil(ROW_BLOCK);
     if rows.decode || nkv * blocks < 2 * rayon::current_num_threads() {
-        split_keys(q, cache, 0..m, nh, &span, scale, rows.decode, &mut out);
+        split_keys(q, cache, m, nh, &span, scale, rows.decode, &mut out);
         return out;
     }
     let groups = nh / nkv;
@@ -272,17 +272,18 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
     out
 }
 
-/// Attention of the rows `rows` (few: a decode step, a short turn) with every KV head's tiles of
-/// keys as the tasks, claimed by the caller and the pool's workers ([`claim`]: no one waits for
-/// a helper that has not started), then merged per head in position order. `one`: the rows are
-/// one position's, on the one-position kernel ([`Rows::decode_step`]).
+/// Attention of the pass's `m` rows (few: a decode step, a short turn) with every KV head's tiles
+/// of keys as the tasks, claimed by the caller and the helper team ([`claim`]: no one waits for a
+/// helper that has not started), then merged per head in position order. `one`: the rows are one
+/// position's, on the one-position kernel ([`Rows::decode_step`]).
 #[allow(clippy::too_many_arguments)]
-fn split_keys(q: &[f32], cache: &KvCache, rows: Range<usize>, nh: usize, span: &(dyn Fn(usize) -> Range<usize> + Sync), scale: f32, one: bool, out: &mut [f32]) {
-    let (nkv, hd, m) = (cache.heads, cache.head_dim, rows.len());
+fn split_keys(q: &[f32], cache: &KvCache, m: usize, nh: usize, span: &(dyn Fn(usize) -> Range<usize> + Sync), scale: f32, one: bool, out: &mut [f32]) {
+    let (nkv, hd) = (cache.heads, cache.head_dim);
     let groups = nh / nkv;
-    let tiles: Vec<usize> = kernel::tile_starts(rows.clone().map(span), 0..cache.len).collect();
-    let stacks: Vec<Vec<f32>> = (0..nkv).map(|h| stacked(q, h, rows.clone(), nh, groups, hd)).collect();
-    let span_of = |i: usize| span(rows.start + i % m);
+    let tiles: Vec<usize> = kernel::tile_starts((0..m).map(span), 0..cache.len).collect();
+    let stacks: Vec<Vec<f32>> = (0..nkv).map(|h| stacked(q, h, 0..m, nh, groups, hd)).collect();
+    // Stacked row i is query head i / m's row i % m.
+    let span_of = |i: usize| span(i % m);
     let partials: Vec<Mutex<Partial>> = (0..nkv * tiles.len()).map(|_| Mutex::default()).collect();
     // Tiles of a few microseconds each; a short cache stays on the caller.
     let helpers = if cache.len * hd * nkv >= 1 << 15 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
@@ -293,7 +294,7 @@ fn split_keys(q: &[f32], cache: &KvCache, rows: Range<usize>, nh: usize, span: &
             let mut p = partials[i].lock().unwrap_or_else(|e| e.into_inner());
             p.reset(groups * m, hd);
             match one {
-                true => kernel::attend_tile_one(&stacks[h], cache.head_kv(h), span(rows.start), scale, tile, &mut p, &mut scores),
+                true => kernel::attend_tile_one(&stacks[h], cache.head_kv(h), span(0), scale, tile, &mut p, &mut scores),
                 false => kernel::attend_tile(&stacks[h], cache.head_kv(h), &span_of, scale, tile, &mut p, &mut scores),
             }
         }
@@ -306,7 +307,7 @@ fn split_keys(q: &[f32], cache: &KvCache, rows: Range<usize>, nh: usize, span: &
             acc.merge(&p.lock().unwrap_or_else(|e| e.into_inner()));
         }
         acc.normalized_into(&mut o);
-        unstack(&o, h, rows.start, nh, groups, hd, out);
+        unstack(&o, h, 0, nh, groups, hd, out);
     }
 }
 

@@ -218,7 +218,7 @@ pub fn attend_tile_one(q: &[f32], kv: HeadKv<'_>, span: Range<usize>, scale: f32
 /// `s[r * n + j] = q_r . k_j` for the rows of `q` and the `n` keys (`[n, hd]`).
 fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if hd.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if hd.is_multiple_of(8) && super::rows::avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA; the sizes are whole vectors (checked above).
         return unsafe { x86::dots(q, keys, hd, s) };
     }
@@ -233,7 +233,7 @@ fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
 /// `out[r] = sum_j p[r * n + j] v_j` for the rows of `p` and the `n` values (`[n, hd]`).
 fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if hd.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if hd.is_multiple_of(8) && super::rows::avx2_fma() {
         // SAFETY: as in `dots`.
         return unsafe { x86::weighted_sum(p, values, hd, out) };
     }
@@ -250,13 +250,7 @@ fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// Sum of the 8 lanes.
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
-    }
+    use crate::kernels::hsum8;
 
     /// [`super::dots`], `hd` a multiple of 8: two keys at a time, so each query vector loaded
     /// serves two products; the keys are read once, in order.
@@ -279,9 +273,10 @@ mod x86 {
                         a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1.add(c)), a1);
                     }
                 }
-                s[r * n + j] = hsum(a0);
+                // SAFETY: this function's AVX2 (its caller's check).
+                s[r * n + j] = unsafe { hsum8(a0) };
                 if two {
-                    s[r * n + j + 1] = hsum(a1);
+                    s[r * n + j + 1] = unsafe { hsum8(a1) };
                 }
             }
             j += 2;

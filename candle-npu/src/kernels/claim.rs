@@ -70,13 +70,13 @@ unsafe impl Sync for SendPtr {}
 pub fn for_each_chunk(n: usize, chunk: usize, helpers: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
     let chunk = chunk.max(1);
     let chunks = n.div_ceil(chunk);
-    let team = Team::get();
-    if chunks <= 1 || helpers == 0 || team.size == 0 {
+    // The team is started by the first loop that could use it, not by every caller.
+    let Some(team) = (chunks > 1 && helpers > 0).then(Team::get).filter(|t| t.size > 0) else {
         if n > 0 {
             f(0..n);
         }
         return;
-    }
+    };
     let cursor = Arc::new(Cursor { next: AtomicUsize::new(0), done: AtomicUsize::new(0), chunks, chunk, n, panic: Default::default() });
     // SAFETY: the lifetime is erased so that a helper (a `'static` thread) can hold the pointer;
     // it dereferences it only for a chunk it claimed, and this function returns only when every

@@ -323,6 +323,7 @@ fn gemv_q4_1_portable(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::super::hsum8 as hsum;
     use super::{Q8Activation, BLOCK_BYTES, Q4_1_BLOCK_BYTES, QK};
 
     /// Bytes ahead of the current block to prefetch (see the module docs).
@@ -475,17 +476,6 @@ mod x86 {
         // SAFETY: the CPU has F16C (this function's contract).
         unsafe { f16_to_f32(bits) }
     }
-
-    /// The sum of the 8 lanes.
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: the caller has AVX.
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
-        }
-    }
 }
 
 /// `x @ w^T` for one F32 row `x` (`[1, K]`) and a Q8_0 or Q4_1 matrix `w` (`[N, K]`) on the CPU,
@@ -503,7 +493,7 @@ pub fn matvec(w: &candle_core::quantized::QTensor, x: &candle_core::Tensor) -> c
 pub fn matvec_many(ws: &[&candle_core::quantized::QTensor], x: &candle_core::Tensor) -> crate::Result<Option<Vec<candle_core::Tensor>>> {
     use candle_core::quantized::GgmlDType;
     type Gemv = fn(&[u8], usize, &Q8Activation, Range<usize>, &mut [f32]);
-    let k = x.dim(candle_core::D::Minus1)?;
+    let Some(&k) = x.dims().last() else { return Ok(None) };
     let mut mats: Vec<(Gemv, std::borrow::Cow<'_, [u8]>, usize)> = Vec::with_capacity(ws.len());
     for w in ws {
         let gemv: Gemv = match w.dtype() {

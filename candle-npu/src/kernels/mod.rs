@@ -209,6 +209,22 @@ fn rten_gemm<L: GemmInT, R: GemmInT, O: GemmOutT>(g: &GemmExecutor<L, R, O>, m: 
     out
 }
 
+/// The sum of an AVX vector's 8 lanes (the decode kernels' horizontal reduction).
+///
+/// # Safety
+/// The CPU has AVX (the callers' AVX2 paths).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn hsum8(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller has AVX.
+    unsafe {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+}
+
 /// Asks for the cache line at `p` ahead of a read the hardware prefetcher cannot predict (a
 /// no-op off x86_64). Never faults, whatever `p` is.
 #[inline(always)]

@@ -32,7 +32,7 @@ pub fn with_f32<R>(t: &candle_core::Tensor, f: impl FnOnce(&[f32]) -> R) -> crat
 
 /// Whether this CPU runs the AVX2 + FMA versions (`is_x86_feature_detected` caches its answer).
 #[cfg(target_arch = "x86_64")]
-fn avx2_fma() -> bool {
+pub(crate) fn avx2_fma() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
