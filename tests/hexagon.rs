@@ -134,18 +134,22 @@ fn readme_question_on_the_default_hexagon_plan() {
     assert_eq!(text, predicted, "the answer the HTP numerics model predicts");
 }
 
-/// Prepares SmolLM2's 120 W8A8 stage graphs for chunk length 32 on a fresh Hexagon executor (its
-/// own QNN backend, as in a new process) with the given graph cache.
-fn prepare_on_fresh_executor(cache: &std::path::Path, profile: &QuantProfile) -> DeviceStats {
-    let htp = NpuDevice::hexagon(HtpConfig { cache_dir: Some(cache.to_path_buf()), ..Default::default() }).unwrap();
+/// Prepares SmolLM2's W8A8 stage graphs for chunks of 64 and 32 rows (240 graphs) on a fresh
+/// Hexagon executor (its own QNN backend, as in a new process) with the given graph cache.
+fn prepare_on_fresh_executor(config: &HtpConfig, profile: &QuantProfile) -> DeviceStats {
+    let htp = NpuDevice::hexagon(config.clone()).unwrap();
     let mut p = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     p.model.set_profile(profile.clone()).unwrap();
-    p.model.prepare_chunked(32).unwrap();
+    p.model.set_sched(SchedOptions { small_chunks: vec![32], ..SchedOptions::for_device(&htp) }).unwrap();
+    p.model.prepare_chunked(64).unwrap();
     htp.stats()
 }
 
+/// The prepared-graph cache of a model's one QNN context: every stage graph of both sizes in one
+/// context binary, loaded whole by the next process; a damaged entry is rebuilt, another profile
+/// is another entry; and the per-graph mode beside it.
 #[test]
-fn second_run_loads_every_stage_graph_from_the_cache() {
+fn second_run_loads_the_models_context_from_the_cache() {
     if !library_present() {
         return;
     }
@@ -153,33 +157,53 @@ fn second_run_loads_every_stage_graph_from_the_cache() {
     // Calibration is the host's job even on a Hexagon model: it must not touch the HTP.
     let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
     let mut h = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
-    let profile = h.calibrate(CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
+    let set = CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() };
+    let profile = h.calibrate(set.clone(), |_, _| {}).unwrap();
     assert_eq!(htp.stats(), DeviceStats::default(), "calibration ran on the host executor");
+    let other_profile = h.calibrate(CalibrationSet { seq_len: 48, ..set }, |_, _| {}).unwrap();
+    drop(h);
     let dir = std::env::temp_dir().join(format!("candle-npu-model-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let files = || std::fs::read_dir(&dir).unwrap().count();
+    let files = || {
+        let mut v: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        v.sort();
+        v
+    };
+    let config = HtpConfig { cache_dir: Some(dir.clone()), ..Default::default() };
+    let n = 240; // 30 layers x 4 NPU stages x 2 graph sizes
 
-    let first = prepare_on_fresh_executor(&dir, &profile);
-    let n = 120; // 30 layers x 4 NPU stages
+    let first = prepare_on_fresh_executor(&config, &profile);
     assert_eq!((first.graphs_prepared, first.graphs_loaded, first.fallbacks), (n, 0, 0));
-    assert_eq!(files(), n as usize, "one context binary per stage graph");
+    let [entry] = files().try_into().expect("one context binary for the model");
+    let bytes = std::fs::metadata(&entry).unwrap().len();
 
-    let second = prepare_on_fresh_executor(&dir, &profile);
+    let second = prepare_on_fresh_executor(&config, &profile);
     eprintln!(
-        "{n} stage graphs: finalized in {:.2}s, loaded from the cache in {:.2}s",
+        "{n} stage graphs in one context: finalized in {:.2}s, {} bytes cached, loaded in {:.2}s",
         first.prepare_ns as f64 / 1e9,
+        bytes,
         second.load_ns as f64 / 1e9
     );
     assert_eq!((second.graphs_prepared, second.graphs_loaded), (0, n), "the second run prepares nothing");
 
-    // One damaged file: that graph alone is rebuilt (with a warning), the file rewritten.
-    let victim = std::fs::read_dir(&dir).unwrap().next().unwrap().unwrap().path();
-    let len = std::fs::metadata(&victim).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&victim).unwrap().set_len(len / 3).unwrap();
-    let third = prepare_on_fresh_executor(&dir, &profile);
-    assert_eq!((third.graphs_prepared, third.graphs_loaded), (1, n - 1));
-    assert!(std::fs::metadata(&victim).unwrap().len() > len / 3, "{} rewritten", victim.display());
-    assert_eq!(files(), n as usize);
+    // A damaged entry: the context is rebuilt (with a warning) and the file rewritten.
+    std::fs::OpenOptions::new().write(true).open(&entry).unwrap().set_len(bytes / 3).unwrap();
+    let third = prepare_on_fresh_executor(&config, &profile);
+    assert_eq!((third.graphs_prepared, third.graphs_loaded), (n, 0));
+    assert_eq!(std::fs::metadata(&entry).unwrap().len(), bytes, "{} rewritten", entry.display());
+    assert_eq!(prepare_on_fresh_executor(&config, &profile).graphs_loaded, n);
+
+    // Another profile (other scales in every graph) misses, and is cached beside.
+    let other = prepare_on_fresh_executor(&config, &other_profile);
+    assert_eq!((other.graphs_prepared, other.graphs_loaded), (n, 0));
+    assert_eq!(files().len(), 2);
+    assert_eq!(prepare_on_fresh_executor(&config, &other_profile).graphs_loaded, n);
+
+    // A context per graph: its own entries, one per graph.
+    let per_graph = HtpConfig { one_context: false, ..config };
+    assert_eq!(prepare_on_fresh_executor(&per_graph, &profile).graphs_prepared, n);
+    assert_eq!(files().len(), 2 + n as usize);
+    assert_eq!(prepare_on_fresh_executor(&per_graph, &profile).graphs_loaded, n);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -137,43 +137,66 @@ impl NpuDevice {
     /// the executor cannot run one of its ops, the graph is prepared on the host instead and the
     /// fallback is logged.
     pub fn prepare(&self, graph: &Graph) -> Result<PreparedGraph> {
-        graph.validate()?;
+        Ok(self.prepare_all(std::slice::from_ref(graph))?.remove(0))
+    }
+
+    /// [`Self::prepare`] for graphs used together (a model's stage graphs of every graph size),
+    /// returned in the same order. The executor may hold them in one compiled unit (the HTP:
+    /// one QNN context, see [`Executor::prepare_all`]); graphs it cannot run are prepared on the
+    /// host, each logged.
+    pub fn prepare_all(&self, graphs: &[Graph]) -> Result<Vec<PreparedGraph>> {
+        graphs.iter().try_for_each(Graph::validate)?;
         let t = Instant::now();
         let ex = &self.inner.executor;
-        let exec: Box<dyn ExecutableGraph> = match graph.ops.iter().find(|op| !ex.supports(graph, op)) {
-            Some(op) => {
-                tracing::warn!(
-                    graph = %graph.name, executor = ex.name(), op = op.name(), shapes = %graph.describe_op(op),
-                    "op not supported by the NPU executor: running this graph on the host CPU"
-                );
-                self.inner.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
-                self.inner.host.prepare(graph)?
-            }
-            None => ex.prepare(graph)?,
-        };
-        let c = &self.inner.counters;
-        let ns = t.elapsed().as_nanos() as u64;
-        match exec.origin() {
-            Origin::Compiled => {
-                c.prepared.fetch_add(1, Ordering::Relaxed);
-                c.prepare_ns.fetch_add(ns, Ordering::Relaxed);
-            }
-            Origin::Loaded => {
-                c.loaded.fetch_add(1, Ordering::Relaxed);
-                c.load_ns.fetch_add(ns, Ordering::Relaxed);
+        let mut on_host = Vec::new();
+        let mut on_executor = Vec::new();
+        for (i, graph) in graphs.iter().enumerate() {
+            match graph.ops.iter().find(|op| !ex.supports(graph, op)) {
+                Some(op) => {
+                    tracing::warn!(
+                        graph = %graph.name, executor = ex.name(), op = op.name(), shapes = %graph.describe_op(op),
+                        "op not supported by the NPU executor: running this graph on the host CPU"
+                    );
+                    self.inner.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+                    on_host.push((i, self.inner.host.prepare(graph)?));
+                }
+                None => on_executor.push(i),
             }
         }
+        let refs: Vec<&Graph> = on_executor.iter().map(|&i| &graphs[i]).collect();
+        let compiled = if refs.is_empty() { Vec::new() } else { ex.prepare_all(&refs)? };
+        if compiled.len() != refs.len() {
+            return Err(Error::Internal(format!("executor {} prepared {} of {} graphs", ex.name(), compiled.len(), refs.len())));
+        }
+        let mut execs: Vec<Option<Box<dyn ExecutableGraph>>> = (0..graphs.len()).map(|_| None).collect();
+        for (i, exec) in on_host.into_iter().chain(on_executor.into_iter().zip(compiled)) {
+            execs[i] = Some(exec);
+        }
+        // One batch is one kind of work: compiled or loaded (what the executor's graphs say).
+        let c = &self.inner.counters;
+        let ns = t.elapsed().as_nanos() as u64;
+        let loaded = execs.iter().flatten().filter(|e| e.origin() == Origin::Loaded).count() as u64;
+        let compiled = graphs.len() as u64 - loaded;
+        c.prepared.fetch_add(compiled, Ordering::Relaxed);
+        c.loaded.fetch_add(loaded, Ordering::Relaxed);
+        // The batch's time, shared by its graphs in proportion.
+        c.prepare_ns.fetch_add(ns * compiled / graphs.len().max(1) as u64, Ordering::Relaxed);
+        c.load_ns.fetch_add(ns * loaded / graphs.len().max(1) as u64, Ordering::Relaxed);
+        Ok(graphs.iter().zip(execs).map(|(graph, exec)| self.bind(graph, exec.expect("every index is filled"))).collect())
+    }
+
+    fn bind(&self, graph: &Graph, exec: Box<dyn ExecutableGraph>) -> PreparedGraph {
         let sig = |ids: &[crate::graph::TensorId]| {
             ids.iter().map(|&i| (graph.tensor(i).name.clone(), graph.tensor(i).dtype, graph.tensor(i).elem_count())).collect()
         };
-        Ok(PreparedGraph {
+        PreparedGraph {
             name: graph.name.clone(),
             rows: graph.inputs.first().and_then(|&i| graph.tensor(i).shape.first().copied()).unwrap_or(1),
             inputs: sig(&graph.inputs),
             outputs: sig(&graph.outputs),
             exec,
             device: self.clone(),
-        })
+        }
     }
 }
 
@@ -203,6 +226,12 @@ impl PreparedGraph {
     /// serialize graphs.
     pub fn serialized_size(&self) -> Option<usize> {
         self.exec.serialized_size()
+    }
+
+    /// How many graphs share the compiled unit [`Self::serialized_size`] measures (graphs
+    /// prepared together into one QNN context share its binary).
+    pub fn graphs_in_unit(&self) -> usize {
+        self.exec.graphs_in_unit()
     }
 
     /// Run the graph. Inputs in the graph's input order; every buffer is checked against its

@@ -112,6 +112,18 @@ pub struct HtpConfig {
     /// QNN profiling of every finalize, load and execute, read back with
     /// [`Executor::profiles`]. `None`: off (profiling costs a little on every call).
     pub profiling: Option<ProfilingLevel>,
+    /// Graphs prepared together ([`Executor::prepare_all`]: a model's stage graphs of every
+    /// size) share one QNN context: one context binary in the cache, one load. `false`: a
+    /// context per graph, as [`Executor::prepare`] always does (for a device whose NPU cannot
+    /// map a whole model's context at once, or to measure the difference).
+    pub one_context: bool,
+    /// Create shared contexts with the HTP's weight sharing: equal weight bytes in the graphs of
+    /// one context (the same linear at two graph sizes) are held once. Needs HTP v73 or newer
+    /// (SM8550 on; SM8650 is v75). Default: on, except on x86_64, where the library is an
+    /// emulator that prepares and runs weight-shared graphs but refuses to load their binary
+    /// back (QNN error 1000, "Shared weights buffer isn't supported on this platform"): there
+    /// the prepared-graph cache holds the context without sharing.
+    pub weight_sharing: bool,
 }
 
 impl Default for HtpConfig {
@@ -123,6 +135,8 @@ impl Default for HtpConfig {
             vtcm_mb: None,
             cache_dir: None,
             profiling: None,
+            one_context: true,
+            weight_sharing: !cfg!(target_arch = "x86_64"),
         }
     }
 }
@@ -372,28 +386,64 @@ impl HtpExecutor {
         build(&self.rt, graph, self.profiles.clone())
     }
 
+    /// The cache key of `graphs` prepared together into one context ([`Executor::prepare_all`]):
+    /// every graph's fingerprint in order, this executor's salt and the weight-sharing flag.
+    pub fn context_cache_key(&self, graphs: &[&Graph]) -> CacheKey {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        for g in graphs {
+            h.update(g.fingerprint());
+        }
+        let salt = format!("{} | one context of {} graphs, weight sharing {}", self.cache_salt, graphs.len(), self.rt.config.weight_sharing);
+        CacheKey::new(&h.finalize().into(), &salt)
+    }
+
     /// Loads `graph` from the cache when a valid entry exists; otherwise compiles it and stores
     /// it. Cache trouble is logged and never fails the prepare.
     fn prepare_cached(&self, graph: &Graph, cache: &GraphCache) -> Result<HtpGraph> {
         let key = self.cache_key(graph);
-        match cache.load(&graph.name, &key) {
-            Lookup::Hit(entry) => match load(&self.rt, graph, &entry, self.profiles.clone()) {
+        if let Some(entry) = lookup(cache, &graph.name, &key) {
+            match load(&self.rt, graph, &entry, self.profiles.clone()) {
                 Ok(g) => return Ok(g),
                 Err(e) => tracing::warn!(graph = %graph.name, error = %e, "cached context binary does not load: rebuilding it"),
-            },
-            Lookup::Invalid(why) => tracing::warn!(graph = %graph.name, %why, "prepared-graph cache file unusable: rebuilding it"),
-            Lookup::Miss => tracing::debug!(graph = %graph.name, ?key, "prepared-graph cache miss"),
+            }
         }
         let g = self.compile(graph)?;
-        let stored = g.context_binary_bytes().and_then(|bin| {
-            let _ = g.binary_size.set(Some(bin.len()));
-            cache.store(&graph.name, &key, &g.meta(), &bin)
-        });
-        match stored {
-            Ok(path) => tracing::debug!(graph = %graph.name, path = %path.display(), "context binary cached"),
-            Err(e) => tracing::warn!(graph = %graph.name, error = %e, "could not write the prepared-graph cache"),
-        }
+        store(cache, &graph.name, &key, &g.ctx, g.meta().collect());
         Ok(g)
+    }
+
+    /// [`Self::prepare_cached`] for graphs that share one context: one entry, one load.
+    fn prepare_set_cached(&self, graphs: &[&Graph], cache: &GraphCache) -> Result<Vec<HtpGraph>> {
+        let (name, key) = (set_name(graphs), self.context_cache_key(graphs));
+        if let Some(entry) = lookup(cache, &name, &key) {
+            match load_all(&self.rt, graphs, &entry, self.profiles.clone()) {
+                Ok(g) => return Ok(g),
+                Err(e) => tracing::warn!(graphs = %name, error = %e, "cached context binary does not load: rebuilding it"),
+            }
+        }
+        let built = build_all(&self.rt, graphs, self.rt.config.weight_sharing, self.profiles.clone())?;
+        let meta = std::iter::once(graphs.len() as u32).chain(built.iter().flat_map(HtpGraph::meta)).collect();
+        store(cache, &name, &key, &built[0].ctx, meta);
+        Ok(built)
+    }
+}
+
+/// A cache entry that can be tried; misses and unusable files are logged (the caller rebuilds).
+fn lookup(cache: &GraphCache, name: &str, key: &CacheKey) -> Option<CachedGraph> {
+    match cache.load(name, key) {
+        Lookup::Hit(entry) => return Some(entry),
+        Lookup::Invalid(why) => tracing::warn!(graph = %name, %why, "prepared-graph cache file unusable: rebuilding it"),
+        Lookup::Miss => tracing::debug!(graph = %name, ?key, "prepared-graph cache miss"),
+    }
+    None
+}
+
+/// Writes `ctx`'s binary under `key`; a failure is a warning (the cache only saves time).
+fn store(cache: &GraphCache, name: &str, key: &CacheKey, ctx: &Context, meta: Vec<u32>) {
+    match ctx.binary(name).and_then(|bin| cache.store(name, key, &meta, &bin)) {
+        Ok(path) => tracing::debug!(graph = %name, path = %path.display(), "context binary cached"),
+        Err(e) => tracing::warn!(graph = %name, error = %e, "could not write the prepared-graph cache"),
     }
 }
 
@@ -585,6 +635,16 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
     }
 }
 
+/// A validated graph every op of which the support table accepts; otherwise
+/// [`Error::Unsupported`] naming the first op that is not.
+fn check_supported(graph: &Graph) -> Result<()> {
+    graph.validate()?;
+    match graph.ops.iter().find(|op| !op_supported(graph, op)) {
+        Some(op) => Err(Error::Unsupported { graph: graph.name.clone(), executor: "htp", op: op.name().to_string(), shapes: graph.describe_op(op) }),
+        None => Ok(()),
+    }
+}
+
 impl Executor for HtpExecutor {
     fn name(&self) -> &'static str {
         "htp"
@@ -599,19 +659,26 @@ impl Executor for HtpExecutor {
     }
 
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
-        graph.validate()?;
-        if let Some(op) = graph.ops.iter().find(|op| !op_supported(graph, op)) {
-            return Err(Error::Unsupported {
-                graph: graph.name.clone(),
-                executor: "htp",
-                op: op.name().to_string(),
-                shapes: graph.describe_op(op),
-            });
-        }
+        check_supported(graph)?;
         Ok(Box::new(match &self.cache {
             Some(cache) => self.prepare_cached(graph, cache)?,
             None => self.compile(graph)?,
         }))
+    }
+
+    /// One context for all of `graphs` when [`HtpConfig::one_context`] (and there are two or
+    /// more), with [`HtpConfig::weight_sharing`]; a context per graph otherwise.
+    fn prepare_all(&self, graphs: &[&Graph]) -> Result<Vec<Box<dyn ExecutableGraph>>> {
+        if graphs.len() < 2 || !self.rt.config.one_context {
+            return graphs.iter().map(|g| self.prepare(g)).collect();
+        }
+        graphs.iter().try_for_each(|g| check_supported(g))?;
+        let built = match &self.cache {
+            Some(cache) => self.prepare_set_cached(graphs, cache)?,
+            None => build_all(&self.rt, graphs, self.rt.config.weight_sharing, self.profiles.clone())?,
+        };
+        tracing::debug!(graphs = %set_name(graphs), origin = ?built[0].origin, "stage graphs in one QNN context");
+        Ok(built.into_iter().map(|g| Box::new(g) as Box<dyn ExecutableGraph>).collect())
     }
 
     fn profiles(&self) -> Vec<GraphProfile> {
@@ -638,16 +705,81 @@ fn sanitize(name: &str) -> String {
     name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect()
 }
 
-/// Owns a context and frees it (with its graph) on drop.
+/// Owns a context and frees it (with its graphs) on drop; every graph in it holds an `Arc`.
 struct Context {
     rt: Arc<Runtime>,
     handle: Qnn_ContextHandle_t,
+    /// Executions in this context run one at a time (QNN does not promise that concurrent
+    /// graphExecute calls in one context are safe; the HTP runs one graph at a time anyway, and
+    /// the scheduler gives the NPU one stage at a time), and never during `contextGetBinary`.
+    exec: Mutex<()>,
+    /// How many graphs the context holds.
+    graphs: usize,
+    /// Context binary size, computed on first request.
+    binary_size: std::sync::OnceLock<Option<usize>>,
+}
+
+impl Context {
+    fn new(rt: &Arc<Runtime>, handle: Qnn_ContextHandle_t, graphs: usize, binary_size: Option<usize>) -> Self {
+        let size = std::sync::OnceLock::new();
+        if let Some(n) = binary_size {
+            let _ = size.set(Some(n));
+        }
+        Context { rt: rt.clone(), handle, exec: Mutex::new(()), graphs, binary_size: size }
+    }
+
+    /// The context binary (contextGetBinarySize + contextGetBinary): the compiled graphs with
+    /// their weights. `what` names the graphs in errors.
+    fn binary(&self, what: &str) -> Result<Vec<u8>> {
+        let rt = &self.rt;
+        let err = |code: u64, message: String| Error::Execute { graph: what.to_string(), code, message };
+        let f = rt.f();
+        let (Some(size_of), Some(get)) = (f.contextGetBinarySize, f.contextGetBinary) else {
+            return Err(err(0, "library lacks contextGetBinarySize/contextGetBinary".into()));
+        };
+        let _serial = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+        let mut size = 0u64;
+        // SAFETY: valid context and out-pointer.
+        let rc = unsafe { size_of(self.handle, &mut size) };
+        if rc != QNN_SUCCESS {
+            return Err(err(error_code(rc) as u64, format!("contextGetBinarySize: {}", rt.message(rc))));
+        }
+        let mut buf = vec![0u8; size as usize];
+        let mut written = 0u64;
+        // SAFETY: `buf` has `size` writable bytes; valid out-pointer.
+        let rc = unsafe { get(self.handle, buf.as_mut_ptr().cast(), size, &mut written) };
+        if rc != QNN_SUCCESS {
+            return Err(err(error_code(rc) as u64, format!("contextGetBinary: {}", rt.message(rc))));
+        }
+        buf.truncate(written as usize);
+        let _ = self.binary_size.set(Some(buf.len()));
+        Ok(buf)
+    }
+
+    /// Creates an empty context for `graphs` graphs, with the HTP's weight sharing if asked.
+    fn create(rt: &Arc<Runtime>, graphs: usize, weight_sharing: bool) -> std::result::Result<Self, (u64, String)> {
+        let create = rt.f().contextCreate.ok_or((0, "library lacks contextCreate".to_string()))?;
+        let mut custom = QnnHtpContext_CustomConfig_t::weight_sharing(true);
+        let cfg = QnnContext_Config_t::custom((&mut custom as *mut QnnHtpContext_CustomConfig_t).cast());
+        let list: [*const QnnContext_Config_t; 2] = [if weight_sharing { &cfg } else { null() }, null()];
+        let mut handle: Qnn_ContextHandle_t = null_mut();
+        let mark = log_mark();
+        // SAFETY: valid out-pointer; the config list is NULL-terminated and it, and the custom
+        // config it points at, live across the call.
+        let rc = unsafe { create(rt.backend, rt.device, list.as_ptr(), &mut handle) };
+        if rc != QNN_SUCCESS {
+            let msg = format!("contextCreate (weight sharing: {weight_sharing}): {}", rt.message(rc));
+            return Err((error_code(rc) as u64, with_log(msg, &log_errors_since(mark))));
+        }
+        Ok(Context::new(rt, handle, graphs, None))
+    }
 }
 
 impl Drop for Context {
     fn drop(&mut self) {
         if let Some(free) = self.rt.f().contextFree {
-            // SAFETY: created by contextCreate, freed once; its graph is not used afterwards.
+            // SAFETY: created by contextCreate(FromBinary), freed once, after its last graph
+            // (every graph holds an Arc of it).
             unsafe { free(self.handle, null_mut()) };
         }
     }
@@ -863,8 +995,64 @@ fn culprit<'g>(graph: &'g Graph, log: &[String]) -> Option<&'g Op> {
     })
 }
 
-/// Translates and finalizes `graph` in a fresh context.
+/// Translates and finalizes `graph` in a fresh context of its own.
 fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result<HtpGraph> {
+    let ctx = Context::create(rt, 1, false).map_err(|(code, message)| Error::Prepare {
+        graph: graph.name.clone(),
+        op: "-".into(),
+        shapes: "contextCreate".into(),
+        code,
+        message,
+    })?;
+    add_graph(&Arc::new(ctx), graph, profiles)
+}
+
+/// Translates and finalizes `graphs` in one context (with the HTP's weight sharing if asked),
+/// one graph after another: QNN copies a graph's weights by its graphFinalize, so only one
+/// graph's translation is alive at a time.
+fn build_all(rt: &Arc<Runtime>, graphs: &[&Graph], weight_sharing: bool, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
+    check_unique_names(graphs)?;
+    let ctx = Context::create(rt, graphs.len(), weight_sharing).map_err(|(code, message)| Error::Prepare {
+        graph: set_name(graphs),
+        op: "-".into(),
+        shapes: "contextCreate".into(),
+        code,
+        message,
+    })?;
+    let ctx = Arc::new(ctx);
+    graphs.iter().map(|g| add_graph(&ctx, g, profiles.clone())).collect()
+}
+
+/// The name of a set of graphs in logs and cache file names: its first graph's, and the count.
+fn set_name(graphs: &[&Graph]) -> String {
+    match graphs {
+        [] => "no graphs".into(),
+        [g] => g.name.clone(),
+        [g, rest @ ..] => format!("{}+{}", g.name, rest.len()),
+    }
+}
+
+/// Graphs of one context are told apart by their QNN names (graphRetrieve; two equal ones in a
+/// context are QNN error 6003): [`sanitize`] must keep them apart.
+fn check_unique_names(graphs: &[&Graph]) -> Result<()> {
+    let mut seen = std::collections::HashMap::new();
+    for g in graphs {
+        if let Some(other) = seen.insert(sanitize(&g.name), &g.name) {
+            return Err(Error::Prepare {
+                graph: g.name.clone(),
+                op: "-".into(),
+                shapes: "context".into(),
+                code: 0,
+                message: format!("graphs '{other}' and '{}' have one QNN name, '{}': they cannot share a context", g.name, sanitize(&g.name)),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Translates and finalizes `graph` in `ctx`.
+fn add_graph(ctx: &Arc<Context>, graph: &Graph, profiles: Option<Profiles>) -> Result<HtpGraph> {
+    let rt = &ctx.rt;
     let io = |ids: &[TensorId]| -> Vec<IoTensor> {
         ids.iter()
             .map(|&id| {
@@ -884,17 +1072,9 @@ fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result
         code,
         message,
     };
-    let (Some(context_create), Some(graph_create), Some(finalize)) = (f.contextCreate, f.graphCreate, f.graphFinalize) else {
-        return Err(err("-", String::new(), 0, "library lacks contextCreate/graphCreate/graphFinalize".into()));
+    let (Some(graph_create), Some(finalize)) = (f.graphCreate, f.graphFinalize) else {
+        return Err(err("-", String::new(), 0, "library lacks graphCreate/graphFinalize".into()));
     };
-
-    let mut handle: Qnn_ContextHandle_t = null_mut();
-    // SAFETY: valid out-pointer; NULL config list.
-    let rc = unsafe { context_create(rt.backend, rt.device, null(), &mut handle) };
-    if rc != QNN_SUCCESS {
-        return Err(err("-", "contextCreate".into(), error_code(rc) as u64, rt.message(rc)));
-    }
-    let ctx = Context { rt: rt.clone(), handle };
 
     // HTP graph custom configs.
     let mut customs: Vec<QnnHtpGraph_CustomConfig_t> = Vec::new();
@@ -971,59 +1151,89 @@ fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result
         record(p, &graph.name, Origin::Compiled, "prepare", profile.events(), wall_us);
     }
     drop(profile);
-    Ok(HtpGraph::new(&graph.name, handle, ctx, inputs, outputs, Origin::Compiled, None, profiles))
+    Ok(HtpGraph::new(&graph.name, handle, ctx.clone(), inputs, outputs, Origin::Compiled, profiles))
 }
 
-/// Recreates `graph` from a cached context binary: contextCreateFromBinary + graphRetrieve, with
-/// the input/output tensor ids the cache entry recorded.
+/// Recreates `graph` from a cached context binary of its own: contextCreateFromBinary +
+/// graphRetrieve, with the input/output tensor ids the cache entry recorded.
 fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<Profiles>) -> Result<HtpGraph> {
-    let err = |code: u64, message: String| Error::Prepare {
-        graph: graph.name.clone(),
-        op: "-".into(),
-        shapes: "context binary".into(),
-        code,
-        message,
-    };
+    let err = |code, message| load_error(&graph.name, code, message);
     let (n_in, n_out) = (graph.inputs.len(), graph.outputs.len());
     if entry.meta.len() != n_in + n_out {
         return Err(err(0, format!("cache entry has {} tensor ids, the graph has {n_in} inputs + {n_out} outputs", entry.meta.len())));
     }
-    let f = *rt.f();
-    let (Some(create), Some(retrieve)) = (f.contextCreateFromBinary, f.graphRetrieve) else {
-        return Err(err(0, "library lacks contextCreateFromBinary/graphRetrieve".into()));
-    };
+    let ctx = load_context(rt, &entry.payload, 1, &graph.name, profiles.as_ref())?;
+    retrieve(&ctx, graph, &entry.meta, profiles)
+}
+
+/// Recreates `graphs` from the cached context binary that holds them all: one
+/// contextCreateFromBinary, a graphRetrieve per graph. The entry's side table is the graph
+/// count, then each graph's input and output tensor ids in order.
+fn load_all(rt: &Arc<Runtime>, graphs: &[&Graph], entry: &CachedGraph, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
+    let name = set_name(graphs);
+    let want = 1 + graphs.iter().map(|g| g.inputs.len() + g.outputs.len()).sum::<usize>();
+    if entry.meta.first() != Some(&(graphs.len() as u32)) || entry.meta.len() != want {
+        return Err(load_error(&name, 0, format!("cache entry's table ({} ids) is not that of these {} graphs ({want})", entry.meta.len(), graphs.len())));
+    }
+    check_unique_names(graphs)?;
+    let ctx = load_context(rt, &entry.payload, graphs.len(), &name, profiles.as_ref())?;
+    let mut at = 1;
+    graphs
+        .iter()
+        .map(|g| {
+            let n = g.inputs.len() + g.outputs.len();
+            at += n;
+            retrieve(&ctx, g, &entry.meta[at - n..at], profiles.clone())
+        })
+        .collect()
+}
+
+fn load_error(graph: &str, code: u64, message: String) -> Error {
+    Error::Prepare { graph: graph.to_string(), op: "-".into(), shapes: "context binary".into(), code, message }
+}
+
+/// contextCreateFromBinary of `payload`, a context of `graphs` graphs; its profile is recorded
+/// under `what` (a load is of the whole context).
+fn load_context(rt: &Arc<Runtime>, payload: &[u8], graphs: usize, what: &str, profiles: Option<&Profiles>) -> Result<Arc<Context>> {
+    let create = rt.f().contextCreateFromBinary.ok_or_else(|| load_error(what, 0, "library lacks contextCreateFromBinary".into()))?;
     let profile = Profile::new(rt);
     let t = Instant::now();
     let mark = log_mark();
     let mut handle: Qnn_ContextHandle_t = null_mut();
     // SAFETY: the payload outlives the call (QNN copies what it keeps); valid out-pointer.
     let rc = unsafe {
-        create(
-            rt.backend,
-            rt.device,
-            null(),
-            entry.payload.as_ptr().cast(),
-            entry.payload.len() as u64,
-            &mut handle,
-            Profile::handle(&profile),
-        )
+        create(rt.backend, rt.device, null(), payload.as_ptr().cast(), payload.len() as u64, &mut handle, Profile::handle(&profile))
     };
     if rc != QNN_SUCCESS {
         let msg = with_log(format!("contextCreateFromBinary: {}", rt.message(rc)), &log_errors_since(mark));
-        return Err(err(error_code(rc) as u64, msg));
+        return Err(load_error(what, error_code(rc) as u64, msg));
     }
-    let ctx = Context { rt: rt.clone(), handle };
+    let ctx = Arc::new(Context::new(rt, handle, graphs, Some(payload.len())));
+    if let (Some(p), Some(profile)) = (profiles, &profile) {
+        record(p, what, Origin::Loaded, "prepare", profile.events(), t.elapsed().as_micros() as u64);
+    }
+    Ok(ctx)
+}
+
+/// graphRetrieve of `graph` from a loaded context, bound to the tensor ids `ids` (its inputs',
+/// then its outputs', as the cache entry recorded them).
+fn retrieve(ctx: &Arc<Context>, graph: &Graph, ids: &[u32], profiles: Option<Profiles>) -> Result<HtpGraph> {
+    let rt = &ctx.rt;
+    let err = |code, message| load_error(&graph.name, code, message);
+    let n_in = graph.inputs.len();
+    let retrieve = rt.f().graphRetrieve.ok_or_else(|| err(0, "library lacks graphRetrieve".into()))?;
     let name = CString::new(sanitize(&graph.name)).expect("sanitized");
     let mut handle: Qnn_GraphHandle_t = null_mut();
+    let mark = log_mark();
     // SAFETY: valid context, name and out-pointer.
     let rc = unsafe { retrieve(ctx.handle, name.as_ptr(), &mut handle) };
     if rc != QNN_SUCCESS {
         let msg = with_log(format!("graphRetrieve '{}': {}", name.to_string_lossy(), rt.message(rc)), &log_errors_since(mark));
         return Err(err(error_code(rc) as u64, msg));
     }
-    let wall_us = t.elapsed().as_micros() as u64;
-    let io = |ids: &[TensorId], qnn: &[u32]| -> Vec<IoTensor> {
-        ids.iter()
+    let io = |tensors: &[TensorId], qnn: &[u32]| -> Vec<IoTensor> {
+        tensors
+            .iter()
             .zip(qnn)
             .map(|(&id, &q)| {
                 let s = graph.tensor(id);
@@ -1037,17 +1247,12 @@ fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<
             })
             .collect()
     };
-    let inputs = io(&graph.inputs, &entry.meta[..n_in]);
-    let outputs = io(&graph.outputs, &entry.meta[n_in..]);
+    let inputs = io(&graph.inputs, &ids[..n_in]);
+    let outputs = io(&graph.outputs, &ids[n_in..]);
     if let Some(t) = outputs.iter().find(|t| t.qnn_id.is_none()) {
         return Err(err(0, format!("cache entry has no tensor id for output '{}'", t.name)));
     }
-    // Recorded only for a load that succeeded (a failed one is rebuilt and recorded as such).
-    if let (Some(p), Some(profile)) = (&profiles, &profile) {
-        record(p, &graph.name, Origin::Loaded, "prepare", profile.events(), wall_us);
-    }
-    drop(profile);
-    Ok(HtpGraph::new(&graph.name, handle, ctx, inputs, outputs, Origin::Loaded, Some(entry.payload.len()), profiles))
+    Ok(HtpGraph::new(&graph.name, handle, ctx.clone(), inputs, outputs, Origin::Loaded, profiles))
 }
 
 /// Cache-entry id of an input no op reads (it has no QNN tensor).
@@ -1125,84 +1330,39 @@ fn bytes_of_mut(d: &mut TensorData) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(b.data as *mut u8, b.dataSize as usize) }
 }
 
-/// A finalized graph in its own context.
+/// A finalized graph, in a context of its own or shared with the graphs prepared beside it.
 struct HtpGraph {
     name: String,
     handle: Qnn_GraphHandle_t,
-    /// QNN does not promise that concurrent graphExecute calls on one graph are safe (the
-    /// emulator serializes executions anyway); the lock also guards the shared buffers, which
-    /// every execution reuses. Declared before `ctx`: deregistered before the context is freed.
+    /// Guards the shared buffers, which every execution reuses. Declared before `ctx`:
+    /// deregistered before the context can be freed.
     exec_lock: Mutex<Option<SharedIo>>,
-    /// Frees the context, and with it the graph.
-    ctx: Context,
+    /// Freed, with its graphs, when its last graph goes.
+    ctx: Arc<Context>,
     inputs: Vec<IoTensor>,
     outputs: Vec<IoTensor>,
     origin: Origin,
-    /// Context binary size, computed on first request.
-    binary_size: std::sync::OnceLock<Option<usize>>,
     profiles: Option<Profiles>,
 }
 
 impl HtpGraph {
     /// Binds a finalized or loaded graph; sets up shared buffers where the platform has them.
-    #[allow(clippy::too_many_arguments)]
     fn new(
         name: &str,
         handle: Qnn_GraphHandle_t,
-        ctx: Context,
+        ctx: Arc<Context>,
         inputs: Vec<IoTensor>,
         outputs: Vec<IoTensor>,
         origin: Origin,
-        binary_size: Option<usize>,
         profiles: Option<Profiles>,
     ) -> Self {
         let shared = SharedIo::new(&ctx.rt, ctx.handle, name, &inputs.iter().chain(&outputs).collect::<Vec<_>>());
-        let size = std::sync::OnceLock::new();
-        if let Some(n) = binary_size {
-            let _ = size.set(Some(n));
-        }
-        HtpGraph {
-            name: name.to_string(),
-            handle,
-            exec_lock: Mutex::new(shared),
-            ctx,
-            inputs,
-            outputs,
-            origin,
-            binary_size: size,
-            profiles,
-        }
+        HtpGraph { name: name.to_string(), handle, exec_lock: Mutex::new(shared), ctx, inputs, outputs, origin, profiles }
     }
 
-    /// What the cache stores next to the context binary: QNN ids of the inputs, then outputs.
-    fn meta(&self) -> Vec<u32> {
-        self.inputs.iter().chain(&self.outputs).map(|t| t.qnn_id.unwrap_or(NO_TENSOR)).collect()
-    }
-
-    /// The context binary (contextGetBinarySize + contextGetBinary): the compiled graph with its
-    /// weights.
-    fn context_binary_bytes(&self) -> Result<Vec<u8>> {
-        let rt = &self.ctx.rt;
-        let err = |code: u64, message: String| Error::Execute { graph: self.name.clone(), code, message };
-        let f = rt.f();
-        let (Some(size_of), Some(get)) = (f.contextGetBinarySize, f.contextGetBinary) else {
-            return Err(err(0, "library lacks contextGetBinarySize/contextGetBinary".into()));
-        };
-        let mut size = 0u64;
-        // SAFETY: valid context and out-pointer.
-        let rc = unsafe { size_of(self.ctx.handle, &mut size) };
-        if rc != QNN_SUCCESS {
-            return Err(err(error_code(rc) as u64, format!("contextGetBinarySize: {}", rt.message(rc))));
-        }
-        let mut buf = vec![0u8; size as usize];
-        let mut written = 0u64;
-        // SAFETY: `buf` has `size` writable bytes; valid out-pointer.
-        let rc = unsafe { get(self.ctx.handle, buf.as_mut_ptr().cast(), size, &mut written) };
-        if rc != QNN_SUCCESS {
-            return Err(err(error_code(rc) as u64, format!("contextGetBinary: {}", rt.message(rc))));
-        }
-        buf.truncate(written as usize);
-        Ok(buf)
+    /// Its part of a cache entry's side table: QNN ids of the inputs, then outputs.
+    fn meta(&self) -> impl Iterator<Item = u32> + '_ {
+        self.inputs.iter().chain(&self.outputs).map(|t| t.qnn_id.unwrap_or(NO_TENSOR))
     }
 }
 
@@ -1247,6 +1407,7 @@ impl ExecutableGraph for HtpGraph {
             message: "library lacks graphExecute".into(),
         })?;
         let mut shared = self.exec_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _context = self.ctx.exec.lock().unwrap_or_else(|e| e.into_inner());
         let n_in = self.inputs.len();
         let mut exec_in = Vec::with_capacity(inputs.len());
         for (i, (t, data)) in self.inputs.iter().zip(inputs).enumerate() {
@@ -1308,14 +1469,15 @@ impl ExecutableGraph for HtpGraph {
     }
 
     fn serialized_size(&self) -> Option<usize> {
-        *self.binary_size.get_or_init(|| {
-            // Not while an execution is running on this context.
-            let _serial = self.exec_lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.context_binary_bytes()
-                .map_err(|e| tracing::warn!(graph = %self.name, error = %e, "context binary size unavailable"))
-                .ok()
-                .map(|b| b.len())
-        })
+        if let Some(&size) = self.ctx.binary_size.get() {
+            return size;
+        }
+        let size = self.ctx.binary(&self.name).map_err(|e| tracing::warn!(graph = %self.name, error = %e, "context binary size unavailable")).ok().map(|b| b.len());
+        *self.ctx.binary_size.get_or_init(|| size)
+    }
+
+    fn graphs_in_unit(&self) -> usize {
+        self.ctx.graphs
     }
 }
 

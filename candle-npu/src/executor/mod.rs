@@ -30,6 +30,15 @@ pub trait Executor: Send + Sync {
     /// Compile a validated graph. Costly on an NPU (QNN finalize); done once per graph shape.
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>>;
 
+    /// Compile graphs that are used together (a model's stage graphs of every graph size), in
+    /// the order given; each is validated and supported. An executor may hold them in one
+    /// compiled unit: the HTP puts them in one QNN context, loaded once and, where the device
+    /// can load it, with one copy of weights the graph sizes share. The default prepares each
+    /// alone.
+    fn prepare_all(&self, graphs: &[&Graph]) -> Result<Vec<Box<dyn ExecutableGraph>>> {
+        graphs.iter().map(|g| self.prepare(g)).collect()
+    }
+
     /// The arithmetic this executor's results follow: a CPU margin beside it computes its rows
     /// with a [`HostExecutor`] of the same numerics (one numerics story per prompt).
     fn numerics(&self) -> Numerics {
@@ -78,10 +87,18 @@ pub trait ExecutableGraph: Send + Sync {
         Origin::Compiled
     }
 
-    /// Size in bytes of the graph's serialized compiled form (for QNN: its context binary,
-    /// weights included), when the executor has one.
+    /// Size in bytes of the serialized compiled form that holds this graph (for QNN: its
+    /// context binary, weights included), when the executor has one. Graphs prepared together
+    /// into one unit ([`Executor::prepare_all`]) report the same unit: see
+    /// [`Self::graphs_in_unit`].
     fn serialized_size(&self) -> Option<usize> {
         None
+    }
+
+    /// How many graphs share the compiled unit [`Self::serialized_size`] measures (1: the
+    /// graph's own).
+    fn graphs_in_unit(&self) -> usize {
+        1
     }
 }
 

@@ -144,11 +144,14 @@ impl Model {
     pub fn prepare_chunked(&mut self, chunk_len: usize) -> Result<()> {
         check_chunk_len(chunk_len, self.cfg.context_len)?;
         self.check_profile(self.precision)?;
-        self.graphs_for(GraphSet::Npu(chunk_len), self.precision)?;
-        for size in self.sched.small_chunks.clone().into_iter().filter(|&s| s > 0 && s < chunk_len) {
-            self.graphs_for(GraphSet::Npu(size), self.precision)?;
-        }
-        Ok(())
+        self.prepare_sets(&self.npu_sets(chunk_len), self.precision)
+    }
+
+    /// The NPU graph sets a prefill in chunks of `chunk_len` may use, prepared together (one QNN
+    /// context on the HTP): the chunk length and the smaller [`SchedOptions::small_chunks`].
+    pub(super) fn npu_sets(&self, chunk_len: usize) -> Vec<GraphSet> {
+        let small = self.sched.small_chunks.iter().copied().filter(|&s| s > 0 && s < chunk_len);
+        std::iter::once(chunk_len).chain(small).map(GraphSet::Npu).collect()
     }
 
     pub(super) fn check_profile(&self, precision: Precision) -> Result<()> {
@@ -261,6 +264,11 @@ impl Model {
     }
 
     pub(super) fn run_plan(&mut self, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
+        // Every size the plan could have used, at once: one unit of compiled graphs per chunk
+        // length, whatever this prompt's length.
+        let mut sets = self.npu_sets(plan.chunk_len);
+        sets.extend(plan.npu_sizes().into_iter().map(GraphSet::Npu));
+        self.prepare_sets(&sets, precision)?;
         let mut graphs = HashMap::new();
         for size in plan.npu_sizes() {
             graphs.insert(size, self.graphs_for(GraphSet::Npu(size), precision)?);
@@ -540,35 +548,59 @@ impl Model {
     }
 
     pub(super) fn graphs_for(&mut self, set: GraphSet, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
-        if let Some(g) = self.graphs.get(&(set, precision)) {
-            return Ok(g.clone());
-        }
-        let t = std::time::Instant::now();
-        // A margin's host graphs run on any row count: described with one.
-        let (device, rows) = match set {
-            GraphSet::Npu(m) => (self.device.clone(), m),
-            GraphSet::Margin => (self.device.margin_device(), 1),
-        };
-        let graphs = (0..self.cfg.n_layer)
-            .map(|l| self.layer_graphs(l, rows, precision)?.iter().map(|g| device.prepare(g)).collect::<Result<Vec<_>>>())
-            .collect::<Result<Vec<_>>>()?;
-        // Host graphs hand their packed weights to the shadow path (cold columns).
-        for (layer, stages) in self.layers.iter().zip(&graphs) {
-            for (lins, graph) in layer.stages.iter().zip(stages) {
-                lins.iter().for_each(|lin| lin.attach_packed(graph));
+        self.prepare_sets(&[set], precision)?;
+        Ok(self.graphs[&(set, precision)].clone())
+    }
+
+    /// Prepares the stage graphs of every layer for the sets in `sets` not prepared yet, in one
+    /// [`NpuDevice::prepare_all`]: on the HTP, every stage graph of every size in one QNN context
+    /// (one cache entry, one load, and the weights the sizes share held once where the device
+    /// can load that). Margin graphs (any row count) run on the margin's device, described with
+    /// one row.
+    pub(super) fn prepare_sets(&mut self, sets: &[GraphSet], precision: Precision) -> Result<()> {
+        let mut todo: Vec<GraphSet> = Vec::new();
+        for &set in sets {
+            if !self.graphs.contains_key(&(set, precision)) && !todo.contains(&set) {
+                todo.push(set);
             }
         }
-        tracing::info!(
-            ?set,
-            ?precision,
-            layers = graphs.len(),
-            secs = t.elapsed().as_secs_f32(),
-            executor = device.executor_name(),
-            "prepared stage graphs"
-        );
-        let graphs = Arc::new(graphs);
-        self.graphs.insert((set, precision), graphs.clone());
-        Ok(graphs)
+        for (device, group) in [(self.device.clone(), false), (self.device.margin_device(), true)] {
+            let group: Vec<GraphSet> = todo.iter().copied().filter(|s| (*s == GraphSet::Margin) == group).collect();
+            if group.is_empty() {
+                continue;
+            }
+            let t = std::time::Instant::now();
+            let mut described = Vec::new();
+            for set in &group {
+                let rows = match set {
+                    GraphSet::Npu(m) => *m,
+                    GraphSet::Margin => 1,
+                };
+                for l in 0..self.cfg.n_layer {
+                    described.extend(self.layer_graphs(l, rows, precision)?);
+                }
+            }
+            let mut prepared = device.prepare_all(&described)?.into_iter();
+            for set in &group {
+                let graphs: Vec<Vec<PreparedGraph>> = (0..self.cfg.n_layer).map(|_| prepared.by_ref().take(N_STAGES).collect()).collect();
+                // Host graphs hand their packed weights to the shadow path (cold columns).
+                for (layer, stages) in self.layers.iter().zip(&graphs) {
+                    for (lins, graph) in layer.stages.iter().zip(stages) {
+                        lins.iter().for_each(|lin| lin.attach_packed(graph));
+                    }
+                }
+                self.graphs.insert((*set, precision), Arc::new(graphs));
+            }
+            tracing::info!(
+                sets = ?group,
+                ?precision,
+                graphs = described.len(),
+                secs = t.elapsed().as_secs_f32(),
+                executor = device.executor_name(),
+                "prepared stage graphs"
+            );
+        }
+        Ok(())
     }
 
     /// Describe the static NPU graphs of one layer for chunks of `m` rows: per stage, one input
