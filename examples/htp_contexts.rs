@@ -1,0 +1,180 @@
+//! NPU memory and start-up as a phone would see them: the W8A8 stage graphs of the default phone
+//! plan (graphs of 256 and 32 rows) of each real model on the QNN HTP library, held three ways:
+//!
+//! - **a context per graph** (`HtpConfig::one_context = false`): every stage graph of every size
+//!   has its own context binary and its own copy of its weights;
+//! - **one context** (the default): every graph of the model in one context, one cache entry,
+//!   one load; each size still holds its own copy of the weights;
+//! - **one context with weight sharing** (the default on a phone, HTP v73+): equal weights of the
+//!   two sizes held once. The x86 library prepares and runs it but refuses to load its binary
+//!   back (QNN 1000): its load column says so, and its bytes are what a phone would load.
+//!
+//! Per way: the context binary bytes (what the NPU maps), the time to prepare (finalize) and to
+//! load from the prepared-graph cache in a new executor, and with `--first-chunk` the time from a
+//! new executor to the logits of a 32-token prompt (cache load, then one 32-row chunk on the
+//! emulator, whose speed is not a phone's). QNN's profile of a load reports times only (no
+//! memory event). On x86 the library is an emulator: bytes carry over to a phone, times do not.
+//!
+//! ```text
+//! cargo run --release --example htp_contexts -- --first-chunk
+//! ```
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_npu::{Graph, HtpConfig, NpuDevice, PreparedGraph};
+use candle_npu_models::{assets, CalibrationSet, LoadOptions, Pipeline, Precision, SchedOptions};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+#[command(about = "A model's NPU stage graphs in a context per graph, one context, and one context with weight sharing")]
+struct Args {
+    /// Models: smollm2, gemma, qwen.
+    #[arg(long, value_delimiter = ',', default_value = "smollm2,gemma,qwen")]
+    models: Vec<String>,
+    /// Graph sizes (rows), the first being the chunk length.
+    #[arg(long, value_delimiter = ',', default_value = "256,32")]
+    sizes: Vec<usize>,
+    /// Also time a new executor's first 32-token prefill (cache load + one emulated chunk).
+    #[arg(long)]
+    first_chunk: bool,
+    /// Hexagon SoC model (57 = SM8650).
+    #[arg(long, default_value_t = 57)]
+    soc: u32,
+}
+
+/// One way of holding the graphs.
+struct Way {
+    name: &'static str,
+    one_context: bool,
+    weight_sharing: bool,
+}
+
+const WAYS: [Way; 3] = [
+    Way { name: "a context per graph", one_context: false, weight_sharing: false },
+    Way { name: "one context", one_context: true, weight_sharing: false },
+    Way { name: "one context, weight sharing", one_context: true, weight_sharing: true },
+];
+
+fn mib(b: f64) -> f64 {
+    b / (1 << 20) as f64
+}
+
+/// Bytes of the compiled units holding `prepared`, and how many units there are (graphs sharing
+/// a unit report the same one).
+fn units(prepared: &[PreparedGraph]) -> (f64, f64) {
+    prepared.iter().fold((0.0, 0.0), |(bytes, n), g| {
+        let share = 1.0 / g.graphs_in_unit() as f64;
+        (bytes + g.serialized_size().unwrap_or(0) as f64 * share, n + share)
+    })
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    if args.sizes.is_empty() || args.sizes.contains(&0) {
+        bail!("--sizes must be positive row counts");
+    }
+    let lib = HtpConfig::default().library_path();
+    if !lib.exists() {
+        bail!("{} absent: run scripts/setup.sh", lib.display());
+    }
+    println!(
+        "W8A8 stage graphs of {:?} rows, SoC {}, QNN HTP {} (x86 emulator: bytes carry over to a phone, times do not)\n",
+        args.sizes,
+        args.soc,
+        lib.display()
+    );
+    println!("| model | way | graphs | contexts | weights in graphs MiB | context binaries MiB | prepare s | load s | first chunk s |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for name in &args.models {
+        let path = match name.as_str() {
+            "smollm2" => assets::smollm2(),
+            "gemma" => assets::gemma3_270m()?,
+            "qwen" => assets::qwen25_coder_05b()?,
+            other => bail!("unknown model {other}: smollm2, gemma or qwen"),
+        };
+        measure(&args, name, &path)?;
+    }
+    Ok(())
+}
+
+fn measure(args: &Args, name: &str, path: &PathBuf) -> Result<()> {
+    let opts = LoadOptions { precision: Precision::W8A8, ..Default::default() };
+    let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts.clone())?;
+    p.ensure_profile(None, CalibrationSet::default(), |i, n| eprint!("\rcalibrating {name} {i}/{n}"))?;
+    let profile = p.model.profile().context("a profile")?.clone();
+    let mut graphs: Vec<Graph> = Vec::new();
+    for &m in &args.sizes {
+        for l in 0..p.model.config().n_layer {
+            graphs.extend(p.model.layer_graphs(l, m, Precision::W8A8)?);
+        }
+    }
+    let weights: f64 = graphs.iter().flat_map(|g| &g.tensors).filter(|t| t.data.is_some()).map(|t| t.size_in_bytes() as f64).sum();
+    let tokens: Vec<u32> = (0..32).map(|i| 1000 + 37 * i).collect();
+    for way in &WAYS {
+        let dir = std::env::temp_dir().join(format!("candle-npu-htp-contexts-{}-{name}-{}", std::process::id(), way.one_context as u8 + way.weight_sharing as u8));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = HtpConfig {
+            soc_model: args.soc,
+            cache_dir: Some(dir.clone()),
+            one_context: way.one_context,
+            weight_sharing: way.weight_sharing,
+            ..Default::default()
+        };
+        eprint!("\r{name}, {}: preparing {} graphs          ", way.name, graphs.len());
+        let writer = NpuDevice::hexagon(config.clone())?;
+        let t = Instant::now();
+        let prepared = writer.prepare_all(&graphs)?;
+        let prepare_s = t.elapsed().as_secs_f64();
+        if writer.stats().fallbacks > 0 {
+            bail!("{name}: {} graphs fell back to the host: not an NPU measurement", writer.stats().fallbacks);
+        }
+        let (bytes, contexts) = units(&prepared);
+        drop(prepared);
+        drop(writer);
+
+        eprint!("\r{name}, {}: loading                    ", way.name);
+        let reader = NpuDevice::hexagon(config.clone())?;
+        let t = Instant::now();
+        let loaded = reader.prepare_all(&graphs)?;
+        let load_s = t.elapsed().as_secs_f64();
+        let load = match reader.stats().graphs_loaded as usize == graphs.len() {
+            true => format!("{load_s:.2}"),
+            false => "refused on x86 (QNN 1000): rebuilt".to_string(),
+        };
+        drop(loaded);
+        drop(reader);
+
+        let first = if args.first_chunk && !(way.weight_sharing && cfg!(target_arch = "x86_64")) {
+            eprint!("\r{name}, {}: first chunk              ", way.name);
+            let htp = NpuDevice::hexagon(config)?;
+            let sched = SchedOptions { small_chunks: args.sizes[1..].to_vec(), ..SchedOptions::for_device(&htp) };
+            let mut x = Pipeline::load(path, None, &htp, LoadOptions { chunk_len: Some(args.sizes[0]), sched: Some(sched), ..opts.clone() })?;
+            x.model.set_profile(profile.clone())?;
+            let t = Instant::now();
+            x.model.prepare()?;
+            x.model.prefill(&tokens)?;
+            let s = t.elapsed().as_secs_f64();
+            if htp.stats().graphs_loaded as usize != graphs.len() {
+                bail!("{name}: the first-chunk run did not load every graph from the cache");
+            }
+            format!("{s:.1}")
+        } else {
+            "-".to_string()
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        eprint!("\r{:60}\r", "");
+        println!(
+            "| {name} | {} | {} | {contexts:.0} | {:.1} | {:.1} | {prepare_s:.2} | {load} | {first} |",
+            way.name,
+            graphs.len(),
+            mib(weights),
+            mib(bytes),
+        );
+    }
+    Ok(())
+}
