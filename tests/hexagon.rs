@@ -5,7 +5,7 @@
 
 mod common;
 
-use candle_npu::{DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
+use candle_npu::{Contexts, DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
 use candle_npu::executor::htp_numerics::fp16_step;
 use candle_npu_models::transformer::argmax;
 use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Precision, SchedOptions};
@@ -185,11 +185,12 @@ fn prepare_on_fresh_executor(config: &HtpConfig, profile: &QuantProfile) -> Devi
     htp.stats()
 }
 
-/// The prepared-graph cache of a model's one QNN context: every stage graph of both sizes in one
-/// context binary, loaded whole by the next process; a damaged entry is rebuilt, another profile
-/// is another entry; and the per-graph mode beside it.
+/// The prepared-graph cache of a model's shared contexts: on x86 (no weight sharing) a context
+/// per graph size, each one context binary loaded whole by the next process; a damaged entry is
+/// rebuilt (that context alone), another profile is another entry; one context for the model and
+/// a context per graph beside them.
 #[test]
-fn second_run_loads_the_models_context_from_the_cache() {
+fn second_run_loads_the_models_contexts_from_the_cache() {
     if !library_present() {
         return;
     }
@@ -210,48 +211,58 @@ fn second_run_loads_the_models_context_from_the_cache() {
         v
     };
     let config = HtpConfig { cache_dir: Some(dir.clone()), ..Default::default() };
-    let n = 240; // 30 layers x 4 NPU stages x 2 graph sizes
+    assert_eq!(config.contexts(), if cfg!(target_arch = "x86_64") { Contexts::PerGraphSize } else { Contexts::PerModel });
+    let config = HtpConfig { contexts: Some(Contexts::PerGraphSize), ..config };
+    let (n, half) = (240, 120); // 30 layers x 4 NPU stages x 2 graph sizes
 
     let first = prepare_on_fresh_executor(&config, &profile);
     assert_eq!((first.graphs_prepared, first.graphs_loaded, first.fallbacks), (n, 0, 0));
-    let [entry] = files().try_into().expect("one context binary for the model");
-    let bytes = std::fs::metadata(&entry).unwrap().len();
+    let [a, b] = files().try_into().expect("a context binary per graph size");
+    let bytes = std::fs::metadata(&a).unwrap().len();
 
     let second = prepare_on_fresh_executor(&config, &profile);
     eprintln!(
-        "{n} stage graphs in one context: finalized in {:.2}s, {} bytes cached, loaded in {:.2}s",
+        "{n} stage graphs in two contexts: finalized in {:.2}s, {} + {} bytes cached, loaded in {:.2}s",
         first.prepare_ns as f64 / 1e9,
         bytes,
+        std::fs::metadata(&b).unwrap().len(),
         second.load_ns as f64 / 1e9
     );
     assert_eq!((second.graphs_prepared, second.graphs_loaded), (0, n), "the second run prepares nothing");
 
-    // A damaged entry: the context is rebuilt (with a warning) and the file rewritten.
-    std::fs::OpenOptions::new().write(true).open(&entry).unwrap().set_len(bytes / 3).unwrap();
+    // A damaged entry: its context is rebuilt (with a warning) and the file rewritten.
+    std::fs::OpenOptions::new().write(true).open(&a).unwrap().set_len(bytes / 3).unwrap();
     let third = prepare_on_fresh_executor(&config, &profile);
-    assert_eq!((third.graphs_prepared, third.graphs_loaded), (n, 0));
-    assert_eq!(std::fs::metadata(&entry).unwrap().len(), bytes, "{} rewritten", entry.display());
+    assert_eq!((third.graphs_prepared, third.graphs_loaded), (half, half));
+    assert_eq!(std::fs::metadata(&a).unwrap().len(), bytes, "{} rewritten", a.display());
     assert_eq!(prepare_on_fresh_executor(&config, &profile).graphs_loaded, n);
 
     // Another profile (other scales in every graph) misses, and is cached beside.
     let other = prepare_on_fresh_executor(&config, &other_profile);
     assert_eq!((other.graphs_prepared, other.graphs_loaded), (n, 0));
-    assert_eq!(files().len(), 2);
+    assert_eq!(files().len(), 4);
     assert_eq!(prepare_on_fresh_executor(&config, &other_profile).graphs_loaded, n);
 
+    // One context for the model: one entry (SmolLM2's fits what the emulated NPU maps).
+    let per_model = HtpConfig { contexts: Some(Contexts::PerModel), ..config.clone() };
+    assert_eq!(prepare_on_fresh_executor(&per_model, &profile).graphs_prepared, n);
+    assert_eq!(files().len(), 5);
+    assert_eq!(prepare_on_fresh_executor(&per_model, &profile).graphs_loaded, n);
+
     // A context per graph: its own entries, one per graph.
-    let per_graph = HtpConfig { one_context: false, ..config };
+    let per_graph = HtpConfig { contexts: Some(Contexts::PerGraph), ..config };
     assert_eq!(prepare_on_fresh_executor(&per_graph, &profile).graphs_prepared, n);
-    assert_eq!(files().len(), 2 + n as usize);
+    assert_eq!(files().len(), 5 + n as usize);
     assert_eq!(prepare_on_fresh_executor(&per_graph, &profile).graphs_loaded, n);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Graphs in one context compute what each computes in a context of its own: compiled, loaded
-/// back from the cache, and with weight sharing (in the process that prepared it: the x86
-/// library cannot load that back), which holds the weights of both sizes once.
+/// Graphs in shared contexts compute what each computes in a context of its own: a context per
+/// graph size and one for all, compiled and loaded back from the cache, and one with weight
+/// sharing (in the process that prepared it: the x86 library cannot load that back), which
+/// holds the weights of both sizes once.
 #[test]
-fn graphs_in_one_context_compute_as_alone() {
+fn graphs_in_shared_contexts_compute_as_alone() {
     if !library_present() {
         return;
     }
@@ -273,20 +284,25 @@ fn graphs_in_one_context_compute_as_alone() {
         assert_eq!(htp.stats().fallbacks, 0);
         (out, htp.stats(), bytes, prepared[0].graphs_in_unit())
     };
-    let alone = run(HtpConfig { one_context: false, ..Default::default() });
+    let alone = run(HtpConfig { contexts: Some(Contexts::PerGraph), ..Default::default() });
     assert_eq!(alone.3, 1);
     let dir = std::env::temp_dir().join(format!("candle-npu-one-context-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let cached = HtpConfig { cache_dir: Some(dir.clone()), ..Default::default() };
-    let compiled = run(cached.clone());
-    let loaded = run(cached);
+    for (contexts, graphs_in_unit) in [(Contexts::PerGraphSize, 4), (Contexts::PerModel, 8)] {
+        let cached = HtpConfig { cache_dir: Some(dir.clone()), contexts: Some(contexts), ..Default::default() };
+        let compiled = run(cached.clone());
+        let loaded = run(cached);
+        assert_eq!((compiled.1.graphs_prepared, loaded.1.graphs_loaded, loaded.3), (8, 8, graphs_in_unit), "{contexts:?}, loaded back");
+        assert!(compiled.0 == alone.0, "{contexts:?} computes as a context per graph");
+        assert!(loaded.0 == alone.0, "{contexts:?} loaded from the cache computes as a context per graph");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
-    assert_eq!((compiled.1.graphs_prepared, loaded.1.graphs_loaded, loaded.3), (8, 8, 8), "one context of 8 graphs, loaded back");
+    let one = run(HtpConfig { contexts: Some(Contexts::PerModel), ..Default::default() });
     let shared = run(HtpConfig { weight_sharing: true, ..Default::default() });
-    eprintln!("layer 0 at 64 + 32 rows: context binaries {} bytes alone, {} in one context, {} with weight sharing", alone.2, compiled.2, shared.2);
-    assert!(compiled.0 == alone.0, "one context computes as a context per graph");
-    assert!(loaded.0 == alone.0, "and so does the context loaded from the cache");
-    assert!(shared.0 == alone.0, "and the context that shares the weights of both sizes");
+    assert_eq!(shared.3, 8, "weight sharing: one context for the model");
+    eprintln!("layer 0 at 64 + 32 rows: context binaries {} bytes alone, {} in one context, {} with weight sharing", alone.2, one.2, shared.2);
+    assert!(shared.0 == alone.0, "the context that shares the weights of both sizes computes as a context per graph");
+    let compiled = one;
     // Measured: 10.8 MB in a context per graph or in one, 4.1 MB with weight sharing, for 2 x 3.5
     // MB of INT8 weights: sharing saves more than one size's copy of the weights.
     let weights: usize = graphs[..4].iter().map(Graph::static_bytes).sum();

@@ -9,9 +9,10 @@
 //! # Keys
 //!
 //! A [`CacheKey`] is SHA-256 over the graph's [`fingerprint`](crate::Graph::fingerprint) (which
-//! covers the weights, the quant profile's scales and the chunk length) and the executor's
-//! `salt` (for QNN: the library's build id and API versions, the SoC model, the graph configs,
-//! and this crate's version). The file name carries the key, so a changed model, profile, chunk
+//! covers the weights, the quant profile's scales and the chunk length; for an entry holding
+//! several graphs, a hash of their fingerprints in order) and the executor's `salt` (for QNN:
+//! the library's build id and API versions, the SoC model, the graph configs, and this crate's
+//! version). The file name carries the key, so a changed model, profile, chunk
 //! length, SoC or library simply misses; old files are left in place (delete the folder to
 //! reclaim the space).
 //!
@@ -23,7 +24,8 @@
 //! ```
 //!
 //! `meta` is the executor's small side table (for QNN: the tensor ids of the graph's inputs and
-//! outputs, which a context binary does not give back without QNN's System library). The
+//! outputs, which a context binary does not give back without QNN's System library; for a
+//! context holding several graphs, their count, then each graph's ids in order). The
 //! checksum covers every byte read back, the side table included: a damaged id would bind a
 //! graph's buffers wrongly without any error. ("CNPUGRF1" files hashed the payload alone; they
 //! are rebuilt.)
@@ -189,9 +191,16 @@ impl GraphCache {
         }
     }
 
-    /// Writes an entry atomically (temporary file + rename) and returns its path.
+    /// Writes an entry atomically (temporary file + rename) and returns its path. An entry
+    /// larger than [`ENTRY_LIMIT`] is refused (it could never be read back) with an error
+    /// naming its size.
     pub fn store(&self, name: &str, key: &CacheKey, meta: &[u32], payload: &[u8]) -> Result<PathBuf> {
         let path = self.path(name, key);
+        let size = 52 + 4 * meta.len() as u64 + payload.len() as u64 + 32;
+        if size > ENTRY_LIMIT || meta.len() > MAX_META as usize {
+            let why = format!("{size} bytes and {} side-table entries: over the cache's limits ({ENTRY_LIMIT} bytes, {MAX_META} entries)", meta.len());
+            return Err(Error::io(&path, std::io::Error::new(std::io::ErrorKind::FileTooLarge, why)));
+        }
         std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
         let mut header = Vec::with_capacity(52 + 4 * meta.len());
         header.extend_from_slice(MAGIC);
@@ -458,6 +467,18 @@ mod tests {
         let err = cache.store("g", &key, &[], &[1]).unwrap_err().to_string();
         assert!(err.contains("is a folder") && err.contains("not replaced"), "{err}");
         assert!(cache.path("g", &key).is_dir());
+        std::fs::remove_dir_all(cache.dir()).unwrap();
+    }
+
+    #[test]
+    fn an_entry_that_could_not_be_read_back_is_not_written() {
+        let cache = GraphCache::new(tmp_dir("limits"));
+        let key = CacheKey::new(&[6; 32], "");
+        let err = cache.store("g", &key, &vec![0; MAX_META as usize + 1], &[1]).unwrap_err().to_string();
+        assert!(err.contains("over the cache's limits") && err.contains(&cache.path("g", &key).display().to_string()), "{err}");
+        assert!(!cache.path("g", &key).exists());
+        cache.store("g", &key, &vec![0; MAX_META as usize], &[1]).unwrap();
+        assert!(matches!(cache.load("g", &key), Lookup::Hit(_)), "the largest side table reads back");
         std::fs::remove_dir_all(cache.dir()).unwrap();
     }
 

@@ -34,7 +34,7 @@ pub use chunk::{Chunk, ChunkPlan, Tail};
 pub use device::{DeviceStats, NpuDevice, PreparedGraph};
 pub use error::{Error, Result};
 #[cfg(feature = "qnn")]
-pub use executor::htp::{HtpConfig, HtpExecutor, ProfilingLevel};
+pub use executor::htp::{Contexts, HtpConfig, HtpExecutor, ProfilingLevel};
 pub use executor::{ExecutableGraph, Executor, GraphProfile, HostExecutor, Numerics, Origin, ProfileEvent};
 pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
 pub use linear::{DecodeWeights, ShadowLinear, WeightQuant};

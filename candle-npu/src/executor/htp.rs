@@ -5,20 +5,37 @@
 //!
 //! One [`HtpExecutor`] owns a loaded `libQnnHtp.so`, a log, a backend and a device (with the HTP
 //! SoC custom config, written in the layout the library's reported HTP API version expects).
-//! Every prepared graph gets its **own context**: dropping a prepared graph frees its compiled
-//! form (`contextFree`) without touching the others, and graphs can be prepared concurrently. A
-//! prepared graph holds an `Arc` of the runtime, so the device, backend and log are freed (in
-//! that order, after every context) only when the executor and its last graph are gone.
-//! Several executors may live in one process (each has its own backend; checked on the emulator).
+//!
+//! **Contexts.** Graphs prepared together ([`Executor::prepare_all`]: a model's stage graphs of
+//! every graph size) share contexts ([`HtpConfig::contexts`]), as the vendors' toolchains
+//! build a model: one context binary in the cache, one `contextCreateFromBinary`, a
+//! `graphRetrieve` per graph. With [`HtpConfig::weight_sharing`] (a device's default) there is
+//! **one context per model**, created with the HTP's weight sharing, which keeps equal weight
+//! bytes once (by content, not by name: the same linear at two graph sizes). Measured on this
+//! library (`examples/htp_contexts.rs`, `docs/memory.md`): SmolLM2's stage graphs at 256 and 32
+//! rows take 486 MB of context binary in 240 contexts, 483 MB in one, 118 MB in one with
+//! sharing. The x86 library prepares and runs a weight-shared context but refuses to load its
+//! binary (QNN 1000, "Shared weights buffer isn't supported on this platform"), so sharing is
+//! off by default there, and without it there is one context per graph size: a context of
+//! every size would save nothing, and the library refuses to load one beyond the NPU's memory
+//! (QNN 1002, "Failed to find available PD", with its "context size estimate", 2.5x the binary
+//! for Qwen2.5-Coder's at 256 + 32 rows). A graph prepared alone ([`Executor::prepare`], or
+//! with [`Contexts::PerGraph`]) gets a context of its own. Every graph
+//! holds an `Arc` of its context, freed with its last graph; executions in one context run one
+//! at a time. Each context holds an `Arc` of the runtime, so the device, backend and log are
+//! freed (in that order, after every context) only when the executor and its last graph are
+//! gone. Several executors may live in one process (each has its own backend; checked on the
+//! emulator).
 //!
 //! # Prepared-graph cache, profiling, shared buffers
 //!
-//! With [`HtpConfig::cache_dir`], every graph is first looked up in a [`GraphCache`] under a key
-//! made of the graph's fingerprint and this executor's library build, API versions, SoC and
-//! graph configs; a hit is loaded with `contextCreateFromBinary` + `graphRetrieve` (the tensor
-//! ids for execution come from the cache entry); a miss is finalized and its context binary
-//! (`contextGetBinary`) written. An unusable entry (corrupt, or refused by the library) is
-//! rebuilt with a warning. With [`HtpConfig::profiling`], every finalize, load and execute gets
+//! With [`HtpConfig::cache_dir`], every context is first looked up in a [`GraphCache`] under a
+//! key made of its graphs' fingerprints (in order) and this executor's library build, API
+//! versions, SoC and graph configs (and, for a shared context, the weight-sharing flag); a hit
+//! is loaded with `contextCreateFromBinary` + `graphRetrieve` (the tensor ids for execution come
+//! from the cache entry); a miss is finalized and its context binary (`contextGetBinary`)
+//! written. An unusable entry (corrupt, or refused by the library) is rebuilt with a warning:
+//! for a shared context, the whole context. With [`HtpConfig::profiling`], every finalize, load and execute gets
 //! a QNN profile whose events are summed per graph ([`Executor::profiles`]). Where
 //! `libcdsprpc.so` exists (Android), graph inputs and outputs live in rpcmem buffers registered
 //! with `memRegister` (`rpcmem`); elsewhere, as on x86, in client buffers.
@@ -112,11 +129,10 @@ pub struct HtpConfig {
     /// QNN profiling of every finalize, load and execute, read back with
     /// [`Executor::profiles`]. `None`: off (profiling costs a little on every call).
     pub profiling: Option<ProfilingLevel>,
-    /// Graphs prepared together ([`Executor::prepare_all`]: a model's stage graphs of every
-    /// size) share one QNN context: one context binary in the cache, one load. `false`: a
-    /// context per graph, as [`Executor::prepare`] always does (for a device whose NPU cannot
-    /// map a whole model's context at once, or to measure the difference).
-    pub one_context: bool,
+    /// How graphs prepared together ([`Executor::prepare_all`]: a model's stage graphs of every
+    /// size) are held in contexts. `None`: [`Contexts::PerModel`] with
+    /// [`Self::weight_sharing`], [`Contexts::PerGraphSize`] without.
+    pub contexts: Option<Contexts>,
     /// Create shared contexts with the HTP's weight sharing: equal weight bytes in the graphs of
     /// one context (the same linear at two graph sizes) are held once. Needs HTP v73 or newer
     /// (SM8550 on; SM8650 is v75). Default: on, except on x86_64, where the library is an
@@ -135,10 +151,29 @@ impl Default for HtpConfig {
             vtcm_mb: None,
             cache_dir: None,
             profiling: None,
-            one_context: true,
+            contexts: None,
             weight_sharing: !cfg!(target_arch = "x86_64"),
         }
     }
+}
+
+/// How graphs prepared together are held in QNN contexts ([`HtpConfig::contexts`]). A context
+/// is one context binary in the cache and one `contextCreateFromBinary`; its graphs are found
+/// in it with `graphRetrieve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Contexts {
+    /// A context per graph, as [`Executor::prepare`] does: for measuring the difference, or for
+    /// a device that maps only small contexts.
+    PerGraph,
+    /// A context per graph size (row count). Without weight sharing (the x86 emulator, HTP
+    /// before v73) a context of every size saves no memory (SmolLM2 at 256 + 32 rows: 483 MB of
+    /// binary against 486 MB in 240 contexts) and is the likelier to exceed what the NPU can map:
+    /// Qwen2.5-Coder's at 256 + 32 rows is refused at load (QNN 1002, "Failed to find available
+    /// PD ... context size estimate 4768450560", 2.5x its binary) while its 256-row one loads.
+    PerGraphSize,
+    /// One context for all of them: with [`HtpConfig::weight_sharing`], the sizes' copies of a
+    /// weight are held once (SmolLM2 at 256 + 32 rows: 118 MB of binary).
+    PerModel,
 }
 
 /// QNN profiling level.
@@ -151,6 +186,11 @@ pub enum ProfilingLevel {
 }
 
 impl HtpConfig {
+    /// The contexts graphs prepared together get ([`Self::contexts`], or its default).
+    pub fn contexts(&self) -> Contexts {
+        self.contexts.unwrap_or(if self.weight_sharing { Contexts::PerModel } else { Contexts::PerGraphSize })
+    }
+
     /// The `libQnnHtp.so` this config loads.
     pub fn library_path(&self) -> PathBuf {
         self.lib_dir.clone().unwrap_or_else(default_lib_dir).join(QNN_HTP_LIBRARY_NAME)
@@ -416,9 +456,14 @@ impl HtpExecutor {
     /// [`Self::prepare_cached`] for graphs that share one context: one entry, one load.
     fn prepare_set_cached(&self, graphs: &[&Graph], cache: &GraphCache) -> Result<Vec<HtpGraph>> {
         let (name, key) = (set_name(graphs), self.context_cache_key(graphs));
+        let t = Instant::now();
         if let Some(entry) = lookup(cache, &name, &key) {
+            let read = t.elapsed();
             match load_all(&self.rt, graphs, &entry, self.profiles.clone()) {
-                Ok(g) => return Ok(g),
+                Ok(g) => {
+                    tracing::debug!(graphs = %name, bytes = entry.payload.len(), ?read, load = ?(t.elapsed() - read), "context loaded from the cache");
+                    return Ok(g);
+                }
                 Err(e) => tracing::warn!(graphs = %name, error = %e, "cached context binary does not load: rebuilding it"),
             }
         }
@@ -635,6 +680,25 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
     }
 }
 
+/// Which of `graphs` share a context (indices, in order): all of them, or those of one row count
+/// (their first input's first dimension), or each alone.
+fn context_groups(graphs: &[&Graph], contexts: Contexts) -> Vec<Vec<usize>> {
+    match contexts {
+        Contexts::PerModel => return vec![(0..graphs.len()).collect()],
+        Contexts::PerGraph => return (0..graphs.len()).map(|i| vec![i]).collect(),
+        Contexts::PerGraphSize => {}
+    }
+    let rows = |g: &Graph| g.inputs.first().and_then(|&i| g.tensor(i).shape.first().copied());
+    let mut groups: Vec<(Option<usize>, Vec<usize>)> = Vec::new();
+    for (i, g) in graphs.iter().enumerate() {
+        match groups.iter_mut().find(|(r, _)| *r == rows(g)) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((rows(g), vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, members)| members).collect()
+}
+
 /// A validated graph every op of which the support table accepts; otherwise
 /// [`Error::Unsupported`] naming the first op that is not.
 fn check_supported(graph: &Graph) -> Result<()> {
@@ -666,19 +730,32 @@ impl Executor for HtpExecutor {
         }))
     }
 
-    /// One context for all of `graphs` when [`HtpConfig::one_context`] (and there are two or
-    /// more), with [`HtpConfig::weight_sharing`]; a context per graph otherwise.
+    /// In contexts as [`HtpConfig::contexts`] says.
     fn prepare_all(&self, graphs: &[&Graph]) -> Result<Vec<Box<dyn ExecutableGraph>>> {
-        if graphs.len() < 2 || !self.rt.config.one_context {
+        let contexts = self.rt.config.contexts();
+        if contexts == Contexts::PerGraph {
             return graphs.iter().map(|g| self.prepare(g)).collect();
         }
         graphs.iter().try_for_each(|g| check_supported(g))?;
-        let built = match &self.cache {
-            Some(cache) => self.prepare_set_cached(graphs, cache)?,
-            None => build_all(&self.rt, graphs, self.rt.config.weight_sharing, self.profiles.clone())?,
-        };
-        tracing::debug!(graphs = %set_name(graphs), origin = ?built[0].origin, "stage graphs in one QNN context");
-        Ok(built.into_iter().map(|g| Box::new(g) as Box<dyn ExecutableGraph>).collect())
+        let mut out: Vec<Option<Box<dyn ExecutableGraph>>> = (0..graphs.len()).map(|_| None).collect();
+        for group in context_groups(graphs, contexts) {
+            let members: Vec<&Graph> = group.iter().map(|&i| graphs[i]).collect();
+            let built: Vec<Box<dyn ExecutableGraph>> = match members.len() {
+                1 => vec![self.prepare(members[0])?],
+                _ => {
+                    let built = match &self.cache {
+                        Some(cache) => self.prepare_set_cached(&members, cache)?,
+                        None => build_all(&self.rt, &members, self.rt.config.weight_sharing, self.profiles.clone())?,
+                    };
+                    tracing::debug!(graphs = %set_name(&members), origin = ?built[0].origin, "stage graphs in one QNN context");
+                    built.into_iter().map(|g| Box::new(g) as Box<dyn ExecutableGraph>).collect()
+                }
+            };
+            for (i, g) in group.into_iter().zip(built) {
+                out[i] = Some(g);
+            }
+        }
+        Ok(out.into_iter().map(|g| g.expect("every graph is in one group")).collect())
     }
 
     fn profiles(&self) -> Vec<GraphProfile> {
