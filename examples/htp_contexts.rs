@@ -14,7 +14,8 @@
 //! stderr giving QNN's "context size estimate".
 //!
 //! Per way: the context binary bytes (what the NPU maps), the time to prepare (finalize) and to
-//! load from the prepared-graph cache in a new executor (and of that, QNN's own
+//! load from the prepared-graph cache in a new executor (median of `--load-rounds`; and of that,
+//! QNN's own
 //! `contextCreateFromBinary` time from its profile; the rest is reading and checksumming the
 //! files), and with `--first-chunk` the time from a
 //! new executor to the logits of a 32-token prompt (cache load, then one 32-row chunk on the
@@ -47,6 +48,9 @@ struct Args {
     /// Hexagon SoC model (57 = SM8650).
     #[arg(long, default_value_t = 57)]
     soc: u32,
+    /// Loads from the cache per way, each in a new executor: the median is reported.
+    #[arg(long, default_value_t = 3)]
+    load_rounds: usize,
 }
 
 /// One way of holding the graphs.
@@ -62,6 +66,11 @@ const WAYS: [Way; 4] = [
     Way { name: "one context", contexts: Contexts::PerModel, weight_sharing: false },
     Way { name: "one context, weight sharing", contexts: Contexts::PerModel, weight_sharing: true },
 ];
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
 
 fn mib(b: f64) -> f64 {
     b / (1 << 20) as f64
@@ -145,20 +154,24 @@ fn measure(args: &Args, name: &str, path: &PathBuf) -> Result<()> {
         drop(writer);
 
         eprint!("\r{name}, {}: loading                    ", way.name);
-        // Profiled: QNN's own load time, apart from reading and checking the cache files.
-        let reader = NpuDevice::hexagon(HtpConfig { profiling: Some(ProfilingLevel::Basic), ..config.clone() })?;
-        let t = Instant::now();
-        let loaded = reader.prepare_all(&graphs)?;
-        let load_s = t.elapsed().as_secs_f64();
-        let qnn_s = reader.graph_profiles().iter().filter(|p| p.origin == Origin::Loaded).map(|p| p.prepare_us).sum::<u64>() as f64 / 1e6;
-        let load = match reader.stats().graphs_loaded as usize == graphs.len() {
-            true => format!("{load_s:.2} | {qnn_s:.3}"),
+        let (mut load_s, mut qnn_s, mut loaded_graphs) = (Vec::new(), Vec::new(), 0);
+        for _ in 0..args.load_rounds.max(1) {
+            // Profiled: QNN's own load time, apart from reading and checking the cache files.
+            let reader = NpuDevice::hexagon(HtpConfig { profiling: Some(ProfilingLevel::Basic), ..config.clone() })?;
+            let t = Instant::now();
+            let loaded = reader.prepare_all(&graphs)?;
+            load_s.push(t.elapsed().as_secs_f64());
+            let loaded_profiles = reader.graph_profiles().into_iter().filter(|p| p.origin == Origin::Loaded);
+            qnn_s.push(loaded_profiles.map(|p| p.prepare_us).sum::<u64>() as f64 / 1e6);
+            loaded_graphs = reader.stats().graphs_loaded as usize;
+            drop(loaded);
+        }
+        let load = match loaded_graphs == graphs.len() {
+            true => format!("{:.2} | {:.3}", median(&mut load_s), median(&mut qnn_s)),
             // The warning on stderr gives QNN's error: 1000 for a weight-shared binary on x86,
             // 1002 ("Failed to find available PD") for contexts beyond the NPU's memory.
-            false => format!("{} of {} graphs loaded, the rest rebuilt | -", reader.stats().graphs_loaded, graphs.len()),
+            false => format!("{loaded_graphs} of {} graphs loaded, the rest finalized | -", graphs.len()),
         };
-        drop(loaded);
-        drop(reader);
 
         let first = if args.first_chunk && !(way.weight_sharing && cfg!(target_arch = "x86_64")) {
             eprint!("\r{name}, {}: first chunk              ", way.name);

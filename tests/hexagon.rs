@@ -125,7 +125,9 @@ fn qwen_and_gemma_prefills_follow_the_htp_numerics_model() {
     for (name, path) in [("Qwen2.5-Coder", assets::qwen25_coder_05b().unwrap()), ("Gemma 3", assets::gemma3_270m().unwrap())] {
         let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
         let c = check_prefill(name, |dev| Pipeline::load(&path, None, dev, opts.clone()).unwrap(), 40);
-        // As for SmolLM2 (whose thresholds these are): tokens agree, logits within a few.
+        // SmolLM2's thresholds, for the same reason (see above). Measured on these 40 tokens:
+        // Qwen top-1 agreement 0.975 (39 of 40) and 1.0 against padded, logits at most 0.35
+        // apart; Gemma 0.95 (38 of 40) and 1.0, at most 1.9 apart (its HTP rows).
         assert!(c.agree_model >= 0.9 && c.agree_padded >= 0.9, "{name}: top-1 agreement {} / {}", c.agree_model, c.agree_padded);
         assert!(c.diff_npu.max(c.diff_margin) < 3.0, "{name}: logits {} / {} apart", c.diff_npu, c.diff_margin);
     }
@@ -297,6 +299,18 @@ fn graphs_in_shared_contexts_compute_as_alone() {
         assert!(loaded.0 == alone.0, "{contexts:?} loaded from the cache computes as a context per graph");
     }
     std::fs::remove_dir_all(&dir).unwrap();
+    if cfg!(target_arch = "x86_64") {
+        // The x86 library refuses to load a weight-shared binary (QNN 1000): the context is
+        // finalized again in each process, and the sound entry is kept, not rewritten.
+        let cached = HtpConfig { cache_dir: Some(dir.clone()), weight_sharing: true, ..Default::default() };
+        run(cached.clone());
+        let [file] = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect::<Vec<_>>().try_into().unwrap();
+        let written = std::fs::metadata(&file).unwrap().modified().unwrap();
+        let again = run(cached);
+        assert_eq!((again.1.graphs_prepared, again.1.graphs_loaded), (8, 0), "finalized again");
+        assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), written, "{} kept", file.display());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
     let one = run(HtpConfig { contexts: Some(Contexts::PerModel), ..Default::default() });
     let shared = run(HtpConfig { weight_sharing: true, ..Default::default() });
     assert_eq!(shared.3, 8, "weight sharing: one context for the model");

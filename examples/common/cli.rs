@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
-use candle_npu::{HtpConfig, NpuDevice, ProfilingLevel, Tail};
+use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail};
 use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Pipeline, Precision, SchedOptions, StopReason};
 use clap::{Parser, ValueEnum};
 
@@ -24,6 +24,14 @@ enum ExecutorKind {
 enum QnnProfile {
     Basic,
     Detailed,
+}
+
+/// How the stage graphs are held in QNN contexts (see `candle_npu::Contexts`).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum QnnContexts {
+    PerGraph,
+    PerSize,
+    PerModel,
 }
 
 /// Weights of the CPU decode path (see `DecodeWeights`).
@@ -148,6 +156,14 @@ struct Args {
     /// QNN profiling of every graph; prints the graphs' finalize/load and execute times.
     #[arg(long, value_enum)]
     qnn_profile: Option<QnnProfile>,
+    /// QNN contexts of the stage graphs (default: per-model with weight sharing, per-size
+    /// without).
+    #[arg(long, value_enum)]
+    qnn_contexts: Option<QnnContexts>,
+    /// The HTP's weight sharing across graph sizes (default: on, except on x86, whose emulator
+    /// cannot load a weight-shared context back). Needs HTP v73+ (SM8550 on).
+    #[arg(long)]
+    weight_sharing: Option<bool>,
     /// Prefill scheduling policy (default: the model's, `SchedOptions::default`).
     #[arg(long, value_enum)]
     policy: Option<PolicyArg>,
@@ -215,6 +231,12 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
                     QnnProfile::Basic => ProfilingLevel::Basic,
                     QnnProfile::Detailed => ProfilingLevel::Detailed,
                 }),
+                contexts: args.qnn_contexts.map(|c| match c {
+                    QnnContexts::PerGraph => Contexts::PerGraph,
+                    QnnContexts::PerSize => Contexts::PerGraphSize,
+                    QnnContexts::PerModel => Contexts::PerModel,
+                }),
+                weight_sharing: args.weight_sharing.unwrap_or(HtpConfig::default().weight_sharing),
                 ..Default::default()
             };
             NpuDevice::hexagon(config).context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?

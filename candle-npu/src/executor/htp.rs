@@ -441,35 +441,66 @@ impl HtpExecutor {
     /// Loads `graph` from the cache when a valid entry exists; otherwise compiles it and stores
     /// it. Cache trouble is logged and never fails the prepare.
     fn prepare_cached(&self, graph: &Graph, cache: &GraphCache) -> Result<HtpGraph> {
-        let key = self.cache_key(graph);
-        if let Some(entry) = lookup(cache, &graph.name, &key) {
-            match load(&self.rt, graph, &entry, self.profiles.clone()) {
-                Ok(g) => return Ok(g),
-                Err(e) => tracing::warn!(graph = %graph.name, error = %e, "cached context binary does not load: rebuilding it"),
-            }
-        }
-        let g = self.compile(graph)?;
-        store(cache, &graph.name, &key, &g.ctx, g.meta().collect());
-        Ok(g)
+        let mut built = self.cached(
+            &[graph],
+            cache,
+            |entry| Ok(vec![load(&self.rt, graph, entry, self.profiles.clone())?]),
+            || Ok(vec![self.compile(graph)?]),
+            |g| g[0].meta().collect(),
+        )?;
+        Ok(built.remove(0))
     }
 
     /// [`Self::prepare_cached`] for graphs that share one context: one entry, one load.
     fn prepare_set_cached(&self, graphs: &[&Graph], cache: &GraphCache) -> Result<Vec<HtpGraph>> {
-        let (name, key) = (set_name(graphs), self.context_cache_key(graphs));
+        self.cached(
+            graphs,
+            cache,
+            |entry| load_all(&self.rt, graphs, entry, self.profiles.clone()),
+            || build_all(&self.rt, graphs, self.rt.config.weight_sharing, self.profiles.clone()),
+            |built| std::iter::once(graphs.len() as u32).chain(built.iter().flat_map(HtpGraph::meta)).collect(),
+        )
+    }
+
+    /// The cache's failure policy for one context: `load` an intact entry; otherwise (or when
+    /// the library refuses it) `build`, and store the new binary with `meta`'s side table. An
+    /// entry the library refuses for this device's sake (QNN 1002, the NPU cannot map that much;
+    /// 1000, a weight-shared binary on x86) is sound and would be written again byte for byte:
+    /// it is kept, and the context is built in every process, with a warning each time.
+    fn cached(
+        &self,
+        graphs: &[&Graph],
+        cache: &GraphCache,
+        load: impl FnOnce(&CachedGraph) -> Result<Vec<HtpGraph>>,
+        build: impl FnOnce() -> Result<Vec<HtpGraph>>,
+        meta: impl FnOnce(&[HtpGraph]) -> Vec<u32>,
+    ) -> Result<Vec<HtpGraph>> {
+        let (name, key) = match graphs {
+            [g] => (g.name.clone(), self.cache_key(g)),
+            _ => (set_name(graphs), self.context_cache_key(graphs)),
+        };
+        let mut store = true;
         let t = Instant::now();
         if let Some(entry) = lookup(cache, &name, &key) {
             let read = t.elapsed();
-            match load_all(&self.rt, graphs, &entry, self.profiles.clone()) {
+            match load(&entry) {
                 Ok(g) => {
                     tracing::debug!(graphs = %name, bytes = entry.payload.len(), ?read, load = ?(t.elapsed() - read), "context loaded from the cache");
                     return Ok(g);
                 }
+                Err(e @ Error::Prepare { code, .. })
+                    if [QNN_COMMON_ERROR_MEM_ALLOC, QNN_COMMON_ERROR_NOT_SUPPORTED].contains(&(code as u16)) =>
+                {
+                    tracing::warn!(graphs = %name, error = %e, "this device cannot load the cached context: finalizing it in this process (the entry is kept)");
+                    store = false;
+                }
                 Err(e) => tracing::warn!(graphs = %name, error = %e, "cached context binary does not load: rebuilding it"),
             }
         }
-        let built = build_all(&self.rt, graphs, self.rt.config.weight_sharing, self.profiles.clone())?;
-        let meta = std::iter::once(graphs.len() as u32).chain(built.iter().flat_map(HtpGraph::meta)).collect();
-        store(cache, &name, &key, &built[0].ctx, meta);
+        let built = build()?;
+        if store {
+            write_entry(cache, &name, &key, &built[0].ctx, meta(&built));
+        }
         Ok(built)
     }
 }
@@ -485,7 +516,7 @@ fn lookup(cache: &GraphCache, name: &str, key: &CacheKey) -> Option<CachedGraph>
 }
 
 /// Writes `ctx`'s binary under `key`; a failure is a warning (the cache only saves time).
-fn store(cache: &GraphCache, name: &str, key: &CacheKey, ctx: &Context, meta: Vec<u32>) {
+fn write_entry(cache: &GraphCache, name: &str, key: &CacheKey, ctx: &Context, meta: Vec<u32>) {
     match ctx.binary(name).and_then(|bin| cache.store(name, key, &meta, &bin)) {
         Ok(path) => tracing::debug!(graph = %name, path = %path.display(), "context binary cached"),
         Err(e) => tracing::warn!(graph = %name, error = %e, "could not write the prepared-graph cache"),
