@@ -164,13 +164,19 @@ fn readme_question_on_the_default_hexagon_plan() {
     m.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() }).unwrap();
     let predicted = answer(&mut m, question, 8);
 
-    let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let cache = std::env::temp_dir().join(format!("candle-npu-readme-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let htp = NpuDevice::hexagon(HtpConfig { cache_dir: Some(cache.clone()), ..Default::default() }).unwrap();
     let mut x = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     assert_eq!(x.model.sched().tail, Tail::Pad, "a real NPU's default plan pads");
     x.model.set_profile(profile).unwrap();
     let text = answer(&mut x, question, 8);
     eprintln!("hexagon, default plan: {text:?}; host: {host_text:?}");
     assert_eq!(htp.stats().fallbacks, 0);
+    // The x86 default (chunks of 32 rows, no smaller size): the model's stage graphs in one
+    // context, one cache entry.
+    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1, "one context binary");
+    std::fs::remove_dir_all(&cache).unwrap();
     assert_eq!(htp.margin_device().stats().executions, 0, "no CPU margin");
     assert!(text.contains("Paris"), "hexagon: {text:?}");
     assert_eq!(text, predicted, "the answer the HTP numerics model predicts");

@@ -141,61 +141,90 @@ impl NpuDevice {
     }
 
     /// [`Self::prepare`] for graphs used together (a model's stage graphs of every graph size),
-    /// returned in the same order. The executor may hold them in one compiled unit (the HTP:
-    /// one QNN context, see [`Executor::prepare_all`]); graphs it cannot run are prepared on the
-    /// host, each logged.
+    /// returned in the same order. The executor may hold them in compiled units (the HTP:
+    /// shared QNN contexts, see [`Executor::prepare_all`]); graphs it cannot run are prepared on
+    /// the host, each logged.
     pub fn prepare_all(&self, graphs: &[Graph]) -> Result<Vec<PreparedGraph>> {
-        graphs.iter().try_for_each(Graph::validate)?;
+        self.prepare_described(graphs.len(), |i| Ok(graphs[i].clone()))
+    }
+
+    /// [`Self::prepare_all`] for `n` graphs described on demand by `describe(i)`, which may be
+    /// called more than once per graph: a description holds its weights, and only a few are
+    /// alive at once (a model's stage graphs of every size, described together, would hold a
+    /// copy of every weight per size).
+    pub fn prepare_described(&self, n: usize, describe: impl Fn(usize) -> Result<Graph>) -> Result<Vec<PreparedGraph>> {
         let t = Instant::now();
         let ex = &self.inner.executor;
-        let mut on_host = Vec::new();
+        let mut signatures = Vec::with_capacity(n);
+        let mut execs: Vec<Option<Box<dyn ExecutableGraph>>> = (0..n).map(|_| None).collect();
         let mut on_executor = Vec::new();
-        for (i, graph) in graphs.iter().enumerate() {
-            match graph.ops.iter().find(|op| !ex.supports(graph, op)) {
+        for (i, exec) in execs.iter_mut().enumerate() {
+            let graph = describe(i)?;
+            graph.validate()?;
+            match graph.ops.iter().find(|op| !ex.supports(&graph, op)) {
                 Some(op) => {
                     tracing::warn!(
                         graph = %graph.name, executor = ex.name(), op = op.name(), shapes = %graph.describe_op(op),
                         "op not supported by the NPU executor: running this graph on the host CPU"
                     );
                     self.inner.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
-                    on_host.push((i, self.inner.host.prepare(graph)?));
+                    *exec = Some(self.inner.host.prepare(&graph)?);
                 }
                 None => on_executor.push(i),
             }
+            signatures.push(Signature::of(&graph));
         }
-        let refs: Vec<&Graph> = on_executor.iter().map(|&i| &graphs[i]).collect();
-        let compiled = if refs.is_empty() { Vec::new() } else { ex.prepare_all(&refs)? };
-        if compiled.len() != refs.len() {
-            return Err(Error::Internal(format!("executor {} prepared {} of {} graphs", ex.name(), compiled.len(), refs.len())));
+        if !on_executor.is_empty() {
+            let compiled = ex.prepare_all(on_executor.len(), &|j| describe(on_executor[j]))?;
+            if compiled.len() != on_executor.len() {
+                return Err(Error::Internal(format!("executor {} prepared {} of {} graphs", ex.name(), compiled.len(), on_executor.len())));
+            }
+            for (&i, exec) in on_executor.iter().zip(compiled) {
+                execs[i] = Some(exec);
+            }
         }
-        let mut execs: Vec<Option<Box<dyn ExecutableGraph>>> = (0..graphs.len()).map(|_| None).collect();
-        for (i, exec) in on_host.into_iter().chain(on_executor.into_iter().zip(compiled)) {
-            execs[i] = Some(exec);
-        }
-        // One batch is one kind of work: compiled or loaded (what the executor's graphs say).
         let c = &self.inner.counters;
         let ns = t.elapsed().as_nanos() as u64;
         let loaded = execs.iter().flatten().filter(|e| e.origin() == Origin::Loaded).count() as u64;
-        let compiled = graphs.len() as u64 - loaded;
+        let compiled = n as u64 - loaded;
         c.prepared.fetch_add(compiled, Ordering::Relaxed);
         c.loaded.fetch_add(loaded, Ordering::Relaxed);
         // The batch's time, shared by its graphs in proportion.
-        c.prepare_ns.fetch_add(ns * compiled / graphs.len().max(1) as u64, Ordering::Relaxed);
-        c.load_ns.fetch_add(ns * loaded / graphs.len().max(1) as u64, Ordering::Relaxed);
-        Ok(graphs.iter().zip(execs).map(|(graph, exec)| self.bind(graph, exec.expect("every index is filled"))).collect())
+        c.prepare_ns.fetch_add(ns * compiled / n.max(1) as u64, Ordering::Relaxed);
+        c.load_ns.fetch_add(ns * loaded / n.max(1) as u64, Ordering::Relaxed);
+        Ok(signatures
+            .into_iter()
+            .zip(execs)
+            .map(|(sig, exec)| PreparedGraph {
+                name: sig.name,
+                rows: sig.rows,
+                inputs: sig.inputs,
+                outputs: sig.outputs,
+                exec: exec.expect("every graph is prepared"),
+                device: self.clone(),
+            })
+            .collect())
     }
+}
 
-    fn bind(&self, graph: &Graph, exec: Box<dyn ExecutableGraph>) -> PreparedGraph {
+/// What a prepared graph keeps of its description: names, types and sizes of its buffers.
+struct Signature {
+    name: String,
+    rows: usize,
+    inputs: Vec<(String, DType, usize)>,
+    outputs: Vec<(String, DType, usize)>,
+}
+
+impl Signature {
+    fn of(graph: &Graph) -> Self {
         let sig = |ids: &[crate::graph::TensorId]| {
             ids.iter().map(|&i| (graph.tensor(i).name.clone(), graph.tensor(i).dtype, graph.tensor(i).elem_count())).collect()
         };
-        PreparedGraph {
+        Signature {
             name: graph.name.clone(),
             rows: graph.inputs.first().and_then(|&i| graph.tensor(i).shape.first().copied()).unwrap_or(1),
             inputs: sig(&graph.inputs),
             outputs: sig(&graph.outputs),
-            exec,
-            device: self.clone(),
         }
     }
 }

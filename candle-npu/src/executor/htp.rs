@@ -426,15 +426,16 @@ impl HtpExecutor {
         build(&self.rt, graph, self.profiles.clone())
     }
 
-    /// The cache key of `graphs` prepared together into one context ([`Executor::prepare_all`]):
-    /// every graph's fingerprint in order, this executor's salt and the weight-sharing flag.
-    pub fn context_cache_key(&self, graphs: &[&Graph]) -> CacheKey {
+    /// The cache key of graphs prepared together into one context ([`Executor::prepare_all`]),
+    /// given their [`fingerprints`](Graph::fingerprint) in order: those, this executor's salt and
+    /// the weight-sharing flag.
+    pub fn context_cache_key(&self, fingerprints: &[[u8; 32]]) -> CacheKey {
         use sha2::Digest;
         let mut h = sha2::Sha256::new();
-        for g in graphs {
-            h.update(g.fingerprint());
+        for f in fingerprints {
+            h.update(f);
         }
-        let salt = format!("{} | one context of {} graphs, weight sharing {}", self.cache_salt, graphs.len(), self.rt.config.weight_sharing);
+        let salt = format!("{} | one context of {} graphs, weight sharing {}", self.cache_salt, fingerprints.len(), self.rt.config.weight_sharing);
         CacheKey::new(&h.finalize().into(), &salt)
     }
 
@@ -442,7 +443,8 @@ impl HtpExecutor {
     /// it. Cache trouble is logged and never fails the prepare.
     fn prepare_cached(&self, graph: &Graph, cache: &GraphCache) -> Result<HtpGraph> {
         let mut built = self.cached(
-            &[graph],
+            graph.name.clone(),
+            self.cache_key(graph),
             cache,
             |entry| Ok(vec![load(&self.rt, graph, entry, self.profiles.clone())?]),
             || Ok(vec![self.compile(graph)?]),
@@ -451,13 +453,18 @@ impl HtpExecutor {
         Ok(built.remove(0))
     }
 
-    /// [`Self::prepare_cached`] for graphs that share one context: one entry, one load.
-    fn prepare_set_cached(&self, graphs: &[&Graph], cache: &GraphCache) -> Result<Vec<HtpGraph>> {
+    /// The graphs of one shared context (see [`Executor::prepare_all`]): loaded from the cache
+    /// when there is one (one entry, one load), else built from their descriptions.
+    fn prepare_context(&self, graphs: &[&Described], fingerprints: &[[u8; 32]], describe: &dyn Fn(usize) -> Result<Graph>) -> Result<Vec<HtpGraph>> {
+        let sharing = self.rt.config.weight_sharing;
+        let build = || build_all(&self.rt, graphs, describe, sharing, self.profiles.clone());
+        let Some(cache) = &self.cache else { return build() };
         self.cached(
-            graphs,
+            set_name(graphs),
+            self.context_cache_key(fingerprints),
             cache,
             |entry| load_all(&self.rt, graphs, entry, self.profiles.clone()),
-            || build_all(&self.rt, graphs, self.rt.config.weight_sharing, self.profiles.clone()),
+            build,
             |built| std::iter::once(graphs.len() as u32).chain(built.iter().flat_map(HtpGraph::meta)).collect(),
         )
     }
@@ -469,16 +476,13 @@ impl HtpExecutor {
     /// it is kept, and the context is built in every process, with a warning each time.
     fn cached(
         &self,
-        graphs: &[&Graph],
+        name: String,
+        key: CacheKey,
         cache: &GraphCache,
         load: impl FnOnce(&CachedGraph) -> Result<Vec<HtpGraph>>,
         build: impl FnOnce() -> Result<Vec<HtpGraph>>,
         meta: impl FnOnce(&[HtpGraph]) -> Vec<u32>,
     ) -> Result<Vec<HtpGraph>> {
-        let (name, key) = match graphs {
-            [g] => (g.name.clone(), self.cache_key(g)),
-            _ => (set_name(graphs), self.context_cache_key(graphs)),
-        };
         let mut store = true;
         let t = Instant::now();
         if let Some(entry) = lookup(cache, &name, &key) {
@@ -713,13 +717,13 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
 
 /// Which of `graphs` share a context (indices, in order): all of them, or those of one row count
 /// (their first input's first dimension), or each alone.
-fn context_groups(graphs: &[&Graph], contexts: Contexts) -> Vec<Vec<usize>> {
+fn context_groups(graphs: &[Described], contexts: Contexts) -> Vec<Vec<usize>> {
     match contexts {
         Contexts::PerModel => return vec![(0..graphs.len()).collect()],
         Contexts::PerGraph => return (0..graphs.len()).map(|i| vec![i]).collect(),
         Contexts::PerGraphSize => {}
     }
-    let rows = |g: &Graph| g.inputs.first().and_then(|&i| g.tensor(i).shape.first().copied());
+    let rows = |g: &Described| g.inputs.first().and_then(|t| t.shape.first().copied());
     let mut groups: Vec<(Option<usize>, Vec<usize>)> = Vec::new();
     for (i, g) in graphs.iter().enumerate() {
         match groups.iter_mut().find(|(r, _)| *r == rows(g)) {
@@ -728,6 +732,31 @@ fn context_groups(graphs: &[&Graph], contexts: Contexts) -> Vec<Vec<usize>> {
         }
     }
     groups.into_iter().map(|(_, members)| members).collect()
+}
+
+/// What a shared context needs of a graph besides its weights: its index for `describe`, its
+/// name and its buffers (the tensor ids are set when it is built or retrieved).
+struct Described {
+    index: usize,
+    name: String,
+    inputs: Vec<IoTensor>,
+    outputs: Vec<IoTensor>,
+}
+
+impl Described {
+    fn of(graph: &Graph, index: usize) -> Self {
+        Described { index, name: graph.name.clone(), inputs: io_tensors(graph, &graph.inputs), outputs: io_tensors(graph, &graph.outputs) }
+    }
+}
+
+/// The buffers `ids` of `graph`, without QNN tensor ids yet.
+fn io_tensors(graph: &Graph, ids: &[TensorId]) -> Vec<IoTensor> {
+    ids.iter()
+        .map(|&id| {
+            let s = graph.tensor(id);
+            IoTensor { qnn_id: None, name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone(), len: s.elem_count() }
+        })
+        .collect()
 }
 
 /// A validated graph every op of which the support table accepts; otherwise
@@ -761,23 +790,30 @@ impl Executor for HtpExecutor {
         }))
     }
 
-    /// In contexts as [`HtpConfig::contexts`] says.
-    fn prepare_all(&self, graphs: &[&Graph]) -> Result<Vec<Box<dyn ExecutableGraph>>> {
+    /// In contexts as [`HtpConfig::contexts`] says. Each graph is described once to check it
+    /// and take its fingerprint and buffers, then again only to be built (on a cache miss), one
+    /// at a time: QNN copies a graph's weights by its graphFinalize.
+    fn prepare_all(&self, n: usize, describe: &dyn Fn(usize) -> Result<Graph>) -> Result<Vec<Box<dyn ExecutableGraph>>> {
         let contexts = self.rt.config.contexts();
         if contexts == Contexts::PerGraph {
-            return graphs.iter().map(|g| self.prepare(g)).collect();
+            return (0..n).map(|i| self.prepare(&describe(i)?)).collect();
         }
-        graphs.iter().try_for_each(|g| check_supported(g))?;
-        let mut out: Vec<Option<Box<dyn ExecutableGraph>>> = (0..graphs.len()).map(|_| None).collect();
-        for group in context_groups(graphs, contexts) {
-            let members: Vec<&Graph> = group.iter().map(|&i| graphs[i]).collect();
-            let built: Vec<Box<dyn ExecutableGraph>> = match members.len() {
-                1 => vec![self.prepare(members[0])?],
+        let mut described = Vec::with_capacity(n);
+        let mut fingerprints = Vec::with_capacity(n);
+        for i in 0..n {
+            let graph = describe(i)?;
+            check_supported(&graph)?;
+            fingerprints.push(graph.fingerprint());
+            described.push(Described::of(&graph, i));
+        }
+        let mut out: Vec<Option<Box<dyn ExecutableGraph>>> = (0..n).map(|_| None).collect();
+        for group in context_groups(&described, contexts) {
+            let built: Vec<Box<dyn ExecutableGraph>> = match group[..] {
+                [i] => vec![self.prepare(&describe(i)?)?],
                 _ => {
-                    let built = match &self.cache {
-                        Some(cache) => self.prepare_set_cached(&members, cache)?,
-                        None => build_all(&self.rt, &members, self.rt.config.weight_sharing, self.profiles.clone())?,
-                    };
+                    let members: Vec<&Described> = group.iter().map(|&i| &described[i]).collect();
+                    let prints: Vec<[u8; 32]> = group.iter().map(|&i| fingerprints[i]).collect();
+                    let built = self.prepare_context(&members, &prints, describe)?;
                     tracing::debug!(graphs = %set_name(&members), origin = ?built[0].origin, "stage graphs in one QNN context");
                     built.into_iter().map(|g| Box::new(g) as Box<dyn ExecutableGraph>).collect()
                 }
@@ -1116,9 +1152,15 @@ fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result
 }
 
 /// Translates and finalizes `graphs` in one context (with the HTP's weight sharing if asked),
-/// one graph after another: QNN copies a graph's weights by its graphFinalize, so only one
-/// graph's translation is alive at a time.
-fn build_all(rt: &Arc<Runtime>, graphs: &[&Graph], weight_sharing: bool, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
+/// one after another, each described just before: QNN copies a graph's weights by its
+/// graphFinalize, so one description is alive at a time.
+fn build_all(
+    rt: &Arc<Runtime>,
+    graphs: &[&Described],
+    describe: &dyn Fn(usize) -> Result<Graph>,
+    weight_sharing: bool,
+    profiles: Option<Profiles>,
+) -> Result<Vec<HtpGraph>> {
     check_unique_names(graphs)?;
     let ctx = Context::create(rt, graphs.len(), weight_sharing).map_err(|(code, message)| Error::Prepare {
         graph: set_name(graphs),
@@ -1128,11 +1170,21 @@ fn build_all(rt: &Arc<Runtime>, graphs: &[&Graph], weight_sharing: bool, profile
         message,
     })?;
     let ctx = Arc::new(ctx);
-    graphs.iter().map(|g| add_graph(&ctx, g, profiles.clone())).collect()
+    graphs
+        .iter()
+        .map(|d| {
+            let graph = describe(d.index)?;
+            if graph.name != d.name {
+                return Err(Error::Internal(format!("graph {} described as '{}' the second time", d.name, graph.name)));
+            }
+            add_graph(&ctx, &graph, profiles.clone())
+        })
+        .collect()
 }
 
-/// The name of a set of graphs in logs and cache file names: its first graph's, and the count.
-fn set_name(graphs: &[&Graph]) -> String {
+/// The name of a set of graphs in logs and cache file names: its first graph's, and how many
+/// others.
+fn set_name(graphs: &[&Described]) -> String {
     match graphs {
         [] => "no graphs".into(),
         [g] => g.name.clone(),
@@ -1142,7 +1194,7 @@ fn set_name(graphs: &[&Graph]) -> String {
 
 /// Graphs of one context are told apart by their QNN names (graphRetrieve; two equal ones in a
 /// context are QNN error 6003): [`sanitize`] must keep them apart.
-fn check_unique_names(graphs: &[&Graph]) -> Result<()> {
+fn check_unique_names(graphs: &[&Described]) -> Result<()> {
     let mut seen = std::collections::HashMap::new();
     for g in graphs {
         if let Some(other) = seen.insert(sanitize(&g.name), &g.name) {
@@ -1161,16 +1213,8 @@ fn check_unique_names(graphs: &[&Graph]) -> Result<()> {
 /// Translates and finalizes `graph` in `ctx`.
 fn add_graph(ctx: &Arc<Context>, graph: &Graph, profiles: Option<Profiles>) -> Result<HtpGraph> {
     let rt = &ctx.rt;
-    let io = |ids: &[TensorId]| -> Vec<IoTensor> {
-        ids.iter()
-            .map(|&id| {
-                let s = graph.tensor(id);
-                IoTensor { qnn_id: None, name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone(), len: s.elem_count() }
-            })
-            .collect()
-    };
-    let mut inputs = io(&graph.inputs);
-    let mut outputs = io(&graph.outputs);
+    let mut inputs = io_tensors(graph, &graph.inputs);
+    let mut outputs = io_tensors(graph, &graph.outputs);
 
     let f = *rt.f();
     let err = |op: &str, shapes: String, code: u64, message: String| Error::Prepare {
@@ -1271,13 +1315,13 @@ fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<
         return Err(err(0, format!("cache entry has {} tensor ids, the graph has {n_in} inputs + {n_out} outputs", entry.meta.len())));
     }
     let ctx = load_context(rt, &entry.payload, 1, &graph.name, profiles.as_ref())?;
-    retrieve(&ctx, graph, &entry.meta, profiles)
+    retrieve(&ctx, &Described::of(graph, 0), &entry.meta, profiles)
 }
 
 /// Recreates `graphs` from the cached context binary that holds them all: one
 /// contextCreateFromBinary, a graphRetrieve per graph. The entry's side table is the graph
 /// count, then each graph's input and output tensor ids in order.
-fn load_all(rt: &Arc<Runtime>, graphs: &[&Graph], entry: &CachedGraph, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
+fn load_all(rt: &Arc<Runtime>, graphs: &[&Described], entry: &CachedGraph, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
     let name = set_name(graphs);
     let want = 1 + graphs.iter().map(|g| g.inputs.len() + g.outputs.len()).sum::<usize>();
     if entry.meta.first() != Some(&(graphs.len() as u32)) || entry.meta.len() != want {
@@ -1325,10 +1369,9 @@ fn load_context(rt: &Arc<Runtime>, payload: &[u8], graphs: usize, what: &str, pr
 
 /// graphRetrieve of `graph` from a loaded context, bound to the tensor ids `ids` (its inputs',
 /// then its outputs', as the cache entry recorded them).
-fn retrieve(ctx: &Arc<Context>, graph: &Graph, ids: &[u32], profiles: Option<Profiles>) -> Result<HtpGraph> {
+fn retrieve(ctx: &Arc<Context>, graph: &Described, ids: &[u32], profiles: Option<Profiles>) -> Result<HtpGraph> {
     let rt = &ctx.rt;
     let err = |code, message| load_error(&graph.name, code, message);
-    let n_in = graph.inputs.len();
     let retrieve = rt.f().graphRetrieve.ok_or_else(|| err(0, "library lacks graphRetrieve".into()))?;
     let name = CString::new(sanitize(&graph.name)).expect("sanitized");
     let mut handle: Qnn_GraphHandle_t = null_mut();
@@ -1339,24 +1382,12 @@ fn retrieve(ctx: &Arc<Context>, graph: &Graph, ids: &[u32], profiles: Option<Pro
         let msg = with_log(format!("graphRetrieve '{}': {}", name.to_string_lossy(), rt.message(rc)), &log_errors_since(mark));
         return Err(err(error_code(rc) as u64, msg));
     }
-    let io = |tensors: &[TensorId], qnn: &[u32]| -> Vec<IoTensor> {
-        tensors
-            .iter()
-            .zip(qnn)
-            .map(|(&id, &q)| {
-                let s = graph.tensor(id);
-                IoTensor {
-                    qnn_id: (q != NO_TENSOR).then_some(q),
-                    name: s.name.clone(),
-                    dtype: s.dtype,
-                    shape: s.shape.clone(),
-                    len: s.elem_count(),
-                }
-            })
-            .collect()
+    let bind = |tensors: &[IoTensor], qnn: &[u32]| -> Vec<IoTensor> {
+        tensors.iter().zip(qnn).map(|(t, &q)| IoTensor { qnn_id: (q != NO_TENSOR).then_some(q), ..t.clone() }).collect()
     };
-    let inputs = io(&graph.inputs, &ids[..n_in]);
-    let outputs = io(&graph.outputs, &ids[n_in..]);
+    let n_in = graph.inputs.len();
+    let inputs = bind(&graph.inputs, &ids[..n_in]);
+    let outputs = bind(&graph.outputs, &ids[n_in..]);
     if let Some(t) = outputs.iter().find(|t| t.qnn_id.is_none()) {
         return Err(err(0, format!("cache entry has no tensor id for output '{}'", t.name)));
     }
@@ -1366,6 +1397,7 @@ fn retrieve(ctx: &Arc<Context>, graph: &Graph, ids: &[u32], profiles: Option<Pro
 /// Cache-entry id of an input no op reads (it has no QNN tensor).
 const NO_TENSOR: u32 = u32::MAX;
 
+#[derive(Clone)]
 struct IoTensor {
     /// QNN tensor id; `None` for an input no op reads.
     qnn_id: Option<u32>,

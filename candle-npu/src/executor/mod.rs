@@ -30,13 +30,14 @@ pub trait Executor: Send + Sync {
     /// Compile a validated graph. Costly on an NPU (QNN finalize); done once per graph shape.
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>>;
 
-    /// Compile graphs that are used together (a model's stage graphs of every graph size), in
-    /// the order given; each is validated and supported. An executor may hold them in one
-    /// compiled unit: the HTP puts them in one QNN context, loaded once and, where the device
-    /// can load it, with one copy of weights the graph sizes share. The default prepares each
-    /// alone.
-    fn prepare_all(&self, graphs: &[&Graph]) -> Result<Vec<Box<dyn ExecutableGraph>>> {
-        graphs.iter().map(|g| self.prepare(g)).collect()
+    /// Compile `n` graphs that are used together (a model's stage graphs of every graph size),
+    /// in order; `describe(i)` gives graph `i`, validated and supported. A description holds
+    /// its weights, so an executor keeps as few alive at once as it can (it may describe a
+    /// graph more than once). An executor may hold the graphs in compiled units: the HTP puts
+    /// them in shared QNN contexts, each loaded once and, where the device can load it, with
+    /// one copy of the weights the graph sizes share. The default prepares each alone.
+    fn prepare_all(&self, n: usize, describe: &dyn Fn(usize) -> Result<Graph>) -> Result<Vec<Box<dyn ExecutableGraph>>> {
+        (0..n).map(|i| self.prepare(&describe(i)?)).collect()
     }
 
     /// The arithmetic this executor's results follow: a CPU margin beside it computes its rows

@@ -570,17 +570,11 @@ impl Model {
                 continue;
             }
             let t = std::time::Instant::now();
-            let mut described = Vec::new();
-            for set in &group {
-                let rows = match set {
-                    GraphSet::Npu(m) => *m,
-                    GraphSet::Margin => 1,
-                };
-                for l in 0..self.cfg.n_layer {
-                    described.extend(self.layer_graphs(l, rows, precision)?);
-                }
-            }
-            let mut prepared = device.prepare_all(&described)?.into_iter();
+            let rows: Vec<usize> = group.iter().map(|set| if let GraphSet::Npu(m) = set { *m } else { 1 }).collect();
+            let per_set = self.cfg.n_layer * N_STAGES;
+            // Described on demand: a description holds a copy of its weights.
+            let describe = |i: usize| self.stage_graph(i % per_set / N_STAGES, i % N_STAGES, rows[i / per_set], precision);
+            let mut prepared = device.prepare_described(group.len() * per_set, describe)?.into_iter();
             for set in &group {
                 let graphs: Vec<Vec<PreparedGraph>> = (0..self.cfg.n_layer).map(|_| prepared.by_ref().take(N_STAGES).collect()).collect();
                 // Host graphs hand their packed weights to the shadow path (cold columns).
@@ -594,7 +588,7 @@ impl Model {
             tracing::info!(
                 sets = ?group,
                 ?precision,
-                graphs = described.len(),
+                graphs = group.len() * per_set,
                 secs = t.elapsed().as_secs_f32(),
                 executor = device.executor_name(),
                 "prepared stage graphs"
@@ -606,25 +600,26 @@ impl Model {
     /// Describe the static NPU graphs of one layer for chunks of `m` rows: per stage, one input
     /// (F32, or u8 over the point's clip range) and one F32 output per linear.
     pub fn layer_graphs(&self, l: usize, m: usize, precision: Precision) -> Result<Vec<Graph>> {
+        (0..N_STAGES).map(|s| self.stage_graph(l, s, m, precision)).collect()
+    }
+
+    /// The static NPU graph of stage `s` ([`STAGES`]) of layer `l` for chunks of `m` rows (see
+    /// [`Self::layer_graphs`]).
+    pub fn stage_graph(&self, l: usize, s: usize, m: usize, precision: Precision) -> Result<Graph> {
         self.check_profile(precision)?;
-        let layer = &self.layers[l];
-        (0..N_STAGES)
-            .map(|s| {
-                let lins = &layer.stages[s];
-                let k = lins[0].dims().1;
-                let mut g = Graph::new(format!("blk.{l}.{}.m{m}", STAGES[s].name));
-                let x: TensorId = match precision {
-                    Precision::F32 => g.input("x", &[m, k], DType::F32, None),
-                    Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
-                    Precision::W8A16 => g.input("x", &[m, k], DType::U16, Some(self.a16[l][s])),
-                };
-                for lin in lins {
-                    let y = lin.add_to_graph(&mut g, "", x)?;
-                    g.mark_output(y);
-                }
-                Ok(g)
-            })
-            .collect()
+        let lins = &self.layers[l].stages[s];
+        let k = lins[0].dims().1;
+        let mut g = Graph::new(format!("blk.{l}.{}.m{m}", STAGES[s].name));
+        let x: TensorId = match precision {
+            Precision::F32 => g.input("x", &[m, k], DType::F32, None),
+            Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
+            Precision::W8A16 => g.input("x", &[m, k], DType::U16, Some(self.a16[l][s])),
+        };
+        for lin in lins {
+            let y = lin.add_to_graph(&mut g, "", x)?;
+            g.mark_output(y);
+        }
+        Ok(g)
     }
 }
 
