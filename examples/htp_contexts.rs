@@ -25,7 +25,7 @@
 //! ```text
 //! cargo run --release --example htp_contexts -- --first-chunk
 //! ```
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -118,7 +118,7 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn measure(args: &Args, name: &str, path: &PathBuf) -> Result<()> {
+fn measure(args: &Args, name: &str, path: &Path) -> Result<()> {
     let opts = LoadOptions { precision: Precision::W8A8, ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts.clone())?;
     p.ensure_profile(None, CalibrationSet::default(), |i, n| eprint!("\rcalibrating {name} {i}/{n}"))?;

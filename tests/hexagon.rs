@@ -207,7 +207,7 @@ fn second_run_loads_the_models_contexts_from_the_cache() {
     let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
     let mut h = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     let set = CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() };
-    let profile = h.calibrate(set.clone(), |_, _| {}).unwrap();
+    let profile = h.calibrate(set, |_, _| {}).unwrap();
     assert_eq!(htp.stats(), DeviceStats::default(), "calibration ran on the host executor");
     let other_profile = h.calibrate(CalibrationSet { seq_len: 48, ..set }, |_, _| {}).unwrap();
     drop(h);

@@ -29,9 +29,12 @@ enum QnnProfile {
 /// How the stage graphs are held in QNN contexts (see `candle_npu::Contexts`).
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum QnnContexts {
-    PerGraph,
-    PerSize,
-    PerModel,
+    #[value(name = "per-graph")]
+    Graph,
+    #[value(name = "per-size")]
+    Size,
+    #[value(name = "per-model")]
+    Model,
 }
 
 /// Weights of the CPU decode path (see `DecodeWeights`).
@@ -232,9 +235,9 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
                     QnnProfile::Detailed => ProfilingLevel::Detailed,
                 }),
                 contexts: args.qnn_contexts.map(|c| match c {
-                    QnnContexts::PerGraph => Contexts::PerGraph,
-                    QnnContexts::PerSize => Contexts::PerGraphSize,
-                    QnnContexts::PerModel => Contexts::PerModel,
+                    QnnContexts::Graph => Contexts::PerGraph,
+                    QnnContexts::Size => Contexts::PerGraphSize,
+                    QnnContexts::Model => Contexts::PerModel,
                 }),
                 weight_sharing: args.weight_sharing.unwrap_or(HtpConfig::default().weight_sharing),
                 ..Default::default()

@@ -863,6 +863,12 @@ struct Context {
     binary_size: std::sync::OnceLock<Option<usize>>,
 }
 
+// SAFETY: the context handle is opaque and owned by this value; QNN's context calls may come from
+// any thread; executions in it (and contextGetBinary) are serialized by `exec`, and
+// contextFree runs once, in Drop, after the last graph that held an Arc is gone.
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
 impl Context {
     fn new(rt: &Arc<Runtime>, handle: Qnn_ContextHandle_t, graphs: usize, binary_size: Option<usize>) -> Self {
         let size = std::sync::OnceLock::new();
