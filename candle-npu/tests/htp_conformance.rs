@@ -471,6 +471,24 @@ fn rejected_graph_names_op_and_shapes() {
     let out = prepared.execute(&[&input]).unwrap();
     let TensorData::F32(v) = &out[0] else { panic!() };
     assert!((v[0] - 1.0 / (1.0 + (-0.5f32).exp())).abs() < 1e-5);
+
+    // In a batch, that graph alone falls back; the two others share one context, in order.
+    let sigmoid = |name: &str| {
+        let mut s = Graph::new(name);
+        let x = s.input("x", &[32, 576], DType::F32, None);
+        let y = s.unary("y", x, DType::F32, None, |input, output| Op::Sigmoid { input, output });
+        s.mark_output(y);
+        s
+    };
+    let dev = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let batch = dev.prepare_all(&[sigmoid("first"), g.clone(), sigmoid("last")]).unwrap();
+    assert_eq!(batch.iter().map(|p| p.name()).collect::<Vec<_>>(), ["first", "rejected", "last"]);
+    assert_eq!(batch.iter().map(|p| p.graphs_in_unit()).collect::<Vec<_>>(), [2, 1, 2]);
+    assert_eq!((dev.stats().fallbacks, dev.stats().graphs_prepared), (1, 3));
+    for p in &batch {
+        let TensorData::F32(v) = &p.execute(&[&input]).unwrap()[0] else { panic!() };
+        assert!((v[0] - 1.0 / (1.0 + (-0.5f32).exp())).abs() < 1e-3, "{}: {}", p.name(), v[0]);
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

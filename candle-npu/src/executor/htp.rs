@@ -1644,6 +1644,30 @@ mod tests {
     }
 
     #[test]
+    fn graphs_are_grouped_into_contexts_by_size_and_their_qnn_names_must_differ() {
+        let graph = |name: &str, rows: usize| {
+            let mut g = Graph::new(name);
+            let x = g.input("x", &[rows, 4], DType::F32, None);
+            let y = g.unary("y", x, DType::F32, None, |input, output| Op::Sigmoid { input, output });
+            g.mark_output(y);
+            g
+        };
+        let graphs = [graph("a.m64", 64), graph("a.m32", 32), graph("b.m64", 64), graph("b.m32", 32)];
+        let described: Vec<Described> = graphs.iter().enumerate().map(|(i, g)| Described::of(g, i)).collect();
+        assert_eq!(context_groups(&described, Contexts::PerGraphSize), vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!(context_groups(&described, Contexts::PerModel), vec![vec![0, 1, 2, 3]]);
+        assert_eq!(context_groups(&described, Contexts::PerGraph), vec![vec![0], vec![1], vec![2], vec![3]]);
+        assert_eq!(set_name(&described.iter().collect::<Vec<_>>()), "a.m64+3");
+        assert!(check_unique_names(&described.iter().collect::<Vec<_>>()).is_ok());
+        let clash = [Described::of(&graph("blk.0", 8), 0), Described::of(&graph("blk_0", 8), 1)];
+        let err = check_unique_names(&clash.iter().collect::<Vec<_>>()).unwrap_err().to_string();
+        assert!(err.contains("'blk.0' and 'blk_0' have one QNN name, 'blk_0'"), "{err}");
+        // Without weight sharing (x86's default) a context per size; with it, one per model.
+        let c = |weight_sharing| HtpConfig { weight_sharing, ..Default::default() }.contexts();
+        assert_eq!((c(false), c(true)), (Contexts::PerGraphSize, Contexts::PerModel));
+    }
+
+    #[test]
     fn names_are_sanitized() {
         assert_eq!(sanitize("blk.0.qkv.m32"), "blk_0_qkv_m32");
         assert_eq!(sanitize("a b/c"), "a_b_c");

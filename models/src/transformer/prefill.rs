@@ -147,8 +147,8 @@ impl Model {
         self.prepare_sets(&self.npu_sets(chunk_len), self.precision)
     }
 
-    /// The NPU graph sets a prefill in chunks of `chunk_len` may use, prepared together (one QNN
-    /// context on the HTP): the chunk length and the smaller [`SchedOptions::small_chunks`].
+    /// The NPU graph sets a prefill in chunks of `chunk_len` may use, prepared together (shared
+    /// QNN contexts on the HTP): the chunk length and the smaller [`SchedOptions::small_chunks`].
     pub(super) fn npu_sets(&self, chunk_len: usize) -> Vec<GraphSet> {
         let small = self.sched.small_chunks.iter().copied().filter(|&s| s > 0 && s < chunk_len);
         std::iter::once(chunk_len).chain(small).map(GraphSet::Npu).collect()
@@ -552,11 +552,11 @@ impl Model {
         Ok(self.graphs[&(set, precision)].clone())
     }
 
-    /// Prepares the stage graphs of every layer for the sets in `sets` not prepared yet, in one
-    /// [`NpuDevice::prepare_all`]: on the HTP, every stage graph of every size in one QNN context
-    /// (one cache entry, one load, and the weights the sizes share held once where the device
-    /// can load that). Margin graphs (any row count) run on the margin's device, described with
-    /// one row.
+    /// Prepares the stage graphs of every layer for the sets in `sets` not prepared yet, the NPU's
+    /// in one [`NpuDevice::prepare_described`]: on the HTP, in shared QNN contexts (one per model
+    /// with weight sharing, whose sizes hold their weights once; one per size without: see
+    /// `candle_npu::Contexts`), each one cache entry and one load. Margin graphs (any row count)
+    /// run on the margin's device, described with one row.
     pub(super) fn prepare_sets(&mut self, sets: &[GraphSet], precision: Precision) -> Result<()> {
         let mut todo: Vec<GraphSet> = Vec::new();
         for &set in sets {
@@ -564,11 +564,12 @@ impl Model {
                 todo.push(set);
             }
         }
-        for (device, group) in [(self.device.clone(), false), (self.device.margin_device(), true)] {
-            let group: Vec<GraphSet> = todo.iter().copied().filter(|s| (*s == GraphSet::Margin) == group).collect();
+        for margin in [false, true] {
+            let group: Vec<GraphSet> = todo.iter().copied().filter(|s| (*s == GraphSet::Margin) == margin).collect();
             if group.is_empty() {
                 continue;
             }
+            let device = if margin { self.device.margin_device() } else { self.device.clone() };
             let t = std::time::Instant::now();
             let rows: Vec<usize> = group.iter().map(|set| if let GraphSet::Npu(m) = set { *m } else { 1 }).collect();
             let per_set = self.cfg.n_layer * N_STAGES;
