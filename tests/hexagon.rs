@@ -304,6 +304,19 @@ fn graphs_in_shared_contexts_compute_as_alone() {
         assert!(compiled.0 == alone.0, "{contexts:?} computes as a context per graph");
         assert!(loaded.0 == alone.0, "{contexts:?} loaded from the cache computes as a context per graph");
     }
+    // A sound file whose side table is not that of the context's graphs (its checksum holds):
+    // the context is rebuilt, and the file rewritten.
+    let per_model = HtpConfig { cache_dir: Some(dir.clone()), contexts: Some(Contexts::PerModel), ..Default::default() };
+    let prints: Vec<[u8; 32]> = graphs.iter().map(Graph::fingerprint).collect();
+    let key = candle_npu::HtpExecutor::new(per_model.clone()).unwrap().context_cache_key(&prints);
+    let cache = candle_npu::cache::GraphCache::new(&dir);
+    let name = "blk.0.qkv.m64+7";
+    let candle_npu::cache::Lookup::Hit(entry) = cache.load(name, &key) else { panic!("the model's context is cached as {name}") };
+    cache.store(name, &key, &[8, 0], &entry.payload).unwrap();
+    let rebuilt = run(per_model.clone());
+    assert_eq!((rebuilt.1.graphs_prepared, rebuilt.1.graphs_loaded), (8, 0), "a wrong side table: rebuilt");
+    assert!(rebuilt.0 == alone.0);
+    assert_eq!(run(per_model).1.graphs_loaded, 8, "rewritten, then loaded");
     std::fs::remove_dir_all(&dir).unwrap();
     if cfg!(target_arch = "x86_64") {
         // The x86 library refuses to load a weight-shared binary (QNN 1000): the context is
