@@ -9,10 +9,10 @@
 //! # Keys
 //!
 //! A [`CacheKey`] is SHA-256 over the graph's [`fingerprint`](crate::Graph::fingerprint) (which
-//! covers the weights, the quant profile's scales and the chunk length; for an entry holding
-//! several graphs, a hash of their fingerprints in order) and the executor's `salt` (for QNN:
-//! the library's build id and API versions, the SoC model, the graph configs, and this crate's
-//! version). The file name carries the key, so a changed model, profile, chunk
+//! covers the weights, the quant profile's scales and the chunk length; for QNN, whose entry is
+//! a context of one graph or more, a hash of their fingerprints in order) and the executor's
+//! `salt` (for QNN: the library's build id and API versions, the SoC model, the graph configs,
+//! and this crate's version). The file name carries the key, so a changed model, profile, chunk
 //! length, SoC or library simply misses; old files are left in place (delete the folder to
 //! reclaim the space).
 //!
@@ -24,8 +24,8 @@
 //! ```
 //!
 //! `meta` is the executor's small side table (for QNN: the tensor ids of the graph's inputs and
-//! outputs, which a context binary does not give back without QNN's System library; for a
-//! context holding several graphs, their count, then each graph's ids in order). The
+//! outputs, which a context binary does not give back without QNN's System library: the number
+//! of graphs in the context, then each graph's ids in order). The
 //! checksum covers every byte read back, the side table included: a damaged id would bind a
 //! graph's buffers wrongly without any error. ("CNPUGRF1" files hashed the payload alone; they
 //! are rebuilt.)

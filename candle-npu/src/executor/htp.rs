@@ -414,16 +414,20 @@ impl HtpExecutor {
     /// module documentation).
     pub fn prepare_unchecked(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
         graph.validate()?;
-        Ok(Box::new(self.compile(graph)?))
+        let mut built = build_all(&self.rt, &[&Described::of(graph, 0)], &|_| Ok(graph.clone()), false, self.profiles.clone())?;
+        Ok(Box::new(built.remove(0)))
     }
 
-    /// The cache key of `graph` on this executor (library build, SoC and graph configs).
+    /// The cache key of `graph` prepared alone, in a context of its own (library build, SoC and
+    /// graph configs).
     pub fn cache_key(&self, graph: &Graph) -> CacheKey {
-        CacheKey::new(&graph.fingerprint(), &self.cache_salt)
+        self.context_cache_key(&[graph.fingerprint()])
     }
 
-    fn compile(&self, graph: &Graph) -> Result<HtpGraph> {
-        build(&self.rt, graph, self.profiles.clone())
+    /// Whether a context of `graphs` graphs is created with the HTP's weight sharing: as
+    /// configured, where there is another graph to share with.
+    fn weight_sharing(&self, graphs: usize) -> bool {
+        self.rt.config.weight_sharing && graphs > 1
     }
 
     /// The cache key of graphs prepared together into one context ([`Executor::prepare_all`]),
@@ -435,59 +439,28 @@ impl HtpExecutor {
         for f in fingerprints {
             h.update(f);
         }
-        let salt = format!("{} | one context of {} graphs, weight sharing {}", self.cache_salt, fingerprints.len(), self.rt.config.weight_sharing);
+        let n = fingerprints.len();
+        let salt = format!("{} | one context of {n} graphs, weight sharing {}", self.cache_salt, self.weight_sharing(n));
         CacheKey::new(&h.finalize().into(), &salt)
     }
 
-    /// Loads `graph` from the cache when a valid entry exists; otherwise compiles it and stores
-    /// it. Cache trouble is logged and never fails the prepare.
-    fn prepare_cached(&self, graph: &Graph, cache: &GraphCache) -> Result<HtpGraph> {
-        let mut built = self.cached(
-            graph.name.clone(),
-            self.cache_key(graph),
-            cache,
-            |entry| Ok(vec![load(&self.rt, graph, entry, self.profiles.clone())?]),
-            || Ok(vec![self.compile(graph)?]),
-            |g| g[0].meta().collect(),
-        )?;
-        Ok(built.remove(0))
-    }
-
-    /// The graphs of one shared context (see [`Executor::prepare_all`]): loaded from the cache
-    /// when there is one (one entry, one load), else built from their descriptions.
-    fn prepare_context(&self, graphs: &[&Described], fingerprints: &[[u8; 32]], describe: &dyn Fn(usize) -> Result<Graph>) -> Result<Vec<HtpGraph>> {
-        let sharing = self.rt.config.weight_sharing;
-        let build = || build_all(&self.rt, graphs, describe, sharing, self.profiles.clone());
-        let Some(cache) = &self.cache else { return build() };
-        self.cached(
-            set_name(graphs),
-            self.context_cache_key(fingerprints),
-            cache,
-            |entry| load_all(&self.rt, graphs, entry, self.profiles.clone()),
-            build,
-            |built| std::iter::once(graphs.len() as u32).chain(built.iter().flat_map(HtpGraph::meta)).collect(),
-        )
-    }
-
-    /// The cache's failure policy for one context: `load` an intact entry; otherwise (or when
-    /// the library refuses it) `build`, and store the new binary with `meta`'s side table. An
-    /// entry the library refuses for this device's sake (QNN 1002, the NPU cannot map that much;
+    /// The graphs of one context (a graph alone, or graphs that share one, see
+    /// [`Executor::prepare_all`]): loaded from the cache when there is an intact entry (one
+    /// load), else built from their descriptions and stored with their tensor ids (the graph
+    /// count, then each graph's). Cache trouble is logged and never fails the prepare. An entry
+    /// the library refuses for this device's sake (QNN 1002, the NPU cannot map that much;
     /// 1000, a weight-shared binary on x86) is sound and would be written again byte for byte:
     /// it is kept, and the context is built in every process, with a warning each time.
-    fn cached(
-        &self,
-        name: String,
-        key: CacheKey,
-        cache: &GraphCache,
-        load: impl FnOnce(&CachedGraph) -> Result<Vec<HtpGraph>>,
-        build: impl FnOnce() -> Result<Vec<HtpGraph>>,
-        meta: impl FnOnce(&[HtpGraph]) -> Vec<u32>,
-    ) -> Result<Vec<HtpGraph>> {
+    fn prepare_context(&self, graphs: &[&Described], describe: &dyn Fn(usize) -> Result<Graph>) -> Result<Vec<HtpGraph>> {
+        let build = || build_all(&self.rt, graphs, describe, self.weight_sharing(graphs.len()), self.profiles.clone());
+        let Some(cache) = &self.cache else { return build() };
+        let name = set_name(graphs);
+        let key = self.context_cache_key(&graphs.iter().map(|d| d.fingerprint).collect::<Vec<_>>());
         let mut store = true;
         let t = Instant::now();
         if let Some(entry) = lookup(cache, &name, &key) {
             let read = t.elapsed();
-            match load(&entry) {
+            match load_all(&self.rt, graphs, &entry, self.profiles.clone()) {
                 Ok(g) => {
                     tracing::debug!(graphs = %name, bytes = entry.payload.len(), ?read, load = ?(t.elapsed() - read), "context loaded from the cache");
                     return Ok(g);
@@ -503,7 +476,8 @@ impl HtpExecutor {
         }
         let built = build()?;
         if store {
-            write_entry(cache, &name, &key, &built[0].ctx, meta(&built));
+            let meta = std::iter::once(graphs.len() as u32).chain(built.iter().flat_map(HtpGraph::meta)).collect();
+            write_entry(cache, &name, &key, &built[0].ctx, meta);
         }
         Ok(built)
     }
@@ -734,18 +708,26 @@ fn context_groups(graphs: &[Described], contexts: Contexts) -> Vec<Vec<usize>> {
     groups.into_iter().map(|(_, members)| members).collect()
 }
 
-/// What a shared context needs of a graph besides its weights: its index for `describe`, its
-/// name and its buffers (the tensor ids are set when it is built or retrieved).
+/// What a context needs of a graph besides its weights: its index for `describe`, its name,
+/// its fingerprint (for the cache key) and its buffers (the tensor ids are set when it is built
+/// or retrieved).
 struct Described {
     index: usize,
     name: String,
+    fingerprint: [u8; 32],
     inputs: Vec<IoTensor>,
     outputs: Vec<IoTensor>,
 }
 
 impl Described {
     fn of(graph: &Graph, index: usize) -> Self {
-        Described { index, name: graph.name.clone(), inputs: io_tensors(graph, &graph.inputs), outputs: io_tensors(graph, &graph.outputs) }
+        Described {
+            index,
+            name: graph.name.clone(),
+            fingerprint: graph.fingerprint(),
+            inputs: io_tensors(graph, &graph.inputs),
+            outputs: io_tensors(graph, &graph.outputs),
+        }
     }
 }
 
@@ -784,10 +766,8 @@ impl Executor for HtpExecutor {
 
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
         check_supported(graph)?;
-        Ok(Box::new(match &self.cache {
-            Some(cache) => self.prepare_cached(graph, cache)?,
-            None => self.compile(graph)?,
-        }))
+        let mut built = self.prepare_context(&[&Described::of(graph, 0)], &|_| Ok(graph.clone()))?;
+        Ok(Box::new(built.remove(0)))
     }
 
     /// In contexts as [`HtpConfig::contexts`] says. Each graph is described once to check it
@@ -799,11 +779,9 @@ impl Executor for HtpExecutor {
             return (0..n).map(|i| self.prepare(&describe(i)?)).collect();
         }
         let mut described = Vec::with_capacity(n);
-        let mut fingerprints = Vec::with_capacity(n);
         for i in 0..n {
             let graph = describe(i)?;
             check_supported(&graph)?;
-            fingerprints.push(graph.fingerprint());
             described.push(Described::of(&graph, i));
         }
         let mut out: Vec<Option<Box<dyn ExecutableGraph>>> = (0..n).map(|_| None).collect();
@@ -812,8 +790,7 @@ impl Executor for HtpExecutor {
                 [i] => vec![self.prepare(&describe(i)?)?],
                 _ => {
                     let members: Vec<&Described> = group.iter().map(|&i| &described[i]).collect();
-                    let prints: Vec<[u8; 32]> = group.iter().map(|&i| fingerprints[i]).collect();
-                    let built = self.prepare_context(&members, &prints, describe)?;
+                    let built = self.prepare_context(&members, describe)?;
                     tracing::debug!(graphs = %set_name(&members), origin = ?built[0].origin, "stage graphs in one QNN context");
                     built.into_iter().map(|g| Box::new(g) as Box<dyn ExecutableGraph>).collect()
                 }
@@ -1145,19 +1122,7 @@ fn culprit<'g>(graph: &'g Graph, log: &[String]) -> Option<&'g Op> {
     })
 }
 
-/// Translates and finalizes `graph` in a fresh context of its own.
-fn build(rt: &Arc<Runtime>, graph: &Graph, profiles: Option<Profiles>) -> Result<HtpGraph> {
-    let ctx = Context::create(rt, 1, false).map_err(|(code, message)| Error::Prepare {
-        graph: graph.name.clone(),
-        op: "-".into(),
-        shapes: "contextCreate".into(),
-        code,
-        message,
-    })?;
-    add_graph(&Arc::new(ctx), graph, profiles)
-}
-
-/// Translates and finalizes `graphs` in one context (with the HTP's weight sharing if asked),
+/// Translates and finalizes `graphs` in a new context (with the HTP's weight sharing if asked),
 /// one after another, each described just before: QNN copies a graph's weights by its
 /// graphFinalize, so one description is alive at a time.
 fn build_all(
@@ -1312,19 +1277,7 @@ fn add_graph(ctx: &Arc<Context>, graph: &Graph, profiles: Option<Profiles>) -> R
     Ok(HtpGraph::new(&graph.name, handle, ctx.clone(), inputs, outputs, Origin::Compiled, profiles))
 }
 
-/// Recreates `graph` from a cached context binary of its own: contextCreateFromBinary +
-/// graphRetrieve, with the input/output tensor ids the cache entry recorded.
-fn load(rt: &Arc<Runtime>, graph: &Graph, entry: &CachedGraph, profiles: Option<Profiles>) -> Result<HtpGraph> {
-    let err = |code, message| load_error(&graph.name, code, message);
-    let (n_in, n_out) = (graph.inputs.len(), graph.outputs.len());
-    if entry.meta.len() != n_in + n_out {
-        return Err(err(0, format!("cache entry has {} tensor ids, the graph has {n_in} inputs + {n_out} outputs", entry.meta.len())));
-    }
-    let ctx = load_context(rt, &entry.payload, 1, &graph.name, profiles.as_ref())?;
-    retrieve(&ctx, &Described::of(graph, 0), &entry.meta, profiles)
-}
-
-/// Recreates `graphs` from the cached context binary that holds them all: one
+/// Recreates `graphs` from the cached context binary that holds them: one
 /// contextCreateFromBinary, a graphRetrieve per graph. The entry's side table is the graph
 /// count, then each graph's input and output tensor ids in order.
 fn load_all(rt: &Arc<Runtime>, graphs: &[&Described], entry: &CachedGraph, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
