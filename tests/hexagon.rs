@@ -11,15 +11,6 @@ use candle_npu_models::transformer::argmax;
 use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Precision, SchedOptions};
 use common::*;
 
-/// Whether the QNN HTP library is there; prints why the test is skipped when it is not.
-fn library_present() -> bool {
-    let lib = HtpConfig::default().library_path();
-    if !lib.exists() {
-        eprintln!("skipped: {} absent (run scripts/setup.sh)", lib.display());
-    }
-    lib.exists()
-}
-
 /// Every prompt position's logits, flattened `[len * vocab]`, with SmolLM2's default plan or
 /// every row on the NPU graphs (`pad`), in chunks of 32.
 fn logits(p: &mut candle_npu_models::Pipeline, prompt: &[u32], pad: bool) -> Vec<f32> {

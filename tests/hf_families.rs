@@ -220,9 +220,7 @@ fn mistral_with_a_sliding_window_matches_candle_transformers() {
 #[test]
 fn phi3_and_mistral_prefills_run_on_the_htp_library() {
     use candle_npu::{ClipMethod, HtpConfig, Numerics};
-    let lib = HtpConfig::default().library_path();
-    if !lib.exists() {
-        eprintln!("skipped: {} absent (run scripts/setup.sh)", lib.display());
+    if !library_present() {
         return;
     }
     let mut phi3 = base_config("phi3");

@@ -42,3 +42,12 @@ pub fn llama_example() -> std::path::PathBuf {
     assert!(bin.exists(), "{} missing: `cargo test` builds the examples", bin.display());
     bin
 }
+
+/// Whether the QNN HTP library is there; prints why the test is skipped when it is not.
+pub fn library_present() -> bool {
+    let lib = candle_npu::HtpConfig::default().library_path();
+    if !lib.exists() {
+        eprintln!("skipped: {} absent (run scripts/setup.sh)", lib.display());
+    }
+    lib.exists()
+}
