@@ -12,6 +12,8 @@
 //! 1024x2048x2048 (issue 2): rten-gemm 443 GOPS, pire-gemm 592 GOPS but column-major output only and
 //! an unsafe API, gemmkit 456 GOPS without Arm SDOT. `benches/prefill.rs` has the model's shapes.
 
+#[cfg(target_arch = "aarch64")]
+pub mod arm;
 pub mod attention;
 pub mod claim;
 pub mod gemv;
