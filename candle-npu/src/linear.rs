@@ -221,6 +221,55 @@ impl std::fmt::Debug for ShadowLinear {
     }
 }
 
+/// `w.forward(x)`, candle's CPU matmul of a decode weight, on any CPU: where candle's own
+/// quantized kernels cannot run, this crate's decode kernel takes it row by row, or the weight
+/// dequantized to F32.
+///
+/// Why: candle-core 0.11's quantized kernels on aarch64 execute `sdot` (FEAT_DotProd) without
+/// asking the CPU (its `neon` module): on a core without it (Cortex-A53/A72, e.g. a Raspberry
+/// Pi 3 or 4) the process dies of SIGILL on the first prompt. There, a Q8_0 or Q4_1 weight goes
+/// through [`crate::kernels::gemv::matvec`] one row of `x` at a time (its NEON path), and any
+/// other format (a checkpoint's K-quants) is dequantized for the call, with a warning once per
+/// process: slow, but right. Every CPU that has dotprod (every Snapdragon since the 855) and every
+/// x86 CPU runs candle's matmul, as before.
+pub fn decode_matmul(w: &QMatMul, x: &Tensor) -> Result<Tensor> {
+    #[cfg(target_arch = "aarch64")]
+    if let (QMatMul::QTensor(qw), false) = (w, crate::kernels::arm::has_dotprod()) {
+        return matmul_without_dotprod(qw, x);
+    }
+    Ok(w.forward(x)?)
+}
+
+/// [`decode_matmul`] on an aarch64 CPU without dotprod: `x` (`[.., K]`) times `w^T` (`[N, K]`).
+#[cfg(target_arch = "aarch64")]
+fn matmul_without_dotprod(w: &QTensor, x: &Tensor) -> Result<Tensor> {
+    let (k, n) = (w.shape().dims()[1], w.shape().dims()[0]);
+    let mut out_dims = x.dims().to_vec();
+    if out_dims.last() != Some(&k) {
+        return Err(Error::Input(format!("decode matmul: input {:?} against a weight of [{n}, {k}]", x.dims())));
+    }
+    *out_dims.last_mut().expect("checked above") = n;
+    let rows = x.reshape(((), k))?.to_dtype(candle_core::DType::F32)?;
+    let mut ys = Vec::with_capacity(rows.dim(0)?);
+    for r in 0..rows.dim(0)? {
+        match crate::kernels::gemv::matvec(w, &rows.narrow(0, r, 1)?)? {
+            Some(y) => ys.push(y),
+            None => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        dtype = ?w.dtype(),
+                        "this CPU lacks Arm dotprod, which candle's quantized matmul needs: the weight is dequantized to F32 for each product"
+                    )
+                });
+                let wf = w.dequantize(&Device::Cpu)?;
+                return Ok(rows.matmul(&wf.t()?)?.reshape(out_dims)?.to_dtype(x.dtype())?);
+            }
+        }
+    }
+    Ok(Tensor::cat(&ys, 0)?.reshape(out_dims)?.to_dtype(x.dtype())?)
+}
+
 impl ShadowLinear {
     /// A linear over the float weight in `source` (`[N, K]`, out x in), read once here to
     /// quantize it; `bias` has `N` values.
@@ -456,7 +505,7 @@ impl ShadowLinear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match self.gemv(x)? {
             Some(y) => y,
-            None => self.decode.forward(x)?,
+            None => decode_matmul(&self.decode, x)?,
         };
         self.with_bias(y)
     }
@@ -501,6 +550,33 @@ impl ShadowLinear {
 mod tests {
     use super::*;
     use crate::outlier::InMemoryWeight;
+
+    #[test]
+    fn decode_matmul_is_the_weights_product_on_every_cpu() {
+        // Several rows on Q8_0, Q4_1 and a K-quant: candle's matmul where the CPU runs it, this
+        // crate's kernel or the dequantized weight on an aarch64 CPU without dotprod (qemu's
+        // cortex-a53, where candle's kernels die of SIGILL). Either way the product of the
+        // dequantized weights with the activations quantized to 8 bits: within 1% of the sum of
+        // the absolute terms (8-bit activations are off by at most 1/254 of their block's
+        // maximum each), and a wrong row or format is off by far more.
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (m, n, k) = (3, 9, 256);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let wf: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::Q4K] {
+            let qt = QTensor::quantize(&Tensor::from_slice(&wf, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
+            let w: Vec<f32> = qt.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = decode_matmul(&QMatMul::QTensor(Arc::new(qt)), &xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(got.len(), m * n, "{dtype:?}");
+            for (i, j) in (0..m).flat_map(|i| (0..n).map(move |j| (i, j))) {
+                let terms = (0..k).map(|t| x[i * k + t] * w[j * k + t]);
+                let (want, abs): (f32, f32) = terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
+                assert!((got[i * n + j] - want).abs() <= 0.01 * abs, "{dtype:?} ({i}, {j}): {} for {want}", got[i * n + j]);
+            }
+        }
+    }
 
     fn weight(n: usize, k: usize) -> Arc<dyn WeightSource> {
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * (1.0 + (i / k) as f32)).collect();

@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::quantized::QMatMul;
-use candle_core::{DType as CDType, Device, Module, Tensor, D};
+use candle_core::{DType as CDType, Device, Tensor, D};
 use candle_npu::kernels::rows::{self, with_f32};
 use candle_npu::sched::{simulate, AnalyticCosts, DagChunk, LayerShape, Policy, Processor, Rates, Runner, Schedule, StageDesc, SubgraphDag};
 use candle_npu::{
@@ -522,7 +522,7 @@ impl Model {
                 return Ok(y);
             }
         }
-        Ok(self.lm_head.forward(&h)?)
+        Ok(candle_npu::linear::decode_matmul(&self.lm_head, &h)?)
     }
 
     pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
