@@ -28,8 +28,17 @@
 //!   a mask) and then `vpmaddubsw` directly (the nibbles are the unsigned operand); the rows one
 //!   after another so that the weights are one sequential stream, prefetched 8 KiB ahead (see
 //!   `x86` for why, and the measurements).
-//! - [`GemvPath::Portable`]: plain Rust, any CPU (aarch64 included), and the AVX2 path's
-//!   cross-check.
+//! - [`GemvPath::Dotprod`] (aarch64 with FEAT_DotProd, every phone core since the Cortex-A55 and
+//!   A76): a block of 32 i8 x 32 i8 in two `sdot` (16 multiply-adds each, into i32: nothing
+//!   saturates, a -128 anywhere is fine), a Q4_1 block's nibbles unpacked with `and` and `ushr`
+//!   (0..15, the same as signed bytes); the f16 scales of four blocks converted at once
+//!   (`fcvtl`), four accumulators; no software prefetch (Arm's prefetchers follow a stream
+//!   across pages). See `aarch64` for why, and the instruction counts.
+//! - [`GemvPath::Neon`] (any aarch64 CPU: NEON is baseline): the same with the products widened
+//!   to i16 (`smull`, `smlal`: two products per i16, which a Q8_0 activation of -128 could
+//!   overflow, so this path refuses it as the AVX2 one does) and pairs added into i32; the same
+//!   i32 lanes as `sdot`'s, so that it agrees with Dotprod to the bit.
+//! - [`GemvPath::Portable`]: plain Rust, any CPU, and the SIMD paths' cross-check.
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -45,8 +54,10 @@ pub const Q4_1_BLOCK_BYTES: usize = 20;
 /// `quantize_row_q8_0`: `d = max|x| / 127`, `q = round(x / d)`, so `q` is in [-127, 127]), and
 /// per block the sum of its `q` (for [`gemv_q4_1`]'s minimum term).
 ///
-/// [`gemv_q8_0`] needs `q` in [-127, 127] (its AVX2 path negates `q`, and -(-128) wraps), and
-/// asserts it: build the fields by hand only with that range. [`gemv_q4_1`] takes any i8 but
+/// [`gemv_q8_0`] needs `q` in [-127, 127] on its AVX2 and Neon paths (AVX2 negates `q`, and
+/// -(-128) wraps; both add two byte products in an i16, which two (-128) * (-128) overflow), and
+/// asserts it there; Dotprod and Portable take any i8. Build the fields by hand only with that
+/// range, or the same call panics on one CPU and not on another. [`gemv_q4_1`] takes any i8 but
 /// needs `sums` to be the blocks' sums, and asserts that.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Q8Activation {
@@ -289,7 +300,8 @@ fn checked_rows<'w>(
 
 /// The portable path: per block an i32 dot of 32 i8 pairs (a fixed-size loop, for the
 /// vectorizer), scaled and summed in f32. 12 GB/s on the build machine for SSE2, which has no
-/// byte multiply-add: a third of its memory speed (Arm's `sdot` would be the path to add there).
+/// byte multiply-add: a third of its memory speed (on aarch64 the Dotprod and Neon paths replace
+/// it).
 fn gemv_portable(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
     for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * BLOCK_BYTES)) {
         let mut acc = 0f32;
@@ -546,7 +558,7 @@ mod x86 {
 ///
 /// Per block then: the i32 lanes to f32 (`scvtf`; exact, a lane is at most 131072 < 2^24), and
 /// one `fmla` by a lane of the scale vector. A group of four blocks converts its four f16 scales
-/// at once (four lane loads, `fcvtl`: f16 to f32 conversion is in the aarch64 baseline, only f16
+/// at once (four 16-bit loads into lanes, `fcvtl`: f16 to f32 conversion is in the aarch64 baseline, only f16
 /// arithmetic needs FEAT_FP16, and `vcvt_f32_f16` is stable) and multiplies them by the four
 /// activation scales in one `fmul`; each block of the group has its accumulator (4 independent
 /// FMA chains), the last K / 32 % 4 blocks go one each onto the first accumulators with a scalar
@@ -557,25 +569,35 @@ mod x86 {
 /// `ushr` of the 16 bytes: 0..15, as signed bytes the same values, `sdot` and `smull` take them
 /// as they are.
 ///
-/// Instructions per block (in the group loop, the loop's own 3 shared by four blocks): Q8_0 3
-/// loads (two halves of the weights at an offset of 2, the activation's pair) + the dot (3 or
-/// 7) + `scvtf` + `fmla` + the scale's share (a lane load, a quarter of `fcvtl`, `fmul` and the
-/// scales' load): about 10 with `sdot`, 14 with NEON; Q4_1 2 loads + `and` + `ushr` + the dot +
-/// `scvtf` + `fmla` + its share of the scales and minimum terms (about 3): about 11 and 15. The
-/// counts of the compiled loops are in the commit that added them; their speed on a phone cannot
-/// be measured here (qemu), only estimated (llvm-mca on `gemv_q8_0_dotprod`,
-/// `gemv_q4_1_dotprod`, `gemv_q8_0_neon`, `gemv_q4_1_neon`, separate functions so that their
-/// symbols exist).
+/// Instructions per block of 32 weights, counted in the compiled group loops (rustc 1.96,
+/// release; a loop of four blocks, divided by four), of which NEON arithmetic in brackets:
+/// - Q8_0: Dotprod 11.25 (5.5), Neon 15.25 (9.5). A block: the weights' two halves (`ldur`, at
+///   an offset of 2), the activation's (`ldp`), the dot, `scvtf`, `fmla`; a quarter of the
+///   group's scale work (four 16-bit lane loads, `fcvtl`, the activation scales' `ldr`,
+///   `fmul`); the addresses and the loop.
+/// - Q4_1: Dotprod 14 (9), Neon 18 (13): as Q8_0 with one load of `qs` (for two), `and` and
+///   `ushr`, and twice the scale work (`fcvtl` twice, `uzp1`, `uzp2`, `fmul` twice) plus the
+///   minimum terms' (the block sums' load, `scvtf`, `fmla`).
+///
+/// Their speed on a phone cannot be measured here (qemu runs them, slowly and without a phone's
+/// caches), only estimated: llvm-mca on `gemv_q8_0_dotprod`, `gemv_q4_1_dotprod`,
+/// `gemv_q8_0_neon` and `gemv_q4_1_neon` (separate functions, so that their symbols exist).
+///
+/// For scale, an estimate from the counts and not a measurement: a Cortex-A76 issues two
+/// 128-bit NEON operations and two loads per cycle, so Dotprod's Q8_0 block takes about 3 cycles
+/// for 34 bytes, 25-30 GB/s at 2.4 GHz, above one core's share of a phone's memory bandwidth; an
+/// in-order Cortex-A55 issues about one 128-bit NEON operation per cycle, 5.5 cycles or more per
+/// block, ~11 GB/s at 1.8 GHz at best: its blocks are compute-bound.
 ///
 /// One row after another, as on x86: the weights are one sequential stream. No software
-/// prefetch, unlike x86: there it is for the L2 streamer, which stops at each 4 KiB page. The
-/// load prefetchers of Arm's phone cores follow virtual addresses (Cortex-A55: a read stream
+/// prefetch, unlike x86, where it gained a quarter on that one stream (see `x86`): x86's L2
+/// streamers work on physical addresses and stop at each 4 KiB page (Intel documents it), the
+/// likely reason. The load prefetchers of Arm's phone cores follow virtual addresses (Cortex-A55: a read stream
 /// "can cross page boundaries", and widens its distance as it gains confidence; Cortex-A76:
 /// "uses the virtual address to prefetch to both the L1 and L2"), and their manuals keep `prfm`
 /// for "short sequences or irregular pattern fetches": one long sequential stream per thread is
-/// what they track. A `prfm` per cache line would be one more instruction per two blocks on
-/// cores that are close to compute-bound here (a Cortex-A55 issues one 128-bit NEON operation
-/// per cycle or so). To revisit with a measurement on a phone.
+/// what they track. A `prfm` per cache line would be one more instruction per two blocks, on an
+/// in-order core that is compute-bound here already. To revisit with a measurement on a phone.
 #[cfg(target_arch = "aarch64")]
 mod aarch64 {
     use std::arch::aarch64::*;
@@ -922,13 +944,24 @@ mod tests {
     }
 
     /// The f32 error bound for K = `k`. Each block's dot is exact (i32, and below 2^24 in f32:
-    /// the AVX2 lanes hold at most 65024, a whole block 520192), so the error is the float work:
-    /// `d_w * d_x` rounded once, its product with the dot once (the FMA's), one rounding per block
-    /// added to an accumulator (K / 32), and on the AVX2 path the sum of its two accumulators and
-    /// the 3 levels of its 8-lane sum: a sum of depth at most K / 32 + 3. Standard summation
-    /// analysis bounds that by `(K / 32 + 5) u * sum |terms|` with u = 2^-24;
-    /// `f32::EPSILON` is 2u, a factor 2 of margin. It is tight enough to see a single weight off
-    /// by one (see `the_tolerance_sees_one_weight_off_by_one`).
+    /// the AVX2 lanes hold at most 65024, the Arm paths' 4 lanes 8 * 128 * 128 = 131072, a whole
+    /// block 32 * 128 * 128 = 524288), so the error is the float work, counted per term (a
+    /// block's `d_w * d_x * dot`) along its way to the result: `d_w * d_x` rounded once, then one
+    /// rounding per operation that adds it or a sum holding it (the first, an FMA into its
+    /// accumulator, also rounds its product with the dot). With nb = K / 32:
+    /// - Portable: the product with the dot, then nb additions in sequence: nb + 2;
+    /// - AVX2: an FMA chain per accumulator (even and odd blocks, at most nb / 2 + 1 each), their
+    ///   sum, the 3 levels of the 8-lane sum: at most nb / 2 + 6;
+    /// - Dotprod and Neon: an FMA chain per accumulator (four: block i of each group of four on
+    ///   the i-th, the nb % 4 tail blocks one each on the first ones: at most nb / 4 + 1 each), 2
+    ///   levels summing the four, 2 of `hsum4`: at most nb / 4 + 6 (rounded down), which is at
+    ///   most nb + 5 for every nb >= 1 (equal at nb = 1).
+    ///
+    /// Standard summation analysis bounds a sum whose terms see at most d roundings by
+    /// `d u * sum |terms|` (to first order) with u = 2^-24, so `(K / 32 + 5) u * sum |terms|`
+    /// bounds every path; `f32::EPSILON` is 2u, a factor 2 of margin (which covers the second
+    /// order). It is tight enough to see a single weight off by one (see
+    /// `the_tolerance_sees_one_weight_off_by_one`).
     fn tolerance(k: usize, abs: f64) -> f64 {
         (k / QK + 5) as f64 * f32::EPSILON as f64 * abs
     }
@@ -978,14 +1011,24 @@ mod tests {
     }
 
     /// [`tolerance`] for Q4_1. Each block's two integer sums are exact (the AVX2 lanes hold at
-    /// most 7680, a block 61440, a block sum of the activation 4096, all below 2^24), so again the error is the float work, counted per term along its way to
-    /// the result. The portable path: `d_w * d_x` or `m_w * d_x` rounded, its product with the
-    /// integer sum, the two terms' sum, then K / 32 additions: K / 32 + 3. The AVX2 path: the
-    /// scale rounded, its FMA into one of four accumulators (a chain of at most K / 128 + 3 FMAs,
-    /// the tail of K / 32 % 4 blocks on the first), 2 levels summing the four, 1 adding the
-    /// minimum terms, the 3 levels of the 8-lane sum: at most K / 128 + 10. So `(K / 32 + 10) u`
-    /// bounds both, and `f32::EPSILON` = 2u doubles it as [`tolerance`] does; it sees a single
-    /// nibble off by one (see `the_tolerance_sees_one_nibble_off_by_one`).
+    /// most 7680, the Arm paths' 4 lanes 8 * 15 * 128 = 15360, a block 61440, a block sum of the
+    /// activation 4096, all below 2^24), so again the error is the float work, counted per term
+    /// (`d_w * d_x * dot` or `m_w * d_x * sum`) along its way to the result, nb = K / 32:
+    /// - Portable: `d_w * d_x` or `m_w * d_x` rounded, its product with the integer sum, the two
+    ///   terms' sum, then nb additions: nb + 3;
+    /// - AVX2: the scale rounded, its FMA into one of four accumulators (a chain of at most
+    ///   nb / 4 + 3 FMAs, the tail of nb % 4 blocks on the first), 2 levels summing the four, 1
+    ///   adding the minimum terms, the 3 levels of the 8-lane sum: at most nb / 4 + 10;
+    /// - Dotprod and Neon: a `d_w` term as in [`tolerance`] (the scale, a chain of at most
+    ///   nb / 4 + 1 FMAs, 2 levels summing the four accumulators), then 1 adding the groups'
+    ///   minimum terms, 2 of `hsum4`, 1 adding the tail's minimum terms: at most nb / 4 + 8; a
+    ///   group's `m_w` term: the scale, its lane's chain of at most nb / 4 FMAs, 1 into the
+    ///   accumulators' sum, 2 of `hsum4`, 1: nb / 4 + 5; a tail block's: the scale, a chain of
+    ///   at most 3 scalar FMAs, 1: 5.
+    ///
+    /// So `(K / 32 + 10) u` bounds every path, and `f32::EPSILON` = 2u doubles it as
+    /// [`tolerance`] does; it sees a single nibble off by one (see
+    /// `the_tolerance_sees_one_nibble_off_by_one`).
     fn tolerance_q4_1(k: usize, abs: f64) -> f64 {
         (k / QK + 10) as f64 * f32::EPSILON as f64 * abs
     }
