@@ -28,8 +28,17 @@
 //!   a mask) and then `vpmaddubsw` directly (the nibbles are the unsigned operand); the rows one
 //!   after another so that the weights are one sequential stream, prefetched 8 KiB ahead (see
 //!   `x86` for why, and the measurements).
-//! - [`GemvPath::Portable`]: plain Rust, any CPU (aarch64 included), and the AVX2 path's
-//!   cross-check.
+//! - [`GemvPath::Dotprod`] (aarch64 with FEAT_DotProd, every phone core since the Cortex-A55 and
+//!   A76): a block of 32 i8 x 32 i8 in two `sdot` (16 multiply-adds each, into i32: nothing
+//!   saturates, a -128 anywhere is fine), a Q4_1 block's nibbles unpacked with `and` and `ushr`
+//!   (0..15, the same as signed bytes); the f16 scales of four blocks converted at once
+//!   (`fcvtl`), four accumulators; no software prefetch (Arm's prefetchers follow a stream
+//!   across pages). See `aarch64` for why, and the instruction counts.
+//! - [`GemvPath::Neon`] (any aarch64 CPU: NEON is baseline): the same with the products widened
+//!   to i16 (`smull`, `smlal`: two products per i16, which a Q8_0 activation of -128 could
+//!   overflow, so this path refuses it as the AVX2 one does) and pairs added into i32; the same
+//!   i32 lanes as `sdot`'s, so that it agrees with Dotprod to the bit.
+//! - [`GemvPath::Portable`]: plain Rust, any CPU, and the SIMD paths' cross-check.
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -45,8 +54,10 @@ pub const Q4_1_BLOCK_BYTES: usize = 20;
 /// `quantize_row_q8_0`: `d = max|x| / 127`, `q = round(x / d)`, so `q` is in [-127, 127]), and
 /// per block the sum of its `q` (for [`gemv_q4_1`]'s minimum term).
 ///
-/// [`gemv_q8_0`] needs `q` in [-127, 127] (its AVX2 path negates `q`, and -(-128) wraps), and
-/// asserts it: build the fields by hand only with that range. [`gemv_q4_1`] takes any i8 but
+/// [`gemv_q8_0`] needs `q` in [-127, 127] on its AVX2 and Neon paths (AVX2 negates `q`, and
+/// -(-128) wraps; both add two byte products in an i16, which two (-128) * (-128) overflow), and
+/// asserts it there; Dotprod and Portable take any i8. Build the fields by hand only with that
+/// range, or the same call panics on one CPU and not on another. [`gemv_q4_1`] takes any i8 but
 /// needs `sums` to be the blocks' sums, and asserts that.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Q8Activation {
@@ -112,6 +123,12 @@ pub enum GemvPath {
     /// x86_64 with AVX2, FMA and F16C (every AVX2 CPU has F16C: Intel since Ivy Bridge, AMD
     /// since Piledriver, so asking for it loses no machine and spares a path without it).
     Avx2,
+    /// aarch64 with FEAT_DotProd (`sdot`: Cortex-A55/A76 and later, every Snapdragon since the
+    /// 855): 16 byte products summed into 4 i32 lanes per instruction.
+    Dotprod,
+    /// aarch64, any CPU (NEON is in the aarch64 baseline): the byte products widened to i16
+    /// (`smull`/`smlal`), for the CPUs without `sdot` (Cortex-A53/A72/A73).
+    Neon,
     /// Plain Rust: any CPU.
     Portable,
 }
@@ -120,7 +137,10 @@ impl GemvPath {
     /// The fastest path this CPU runs, detected once.
     pub fn detect() -> Self {
         static PATH: OnceLock<GemvPath> = OnceLock::new();
-        *PATH.get_or_init(|| if GemvPath::Avx2.runs_here() { GemvPath::Avx2 } else { GemvPath::Portable })
+        *PATH.get_or_init(|| {
+            // Fastest first: at most one of the x86 and Arm paths runs on any CPU.
+            [GemvPath::Avx2, GemvPath::Dotprod, GemvPath::Neon].into_iter().find(|p| p.runs_here()).unwrap_or(GemvPath::Portable)
+        })
     }
 
     /// Whether this CPU has the features the path is compiled for.
@@ -134,7 +154,23 @@ impl GemvPath {
             }
             #[cfg(not(target_arch = "x86_64"))]
             GemvPath::Avx2 => false,
+            #[cfg(target_arch = "aarch64")]
+            GemvPath::Dotprod => super::arm::has_dotprod(),
+            #[cfg(target_arch = "aarch64")]
+            GemvPath::Neon => true,
+            #[cfg(not(target_arch = "aarch64"))]
+            GemvPath::Dotprod | GemvPath::Neon => false,
             GemvPath::Portable => true,
+        }
+    }
+
+    /// Whether the path's Q8_0 kernel takes an activation of -128. Avx2 and Neon do not: they
+    /// add two byte products in an i16, which (-128) * (-128) twice overflows (see their docs).
+    /// `sdot` and the portable path form every product and sum in i32 and take any i8.
+    fn takes_minus_128(self) -> bool {
+        match self {
+            GemvPath::Avx2 | GemvPath::Neon => false,
+            GemvPath::Dotprod | GemvPath::Portable => true,
         }
     }
 }
@@ -157,7 +193,10 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
     };
     assert!(path.runs_here(), "gemv_q8_0: this CPU cannot run {path:?}");
     // `contains` on bytes is a memchr: K bytes, against rows.len() * K of weights.
-    assert!(!x.q.contains(&i8::MIN), "gemv_q8_0: the activation has a -128 (Q8Activation::quantize gives [-127, 127])");
+    assert!(
+        path.takes_minus_128() || !x.q.contains(&i8::MIN),
+        "gemv_q8_0: the activation has a -128, which {path:?} cannot take (Q8Activation::quantize gives [-127, 127])"
+    );
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
@@ -166,6 +205,16 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         GemvPath::Avx2 => unsafe { x86::gemv_avx2(w, nb, x, out) },
         #[cfg(not(target_arch = "x86_64"))]
         GemvPath::Avx2 => unreachable!("GemvPath::Avx2 never runs off x86_64 (asserted above)"),
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: the CPU has dotprod (asserted above); `w` is `out.len()` whole rows of `nb`
+        // blocks and the activation has `nb` blocks (`checked_rows`).
+        GemvPath::Dotprod => unsafe { aarch64::gemv_q8_0_dotprod(w, nb, x, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as for Dotprod, NEON being in the aarch64 baseline, and no -128 in the
+        // activation (asserted above).
+        GemvPath::Neon => unsafe { aarch64::gemv_q8_0_neon(w, nb, x, out) },
+        #[cfg(not(target_arch = "aarch64"))]
+        GemvPath::Dotprod | GemvPath::Neon => unreachable!("GemvPath::{path:?} never runs off aarch64 (asserted above)"),
         GemvPath::Portable => gemv_portable(w, nb, x, out),
     }
 }
@@ -203,6 +252,16 @@ pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         GemvPath::Avx2 => unsafe { x86::gemv_q4_1_avx2(w, nb, x, out) },
         #[cfg(not(target_arch = "x86_64"))]
         GemvPath::Avx2 => unreachable!("GemvPath::Avx2 never runs off x86_64 (asserted above)"),
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: the CPU has dotprod (asserted above); `w` is `out.len()` whole rows of `nb`
+        // blocks and the activation has `nb` blocks (`checked_rows`) and `nb` sums (asserted
+        // above).
+        GemvPath::Dotprod => unsafe { aarch64::gemv_q4_1_dotprod(w, nb, x, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: as for Dotprod, NEON being in the aarch64 baseline.
+        GemvPath::Neon => unsafe { aarch64::gemv_q4_1_neon(w, nb, x, out) },
+        #[cfg(not(target_arch = "aarch64"))]
+        GemvPath::Dotprod | GemvPath::Neon => unreachable!("GemvPath::{path:?} never runs off aarch64 (asserted above)"),
         GemvPath::Portable => gemv_q4_1_portable(w, nb, x, out),
     }
 }
@@ -241,7 +300,8 @@ fn checked_rows<'w>(
 
 /// The portable path: per block an i32 dot of 32 i8 pairs (a fixed-size loop, for the
 /// vectorizer), scaled and summed in f32. 12 GB/s on the build machine for SSE2, which has no
-/// byte multiply-add: a third of its memory speed (Arm's `sdot` would be the path to add there).
+/// byte multiply-add: a third of its memory speed (on aarch64 the Dotprod and Neon paths replace
+/// it).
 fn gemv_portable(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
     for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * BLOCK_BYTES)) {
         let mut acc = 0f32;
@@ -478,6 +538,272 @@ mod x86 {
     }
 }
 
+/// The aarch64 paths, [`GemvPath::Dotprod`] and [`GemvPath::Neon`]: one algorithm, two block
+/// dot products.
+///
+/// A block's 32 byte products are summed exactly into 4 i32 lanes, lane i holding bytes 4i..4i+4
+/// of both 16-byte halves:
+/// - Dotprod: `sdot` twice (16 multiply-adds each, into a zeroed register: `movi`), 3
+///   instructions. It forms every product and sum in i32, so nothing saturates, and it takes any
+///   i8 on both sides: an activation of -128 too (|lane| <= 8 * 128 * 128 = 131072).
+/// - Neon: `smull` and `smlal` (the low 8 bytes of each half: products widened to i16, the two
+///   halves' products added), `smull2` and `smlal2` (the high 8 bytes), `saddlp` twice (pairs of
+///   i16 into i32) and `addp` (pairs of i32): 7 instructions, whose `addp` puts the sums in
+///   `sdot`'s lanes, so that both paths do the same float work on the same integers and agree to
+///   the bit (a test asserts it). A byte multiply-add into i32 takes two widenings on NEON; the
+///   pair sum in i16 saves two of the four `saddlp`, and holds for a Q8_0 activation in
+///   [-127, 127]: 2 * 128 * 127 = 32512 < 32767, where two products of -128 by -128 are 32768
+///   and wrap. So this path, as the AVX2 one, refuses a -128 in a Q8_0 activation (asserted);
+///   a Q4_1 pair is at most 2 * 15 * 128 = 3840, any i8 is taken.
+///
+/// Per block then: the i32 lanes to f32 (`scvtf`; exact, a lane is at most 131072 < 2^24), and
+/// one `fmla` by a lane of the scale vector. A group of four blocks converts its four f16 scales
+/// at once (four 16-bit loads into lanes, `fcvtl`: f16 to f32 conversion is in the aarch64 baseline, only f16
+/// arithmetic needs FEAT_FP16, and `vcvt_f32_f16` is stable) and multiplies them by the four
+/// activation scales in one `fmul`; each block of the group has its accumulator (4 independent
+/// FMA chains), the last K / 32 % 4 blocks go one each onto the first accumulators with a scalar
+/// scale, and the four are summed pairwise, then `hsum4`. Q4_1's group loads four (d, m) pairs
+/// (`[d0, m0, d1, m1, ...]`), converts them with `fcvtl` and `fcvtl2`, splits them (`uzp1`,
+/// `uzp2`), and adds its four minimum terms in one vector FMA (`m_w * d_x` times the block sums,
+/// converted); a tail block's minimum term goes into a scalar FMA. Its nibbles are `and` and
+/// `ushr` of the 16 bytes: 0..15, as signed bytes the same values, `sdot` and `smull` take them
+/// as they are.
+///
+/// Instructions per block of 32 weights, counted in the compiled group loops (rustc 1.96,
+/// release; a loop of four blocks, divided by four), of which NEON arithmetic in brackets:
+/// - Q8_0: Dotprod 11.25 (5.5), Neon 15.25 (9.5). A block: the weights' two halves (`ldur`, at
+///   an offset of 2), the activation's (`ldp`), the dot, `scvtf`, `fmla`; a quarter of the
+///   group's scale work (four 16-bit lane loads, `fcvtl`, the activation scales' `ldr`,
+///   `fmul`); the addresses and the loop.
+/// - Q4_1: Dotprod 14 (9), Neon 18 (13): as Q8_0 with one load of `qs` (for two), `and` and
+///   `ushr`, and twice the scale work (`fcvtl` twice, `uzp1`, `uzp2`, `fmul` twice) plus the
+///   minimum terms' (the block sums' load, `scvtf`, `fmla`).
+///
+/// Their speed on a phone cannot be measured here (qemu runs them, slowly and without a phone's
+/// caches), only estimated: llvm-mca on `gemv_q8_0_dotprod`, `gemv_q4_1_dotprod`,
+/// `gemv_q8_0_neon` and `gemv_q4_1_neon` (separate functions, so that their symbols exist).
+///
+/// For scale, an estimate from the counts and not a measurement: a Cortex-A76 issues two
+/// 128-bit NEON operations and two loads per cycle, so Dotprod's Q8_0 block takes about 3 cycles
+/// for 34 bytes, 25-30 GB/s at 2.4 GHz, above one core's share of a phone's memory bandwidth; an
+/// in-order Cortex-A55 issues about one 128-bit NEON operation per cycle, 5.5 cycles or more per
+/// block, ~11 GB/s at 1.8 GHz at best: its blocks are compute-bound.
+///
+/// One row after another, as on x86: the weights are one sequential stream. No software
+/// prefetch, unlike x86, where it gained a quarter on that one stream (see `x86`): x86's L2
+/// streamers work on physical addresses and stop at each 4 KiB page (Intel documents it), the
+/// likely reason. The load prefetchers of Arm's phone cores follow virtual addresses (Cortex-A55: a read stream
+/// "can cross page boundaries", and widens its distance as it gains confidence; Cortex-A76:
+/// "uses the virtual address to prefetch to both the L1 and L2"), and their manuals keep `prfm`
+/// for "short sequences or irregular pattern fetches": one long sequential stream per thread is
+/// what they track. A `prfm` per cache line would be one more instruction per two blocks, on an
+/// in-order core that is compute-bound here already. To revisit with a measurement on a phone.
+#[cfg(target_arch = "aarch64")]
+mod aarch64 {
+    use std::arch::aarch64::*;
+
+    use super::super::arm::{hsum4, sdot};
+    use super::{Q8Activation, BLOCK_BYTES, Q4_1_BLOCK_BYTES, QK};
+
+    /// A block's dot product with `sdot`: `a` and `b` are each a block's two 16-byte halves; the
+    /// 32 products summed into 4 i32 lanes, lane i the bytes 4i..4i+4 of both halves.
+    ///
+    /// # Safety
+    /// The CPU has dotprod; inlined only into functions compiled with it.
+    #[inline(always)]
+    unsafe fn dot_sdot(a: [int8x16_t; 2], b: [int8x16_t; 2]) -> int32x4_t {
+        // SAFETY: the CPU has dotprod (this function's contract).
+        unsafe { sdot(sdot(vdupq_n_s32(0), a[0], b[0]), a[1], b[1]) }
+    }
+
+    /// [`dot_sdot`] with NEON's widening multiplies, the same lanes; exact if no i16 lane pairs
+    /// two products of -128 by -128 (see the module docs).
+    #[inline(always)]
+    fn dot_neon(a: [int8x16_t; 2], b: [int8x16_t; 2]) -> int32x4_t {
+        // SAFETY: NEON is in the aarch64 baseline; registers only.
+        unsafe {
+            // Lane j (0..8) of `lo` is bytes j of both halves, of `hi` bytes 8 + j.
+            let lo = vmlal_s8(vmull_s8(vget_low_s8(a[0]), vget_low_s8(b[0])), vget_low_s8(a[1]), vget_low_s8(b[1]));
+            let hi = vmlal_high_s8(vmull_high_s8(a[0], b[0]), a[1], b[1]);
+            // [bytes 0-3, 4-7, 8-11, 12-15], as `sdot` has them.
+            vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi))
+        }
+    }
+
+    /// Four f16 (their bits) as f32 (`fcvtl`): exact, subnormals included.
+    #[inline(always)]
+    fn f16x4_to_f32(bits: uint16x4_t) -> float32x4_t {
+        // SAFETY: NEON (and with it the f16 conversions) is in the aarch64 baseline.
+        unsafe { vcvt_f32_f16(vreinterpret_f16_u16(bits)) }
+    }
+
+    /// # Safety
+    /// The CPU has dotprod; `w` is `out.len()` whole rows of `nb` blocks; `x` has `nb` blocks.
+    #[target_feature(enable = "dotprod")]
+    pub(super) unsafe fn gemv_q8_0_dotprod(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * BLOCK_BYTES)) {
+            // SAFETY: `row` is `nb` blocks, the activation `nb` blocks; the CPU has dotprod.
+            *o = unsafe { row_q8_0(row.as_ptr(), nb, x, |a, b| dot_sdot(a, b)) };
+        }
+    }
+
+    /// Not inlined into its caller, so that its symbol exists for analysis, as the Dotprod
+    /// path's (which cannot be inlined: its features).
+    ///
+    /// # Safety
+    /// `w` is `out.len()` whole rows of `nb` blocks; `x` has `nb` blocks and no -128.
+    #[inline(never)]
+    pub(super) unsafe fn gemv_q8_0_neon(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * BLOCK_BYTES)) {
+            // SAFETY: `row` is `nb` blocks, the activation `nb` blocks without -128 (which
+            // `dot_neon` needs).
+            *o = unsafe { row_q8_0(row.as_ptr(), nb, x, dot_neon) };
+        }
+    }
+
+    /// # Safety
+    /// The CPU has dotprod; `w` is `out.len()` whole rows of `nb` Q4_1 blocks; `x` has `nb`
+    /// blocks and `nb` sums.
+    #[target_feature(enable = "dotprod")]
+    pub(super) unsafe fn gemv_q4_1_dotprod(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * Q4_1_BLOCK_BYTES)) {
+            // SAFETY: `row` is `nb` blocks, the activation `nb` blocks and sums; the CPU has
+            // dotprod.
+            *o = unsafe { row_q4_1(row.as_ptr(), nb, x, |a, b| dot_sdot(a, b)) };
+        }
+    }
+
+    /// Not inlined, as [`gemv_q8_0_neon`].
+    ///
+    /// # Safety
+    /// `w` is `out.len()` whole rows of `nb` Q4_1 blocks; `x` has `nb` blocks and `nb` sums.
+    #[inline(never)]
+    pub(super) unsafe fn gemv_q4_1_neon(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * Q4_1_BLOCK_BYTES)) {
+            // SAFETY: `row` is `nb` blocks, the activation `nb` blocks and sums (a nibble pair
+            // never overflows `dot_neon`'s i16).
+            *o = unsafe { row_q4_1(row.as_ptr(), nb, x, dot_neon) };
+        }
+    }
+
+    /// One row's Q8_0 product, with the block dot `dot`.
+    ///
+    /// # Safety
+    /// `w` is `nb` blocks; `x` has `nb` blocks, within `dot`'s range; inlined only into the
+    /// functions above (`dot_sdot` needs their features).
+    #[inline(always)]
+    unsafe fn row_q8_0(w: *const u8, nb: usize, x: &Q8Activation, dot: impl Fn([int8x16_t; 2], [int8x16_t; 2]) -> int32x4_t) -> f32 {
+        let (xq, xd) = (x.q.as_ptr(), x.scales.as_ptr());
+        // SAFETY: every read is of blocks below `nb`, in the row and the activation (the caller's
+        // contract); a group's four activation scales are blocks b..b + 4 <= nb.
+        unsafe {
+            let blk = |b: usize| w.add(BLOCK_BYTES * b);
+            let scale = |b: usize| u16::from_le(blk(b).cast::<u16>().read_unaligned());
+            // Block b's 32 products in 4 lanes, as f32 (exact: below 2^24).
+            let block = |b: usize| {
+                let (q, xb) = (blk(b).add(2).cast::<i8>(), xq.add(QK * b));
+                vcvtq_f32_s32(dot([vld1q_s8(q), vld1q_s8(q.add(16))], [vld1q_s8(xb), vld1q_s8(xb.add(16))]))
+            };
+            // A tail block onto `acc`: its scale converted alone, `d_w * d_x` rounded as in a group.
+            let one = |acc: float32x4_t, b: usize| {
+                let dw = vgetq_lane_f32::<0>(f16x4_to_f32(vdup_n_u16(scale(b))));
+                vfmaq_n_f32(acc, block(b), dw * *xd.add(b))
+            };
+            let mut acc = [vdupq_n_f32(0.0); 4];
+            let full = nb - nb % 4;
+            for b in (0..full).step_by(4) {
+                let bits = vset_lane_u16::<1>(scale(b + 1), vdup_n_u16(scale(b)));
+                let bits = vset_lane_u16::<3>(scale(b + 3), vset_lane_u16::<2>(scale(b + 2), bits));
+                let s = vmulq_f32(f16x4_to_f32(bits), vld1q_f32(xd.add(b)));
+                acc[0] = vfmaq_laneq_f32::<0>(acc[0], block(b), s);
+                acc[1] = vfmaq_laneq_f32::<1>(acc[1], block(b + 1), s);
+                acc[2] = vfmaq_laneq_f32::<2>(acc[2], block(b + 2), s);
+                acc[3] = vfmaq_laneq_f32::<3>(acc[3], block(b + 3), s);
+            }
+            if nb % 4 > 0 {
+                acc[0] = one(acc[0], full);
+            }
+            if nb % 4 > 1 {
+                acc[1] = one(acc[1], full + 1);
+            }
+            if nb % 4 > 2 {
+                acc[2] = one(acc[2], full + 2);
+            }
+            hsum4(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])))
+        }
+    }
+
+    /// One row's Q4_1 product, with the block dot `dot`.
+    ///
+    /// # Safety
+    /// `w` is `nb` Q4_1 blocks; `x` has `nb` blocks and sums; inlined only into the functions
+    /// above (`dot_sdot` needs their features).
+    #[inline(always)]
+    unsafe fn row_q4_1(w: *const u8, nb: usize, x: &Q8Activation, dot: impl Fn([int8x16_t; 2], [int8x16_t; 2]) -> int32x4_t) -> f32 {
+        let (xq, xd, xs) = (x.q.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
+        // SAFETY: every read is of blocks below `nb`, in the row, and of the activation's first
+        // `nb` blocks, scales and sums (the caller's contract).
+        unsafe {
+            let low = vdupq_n_u8(0x0F);
+            let blk = |b: usize| w.add(Q4_1_BLOCK_BYTES * b);
+            // Block b's d and m as one u32 (little-endian: d in the low half).
+            let dm = |b: usize| u32::from_le(blk(b).cast::<u32>().read_unaligned());
+            // Block b's 32 products (nibbles times activations) in 4 lanes, as f32.
+            let block = |b: usize| {
+                // The low nibbles are weights 0..16, the high ones 16..32: the activation's halves.
+                let qs = vld1q_u8(blk(b).add(4));
+                let nibbles = [vreinterpretq_s8_u8(vandq_u8(qs, low)), vreinterpretq_s8_u8(vshrq_n_u8::<4>(qs))];
+                let xb = xq.add(QK * b);
+                vcvtq_f32_s32(dot(nibbles, [vld1q_s8(xb), vld1q_s8(xb.add(16))]))
+            };
+            let mut acc = [vdupq_n_f32(0.0); 4];
+            // Lane i: the minimum terms of the groups' blocks i.
+            let mut mins = vdupq_n_f32(0.0);
+            // The tail blocks' minimum terms.
+            let mut tail_mins = 0f32;
+            // A tail block onto `acc`, its minimum term onto `tail_mins`, with a group's roundings.
+            let mut one = |acc: float32x4_t, b: usize| {
+                // [d, m, d, m] * d_x.
+                let s = vmulq_n_f32(f16x4_to_f32(vreinterpret_u16_u32(vdup_n_u32(dm(b)))), *xd.add(b));
+                tail_mins = vgetq_lane_f32::<1>(s).mul_add(*xs.add(b) as f32, tail_mins);
+                vfmaq_laneq_f32::<0>(acc, block(b), s)
+            };
+            let full = nb - nb % 4;
+            for b in (0..full).step_by(4) {
+                // [d0, m0, d1, m1, d2, m2, d3, m3] as f16, then as f32 in two halves, split.
+                let bits = vsetq_lane_u32::<1>(dm(b + 1), vdupq_n_u32(dm(b)));
+                let bits = vreinterpretq_u16_u32(vsetq_lane_u32::<3>(dm(b + 3), vsetq_lane_u32::<2>(dm(b + 2), bits)));
+                let (lo, hi) = (f16x4_to_f32(vget_low_u16(bits)), f16x4_to_f32(vget_high_u16(bits)));
+                let dx = vld1q_f32(xd.add(b));
+                let (ds, ms) = (vmulq_f32(vuzp1q_f32(lo, hi), dx), vmulq_f32(vuzp2q_f32(lo, hi), dx));
+                mins = vfmaq_f32(mins, ms, vcvtq_f32_s32(vld1q_s32(xs.add(b))));
+                acc[0] = vfmaq_laneq_f32::<0>(acc[0], block(b), ds);
+                acc[1] = vfmaq_laneq_f32::<1>(acc[1], block(b + 1), ds);
+                acc[2] = vfmaq_laneq_f32::<2>(acc[2], block(b + 2), ds);
+                acc[3] = vfmaq_laneq_f32::<3>(acc[3], block(b + 3), ds);
+            }
+            if nb % 4 > 0 {
+                acc[0] = one(acc[0], full);
+            }
+            if nb % 4 > 1 {
+                acc[1] = one(acc[1], full + 1);
+            }
+            if nb % 4 > 2 {
+                acc[2] = one(acc[2], full + 2);
+            }
+            let acc = vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3]));
+            hsum4(vaddq_f32(acc, mins)) + tail_mins
+        }
+    }
+
+    /// [`f16x4_to_f32`] on one f16, for the tests (against the `half` crate on every bit pattern).
+    #[cfg(test)]
+    pub(super) fn f16_bits_to_f32(bits: u16) -> f32 {
+        // SAFETY: NEON is in the aarch64 baseline.
+        unsafe { vgetq_lane_f32::<0>(f16x4_to_f32(vdup_n_u16(bits))) }
+    }
+}
+
 /// `x @ w^T` for one F32 row `x` (`[1, K]`) and a Q8_0 or Q4_1 matrix `w` (`[N, K]`) on the CPU,
 /// by [`gemv_q8_0`] or [`gemv_q4_1`] in 64-row chunks over the cores ([`super::claim`]: it keeps
 /// its speed beside busy processes, where candle's pool does not); `None` for any other operands,
@@ -561,7 +887,7 @@ mod tests {
 
     /// Every path this machine runs.
     fn paths() -> Vec<GemvPath> {
-        [GemvPath::Portable, GemvPath::Avx2].into_iter().filter(|p| p.runs_here()).collect()
+        [GemvPath::Portable, GemvPath::Avx2, GemvPath::Neon, GemvPath::Dotprod].into_iter().filter(|p| p.runs_here()).collect()
     }
 
     /// f16 scale bits of kind `kind` (0-4): subnormal (below 2^-14, down to 2^-24), large (up to
@@ -618,13 +944,24 @@ mod tests {
     }
 
     /// The f32 error bound for K = `k`. Each block's dot is exact (i32, and below 2^24 in f32:
-    /// the AVX2 lanes hold at most 65024, a whole block 520192), so the error is the float work:
-    /// `d_w * d_x` rounded once, its product with the dot once (the FMA's), one rounding per block
-    /// added to an accumulator (K / 32), and on the AVX2 path the sum of its two accumulators and
-    /// the 3 levels of its 8-lane sum: a sum of depth at most K / 32 + 3. Standard summation
-    /// analysis bounds that by `(K / 32 + 5) u * sum |terms|` with u = 2^-24;
-    /// `f32::EPSILON` is 2u, a factor 2 of margin. It is tight enough to see a single weight off
-    /// by one (see `the_tolerance_sees_one_weight_off_by_one`).
+    /// the AVX2 lanes hold at most 65024, the Arm paths' 4 lanes 8 * 128 * 128 = 131072, a whole
+    /// block 32 * 128 * 128 = 524288), so the error is the float work, counted per term (a
+    /// block's `d_w * d_x * dot`) along its way to the result: `d_w * d_x` rounded once, then one
+    /// rounding per operation that adds it or a sum holding it (the first, an FMA into its
+    /// accumulator, also rounds its product with the dot). With nb = K / 32:
+    /// - Portable: the product with the dot, then nb additions in sequence: nb + 2;
+    /// - AVX2: an FMA chain per accumulator (even and odd blocks, at most nb / 2 + 1 each), their
+    ///   sum, the 3 levels of the 8-lane sum: at most nb / 2 + 6;
+    /// - Dotprod and Neon: an FMA chain per accumulator (four: block i of each group of four on
+    ///   the i-th, the nb % 4 tail blocks one each on the first ones: at most nb / 4 + 1 each), 2
+    ///   levels summing the four, 2 of `hsum4`: at most nb / 4 + 6 (rounded down), which is at
+    ///   most nb + 5 for every nb >= 1 (equal at nb = 1).
+    ///
+    /// Standard summation analysis bounds a sum whose terms see at most d roundings by
+    /// `d u * sum |terms|` (to first order) with u = 2^-24, so `(K / 32 + 5) u * sum |terms|`
+    /// bounds every path; `f32::EPSILON` is 2u, a factor 2 of margin (which covers the second
+    /// order). It is tight enough to see a single weight off by one (see
+    /// `the_tolerance_sees_one_weight_off_by_one`).
     fn tolerance(k: usize, abs: f64) -> f64 {
         (k / QK + 5) as f64 * f32::EPSILON as f64 * abs
     }
@@ -674,14 +1011,24 @@ mod tests {
     }
 
     /// [`tolerance`] for Q4_1. Each block's two integer sums are exact (the AVX2 lanes hold at
-    /// most 7680, a block 61440, a block sum of the activation 4096, all below 2^24), so again the error is the float work, counted per term along its way to
-    /// the result. The portable path: `d_w * d_x` or `m_w * d_x` rounded, its product with the
-    /// integer sum, the two terms' sum, then K / 32 additions: K / 32 + 3. The AVX2 path: the
-    /// scale rounded, its FMA into one of four accumulators (a chain of at most K / 128 + 3 FMAs,
-    /// the tail of K / 32 % 4 blocks on the first), 2 levels summing the four, 1 adding the
-    /// minimum terms, the 3 levels of the 8-lane sum: at most K / 128 + 10. So `(K / 32 + 10) u`
-    /// bounds both, and `f32::EPSILON` = 2u doubles it as [`tolerance`] does; it sees a single
-    /// nibble off by one (see `the_tolerance_sees_one_nibble_off_by_one`).
+    /// most 7680, the Arm paths' 4 lanes 8 * 15 * 128 = 15360, a block 61440, a block sum of the
+    /// activation 4096, all below 2^24), so again the error is the float work, counted per term
+    /// (`d_w * d_x * dot` or `m_w * d_x * sum`) along its way to the result, nb = K / 32:
+    /// - Portable: `d_w * d_x` or `m_w * d_x` rounded, its product with the integer sum, the two
+    ///   terms' sum, then nb additions: nb + 3;
+    /// - AVX2: the scale rounded, its FMA into one of four accumulators (a chain of at most
+    ///   nb / 4 + 3 FMAs, the tail of nb % 4 blocks on the first), 2 levels summing the four, 1
+    ///   adding the minimum terms, the 3 levels of the 8-lane sum: at most nb / 4 + 10;
+    /// - Dotprod and Neon: a `d_w` term as in [`tolerance`] (the scale, a chain of at most
+    ///   nb / 4 + 1 FMAs, 2 levels summing the four accumulators), then 1 adding the groups'
+    ///   minimum terms, 2 of `hsum4`, 1 adding the tail's minimum terms: at most nb / 4 + 8; a
+    ///   group's `m_w` term: the scale, its lane's chain of at most nb / 4 FMAs, 1 into the
+    ///   accumulators' sum, 2 of `hsum4`, 1: nb / 4 + 5; a tail block's: the scale, a chain of
+    ///   at most 3 scalar FMAs, 1: 5.
+    ///
+    /// So `(K / 32 + 10) u` bounds every path, and `f32::EPSILON` = 2u doubles it as
+    /// [`tolerance`] does; it sees a single nibble off by one (see
+    /// `the_tolerance_sees_one_nibble_off_by_one`).
     fn tolerance_q4_1(k: usize, abs: f64) -> f64 {
         (k / QK + 10) as f64 * f32::EPSILON as f64 * abs
     }
@@ -810,9 +1157,11 @@ mod tests {
     #[test]
     fn every_path_is_exact_at_the_saturation_corners() {
         // The largest pair sums the AVX2 path forms: w = -128 (|w| = 128 as the unsigned operand)
-        // and +127 against activations of +-127, in runs of equal signs. With unit scales the
-        // products are integers below 2^24, exact in f32: any saturation or sign wrap shows.
-        let k = 64;
+        // and +127 against activations of +-127, in runs of equal signs; the Neon path's i16
+        // pairs (bytes j and 16 + j of a block) reach 2 * 128 * 127 the same way. With unit
+        // scales the products are integers below 2^24, exact in f32: any saturation or sign
+        // wrap shows. K = 224 is one group of four blocks (the Arm paths) and a tail of three.
+        let k = 224;
         let minus_128 = |row: usize, b: usize, i: usize| match row {
             0 => true,
             1 => false,
@@ -832,12 +1181,18 @@ mod tests {
             let x = Q8Activation::quantize(&x);
             assert!(x.scales.iter().all(|&d| d == 1.0 / 127.0) && x.q.iter().all(|q| q.abs() == 127));
             let x = Q8Activation { scales: vec![1.0; k / QK], ..x };
-            let want: Vec<f32> = (0..5).map(|r| reference(&w, k, &x, r).0 as f32).collect();
-            assert!(want.iter().any(|v| v.abs() >= 32.0 * 128.0 * 127.0), "the corner must be reached: {want:?}");
-            for path in paths() {
-                let mut out = vec![0.0; 5];
-                gemv_q8_0_on(path, &w, k, &x, 0..5, &mut out);
-                assert_eq!(out, want, "{path:?}");
+            // The same with -128 for -127, for the paths that take it (Dotprod: `sdot`'s i32
+            // lanes hold up to 8 * 128 * 128).
+            let q = x.q.iter().map(|&q| if q == -127 { i8::MIN } else { q }).collect();
+            let x_128 = Q8Activation { q, ..x.clone() };
+            for (x, only) in [(x, false), (x_128, true)] {
+                let want: Vec<f32> = (0..5).map(|r| reference(&w, k, &x, r).0 as f32).collect();
+                assert!(want.iter().any(|v| v.abs() >= 32.0 * 128.0 * 127.0), "the corner must be reached: {want:?}");
+                for path in paths().into_iter().filter(|p| !only || p.takes_minus_128()) {
+                    let mut out = vec![0.0; 5];
+                    gemv_q8_0_on(path, &w, k, &x, 0..5, &mut out);
+                    assert_eq!(out, want, "{path:?}");
+                }
             }
         }
     }
@@ -1027,7 +1382,16 @@ mod tests {
 
     #[test]
     fn the_default_path_is_the_fastest_here() {
-        let want = if GemvPath::Avx2.runs_here() { GemvPath::Avx2 } else { GemvPath::Portable };
+        #[cfg(target_arch = "aarch64")]
+        let want = {
+            assert!(GemvPath::Neon.runs_here() && !GemvPath::Avx2.runs_here());
+            if std::arch::is_aarch64_feature_detected!("dotprod") { GemvPath::Dotprod } else { GemvPath::Neon }
+        };
+        #[cfg(not(target_arch = "aarch64"))]
+        let want = {
+            assert!(!GemvPath::Neon.runs_here() && !GemvPath::Dotprod.runs_here());
+            if GemvPath::Avx2.runs_here() { GemvPath::Avx2 } else { GemvPath::Portable }
+        };
         assert_eq!(GemvPath::detect(), want);
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -1046,6 +1410,47 @@ mod tests {
             let got = unsafe { x86::f16_bits_to_f32(bits) };
             let want = half::f16::from_bits(bits).to_f32();
             assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{bits:#06x}: {got} for {want}");
+        }
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn fcvtl_converts_every_f16_as_half_does() {
+        for bits in 0..=u16::MAX {
+            let got = aarch64::f16_bits_to_f32(bits);
+            let want = half::f16::from_bits(bits).to_f32();
+            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{bits:#06x}: {got} for {want}");
+        }
+    }
+
+    #[test]
+    fn neon_and_dotprod_agree_to_the_bit() {
+        // The two Arm paths do the same float work on the same i32 lanes (see `aarch64`), so
+        // their results are equal bit for bit, for every K (groups of four blocks and every
+        // tail), row and kind of scale. Q4_1 with -128 in the activation too (both take it).
+        if !(GemvPath::Neon.runs_here() && GemvPath::Dotprod.runs_here()) {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(27);
+        for format in [Format::Q8_0, Format::Q4_1] {
+            for k in [32, 64, 96, 128, 224, 576, 1536 + 96] {
+                let n = 13;
+                let w = format.weights(&mut rng, n, k);
+                for mixed in [false, true] {
+                    let mut x = Q8Activation::quantize(&activations(&mut rng, k, mixed));
+                    if let (Format::Q4_1, true) = (format, mixed) {
+                        for (qb, sum) in x.q.chunks_exact_mut(QK).zip(&mut x.sums) {
+                            qb[rng.random_range(0..QK)] = i8::MIN;
+                            *sum = qb.iter().map(|&q| q as i32).sum();
+                        }
+                    }
+                    let (mut neon, mut dotprod) = (vec![0.0; n], vec![0.0; n]);
+                    format.gemv_on(GemvPath::Neon, &w, k, &x, 0..n, &mut neon);
+                    format.gemv_on(GemvPath::Dotprod, &w, k, &x, 0..n, &mut dotprod);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&neon), bits(&dotprod), "{format:?} K = {k}: {neon:?} {dotprod:?}");
+                }
+            }
         }
     }
 
@@ -1090,12 +1495,27 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "has a -128")]
-    fn an_activation_of_minus_128_panics() {
-        let w = weights(&mut rand::rngs::StdRng::seed_from_u64(1), 1, 32);
-        let mut x = Q8Activation::quantize(&[1.0; 32]);
-        x.q[5] = i8::MIN;
-        gemv_q8_0(&w, 32, &x, 0..1, &mut [0.0]);
+    fn a_q8_0_activation_of_minus_128_is_exact_or_refused() {
+        // The paths that sum two products in an i16 (Avx2, Neon) refuse a -128, which
+        // (-128) * (-128) twice would overflow; the others (Dotprod, Portable) are exact on it:
+        // weights of -128 against activations of -128 with unit scales, 2 * 32 * 16384 = 2^20.
+        let k = 64;
+        let w: Vec<u8> = (0..k / QK).flat_map(|_| half::f16::from_f32(1.0).to_bits().to_le_bytes().into_iter().chain([0x80; QK])).collect();
+        let x = Q8Activation { scales: vec![1.0; k / QK], q: vec![i8::MIN; k], sums: vec![QK as i32 * -128; k / QK] };
+        for path in paths() {
+            let run = || {
+                let mut out = [0.0];
+                gemv_q8_0_on(path, &w, k, &x, 0..1, &mut out);
+                out[0]
+            };
+            if path.takes_minus_128() {
+                assert_eq!(run(), (1 << 20) as f32, "{path:?}");
+            } else {
+                let err = std::panic::catch_unwind(run).expect_err("a -128 must be refused");
+                let msg = err.downcast_ref::<String>().map(String::as_str).unwrap_or_default();
+                assert!(msg.contains("has a -128"), "{path:?}: {msg}");
+            }
+        }
     }
 
     #[test]
