@@ -1,5 +1,5 @@
-//! What the aarch64 kernels share: the CPU's optional features, detected once, and the two
-//! integer instructions that stable Rust has no intrinsic for.
+//! What the aarch64 kernels share: the CPU's optional features, detected once, and the integer
+//! instructions that stable Rust has no intrinsic for.
 //!
 //! NEON (Advanced SIMD) is in the aarch64 baseline, so every aarch64 build has it and its
 //! intrinsics need no run-time check. `sdot` (FEAT_DotProd: Cortex-A55/A76 and later, every
@@ -8,8 +8,8 @@
 //! `#[target_feature(enable = ...)]` and chosen at run time, as the x86 kernels are for AVX2.
 //!
 //! Their intrinsics (`vdotq_s32`, `vmmlaq_s32`) are still unstable in Rust 1.96
-//! (`stdarch_neon_dotprod`, `stdarch_neon_i8mm`), so [`sdot`] and [`smmla`] are one instruction of
-//! inline assembly each. They are `#[inline(always)]` and meant to be called only from functions
+//! (`stdarch_neon_dotprod`, `stdarch_neon_i8mm`), so [`sdot`], [`sdot_lane`] and [`smmla`] are one
+//! instruction of inline assembly each. They are `#[inline(always)]` and meant to be called only from functions
 //! compiled with the feature: the assembler then accepts the instruction, and the register
 //! allocator places the operands as for an intrinsic.
 //!
@@ -46,6 +46,23 @@ pub unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t 
     acc
 }
 
+/// `acc[i] += sum_{j<4} b[4i + j] * a[4L + j]`: each 4-byte group of `b` (a column's 4 K) times
+/// the 4 bytes of 32-bit lane `L` of `a` (a row's 4 K), signed (`sdot v.4s, v.16b, v.4b[L]`, the
+/// by-element form: one row of activations against 4 columns with no broadcast instruction). Exact,
+/// as [`sdot`].
+///
+/// # Safety
+/// The CPU has dotprod, and the caller is compiled with `target_feature(enable = "dotprod")`.
+#[inline(always)]
+pub unsafe fn sdot_lane<const L: i32>(mut acc: int32x4_t, b: int8x16_t, a: int8x16_t) -> int32x4_t {
+    const { assert!(L >= 0 && L < 4, "a 128-bit register has 4 lanes of 32 bits") };
+    // SAFETY: a register-only instruction (the caller's contract says the CPU has it).
+    unsafe {
+        asm!("sdot {acc:v}.4s, {b:v}.16b, {a:v}.4b[{l}]", acc = inout(vreg) acc, b = in(vreg) b, a = in(vreg) a, l = const L, options(pure, nomem, nostack, preserves_flags))
+    };
+    acc
+}
+
 /// `acc += a * b^T` for `a` and `b` each two rows of 8 signed bytes (`a = [a0; a1]` in 16 bytes)
 /// and `acc` the 2 x 2 i32 product `[a0.b0, a0.b1, a1.b0, a1.b1]` (`smmla v.4s, v.16b, v.16b`):
 /// exact, nothing saturates.
@@ -74,7 +91,7 @@ mod tests {
     use std::arch::aarch64::*;
 
     #[test]
-    fn sdot_and_smmla_are_the_definitions() {
+    fn sdot_sdot_lane_and_smmla_are_the_definitions() {
         let a: [i8; 16] = std::array::from_fn(|i| if i % 3 == 0 { -128 } else { (i as i8) * 9 - 70 });
         let b: [i8; 16] = std::array::from_fn(|i| if i % 2 == 0 { -128 } else { 127 - (i as i8) * 5 });
         let (va, vb) = unsafe { (vld1q_s8(a.as_ptr()), vld1q_s8(b.as_ptr())) };
@@ -88,6 +105,17 @@ mod tests {
             unsafe { vst1q_s32(got.as_mut_ptr(), run(vld1q_s32(start.as_ptr()), va, vb)) };
             let want: [i32; 4] = std::array::from_fn(|i| start[i] + (0..4).map(|j| a[4 * i + j] as i32 * b[4 * i + j] as i32).sum::<i32>());
             assert_eq!(got, want);
+            #[target_feature(enable = "dotprod")]
+            unsafe fn lanes(acc: int32x4_t, b: int8x16_t, a: int8x16_t) -> [int32x4_t; 4] {
+                unsafe { [sdot_lane::<0>(acc, b, a), sdot_lane::<1>(acc, b, a), sdot_lane::<2>(acc, b, a), sdot_lane::<3>(acc, b, a)] }
+            }
+            let got = unsafe { lanes(vld1q_s32(start.as_ptr()), vb, va) };
+            for (l, got) in got.iter().enumerate() {
+                let mut out = [0i32; 4];
+                unsafe { vst1q_s32(out.as_mut_ptr(), *got) };
+                let want: [i32; 4] = std::array::from_fn(|i| start[i] + (0..4).map(|j| b[4 * i + j] as i32 * a[4 * l + j] as i32).sum::<i32>());
+                assert_eq!(out, want, "lane {l}");
+            }
         }
         if has_i8mm() {
             #[target_feature(enable = "i8mm")]

@@ -1,5 +1,7 @@
-//! The INT8 GEMM for CPUs whose 8-bit multiply-add saturates (x86 AVX2 without VNNI): exact, in one
-//! pass.
+//! Our INT8 GEMM: exact, in one pass, for x86 CPUs whose 8-bit multiply-add saturates (AVX2
+//! without VNNI) and for every aarch64 CPU (NEON, dotprod, i8mm).
+//!
+//! # x86_64: 16-bit lanes
 //!
 //! Why 16-bit lanes: AVX2's 8-bit multiply-add (`vpmaddubsw`) sums two u8 * i8 products into a
 //! *saturating* i16, and a u8 activation against an i8 weight reaches 2 * 255 * 127 > 32767. Its
@@ -10,123 +12,290 @@
 //! around. The weights stay i8 in memory and are sign-extended as they are loaded (`vpmovsxbw`, off
 //! the multiply pipes); the activations are widened to i16 once per call, with their offset folded in.
 //!
-//! Layout (GotoBLAS blocking, sized for Zen 3: 32 KiB L1d, 512 KiB L2 per core):
-//! - weights: panels of [`NR`] = 16 columns; in a panel, each pair of K steps is 32 bytes, the 8
-//!   (column, k, k + 1) pairs of columns 0-7, then those of columns 8-15 (one `vpmovsxbw` each);
-//! - activations: row-major i16, K padded to even, rows padded to a multiple of [`MR`];
-//! - a tile of [`MR`] x [`NR`] outputs keeps its 12 accumulators in registers over a block of at
-//!   most `KC` pairs of K, K cut into equal blocks (the weight micro-panel, at most 10 KiB, stays
-//!   in L1 while `MC` rows of activations, at most 330 KiB, stream through from L2, their
-//!   lines prefetched by the tile two lines ahead);
-//! - a tile of fewer than [`MR`] rows (a matrix's or a task's last) runs a kernel compiled for its
-//!   row count, at about its share of a full tile's time;
-//! - threads split the rows when each gets at least `ROWS_PER_TASK_MIN` (a task widens its own
+//! # aarch64: 8-bit lanes
+//!
+//! Arm's 8-bit instructions are signed x signed and never saturate: `sdot` sums 4 i8 x i8 products
+//! into an i32 lane, `smmla` 8 (each at most 128 * 128, so 4 * 2^14 and 8 * 2^14 per step), and
+//! `smull` makes exact i16 products that `sadalp` adds in pairs into i32 lanes. So the activations
+//! stay 8-bit: a u8 `x` becomes the i8 `x - 128` (the sign bit flipped) and the caller adds
+//! `(128 + offset) * col_sums` to the i32 sums after ([`Int8Path::fold`]); an i8 `x` is taken as
+//! is, and the caller adds `offset * col_sums`. Every sum is exact mod 2^32, so every output that
+//! fits an i32 equals the reference.
+//!
+//! | path | instruction | MACs per instruction | weight K group | tile (mr x NR) |
+//! |------|-------------|----------------------|----------------|----------------|
+//! | [`Int8Path::I8mm`] | `smmla` (2 x 8 by 8 x 2) | 32 | 8 | 6 x 16: 24 accumulators |
+//! | [`Int8Path::Dotprod`] | `sdot` by element | 16 | 4 | 6 x 16: 24 accumulators |
+//! | [`Int8Path::Neon`] | `smull` + `sadalp` | 8 per pair | 2 | 4 x 16: 16 accumulators |
+//! | [`Int8Path::Avx2`] | `vpmaddwd` (x86_64) | 16 | 2 | 6 x 16: 12 ymm accumulators |
+//!
+//! The tiles and their inner loops as compiled (rustc 1.96, read from the disassembly; the
+//! symbols are `candle_npu::kernels::int8::tile_i8mm`, `tile_dotprod` and `tile_neon`, one per path,
+//! for llvm-mca), of the 32 NEON registers, none spilled:
+//! - dotprod, 6 x 16 per K group of 4 (384 MACs): 4 weight registers (16 columns x 4 K: 64
+//!   bytes), 2 activation registers (6 rows x 4 K, a row per 32-bit lane: `sdot v.4s, w.16b,
+//!   x.4b[row]`, the by-element form, so no broadcast instruction), 24 `sdot`s; 32 instructions
+//!   (24 `sdot`, 2 `ldp q` + `ldr q` + `ldr d`, 2 pointer adds, `subs`, `b.ne`), 30 registers.
+//! - i8mm, 6 x 16 per K group of 8 (768 MACs): 3 activation registers (row pairs x 8 K), each
+//!   column pair's 16 bytes used by 3 `smmla`s; 34 instructions (24 `smmla`, 4 `ldp q` of weights,
+//!   `ldp q` + `ldr q` of activations, 2 adds, `subs`, `b.ne`), 29 registers. A 2 x 2 accumulator
+//!   holds two rows of two columns: the store zips them back into rows (`zip1`/`zip2`).
+//! - NEON, 4 x 16 per pair of K (128 MACs): 4 weight registers (4 columns x 2 K each), a row's
+//!   pair broadcast to every 16-bit lane (`ld1r`), 4 `smull` + 4 `sadalp` per row; 45
+//!   instructions (16 `smull`, 16 `sadalp`, 2 `ldp d`, 4 `ld1r`, 5 address adds: `ld1r` has no
+//!   offset form, `subs`, `b.ne`), 29 registers. 6 rows spilled two accumulators ([`MR_NEON`]).
+//! A 4 x 16 sdot tile would load the weights for 4 rows instead of 6 (0.31 loads per `sdot`
+//! instead of 0.25); 8 x 16 would need 32 accumulators. The panels are 16 columns wide on every
+//! path, so [`Panels::columns`] reads one K group per 16 outputs on each.
+//!
+//! Phone speed cannot be measured on this machine (the Arm paths run under qemu, which checks the
+//! results, not the timing); it can only be estimated: a Cortex-X3/X4 core has four 128-bit
+//! vector pipes, so at one `sdot` per pipe and cycle (64 MACs) the dotprod loop takes 6 cycles per
+//! step, its 4 loads and 4 scalar instructions beside them, and `smmla` doubles the MACs per
+//! instruction where a core issues it at the same rate. llvm-mca 14 (no Cortex-X model) puts the
+//! dotprod loop at 13 cycles per step on a Cortex-A76 (2 `sdot` pipes: 30 of its 32 MACs per
+//! cycle).
+//!
+//! # Layout (GotoBLAS blocking)
+//!
+//! - weights: panels of [`NR`] = 16 columns; in a panel, K is cut into groups of the path's
+//!   [`Int8Path::group`] (2, 4 or 8, K zero-padded to a multiple), and a group holds the `group`
+//!   values of column 0, then of column 1, and so on: `16 * group` bytes. With groups of 2 that is
+//!   the pair layout of `vpmaddwd` (columns 0-7 in the first 16 bytes, one `vpmovsxbw` each) and of
+//!   `smull` + `sadalp`; with 4, a 16-byte register holds 4 columns' 4 K (one `sdot`); with 8, two
+//!   columns' 8 K (one `smmla` operand);
+//! - activations, x86 paths: row-major i16, K padded to even, rows padded to a multiple of [`MR`];
+//! - activations, Arm paths: i8, in blocks of the tile's rows ([`Int8Path::mr`]: 6, 4 for NEON;
+//!   the last block zero-padded), a block K group by K group, each the `group` values of row 0,
+//!   then of row 1, ...: a tile reads its activations as one sequential stream (the x86 tile reads
+//!   6 row streams and prefetches them), and a register holds 4 rows' 4 K (sdot) or 2 rows' 8 K
+//!   (smmla) as the instruction takes them;
+//! - a tile of mr x [`NR`] outputs keeps its accumulators in registers over a block of K, K cut
+//!   into equal blocks ([`k_block`]): the weight micro-panel stays in L1 while `MC` rows of
+//!   activations stream through from L2. x86 (Zen 3: 32 KiB L1d, 512 KiB L2 per core): blocks of
+//!   at most 640 K (a 10 KiB micro-panel), 264 rows (330 KiB of i16). Arm (a phone's big core:
+//!   Cortex-X3/X4, A715/A720: 64 KiB L1d, 0.5-2 MiB L2): at most 1024 K (a 16 KiB micro-panel, a
+//!   quarter of L1, half of a Cortex-A55's 32 KiB), 252 rows (252 KiB of i8, half of a 512 KiB L2);
+//! - a tile of fewer than mr rows (a matrix's or a task's last): on x86 a kernel compiled for
+//!   its row count runs, at about its share of a full tile's time; on Arm the full tile runs on the
+//!   zero-padded block and stores its rows (one symbol per path; at most mr - 1 rows of waste per
+//!   task and row block: 4 of 128, 3%, for a 256-row GEMM split over two cores);
+//! - threads split the rows when each gets at least `ROWS_PER_TASK_MIN` (a task packs its own
 //!   rows, runs every panel over them and hands the finished rows to the caller's `each`, so
-//!   widening, tiles and the caller's dequantization need no barrier between them: +1-2% on a
-//!   SmolLM2 prefill, up to +9% on the k, v GEMMs), else the panels (each core reads half of the
-//!   weights); both in the caller's rayon pool.
+//!   packing, tiles and the caller's dequantization need no barrier between them: +1-2% on a
+//!   SmolLM2 prefill, up to +9% on the k, v GEMMs, measured on x86), else the panels (each core
+//!   reads half of the weights); both in the caller's rayon pool.
 
 use rayon::prelude::*;
 
 use super::rows::rows_per_task;
 
-/// Columns per weight panel (two 8-lane i32 accumulators).
+/// Columns per weight panel (two 8-lane i32 accumulators on AVX2, four 4-lane ones on NEON).
 pub const NR: usize = 16;
-/// Rows per tile: 6 x 2 accumulators + 2 weight registers + 1 broadcast = 15 of 16 ymm registers.
+/// Rows per tile. AVX2: 6 x 2 accumulators + 2 weight registers + 1 broadcast = 15 of 16 ymm
+/// registers. dotprod, i8mm: 6 x 4 accumulators + at most 6 for a step's operands, of 32 (module
+/// docs). The NEON path's tile has [`MR_NEON`] rows.
 pub const MR: usize = 6;
-/// K pairs per block at most: a 16 x 640 weight micro-panel is 10 KiB of L1. K is cut into
-/// equal blocks ([`k_block`]).
-const KC: usize = 320;
-/// Rows per block: 264 x 640 i16 activations are 330 KiB of L2.
-const MC: usize = 264;
+/// Rows per tile of [`Int8Path::Neon`]: 4 x 4 accumulators, 4 weight registers, a broadcast and the
+/// products in flight. With 6 rows LLVM kept two of the 24 accumulators on the stack (a load and
+/// a store each per step), for no more multiply-accumulates per instruction: the broadcast and
+/// the two multiplies are per row whatever the rows.
+pub const MR_NEON: usize = 4;
+/// K values per block at most, x86 (16-bit activations): a 16 x 640 weight micro-panel is 10 KiB
+/// of L1. K is cut into equal blocks ([`k_block`]).
+const KC_I16: usize = 640;
+/// Rows per block, x86: 264 x 640 i16 activations are 330 KiB of L2.
+const MC_I16: usize = 264;
+/// K values per block at most, Arm (8-bit activations): a 16 x 1024 micro-panel is 16 KiB of L1.
+const KC_I8: usize = 1024;
+/// Rows per block, Arm: 252 x 1024 i8 activations are 252 KiB of L2. A multiple of every path's
+/// rows per tile: a row block starts at a block of the packed activations.
+const MC_I8: usize = 252;
+const _: () = assert!(MC_I8 % MR == 0 && MC_I8 % MR_NEON == 0 && MC_I16 % MR == 0);
 
 /// What a GEMM's caller runs on blocks of whole finished output rows (see [`Panels::matmul`]).
 pub type EachRows<'a> = dyn Fn(&mut [i32]) + Sync + 'a;
 
+/// The activation types the GEMM takes: u8 and i8.
+pub trait Int8Input: Copy + Into<i32> + Sync {
+    /// What maps the type onto i8 (`x + TO_I8`): -128 for u8, 0 for i8.
+    const TO_I8: i32;
+}
+
+impl Int8Input for u8 {
+    const TO_I8: i32 = -128;
+}
+
+impl Int8Input for i8 {
+    const TO_I8: i32 = 0;
+}
+
 /// Which tile kernel runs. The choice is made once per process ([`Int8Path::detect`]); tests run
-/// every path this machine can run.
+/// every path this machine can run ([`Int8Path::available`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Int8Path {
     /// `vpmaddwd` on i16 lanes (x86_64 with AVX2).
     Avx2,
-    /// Plain Rust on the same layout: any CPU (and the AVX2 kernel's cross-check).
+    /// Plain Rust on i16 activations and the pair layout: any CPU (and the cross-check).
     Portable,
+    /// `smmla` on i8 lanes (aarch64 with FEAT_I8MM: Cortex-A510/A710/X2 and later).
+    I8mm,
+    /// `sdot` by element on i8 lanes (aarch64 with FEAT_DotProd: Cortex-A55/A76 and later).
+    Dotprod,
+    /// `smull` + `sadalp` on i8 lanes: every aarch64 CPU (NEON is in the baseline).
+    Neon,
 }
 
 impl Int8Path {
     /// The fastest path this CPU runs.
     pub fn detect() -> Self {
+        Self::available()[0]
+    }
+
+    /// Every path this CPU runs, fastest first: i8mm > dotprod > NEON on aarch64, AVX2 on x86_64,
+    /// then the portable one.
+    pub fn available() -> Vec<Self> {
+        let mut paths = Vec::new();
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
-            return Int8Path::Avx2;
+            paths.push(Int8Path::Avx2);
         }
-        Int8Path::Portable
+        #[cfg(target_arch = "aarch64")]
+        {
+            if super::arm::has_i8mm() {
+                paths.push(Int8Path::I8mm);
+            }
+            if super::arm::has_dotprod() {
+                paths.push(Int8Path::Dotprod);
+            }
+            paths.push(Int8Path::Neon);
+        }
+        paths.push(Int8Path::Portable);
+        paths
+    }
+
+    /// K values per group of a weight panel (and of a block of 8-bit activations): the operand
+    /// width of the path's instruction per column.
+    pub fn group(self) -> usize {
+        match self {
+            Int8Path::Avx2 | Int8Path::Portable | Int8Path::Neon => 2,
+            Int8Path::Dotprod => 4,
+            Int8Path::I8mm => 8,
+        }
+    }
+
+    /// Rows per tile (and per block of packed activations).
+    pub fn mr(self) -> usize {
+        match self {
+            Int8Path::Neon => MR_NEON,
+            _ => MR,
+        }
+    }
+
+    /// Whether the activations are widened to i16 with the offset folded in (x86 and portable),
+    /// else kept 8-bit (Arm).
+    fn i16_lanes(self) -> bool {
+        matches!(self, Int8Path::Avx2 | Int8Path::Portable)
+    }
+
+    /// The part of an activation offset this path adds to the activations as it packs them; the
+    /// caller adds `(x_offset - fold) * col_sums` to the product. On i16 lanes, all of it when every
+    /// `x + x_offset` fits an i16 ([`offset_fits`]: always for QNN's 8-bit offsets), else none; on
+    /// i8 lanes, whatever the offset, the shift onto i8 ([`Int8Input::TO_I8`]).
+    pub fn fold<T: Int8Input>(self, x_offset: i32) -> i32 {
+        match self.i16_lanes() {
+            true if offset_fits(x_offset) => x_offset,
+            true => 0,
+            false => T::TO_I8,
+        }
+    }
+
+    /// (K values, rows) per block at most: the weight micro-panel in L1, the activations in L2.
+    fn blocking(self) -> (usize, usize) {
+        if self.i16_lanes() {
+            (KC_I16, MC_I16)
+        } else {
+            (KC_I8, MC_I8)
+        }
     }
 
     fn tile(self) -> unsafe fn(Tile) {
         match self {
             #[cfg(target_arch = "x86_64")]
             Int8Path::Avx2 => tile_avx2,
-            #[cfg(not(target_arch = "x86_64"))]
-            Int8Path::Avx2 => unreachable!("Int8Path::Avx2 is never detected off x86_64"),
+            #[cfg(target_arch = "aarch64")]
+            Int8Path::I8mm => tile_i8mm,
+            #[cfg(target_arch = "aarch64")]
+            Int8Path::Dotprod => tile_dotprod,
+            #[cfg(target_arch = "aarch64")]
+            Int8Path::Neon => tile_neon,
             Int8Path::Portable => tile_portable,
+            #[allow(unreachable_patterns)]
+            other => unreachable!("Int8Path::{other:?} is never available on this architecture"),
         }
     }
 }
 
-/// An INT8 weight `[N, K]` in 16-column panels (see the module docs).
+/// An INT8 weight `[N, K]` in 16-column panels laid out for one [`Int8Path`] (module docs).
 pub struct Panels {
     data: Vec<i8>,
     n: usize,
     k: usize,
-    /// K rounded up to even.
+    /// K rounded up to a multiple of the path's group.
     kp: usize,
+    path: Int8Path,
 }
 
 impl Panels {
-    /// Repacks `w` (`[N, K]`, row-major) into panels of 16 output columns, `K` zero-padded to even.
-    pub fn new(w: &[i8], n: usize, k: usize) -> Self {
+    /// Repacks `w` (`[N, K]`, row-major) into panels of 16 output columns for `path`, `K`
+    /// zero-padded to a multiple of its group.
+    pub fn new(w: &[i8], n: usize, k: usize, path: Int8Path) -> Self {
         assert_eq!(w.len(), n * k, "weight is not [N, K]");
-        let kp = k.next_multiple_of(2);
+        let g = path.group();
+        let kp = k.next_multiple_of(g);
         let n_panels = n.div_ceil(NR);
         let mut data = vec![0i8; n_panels * kp * NR];
         for (col, row) in w.chunks_exact(k.max(1)).enumerate() {
             let (p, j) = (col / NR, col % NR);
             let panel = &mut data[p * kp * NR..(p + 1) * kp * NR];
-            let at = lane(j);
             for (kk, &v) in row.iter().enumerate() {
-                panel[(kk / 2) * 32 + at + kk % 2] = v;
+                panel[at(g, j, kk)] = v;
             }
         }
-        Panels { data, n, k, kp }
+        Panels { data, n, k, kp, path }
+    }
+
+    /// The path the panels are laid out for, and the one [`Self::matmul`] runs.
+    pub fn path(&self) -> Int8Path {
+        self.path
     }
 
     /// Columns `cs` of the weight (`w[.., c]`, `N` values each), one after another. A column's 16
-    /// values in a panel are one 32-byte pair block: a line per 16 outputs, where the row-major
-    /// weight has a line per output.
+    /// values in a panel are in one K group of 32, 64 or 128 bytes: a line or two per 16 outputs,
+    /// where the row-major weight has a line per output.
     pub fn columns(&self, cs: &[usize]) -> Vec<i8> {
-        let n = self.n;
+        let (n, g) = (self.n, self.path.group());
         let mut out = vec![0i8; cs.len() * n];
         for (p, panel) in self.data.chunks_exact(self.kp * NR).enumerate() {
             let cols = NR.min(n - p * NR);
             for (j, &c) in cs.iter().enumerate() {
-                let pair = &panel[(c / 2) * 32..][..32];
                 for (i, v) in out[j * n + p * NR..][..cols].iter_mut().enumerate() {
-                    *v = pair[lane(i) + c % 2];
+                    *v = panel[at(g, i, c)];
                 }
             }
         }
         out
     }
 
-    /// `acc[m, n] = sum_k (x[m, k] + x_offset) * w[n, k]` in i32, on `path`. Exact: every
-    /// `x + x_offset` must fit an i16 (the caller checks; see [`offset_fits`]).
+    /// `acc[m, n] = sum_k (x[m, k] + fold) * w[n, k]` in i32, exactly, where `fold` is what
+    /// [`Int8Path::fold`] gives for this path and `T` (the caller applies the rest of its offset).
     ///
     /// `each` runs on blocks of whole output rows once they are final, on the thread that
     /// computed them when rows are split over the threads (the caller's dequantization, while
     /// the rows are in cache), over the pool otherwise; every row is in exactly one block.
-    pub fn matmul<T: Copy + Into<i32> + Sync>(&self, path: Int8Path, x: &[T], m: usize, x_offset: i32, each: &EachRows<'_>) -> Vec<i32> {
+    pub fn matmul<T: Int8Input>(&self, x: &[T], m: usize, fold: i32, each: &EachRows<'_>) -> Vec<i32> {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
+        assert_eq!(fold, self.path.fold::<T>(fold), "{:?} cannot fold the offset {fold}", self.path);
         if m == 0 || self.n == 0 || self.k == 0 {
             let mut out = vec![0; m * self.n];
             if !out.is_empty() {
@@ -138,35 +307,37 @@ impl Panels {
         let c = SyncPtr(out.spare_capacity_mut().as_mut_ptr().cast::<i32>());
         let n_panels = self.n.div_ceil(NR);
         let threads = rayon::current_num_threads();
-        // Rows split over the threads when each gets a few tiles' worth: a task widens its own
-        // rows and runs every panel over them (no barrier between widening and the tiles).
-        // Fewer rows: the panels are split, and the widening is shared.
+        // Rows split over the threads when each gets a few tiles' worth: a task packs its own
+        // rows and runs every panel over them (no barrier between packing and the tiles).
+        // Fewer rows: the panels are split, and the packing is shared.
         let row_tasks = if m >= threads * ROWS_PER_TASK_MIN { threads } else { 1 };
         if row_tasks > 1 {
-            // Equal row counts, not whole tiles (a short tile costs its rows' share): 256 rows
-            // were 22 tiles on one thread and 21 on the other (GEMM +1-3% in the micro-benchmark).
+            // Equal row counts, not whole tiles (a short tile costs its rows' share on x86): 256
+            // rows were 22 tiles on one thread and 21 on the other (GEMM +1-3% in the
+            // micro-benchmark).
             let per = m.div_ceil(row_tasks);
             (0..m.div_ceil(per)).into_par_iter().for_each(|i| {
                 let (r0, r1) = (i * per, ((i + 1) * per).min(m));
-                with_widened(|a| {
-                    self.widen(&x[r0 * self.k..r1 * self.k], r1 - r0, x_offset, a, false);
-                    // SAFETY: `a` holds the task's rows padded to MR; the tasks write disjoint rows
-                    // of `out` (capacity m * n).
-                    unsafe { self.run_panels(path.tile(), a, r1 - r0, 0..n_panels, c.get().add(r0 * self.n)) }
+                with_packed(|a| {
+                    self.pack(&x[r0 * self.k..r1 * self.k], r1 - r0, fold, a, false);
+                    // SAFETY: `a` holds the task's rows padded to mr in the path's layout; the
+                    // tasks write disjoint rows of `out` (capacity m * n).
+                    unsafe { self.run_panels(a.as_ptr().cast(), r1 - r0, 0..n_panels, c.get().add(r0 * self.n)) }
                 });
                 // SAFETY: rows r0..r1 were all written above, by this task alone.
                 each(unsafe { std::slice::from_raw_parts_mut(c.get().add(r0 * self.n), (r1 - r0) * self.n) });
             });
         } else {
-            with_widened(|a| {
-                self.widen(x, m, x_offset, a, true);
+            with_packed(|a| {
+                self.pack(x, m, fold, a, true);
                 let a: &[i16] = a;
                 let threads = threads.min(n_panels);
                 let run = |i: usize| {
                     let panels = n_panels * i / threads..n_panels * (i + 1) / threads;
-                    // SAFETY: `a` holds `m` rows padded to MR, `out` has capacity m * n, and the panel
-                    // ranges of the tasks are disjoint, so each output element is written by one task.
-                    unsafe { self.run_panels(path.tile(), a, m, panels, c.get()) }
+                    // SAFETY: `a` holds `m` rows padded to mr in the path's layout, `out` has
+                    // capacity m * n, and the panel ranges of the tasks are disjoint, so each
+                    // output element is written by one task.
+                    unsafe { self.run_panels(a.as_ptr().cast(), m, panels, c.get()) }
                 };
                 if threads <= 1 {
                     run(0);
@@ -183,12 +354,21 @@ impl Panels {
         out
     }
 
-    /// `x + x_offset` as i16, row-major, K padded to even and rows to a multiple of MR with zeros:
-    /// blocks of rows over the rayon pool when `parallel`, else on this thread. Every value of `a`
-    /// is written (it is not zeroed first).
-    fn widen<T: Copy + Into<i32> + Sync>(&self, x: &[T], m: usize, x_offset: i32, a: &mut Vec<i16>, parallel: bool) {
+    /// The activations in the path's layout, in `a` (its i16s reused as bytes on the Arm paths):
+    /// blocks of rows over the rayon pool when `parallel`, else on this thread. Every value the
+    /// tiles read is written (`a` is not zeroed first).
+    fn pack<T: Int8Input>(&self, x: &[T], m: usize, fold: i32, a: &mut Vec<i16>, parallel: bool) {
+        if self.path.i16_lanes() {
+            self.widen(x, m, fold, a, parallel)
+        } else {
+            self.interleave(x, m, fold, a, parallel)
+        }
+    }
+
+    /// `x + x_offset` as i16, row-major, K padded to even and rows to a multiple of mr with zeros.
+    fn widen<T: Int8Input>(&self, x: &[T], m: usize, x_offset: i32, a: &mut Vec<i16>, parallel: bool) {
         let (k, kp) = (self.k, self.kp);
-        a.resize(m.next_multiple_of(MR) * kp, 0);
+        a.resize(m.next_multiple_of(self.path.mr()) * kp, 0);
         // In i16 lanes (the caller checked that every sum fits: `offset_fits`), which vectorize
         // without widening to i32 and packing back.
         let offset = x_offset as i16;
@@ -212,30 +392,74 @@ impl Panels {
         }
     }
 
-    /// Tiles of the panels in `panels`, blocked over K (`KC`) and rows (`MC`).
+    /// `x + shift` as i8 (`shift` maps `T` onto i8), in blocks of mr rows, each K group by K group
+    /// with the group's values of row 0, then row 1, ... (module docs); the last block's missing
+    /// rows and K past `k` are zeros. Stored in `a`'s i16s, so every group (an even number of
+    /// bytes) and every row's pair in it is 2-byte aligned for the NEON tile's 16-bit broadcast.
+    fn interleave<T: Int8Input>(&self, x: &[T], m: usize, shift: i32, a: &mut Vec<i16>, parallel: bool) {
+        let (k, kp, g, mr) = (self.k, self.kp, self.path.group(), self.path.mr());
+        let block = mr * kp;
+        a.resize(m.div_ceil(mr) * block / 2, 0);
+        // SAFETY: the byte view covers `a`'s own initialized memory (block is even: kp is a
+        // multiple of 2), i8 has no alignment and takes every bit pattern, and `a` is not used
+        // while the view lives.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(a.as_mut_ptr().cast::<i8>(), a.len() * 2) };
+        let blocks = |first: usize, out: &mut [i8]| {
+            for (b, out) in out.chunks_exact_mut(block).enumerate() {
+                for r in 0..mr {
+                    let row = (first + b) * mr + r;
+                    let src = if row < m { &x[row * k..(row + 1) * k] } else { &[] };
+                    let full = src.len().div_ceil(g);
+                    for (gi, chunk) in src.chunks(g).enumerate() {
+                        let dst = &mut out[gi * mr * g + r * g..][..g];
+                        for (d, &v) in dst.iter_mut().zip(chunk) {
+                            *d = (v.into() + shift) as i8;
+                        }
+                        dst[chunk.len()..].fill(0);
+                    }
+                    for gi in full..kp / g {
+                        out[gi * mr * g + r * g..][..g].fill(0);
+                    }
+                }
+            }
+        };
+        if parallel {
+            let per = rows_per_task(m.div_ceil(mr), block);
+            bytes.par_chunks_mut(per * block).enumerate().for_each(|(i, out)| blocks(i * per, out));
+        } else {
+            blocks(0, bytes);
+        }
+    }
+
+    /// Tiles of the panels in `panels`, blocked over K and rows ([`Int8Path::blocking`]).
     ///
     /// # Safety
-    /// `a` holds `m.next_multiple_of(MR)` rows of `kp`; `c` points to `m * n` i32 (maybe
+    /// `a` holds `m` rows packed for the path ([`Self::pack`]); `c` points to `m * n` i32 (maybe
     /// uninitialized: the first K block writes before any later block reads).
-    unsafe fn run_panels(&self, tile: unsafe fn(Tile), a: &[i16], m: usize, panels: std::ops::Range<usize>, c: *mut i32) {
-        let pairs = self.kp / 2;
-        let kc = k_block(pairs);
-        for t0 in (0..pairs).step_by(kc) {
-            let t1 = (t0 + kc).min(pairs);
-            for r0 in (0..m).step_by(MC) {
-                let r1 = (r0 + MC).min(m);
+    unsafe fn run_panels(&self, a: *const u8, m: usize, panels: std::ops::Range<usize>, c: *mut i32) {
+        let (tile, g, mr) = (self.path.tile(), self.path.group(), self.path.mr());
+        let (kc, mc) = self.path.blocking();
+        let groups = self.kp / g;
+        let kc = k_block(groups, kc / g);
+        for t0 in (0..groups).step_by(kc) {
+            let t1 = (t0 + kc).min(groups);
+            for r0 in (0..m).step_by(mc) {
+                let r1 = (r0 + mc).min(m);
                 for p in panels.clone() {
-                    let b = self.data.as_ptr().add((p * pairs + t0) * 32);
+                    let b = self.data.as_ptr().add((p * self.kp + t0 * g) * NR);
                     let cols = NR.min(self.n - p * NR);
-                    for r in (r0..r1).step_by(MR) {
+                    for r in (r0..r1).step_by(mr) {
+                        // i16 rows (`kp` apart), or the block of mr rows at `r` (a multiple of mr:
+                        // so is `mc`), at group t0.
+                        let a = if self.path.i16_lanes() { a.add(2 * (r * self.kp + t0 * g)) } else { a.add(r * self.kp + t0 * g * mr) };
                         tile(Tile {
-                            a: a.as_ptr().add(r * self.kp + 2 * t0),
+                            a,
                             a_stride: self.kp,
                             b,
-                            pairs: t1 - t0,
+                            groups: t1 - t0,
                             c: c.add(r * self.n + p * NR),
                             ldc: self.n,
-                            rows: MR.min(r1 - r),
+                            rows: mr.min(r1 - r),
                             cols,
                             accumulate: t0 > 0,
                         })
@@ -246,17 +470,18 @@ impl Panels {
     }
 }
 
-/// Where column `j` (0-15) of a panel's pair block starts: its (k, k + 1) values are at `lane`
-/// and `lane + 1`, columns 0-7 in the first 16 bytes, 8-15 in the last (one `vpmovsxbw` each).
-fn lane(j: usize) -> usize {
-    (j / 8) * 16 + (j % 8) * 2
+/// Where value `k` of column `j` (0-15) is in a panel of K groups of `g`: the group's `g * NR`
+/// bytes hold the `g` values of column 0, then of column 1, ... With `g` = 2 that is the pair
+/// layout: columns 0-7 in the first 16 bytes, 8-15 in the last (one `vpmovsxbw` each).
+fn at(g: usize, j: usize, k: usize) -> usize {
+    (k / g) * g * NR + g * j + k % g
 }
 
-/// Pairs of K per block: `pairs` cut into equal blocks of at most `KC`. A short last block
-/// (K = 576, the hidden size of SmolLM2: 256 + 32 pairs) pays a tile's fixed cost (its
-/// accumulators read back, added and stored) for little work.
-fn k_block(pairs: usize) -> usize {
-    pairs.div_ceil(pairs.div_ceil(KC).max(1)).max(1)
+/// K groups per block: `groups` cut into equal blocks of at most `max`. A short last block
+/// (K = 576, the hidden size of SmolLM2, in blocks of 640 would be 512 + 64) pays a tile's fixed
+/// cost (its accumulators read back, added and stored) for little work.
+fn k_block(groups: usize, max: usize) -> usize {
+    groups.div_ceil(groups.div_ceil(max).max(1)).max(1)
 }
 
 /// Whether `x + offset` fits an i16 for every u8 or i8 `x` (the folded-offset precondition).
@@ -265,8 +490,9 @@ pub fn offset_fits(offset: i32) -> bool {
 }
 
 thread_local! {
-    /// The widened activations of this thread's last call: reused, so the hot path does not allocate.
-    static WIDENED: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The packed activations of this thread's last call: reused, so the hot path does not
+    /// allocate. i16 (and so 2-byte aligned) for every path: the Arm paths use it as bytes.
+    static PACKED: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `each` on blocks of whole rows (of `n` values) of a finished product, over the rayon pool.
@@ -277,10 +503,10 @@ pub(crate) fn each_over_pool(out: &mut [i32], n: usize, each: &EachRows<'_>) {
     }
 }
 
-/// `f` on this thread's widening buffer. A rayon worker waiting in a GEMM may run another GEMM
-/// on its thread: that one widens into a buffer of its own.
-fn with_widened<R>(f: impl FnOnce(&mut Vec<i16>) -> R) -> R {
-    WIDENED.with(|cell| match cell.try_borrow_mut() {
+/// `f` on this thread's packing buffer. A rayon worker waiting in a GEMM may run another GEMM
+/// on its thread: that one packs into a buffer of its own.
+fn with_packed<R>(f: impl FnOnce(&mut Vec<i16>) -> R) -> R {
+    PACKED.with(|cell| match cell.try_borrow_mut() {
         Ok(mut buf) => f(&mut buf),
         Err(_) => f(&mut Vec::new()),
     })
@@ -303,15 +529,16 @@ impl SyncPtr {
     }
 }
 
-/// One MR x NR output tile over `pairs` pairs of K.
+/// One mr x NR output tile over `groups` K groups of the path.
 struct Tile {
-    /// Row 0 of the activations at this K block; MR rows, `a_stride` i16 apart (rows past `rows`
-    /// are padding and may be read).
-    a: *const i16,
+    /// The activations at this K block. i16 paths: row 0, MR rows `a_stride` i16 apart (rows past
+    /// `rows` are padding and may be read). Arm paths: the mr rows' block, `mr * group` bytes per
+    /// group (2-byte aligned).
+    a: *const u8,
     a_stride: usize,
-    /// The panel at this K block: 32 bytes per pair.
+    /// The panel at this K block: `16 * group` bytes per group.
     b: *const i8,
-    pairs: usize,
+    groups: usize,
     /// Output row 0, column 0 of the tile; rows `ldc` apart.
     c: *mut i32,
     ldc: usize,
@@ -321,6 +548,8 @@ struct Tile {
     accumulate: bool,
 }
 
+/// # Safety
+/// The CPU has AVX2; `t` points into a packed GEMM as [`Panels::run_panels`] makes it.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn tile_avx2(t: Tile) {
@@ -343,7 +572,7 @@ unsafe fn rows_avx2<const R: usize>(t: Tile) {
     let mut acc = [[_mm256_setzero_si256(); 2]; R];
     let a = t.a.cast::<i32>();
     let stride = t.a_stride / 2;
-    for p in 0..t.pairs {
+    for p in 0..t.groups {
         // Each row's activations 32 pairs (two cache lines) ahead, once per line: the tile reads
         // MR rows of A from L2 in MR interleaved streams, and the hardware prefetcher left it
         // waiting on them (+8-10% GOPS on every SmolLM2 shape, 88-91% of the exact peak). A
@@ -383,14 +612,154 @@ unsafe fn rows_avx2<const R: usize>(t: Tile) {
     }
 }
 
+/// The dotprod tile: per K group of 4, the 64 weight bytes in 4 registers (columns 4q..4q + 4 in
+/// register q), the 6 rows' 4 bytes in the 32-bit lanes of 2 registers (rows 0-3, then 4-5), and
+/// 24 `sdot`s by element: `acc[r][q] += w[q] . x[r]`. Every row runs (the block's padding rows are
+/// zeros); `t.rows` are stored.
+///
+/// # Safety
+/// The CPU has dotprod; `t` points into a GEMM packed for [`Int8Path::Dotprod`] as
+/// [`Panels::run_panels`] makes it.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "dotprod")]
+unsafe fn tile_dotprod(t: Tile) {
+    use super::arm::sdot_lane;
+    use std::arch::aarch64::*;
+    let mut acc = [[vdupq_n_s32(0); 4]; MR];
+    let (mut a, mut b) = (t.a.cast::<i8>(), t.b);
+    for _ in 0..t.groups {
+        // 24 bytes: rows 0-3 in one register, rows 4-5 in the low half of another (an 8-byte
+        // load, which zeroes the high half: the next group is not read).
+        let x03 = vld1q_s8(a);
+        let x45 = vcombine_s8(vld1_s8(a.add(16)), vdup_n_s8(0));
+        let w = [vld1q_s8(b), vld1q_s8(b.add(16)), vld1q_s8(b.add(32)), vld1q_s8(b.add(48))];
+        for (q, &w) in w.iter().enumerate() {
+            acc[0][q] = sdot_lane::<0>(acc[0][q], w, x03);
+            acc[1][q] = sdot_lane::<1>(acc[1][q], w, x03);
+            acc[2][q] = sdot_lane::<2>(acc[2][q], w, x03);
+            acc[3][q] = sdot_lane::<3>(acc[3][q], w, x03);
+            acc[4][q] = sdot_lane::<0>(acc[4][q], w, x45);
+            acc[5][q] = sdot_lane::<1>(acc[5][q], w, x45);
+        }
+        a = a.add(4 * MR);
+        b = b.add(4 * NR);
+    }
+    for (r, &row) in acc.iter().enumerate().take(t.rows) {
+        store_row_neon(t.c.add(r * t.ldc), row, t.cols, t.accumulate);
+    }
+}
+
+/// The i8mm tile: per K group of 8, the 3 row pairs' 8 bytes in 3 registers (rows 2p, 2p + 1 in
+/// register p), each column pair's 8 bytes loaded once and used by 3 `smmla`s: `acc[p][q]` holds
+/// rows 2p, 2p + 1 of columns 2q, 2q + 1 (`[r0.c0, r0.c1, r1.c0, r1.c1]`). Every row runs (the
+/// block's padding rows are zeros); `t.rows` are stored, unzipped into rows.
+///
+/// # Safety
+/// The CPU has i8mm; `t` points into a GEMM packed for [`Int8Path::I8mm`] as
+/// [`Panels::run_panels`] makes it.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "i8mm")]
+unsafe fn tile_i8mm(t: Tile) {
+    use super::arm::smmla;
+    use std::arch::aarch64::*;
+    let mut acc = [[vdupq_n_s32(0); NR / 2]; MR / 2];
+    let (mut a, mut b) = (t.a.cast::<i8>(), t.b);
+    for _ in 0..t.groups {
+        let x = [vld1q_s8(a), vld1q_s8(a.add(16)), vld1q_s8(a.add(32))];
+        for q in 0..NR / 2 {
+            let w = vld1q_s8(b.add(16 * q));
+            for (acc, &x) in acc.iter_mut().zip(&x) {
+                acc[q] = smmla(acc[q], x, w);
+            }
+        }
+        a = a.add(8 * MR);
+        b = b.add(8 * NR);
+    }
+    // Loops over the array itself, not indexed by a row count known at run time: the accumulators
+    // then stay registers (indexed by `r / 2`, LLVM stored all 24 to the stack in every step).
+    for (p, pair) in acc.iter().enumerate() {
+        for h in 0..2 {
+            let r = 2 * p + h;
+            if r < t.rows {
+                // Row r of columns 4v..4v + 4: the 64-bit half h of column pairs 2v and 2v + 1.
+                let row: [int32x4_t; 4] = std::array::from_fn(|v| {
+                    let (lo, hi) = (vreinterpretq_s64_s32(pair[2 * v]), vreinterpretq_s64_s32(pair[2 * v + 1]));
+                    vreinterpretq_s32_s64(if h == 0 { vzip1q_s64(lo, hi) } else { vzip2q_s64(lo, hi) })
+                });
+                store_row_neon(t.c.add(r * t.ldc), row, t.cols, t.accumulate);
+            }
+        }
+    }
+}
+
+/// The NEON tile (no dotprod): per pair of K, the 32 weight bytes in 2 registers (columns 0-7, then
+/// 8-15, each as (k, k + 1) byte pairs), and per row its activation pair broadcast to every 16-bit
+/// lane; `smull`/`smull2` make the 4 x 8 exact i16 products, and `sadalp` adds each column's two
+/// into its i32 lane. Every row runs (the block's padding rows are zeros); `t.rows` are stored.
+///
+/// # Safety
+/// `t` points into a GEMM packed for [`Int8Path::Neon`] as [`Panels::run_panels`] makes it (its
+/// activation pairs 2-byte aligned).
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn tile_neon(t: Tile) {
+    use std::arch::aarch64::*;
+    let mut acc = [[vdupq_n_s32(0); 4]; MR_NEON];
+    let (mut a, mut b) = (t.a.cast::<i16>(), t.b);
+    for _ in 0..t.groups {
+        // Columns 4q..4q + 4 as (k, k + 1) byte pairs in 8-byte register q.
+        let w = [vld1_s8(b), vld1_s8(b.add(8)), vld1_s8(b.add(16)), vld1_s8(b.add(24))];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // (x[r, k], x[r, k + 1]) in every 16-bit lane (`ld1r`).
+            let x = vreinterpret_s8_s16(vld1_dup_s16(a.add(r)));
+            for (acc, &w) in acc.iter_mut().zip(&w) {
+                *acc = vpadalq_s16(*acc, vmull_s8(w, x));
+            }
+        }
+        a = a.add(MR_NEON);
+        b = b.add(2 * NR);
+    }
+    for (r, &row) in acc.iter().enumerate().take(t.rows) {
+        store_row_neon(t.c.add(r * t.ldc), row, t.cols, t.accumulate);
+    }
+}
+
+/// One output row of an Arm tile: 16 i32 in 4 registers, `cols` of them stored (added to the
+/// outputs on a later K block).
+///
+/// # Safety
+/// `c` points to `cols` i32 (initialized when `accumulate`).
+#[cfg(target_arch = "aarch64")]
+#[inline(always)]
+unsafe fn store_row_neon(c: *mut i32, row: [std::arch::aarch64::int32x4_t; 4], cols: usize, accumulate: bool) {
+    use std::arch::aarch64::*;
+    if cols == NR {
+        for (v, &x) in row.iter().enumerate() {
+            let x = if accumulate { vaddq_s32(x, vld1q_s32(c.add(4 * v))) } else { x };
+            vst1q_s32(c.add(4 * v), x);
+        }
+    } else {
+        let mut tmp = [0i32; NR];
+        for (v, &x) in row.iter().enumerate() {
+            vst1q_s32(tmp.as_mut_ptr().add(4 * v), x);
+        }
+        store_row(c, &tmp[..cols], accumulate);
+    }
+}
+
+/// The portable tile, on the x86 layout (i16 rows, pair panels).
+///
+/// # Safety
+/// `t` points into a GEMM packed for [`Int8Path::Portable`] as [`Panels::run_panels`] makes it.
 unsafe fn tile_portable(t: Tile) {
+    let a = t.a.cast::<i16>();
     let mut acc = [[0i32; NR]; MR];
-    for p in 0..t.pairs {
+    for p in 0..t.groups {
         let b = std::slice::from_raw_parts(t.b.add(32 * p), 32);
         for (r, acc) in acc.iter_mut().enumerate() {
-            let (x0, x1) = (*t.a.add(r * t.a_stride + 2 * p) as i32, *t.a.add(r * t.a_stride + 2 * p + 1) as i32);
+            let (x0, x1) = (*a.add(r * t.a_stride + 2 * p) as i32, *a.add(r * t.a_stride + 2 * p + 1) as i32);
             for (j, acc) in acc.iter_mut().enumerate() {
-                let at = lane(j);
+                let at = at(2, j, 0);
                 *acc += x0 * b[at] as i32 + x1 * b[at + 1] as i32;
             }
         }
@@ -400,6 +769,8 @@ unsafe fn tile_portable(t: Tile) {
     }
 }
 
+/// # Safety
+/// `c` points to `row.len()` i32 (initialized when `accumulate`).
 unsafe fn store_row(c: *mut i32, row: &[i32], accumulate: bool) {
     for (j, &v) in row.iter().enumerate() {
         *c.add(j) = if accumulate { *c.add(j) + v } else { v };

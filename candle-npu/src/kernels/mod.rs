@@ -3,9 +3,11 @@
 //! INT8 is exact in one pass on every CPU (the host executor is the NPU's numerical reference):
 //! - x86_64 whose 8-bit multiply-add saturates (AVX2 without VNNI, this project's build machine):
 //!   our own kernel on 16-bit lanes, [`int8`]; its module docs say why it loses no speed.
-//! - Elsewhere, rten-gemm, whose kernels there cannot saturate: AVX-512 VNNI (`vpdpbusd`), Arm
-//!   dotprod / i8mm / NEON, and its generic kernel. rten's Arm kernels are not built here (x86_64
-//!   only); nothing of ours is Arm-specific, and [`int8::Int8Path::Portable`] runs anywhere.
+//! - aarch64 (the phone's CPU side, an Arm laptop's prefill): our own kernels on 8-bit lanes, i8mm
+//!   (`smmla`) > dotprod (`sdot`) > NEON (`smull` + `sadalp`), whichever the CPU has first
+//!   ([`Int8Kernel::detect`] says why ours and not rten's, which is exact there too).
+//! - Elsewhere, rten-gemm, whose kernels there cannot saturate: AVX-512 VNNI (`vpdpbusd`) and its
+//!   generic kernel; [`int8::Int8Path::Portable`] runs anywhere.
 //!
 //! F32 and the INT8 weights on the rten route use rten-gemm: a safe API that prepacks the weight
 //! ("B") matrix once, at prepare time, as on the NPU. Measured on the 2-core build machine for
@@ -22,7 +24,7 @@ pub mod rows;
 
 use std::sync::OnceLock;
 
-use int8::{EachRows, Int8Path, Panels};
+use int8::{EachRows, Int8Input, Int8Path, Panels};
 use rten_gemm::{GemmExecutor, GemmInT, GemmInputA, GemmInputB, GemmOutT, GemmUninitOptions, PackedBMatrix};
 use rten_tensor::NdTensorView;
 
@@ -44,17 +46,37 @@ fn f32_gemm<R>(f: impl FnOnce(&GemmExecutor<f32, f32, f32>) -> R) -> R {
 /// Which INT8 GEMM a [`PackedI8`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Int8Kernel {
-    /// Ours, on 16-bit lanes (see [`int8`]).
+    /// Ours (see [`int8`]).
     Own(Int8Path),
     /// rten-gemm's best kernel for this CPU. Exact only where it cannot saturate.
     Rten,
 }
 
 impl Int8Kernel {
-    /// The kernel [`PackedI8::new`] uses: rten's where it is exact, else ours.
+    /// The kernel [`PackedI8::new`] uses. x86_64: rten's where it is exact (AVX-512 VNNI), else
+    /// ours. aarch64: ours on every CPU, the best path it has ([`Int8Path::detect`]).
+    ///
+    /// On a CPU with dotprod or i8mm, ours does the same work per instruction as rten's (`sdot`,
+    /// `smmla`) and, unlike rten, packs its activations by the task that uses them, hands finished
+    /// rows to `each` while they are in cache, and lets [`PackedI8::columns`] read the weight's
+    /// columns back for the shadow outliers. On a CPU with neither (Cortex-A53, A57/A72/A73),
+    /// rten's kernel (`aarch64-u8i8i32-mlal`: `umlal` by element on u16 lanes, 8 x 8 tiles) and
+    /// our NEON one (`smull` + `sadalp`, 4 x 16) both do 4 multiply-accumulates per vector
+    /// multiply; but `umlal` issues on one pipe, where `smull` and `sadalp` split over two. Timing
+    /// cannot be measured here (qemu); llvm-mca 14's models of both inner loops as compiled into
+    /// this crate (128 MACs per iteration each) give, in cycles per iteration: Cortex-A72 rten 32,
+    /// ours 18; Cortex-A53 rten 51, ours 56. So ours: 1.7x on the out-of-order cores, 10% behind on
+    /// the A53 by the model, and the same packing, threading, `each` and column reads as the
+    /// phone's paths, one code path tested under qemu on every kind of Arm core.
     pub fn detect() -> Self {
         static KERNEL: OnceLock<Int8Kernel> = OnceLock::new();
-        *KERNEL.get_or_init(|| if int8_gemm(|g| g.may_saturate()) { Int8Kernel::Own(Int8Path::detect()) } else { Int8Kernel::Rten })
+        *KERNEL.get_or_init(|| {
+            if cfg!(target_arch = "aarch64") || int8_gemm(|g| g.may_saturate()) {
+                Int8Kernel::Own(Int8Path::detect())
+            } else {
+                Int8Kernel::Rten
+            }
+        })
     }
 
     /// The kernel for logs and benchmarks, e.g. "own avx2 (vpmaddwd, i16 lanes)" or rten's kernel
@@ -63,6 +85,9 @@ impl Int8Kernel {
         match self {
             Int8Kernel::Own(Int8Path::Avx2) => "own avx2 (vpmaddwd, i16 lanes)".into(),
             Int8Kernel::Own(Int8Path::Portable) => "own portable".into(),
+            Int8Kernel::Own(Int8Path::I8mm) => "own i8mm (smmla, i8 lanes, 6x16 tiles)".into(),
+            Int8Kernel::Own(Int8Path::Dotprod) => "own dotprod (sdot by element, i8 lanes, 6x16 tiles)".into(),
+            Int8Kernel::Own(Int8Path::Neon) => "own neon (smull + sadalp, i8 lanes, 6x16 tiles)".into(),
             Int8Kernel::Rten => format!("rten-gemm {}", int8_gemm(|g| g.kernel_name().to_string())),
         }
     }
@@ -80,7 +105,7 @@ pub struct PackedI8 {
 }
 
 enum Packed {
-    Own(Panels, Int8Path),
+    Own(Panels),
     Rten(PackedBMatrix<i8>),
 }
 
@@ -94,10 +119,10 @@ impl PackedI8 {
     pub fn with_kernel(w: &[i8], n: usize, k: usize, kernel: Int8Kernel) -> Self {
         assert_eq!(w.len(), n * k, "weight is not [N, K]");
         let packed = match kernel {
-            Int8Kernel::Own(path) => Packed::Own(Panels::new(w, n, k), path),
+            Int8Kernel::Own(path) => Packed::Own(Panels::new(w, n, k, path)),
             // rten-gemm's prepacking divides by zero on an empty matrix (found on an AVX-512 VNNI
             // machine, where rten is the detected kernel); ours takes any shape.
-            Int8Kernel::Rten if n == 0 || k == 0 => Packed::Own(Panels::new(w, n, k), Int8Path::detect()),
+            Int8Kernel::Rten if n == 0 || k == 0 => Packed::Own(Panels::new(w, n, k, Int8Path::detect())),
             Int8Kernel::Rten => {
                 let view = NdTensorView::from_data([n, k], w);
                 Packed::Rten(int8_gemm(|g| g.prepack_b(view.transposed())))
@@ -107,11 +132,11 @@ impl PackedI8 {
         PackedI8 { packed, n, k, col_sums }
     }
 
-    /// Columns `cs` of the weight (`cs.len()` x `N` values), read from our panels (a cache line
-    /// per 16 outputs); None for rten's packing, whose layout is its own.
+    /// Columns `cs` of the weight (`cs.len()` x `N` values), read from our panels (one K group, a
+    /// line or two, per 16 outputs); None for rten's packing, whose layout is its own.
     pub fn columns(&self, cs: &[usize]) -> Option<Vec<i8>> {
         match &self.packed {
-            Packed::Own(p, _) => Some(p.columns(cs)),
+            Packed::Own(p) => Some(p.columns(cs)),
             Packed::Rten(_) => None,
         }
     }
@@ -132,7 +157,7 @@ impl PackedI8 {
     pub fn matmul_u8_then(&self, x: &[u8], m: usize, x_offset: i32, each: &EachRows<'_>) -> Vec<i32> {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
         match &self.packed {
-            Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset, each),
+            Packed::Own(p) => self.folded(p, x, m, x_offset, each),
             Packed::Rten(b) => self.then(rten_u8(b, self.n, self.k, x, m), &|rows: &mut [i32]| {
                 self.add_offset(rows, x_offset);
                 each(rows)
@@ -144,18 +169,19 @@ impl PackedI8 {
     pub fn matmul_i8_then(&self, x: &[i8], m: usize, x_offset: i32, each: &EachRows<'_>) -> Vec<i32> {
         assert_eq!(x.len(), m * self.k, "activation is not [M, K]");
         match &self.packed {
-            Packed::Own(p, path) => self.folded(p, *path, x, m, x_offset, each),
+            Packed::Own(p) => self.folded(p, x, m, x_offset, each),
             // rten takes u8: (q + off) = (q + 128) + (off - 128).
             Packed::Rten(_) => self.matmul_u8_then(&x.iter().map(|&q| (q as i16 + 128) as u8).collect::<Vec<_>>(), m, x_offset - 128, each),
         }
     }
 
-    /// Our kernel folds the offset into the widened activations when it fits an i16 (it always
-    /// does for QNN's 8-bit offsets); the column sums apply any rest, before `each`.
-    fn folded<T: Copy + Into<i32> + Sync>(&self, p: &Panels, path: Int8Path, x: &[T], m: usize, x_offset: i32, each: &EachRows<'_>) -> Vec<i32> {
-        let fold = if int8::offset_fits(x_offset) { x_offset } else { 0 };
+    /// Our kernel folds what it can into the activations as it packs them ([`Int8Path::fold`]:
+    /// the whole offset on i16 lanes when it fits, the shift onto i8 on Arm's 8-bit lanes); the
+    /// column sums apply the rest, before `each`.
+    fn folded<T: Int8Input>(&self, p: &Panels, x: &[T], m: usize, x_offset: i32, each: &EachRows<'_>) -> Vec<i32> {
+        let fold = p.path().fold::<T>(x_offset);
         let rest = x_offset - fold;
-        p.matmul(path, x, m, fold, &|rows: &mut [i32]| {
+        p.matmul(x, m, fold, &|rows: &mut [i32]| {
             self.add_offset(rows, rest);
             each(rows)
         })
@@ -329,13 +355,10 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// Every INT8 kernel this machine runs exactly: ours (AVX2 where detected, portable always),
-    /// and rten's where it cannot saturate.
+    /// Every INT8 kernel this machine runs exactly: each of our paths it has (AVX2, or i8mm,
+    /// dotprod and NEON; portable always), and rten's where it cannot saturate.
     fn exact_kernels() -> Vec<Int8Kernel> {
-        let mut ks = vec![Int8Kernel::Own(Int8Path::Portable)];
-        if Int8Path::detect() == Int8Path::Avx2 {
-            ks.push(Int8Kernel::Own(Int8Path::Avx2));
-        }
+        let mut ks: Vec<Int8Kernel> = Int8Path::available().into_iter().map(Int8Kernel::Own).collect();
         if !int8_gemm(|g| g.may_saturate()) {
             ks.push(Int8Kernel::Rten);
         }
@@ -357,6 +380,18 @@ mod tests {
         // This machine's kind (AVX2 without VNNI) must get our kernel, not rten's saturating one.
         let k = Int8Kernel::detect();
         assert!(exact_kernels().contains(&k), "{k:?} is not exact on this CPU");
+        // aarch64: ours, the best path the CPU has.
+        #[cfg(target_arch = "aarch64")]
+        {
+            let want = if arm::has_i8mm() {
+                Int8Path::I8mm
+            } else if arm::has_dotprod() {
+                Int8Path::Dotprod
+            } else {
+                Int8Path::Neon
+            };
+            assert_eq!(k, Int8Kernel::Own(want));
+        }
     }
 
     #[test]
@@ -379,17 +414,39 @@ mod tests {
 
     #[test]
     fn int8_gemm_is_exact_on_every_blocking_edge() {
-        // Odd K, K over several K blocks (KC pairs), rows past one row block (MC), partial tiles
-        // of every row count (M % MR: 1 to 5) and N % NR, one row, one column.
+        // Odd K, K over several K blocks (640 K on x86, 1024 on Arm), rows past one row block (264,
+        // 252), partial tiles of every row count (M % MR: 1 to 5) and N % NR, one row, one column;
+        // K of every remainder of the Arm groups (K % 4: 1-3, K % 8: 1-7), K a multiple of 4 and
+        // not of 8, a whole number of panels.
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        for (m, k, n) in
-            [(1, 1, 1), (5, 7, 17), (13, 1201, 40), (300, 64, 31), (6, 2 * 512 + 2, 16), (8, 70, 33), (9, 30, 16), (10, 3, 5), (3, 0, 5), (0, 4, 5)]
-        {
-            let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
+        for (m, k, n) in [
+            (1, 1, 1),
+            (5, 7, 17),
+            (13, 1201, 40),
+            (300, 64, 31),
+            (6, 2 * 512 + 2, 16),
+            (8, 70, 33),
+            (9, 30, 16),
+            (10, 3, 5),
+            (3, 0, 5),
+            (0, 4, 5),
+            (7, 5, 20),
+            (11, 11, 47),
+            (4, 12, 15),
+            (2, 2053, 3),
+            (14, 9, 64),
+            (17, 13, 18),
+            (12, 6, 32),
+            (1, 2048, 16),
+        ] {
+            let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-128..=127)).collect();
             let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
-            let want = reference(&x, &w, m, k, n, -99);
+            let xi: Vec<i8> = (0..m * k).map(|_| rng.random()).collect();
+            let (want, want_i) = (reference(&x, &w, m, k, n, -99), reference(&xi, &w, m, k, n, 5));
             for kernel in exact_kernels() {
-                assert_eq!(PackedI8::with_kernel(&w, n, k, kernel).matmul_u8(&x, m, -99), want, "{kernel:?} {m}x{k}x{n}");
+                let p = PackedI8::with_kernel(&w, n, k, kernel);
+                assert_eq!(p.matmul_u8(&x, m, -99), want, "{kernel:?} {m}x{k}x{n}");
+                assert_eq!(p.matmul_i8(&xi, m, 5), want_i, "{kernel:?} {m}x{k}x{n} i8");
             }
         }
     }
@@ -402,28 +459,31 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let (k, n) = (64, 16 * 7 + 3);
         let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
-        let p = PackedI8::new(&w, n, k);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
         let each = |rows: &mut [i32]| rows.iter_mut().for_each(|v| *v = *v * 3 + 1);
         for m in [20, 3 * int8::ROWS_PER_TASK_MIN + 5] {
             let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
             let want = reference(&x, &w, m, k, n, -3);
-            assert_eq!(pool.install(|| p.matmul_u8(&x, m, -3)), want, "{m} rows");
-            let mapped: Vec<i32> = want.iter().map(|v| v * 3 + 1).collect();
-            assert_eq!(pool.install(|| p.matmul_u8_then(&x, m, -3, &each)), mapped, "{m} rows, then each");
-            // An offset beyond the fold (i16): the column sums apply the rest before `each`.
-            let mapped: Vec<i32> = reference(&x, &w, m, k, n, 40_000).iter().map(|v| v * 3 + 1).collect();
-            assert_eq!(pool.install(|| p.matmul_u8_then(&x, m, 40_000, &each)), mapped, "{m} rows, offset 40000");
+            for kernel in exact_kernels() {
+                let p = PackedI8::with_kernel(&w, n, k, kernel);
+                assert_eq!(pool.install(|| p.matmul_u8(&x, m, -3)), want, "{kernel:?} {m} rows");
+                let mapped: Vec<i32> = want.iter().map(|v| v * 3 + 1).collect();
+                assert_eq!(pool.install(|| p.matmul_u8_then(&x, m, -3, &each)), mapped, "{kernel:?} {m} rows, then each");
+                // An offset beyond the fold (i16): the column sums apply the rest before `each`.
+                let mapped: Vec<i32> = reference(&x, &w, m, k, n, 40_000).iter().map(|v| v * 3 + 1).collect();
+                assert_eq!(pool.install(|| p.matmul_u8_then(&x, m, 40_000, &each)), mapped, "{kernel:?} {m} rows, offset 40000");
+            }
         }
     }
 
     #[test]
     fn columns_read_from_the_panels_are_the_weights_columns() {
-        // A partial last panel (N % 16) and odd K (the last pair half padding).
+        // A partial last panel (N % 16), K of no group's multiple (the last group of 2, 4 or 8 K
+        // partly padding), columns in the first, a middle and the last group.
         let mut rng = rand::rngs::StdRng::seed_from_u64(6);
-        let (n, k) = (37, 7);
+        let (n, k) = (37, 11);
         let w: Vec<i8> = (0..n * k).map(|_| rng.random_range(-127..=127)).collect();
-        let cs = [6, 0, 3, 3];
+        let cs = [6, 0, 3, 3, 10, 8, 5];
         let want: Vec<i8> = cs.iter().flat_map(|&c| (0..n).map(move |r| (r, c))).map(|(r, c)| w[r * k + c]).collect();
         for kernel in exact_kernels() {
             let p = PackedI8::with_kernel(&w, n, k, kernel);
@@ -441,17 +501,19 @@ mod tests {
         let (m, k, n) = (3, 1536, 5);
         let x: Vec<u16> = (0..m * k).map(|i| if i % 3 == 0 { 65535 } else { rng.random_range(0..=65535) }).collect();
         let w: Vec<i8> = (0..n * k).map(|i| if i % 2 == 0 { 127 } else { rng.random_range(-127..=127) }).collect();
-        let p = PackedI8::new(&w, n, k);
-        for off in [0, -32768, -1234] {
-            let acc = p.matmul_u16(&x, m, off);
-            for i in 0..m {
-                for j in 0..n {
-                    let want: i64 = (0..k).map(|t| (x[i * k + t] as i64 + off as i64) * w[j * k + t] as i64).sum();
-                    assert_eq!(acc[i * n + j], want, "({i}, {j}) offset {off}");
+        for kernel in exact_kernels() {
+            let p = PackedI8::with_kernel(&w, n, k, kernel);
+            for off in [0, -32768, -1234] {
+                let acc = p.matmul_u16(&x, m, off);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: i64 = (0..k).map(|t| (x[i * k + t] as i64 + off as i64) * w[j * k + t] as i64).sum();
+                        assert_eq!(acc[i * n + j], want, "{kernel:?} ({i}, {j}) offset {off}");
+                    }
                 }
             }
+            assert!(p.matmul_u16(&vec![65535; k], 1, 0)[0] > i32::MAX as i64, "the test must exercise sums beyond i32");
         }
-        assert!(p.matmul_u16(&vec![65535; k], 1, 0)[0] > i32::MAX as i64, "the test must exercise sums beyond i32");
     }
 
     #[test]
