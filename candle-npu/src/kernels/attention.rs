@@ -381,7 +381,8 @@ mod neon {
     /// The keys are read once, in order (again per row, from L1).
     ///
     /// Each product meets at most `ceil(hd / 8) + 3` roundings (its chain, the two accumulators'
-    /// sum, [`hsum4`]'s two levels); the plain loop's first meets `hd + 1`.
+    /// sum, [`hsum4`]'s two levels); the plain loop's first meets `hd + 1`. Four keys' sums are
+    /// reduced together, by three `faddp` of two vectors each, in [`hsum4`]'s order.
     #[target_feature(enable = "neon")]
     pub fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
         let n = keys.len() / hd;
@@ -398,10 +399,14 @@ mod neon {
                 // of 4.
                 unsafe {
                     match n - j {
-                        1 => out[..1].copy_from_slice(&dot_keys::<1>(qr, k, hd)),
-                        2 => out[..2].copy_from_slice(&dot_keys::<2>(qr, k, hd)),
-                        3 => out[..3].copy_from_slice(&dot_keys::<3>(qr, k, hd)),
-                        _ => out[..4].copy_from_slice(&dot_keys::<4>(qr, k, hd)),
+                        1 => out[0] = hsum4(dot_keys::<1>(qr, k, hd)[0]),
+                        2 => out[..2].copy_from_slice(&dot_keys::<2>(qr, k, hd).map(hsum4)),
+                        3 => out[..3].copy_from_slice(&dot_keys::<3>(qr, k, hd).map(hsum4)),
+                        _ => {
+                            // [(a0 + a1) + (a2 + a3), (b0 + b1) + (b2 + b3), ...]: hsum4 of each.
+                            let [a, b, c, d] = dot_keys::<4>(qr, k, hd);
+                            vst1q_f32(out[..4].as_mut_ptr(), vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
+                        }
                     }
                 }
             }
@@ -409,13 +414,13 @@ mod neon {
         }
     }
 
-    /// `q . k_i` for the `K` keys of `hd` values from `k` on.
+    /// `q . k_i` for the `K` keys of `hd` values from `k` on, as a vector of 4 partial sums each.
     ///
     /// # Safety
     /// `q` points at `hd` values, `k` at `K * hd`, and `hd` is a multiple of 4.
     #[target_feature(enable = "neon")]
     #[inline]
-    unsafe fn dot_keys<const K: usize>(q: *const f32, k: *const f32, hd: usize) -> [f32; K] {
+    unsafe fn dot_keys<const K: usize>(q: *const f32, k: *const f32, hd: usize) -> [float32x4_t; K] {
         let (mut even, mut odd) = ([vdupq_n_f32(0.0); K], [vdupq_n_f32(0.0); K]);
         let mut c = 0;
         // SAFETY (both blocks): c + 8 <= hd, or c + 4 <= hd in the last; the caller's sizes.
@@ -437,7 +442,7 @@ mod neon {
                 }
             }
         }
-        std::array::from_fn(|i| hsum4(vaddq_f32(even[i], odd[i])))
+        std::array::from_fn(|i| vaddq_f32(even[i], odd[i]))
     }
 
     /// [`super::weighted_sum`], `hd` a multiple of 4: blocks of up to 4 rows by 16 values (4

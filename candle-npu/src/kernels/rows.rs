@@ -282,18 +282,19 @@ fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut
     let n = w.len();
     assert!(out.len() == x.len() && x.len().is_multiple_of(n), "add_rms_norm: rows of {n} into {} of {} values", out.len(), x.len());
     for (row, (x, d)) in out.chunks_exact_mut(n).zip(x.chunks_exact_mut(n).zip(d.chunks_exact(n))) {
+        // Two passes over the row (in L1): as one, `x += d` and the sums of squares were left
+        // scalar by LLVM on aarch64 (`fadd s`, `fmul s`); apart, each is vectorized.
+        x.iter_mut().zip(d).for_each(|(x, &d)| *x += d);
         let mut sums = [0f32; LANES];
-        let (mut xc, mut dc) = (x.chunks_exact_mut(LANES), d.chunks_exact(LANES));
-        for (x, d) in (&mut xc).zip(&mut dc) {
-            for ((x, &d), s) in x.iter_mut().zip(d).zip(&mut sums) {
-                *x += d;
-                *s += *x * *x;
+        let mut xc = x.chunks_exact(LANES);
+        for x in &mut xc {
+            for (&x, s) in x.iter().zip(&mut sums) {
+                *s += x * x;
             }
         }
         let mut sum: f32 = sums.iter().sum();
-        for (x, &d) in xc.into_remainder().iter_mut().zip(dc.remainder()) {
-            *x += d;
-            sum += *x * *x;
+        for &x in xc.remainder() {
+            sum += x * x;
         }
         let m = (sum / n as f32 + eps).sqrt();
         for ((o, &x), &w) in row.iter_mut().zip(x.iter()).zip(w) {
