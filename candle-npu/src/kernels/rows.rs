@@ -10,6 +10,31 @@
 //! max and sum do not reassociate otherwise), and `exp` is a polynomial the vectorizer can inline:
 //! libm's `expf` is a call per element, and a softmax over a 1024-token prompt's scores takes 4.7
 //! million of them per layer (SmolLM2).
+//!
+//! On aarch64 (a phone's CPU runs every row kernel), NEON is in the baseline: the plain code is
+//! compiled once, already with 128-bit vectors, and `multiversion!` adds no copy. The functions
+//! with AVX2 intrinsics have NEON ones (`mod neon`: `exp_shifted`, `silu_mul`, `gelu_tanh_mul`,
+//! `shadow_row`, `outliers`, on a 4-lane `exp4`), always taken there. What LLVM makes of the
+//! generic functions on aarch64 (read in `--emit asm`, rustc 1.96), so no NEON of ours:
+//! - `quantize` (u8): 8 values a step in `fmul`, `frinta` (round half away from zero, `round`'s
+//!   rule), `fsub`, `fmaxnm`/`fminnm`, `fcvtzs`, `xtn` + `uzp1` to bytes: 23 instructions.
+//! - `quantize_row_i8`: `fdiv` (its bits need the division), `frinta`, the clamp as `fcmgt` +
+//!   `bsl`, NaN to 0 by `fcmeq` + `and`, `fcvtzs`, narrowed: 30 instructions per 8.
+//! - `row_scale_i8`: `fabs` + `fmaxnm` in two vectors (and an `fminnm v, v, v` per vector, LLVM's
+//!   NaN quieting for `max`).
+//! - `dequantize_row`: `scvtf` + `fmul`, 12 instructions per 8.
+//! - `add_rms_norm_rows`: `x += d` and the sums of squares were one loop, which LLVM left
+//!   scalar (`fadd s`, `fmul s` one value at a time); as two passes (same operations, same
+//!   order) they are `fadd .4s` and `fmul` + `fadd .4s` into two vector sums, and the scaling
+//!   `fdiv` + `fmul .4s` (candle's `x / m * w`: the division is kept for its bits). No `fmla`:
+//!   LLVM contracts nothing without fast-math, on aarch64 as on x86.
+//!
+//! f16 <-> f32: the crate converts one value at a time (Q8_0's block scales in `gemv`, the HTP
+//! numerics model's rounding, scales at load), never a bulk row. `half` 2.7 converts with
+//! `fcvt` (one value) and `fcvtl`/`fcvtn` (its slice methods, 4 at a time) on aarch64, but only
+//! when FEAT_FP16 is detected at run time (Armv8.2 cores: Cortex-A55/A75 and later), in
+//! software otherwise, although the conversions themselves are in the aarch64 baseline. No
+//! NEON path of ours is needed.
 
 use std::mem::MaybeUninit;
 
@@ -37,8 +62,8 @@ pub(crate) fn avx2_fma() -> bool {
 }
 
 /// `pub fn $name(..) -> R`, running `$generic` (an `#[inline(always)]` fn) compiled for AVX2 + FMA
-/// where the CPU has them, else as built. LLVM contracts no mul + add into an FMA by itself, so
-/// both copies give the same bits.
+/// where the CPU has them, else as built (on aarch64, as built only: NEON is the baseline).
+/// LLVM contracts no mul + add into an FMA by itself, so both copies give the same bits.
 macro_rules! multiversion {
     ($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $generic:ident;) => {
         $(#[$doc])*
@@ -625,9 +650,11 @@ pub(crate) fn exp(x: f32) -> f32 {
 /// their bodies call the intrinsics as safe functions (a caller outside says why that is sound).
 /// Each is a function of its own, for reading its inner loop in the assembly.
 ///
-/// Where [`super::exp`] multiplies then adds, [`exp4`] fuses the two (an FMA): about 17
-/// instructions a vector instead of 25, and a shorter dependent chain; the values are then
-/// within 2 ulp of libm as `exp`'s are, not `exp`'s bits. The tests hold each kernel to the bits
+/// Where [`super::exp`] multiplies then adds, [`exp4`] fuses the two (one `fmla`/`fmls` for
+/// `fmul` + `fadd`, 8 of them, and a shorter dependent chain); the values are then within 2 ulp
+/// of libm as `exp`'s are, not `exp`'s bits. `fmla` overwrites its addend, so each Horner step
+/// first copies its coefficient (a `mov`): `exp_shifted`'s loop is 114 instructions for 16
+/// values, 28 `fmla`, 8 `fmls` and 22 `mov` among them. The tests hold each kernel to the bits
 /// of a scalar twin that does the same fused steps with `f32::mul_add`, in the same order.
 /// Tails go through a zero-padded block of vectors, so that every value of a row gets the same
 /// arithmetic whatever its position (and whatever block split the rayon pool made).
@@ -923,6 +950,18 @@ mod tests {
         let w: Vec<f32> = (0..n).map(|i| 0.5 + i as f32 * 0.1).collect();
         let mut x = x0.clone();
         let h = add_rms_norm(&mut x, &d, &w, 1e-5);
+        // The same f32 steps one value at a time (8 lanes of sums, the rest after): vectorized
+        // as LLVM likes, the kernel gives their bits.
+        for r in 0..rows {
+            let xs: Vec<f32> = (0..n).map(|i| x0[r * n + i] + d[r * n + i]).collect();
+            let mut sums = [0f32; LANES];
+            (0..n / LANES * LANES).for_each(|i| sums[i % LANES] += xs[i] * xs[i]);
+            let sum = (n / LANES * LANES..n).fold(sums.iter().sum::<f32>(), |s, i| s + xs[i] * xs[i]);
+            let m = (sum / n as f32 + 1e-5).sqrt();
+            for i in 0..n {
+                assert_eq!(h[r * n + i].to_bits(), (xs[i] / m * w[i]).to_bits(), "row {r} col {i}: the scalar steps' bits");
+            }
+        }
         for r in 0..rows {
             let sum: f64 = (0..n).map(|i| ((x0[r * n + i] + d[r * n + i]) as f64).powi(2)).sum();
             let m = (sum / n as f64 + 1e-5).sqrt();
