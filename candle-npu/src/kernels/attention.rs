@@ -17,6 +17,21 @@
 //!
 //! Accumulation is f32 throughout: the GEMMs are the `gemm` crate's f32 kernels, the softmax
 //! numerators [`super::rows::exp_shifted`], the sums f32.
+//!
+//! Kernels per CPU. A prefill tile is two GEMMs (`Q K^T`, then the numerators times V) through
+//! the `gemm` crate, which has kernels of its own for each: AVX2/AVX-512 on x86_64, NEON on
+//! aarch64 (`gemm-f32`'s `microkernel::neon`: up to 16 x 4 outputs a step with
+//! `vfmaq_laneq_f32`, the right-hand side always packed there). Decode's one-position tile
+//! ([`attend_tile_one`]) runs our own `dots` and `weighted_sum`: AVX2 + FMA on x86_64 when
+//! `head_dim` is a multiple of 8, NEON on aarch64 when it is a multiple of 4 (`mod neon`; every
+//! model's is: 64, 128, 256), the plain loops otherwise.
+//!
+//! No fp16 kernel: it would not be free in accuracy. FEAT_FP16's `fmla .8h` rounds every
+//! product and partial sum to 11 bits (relative steps of 2^-11 = 4.9e-4, against f32's 6e-8):
+//! a 512-key sum would miss the tests' 2e-5 by orders of magnitude. FEAT_FHM's `fmlal` (f16
+//! products summed in f32) rounds only its inputs, but the queries, keys and values are f32
+//! here: rounding them to f16 is 2^-12 relative each, again far above 2e-5. The K/V cache would
+//! have to be f16 in the first place, a model-level choice with its own accuracy study.
 
 use std::ops::Range;
 
@@ -222,6 +237,16 @@ fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
         // SAFETY: the CPU has AVX2 and FMA; the sizes are whole vectors (checked above).
         return unsafe { x86::dots(q, keys, hd, s) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if hd.is_multiple_of(4) {
+        // SAFETY: NEON is in the aarch64 baseline; the sizes are whole vectors (checked above).
+        return unsafe { neon::dots(q, keys, hd, s) };
+    }
+    dots_plain(q, keys, hd, s)
+}
+
+/// [`dots`] as plain loops (each product rounded, then summed in order), for any `hd`.
+fn dots_plain(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
     let n = keys.len() / hd;
     for (qr, sr) in q.chunks_exact(hd).zip(s.chunks_exact_mut(n)) {
         for (k, out) in keys.chunks_exact(hd).zip(sr) {
@@ -237,6 +262,16 @@ fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
         // SAFETY: as in `dots`.
         return unsafe { x86::weighted_sum(p, values, hd, out) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if hd.is_multiple_of(4) {
+        // SAFETY: as in `dots`.
+        return unsafe { neon::weighted_sum(p, values, hd, out) };
+    }
+    weighted_sum_plain(p, values, hd, out)
+}
+
+/// [`weighted_sum`] as plain loops (a product rounded, then added, key after key), for any `hd`.
+fn weighted_sum_plain(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
     let n = values.len() / hd;
     for (pr, o) in p.chunks_exact(n).zip(out.chunks_exact_mut(hd)) {
         o.fill(0.0);
@@ -325,6 +360,193 @@ mod x86 {
             for (i, a) in acc.iter().enumerate() {
                 // SAFETY: i < R rows and c + 8 <= hd: within `out` (asserted).
                 unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i * hd + c), *a) };
+            }
+        }
+    }
+}
+
+/// The aarch64 kernels. NEON is in the aarch64 baseline, so they run on every aarch64 CPU, with
+/// no run-time check; `#[target_feature(enable = "neon")]` only lets their bodies call the
+/// intrinsics as safe functions. Each is a function of its own (`neon::dots`,
+/// `neon::weighted_sum`, `neon::strip`), so that its inner loop can be read in the assembly.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+
+    use crate::kernels::arm::hsum4;
+
+    /// [`super::dots`], `hd` a multiple of 4: four keys at a time, so that each query vector
+    /// loaded serves four products, and two accumulators per key (the even and odd vectors of
+    /// the row): eight independent FMA chains, as many as two FMA pipes of latency 4 keep busy.
+    /// The keys are read once, in order (again per row, from L1).
+    ///
+    /// Each product meets at most `ceil(hd / 8) + 3` roundings (its chain, the two accumulators'
+    /// sum, [`hsum4`]'s two levels); the plain loop's first meets `hd + 1`. Four keys' sums are
+    /// reduced together, by three `faddp` of two vectors each, in [`hsum4`]'s order.
+    #[target_feature(enable = "neon")]
+    pub fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
+        let n = keys.len() / hd;
+        let rows = q.len() / hd;
+        assert!(hd.is_multiple_of(4) && keys.len() == n * hd && s.len() >= rows * n, "neon::dots: {} keys of {hd}, {} scores", keys.len(), s.len());
+        let mut j = 0;
+        while j < n {
+            let k = keys[j * hd..].as_ptr();
+            for r in 0..rows {
+                let qr = q[r * hd..][..hd].as_ptr();
+                let out = &mut s[r * n + j..];
+                // SAFETY (each): `qr` starts a row of `hd` values and `k` the rows of the keys
+                // j.. (at least as many as the const count: `n - j` of them); `hd` is a multiple
+                // of 4.
+                unsafe {
+                    match n - j {
+                        1 => out[0] = hsum4(dot_keys::<1>(qr, k, hd)[0]),
+                        2 => out[..2].copy_from_slice(&dot_keys::<2>(qr, k, hd).map(hsum4)),
+                        3 => out[..3].copy_from_slice(&dot_keys::<3>(qr, k, hd).map(hsum4)),
+                        _ => {
+                            // [(a0 + a1) + (a2 + a3), (b0 + b1) + (b2 + b3), ...]: hsum4 of each.
+                            let [a, b, c, d] = dot_keys::<4>(qr, k, hd);
+                            vst1q_f32(out[..4].as_mut_ptr(), vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
+                        }
+                    }
+                }
+            }
+            j += 4;
+        }
+    }
+
+    /// `q . k_i` for the `K` keys of `hd` values from `k` on, as a vector of 4 partial sums each.
+    ///
+    /// # Safety
+    /// `q` points at `hd` values, `k` at `K * hd`, and `hd` is a multiple of 4.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn dot_keys<const K: usize>(q: *const f32, k: *const f32, hd: usize) -> [float32x4_t; K] {
+        let (mut even, mut odd) = ([vdupq_n_f32(0.0); K], [vdupq_n_f32(0.0); K]);
+        let mut c = 0;
+        // SAFETY (both blocks): c + 8 <= hd, or c + 4 <= hd in the last; the caller's sizes.
+        while c + 8 <= hd {
+            unsafe {
+                let (x0, x1) = (vld1q_f32(q.add(c)), vld1q_f32(q.add(c + 4)));
+                for i in 0..K {
+                    even[i] = vfmaq_f32(even[i], x0, vld1q_f32(k.add(i * hd + c)));
+                    odd[i] = vfmaq_f32(odd[i], x1, vld1q_f32(k.add(i * hd + c + 4)));
+                }
+            }
+            c += 8;
+        }
+        if c < hd {
+            unsafe {
+                let x = vld1q_f32(q.add(c));
+                for i in 0..K {
+                    even[i] = vfmaq_f32(even[i], x, vld1q_f32(k.add(i * hd + c)));
+                }
+            }
+        }
+        std::array::from_fn(|i| vaddq_f32(even[i], odd[i]))
+    }
+
+    /// [`super::weighted_sum`], `hd` a multiple of 4: blocks of up to 4 rows by 16 values (4
+    /// vectors) held in registers over every key (16 accumulators, 4 value vectors, 4 weight
+    /// vectors: 24 of the 32 registers). Each step loads the weights of 4 keys per row as one
+    /// vector and multiplies by its lanes (`fmla .4s, v, w.s[l]`): 4 + 16 loads for 64 FMAs.
+    ///
+    /// Every output is `fma(p_j, v_j, acc)` over the keys in order from 0: the bits of the AVX2
+    /// kernel, and of `f32::mul_add` in that order (the tests' twin).
+    #[target_feature(enable = "neon")]
+    pub fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
+        let n = values.len() / hd;
+        let rows = p.len() / n.max(1);
+        assert!(
+            hd.is_multiple_of(4) && values.len() == n * hd && p.len() == rows * n && out.len() >= rows * hd,
+            "neon::weighted_sum: {} weights, {} values of {hd}, {} outputs",
+            p.len(),
+            values.len(),
+            out.len()
+        );
+        for r0 in (0..rows).step_by(4) {
+            let (p, out) = (&p[r0 * n..], &mut out[r0 * hd..]);
+            // SAFETY (each): `rows - r0` rows of `n` weights and `hd` outputs from `p` and `out`
+            // (asserted), `values` `n` rows of `hd`, `hd` a multiple of 4.
+            unsafe {
+                match rows - r0 {
+                    1 => strip::<1>(p, values, hd, n, out),
+                    2 => strip::<2>(p, values, hd, n, out),
+                    3 => strip::<3>(p, values, hd, n, out),
+                    _ => strip::<4>(p, values, hd, n, out),
+                }
+            }
+        }
+    }
+
+    /// `R` rows of [`weighted_sum`] (`p` and `out` start at the first), 16 values at a time and
+    /// the last 4, 8 or 12 one vector at a time.
+    ///
+    /// # Safety
+    /// `p` holds `R` rows of `n` weights, `out` `R` rows of `hd`, `values` `n` rows of `hd`, and
+    /// `hd` is a multiple of 4.
+    #[target_feature(enable = "neon")]
+    #[inline(never)]
+    unsafe fn strip<const R: usize>(p: &[f32], values: &[f32], hd: usize, n: usize, out: &mut [f32]) {
+        let (p, v, o) = (p.as_ptr(), values.as_ptr(), out.as_mut_ptr());
+        let mut c = 0;
+        while c + 16 <= hd {
+            // SAFETY: c + 16 <= hd; the caller's sizes.
+            unsafe { columns::<R, 4>(p, v, hd, n, o.add(c), c) };
+            c += 16;
+        }
+        while c < hd {
+            // SAFETY: c + 4 <= hd (a multiple of 4); the caller's sizes.
+            unsafe { columns::<R, 1>(p, v, hd, n, o.add(c), c) };
+            c += 4;
+        }
+    }
+
+    /// The `C` vectors of outputs at column `c` of `R` rows (`o` points at row 0's).
+    ///
+    /// # Safety
+    /// As [`strip`], and `c + 4 C <= hd`.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn columns<const R: usize, const C: usize>(p: *const f32, v: *const f32, hd: usize, n: usize, o: *mut f32, c: usize) {
+        let mut acc = [[vdupq_n_f32(0.0); C]; R];
+        let mut j = 0;
+        // SAFETY (each block): keys j..j + 4 (or j) < n, rows i < R, columns c..c + 4C <= hd.
+        while j + 4 <= n {
+            unsafe {
+                let w: [float32x4_t; R] = std::array::from_fn(|i| vld1q_f32(p.add(i * n + j)));
+                macro_rules! key {
+                    ($l:literal) => {
+                        let x: [float32x4_t; C] = std::array::from_fn(|k| vld1q_f32(v.add((j + $l) * hd + c + 4 * k)));
+                        for i in 0..R {
+                            for k in 0..C {
+                                acc[i][k] = vfmaq_laneq_f32::<$l>(acc[i][k], x[k], w[i]);
+                            }
+                        }
+                    };
+                }
+                key!(0);
+                key!(1);
+                key!(2);
+                key!(3);
+            }
+            j += 4;
+        }
+        while j < n {
+            unsafe {
+                let x: [float32x4_t; C] = std::array::from_fn(|k| vld1q_f32(v.add(j * hd + c + 4 * k)));
+                for i in 0..R {
+                    let w = *p.add(i * n + j);
+                    for k in 0..C {
+                        acc[i][k] = vfmaq_n_f32(acc[i][k], x[k], w);
+                    }
+                }
+            }
+            j += 1;
+        }
+        for i in 0..R {
+            for k in 0..C {
+                // SAFETY: row i < R, columns c + 4k + 4 <= hd: within `out`.
+                unsafe { vst1q_f32(o.add(i * hd + 4 * k), acc[i][k]) };
             }
         }
     }
@@ -524,6 +746,88 @@ mod tests {
                     let (x, y) = (a[r * hd + d], b[r * hd + d]);
                     assert!((x as f64 - want[d]).abs() < 2e-5, "hd {hd} rows {rows} row {r} dim {d}: {x} vs {}", want[d]);
                     assert!((x - y).abs() < 2e-5, "hd {hd} row {r} dim {d}: {x} vs the GEMM tile's {y}");
+                }
+            }
+        }
+    }
+
+
+    /// `gamma_d = d u / (1 - d u)`: the relative bound of `d` roundings (`u = 2^-24`).
+    fn gamma(d: usize) -> f64 {
+        let du = d as f64 * f32::EPSILON as f64 / 2.0;
+        du / (1.0 - du)
+    }
+
+    /// The shapes of the kernel tests: (head_dim, rows, keys), head dims around the vector
+    /// widths (4, 8, 16 values) and the models' (64, 128, 256), rows across the blocks in
+    /// registers (4 on NEON, 8 on AVX2), keys across 4-key steps.
+    const SHAPES: [(usize, usize, usize); 9] = [(4, 1, 1), (4, 3, 5), (8, 2, 7), (12, 5, 9), (20, 9, 4), (64, 3, 37), (128, 8, 13), (256, 2, 6), (64, 4, 512)];
+
+    /// Every path's `dots` against f64: a scalar product computed with `d` roundings at most
+    /// per term is within `gamma_d * sum |q_i k_i|` of the exact one, `d` per path: the plain
+    /// loop's `hd + 1` (a product, then `hd` additions), AVX2's `hd / 8 + 3` (its lane's FMAs,
+    /// `hsum8`'s three levels), NEON's `ceil(hd / 8) + 3` (its chain's FMAs, the two chains' sum,
+    /// `hsum4`'s two levels). The f64 reference's own error (products exact, 1e-16 relative
+    /// sums) is far below.
+    #[test]
+    fn dots_are_within_their_rounding_bound_on_every_path() {
+        type Kernel = fn(&[f32], &[f32], usize, &mut [f32]);
+        // (name, kernel, whether it takes a head_dim, its roundings per term)
+        type Path = (&'static str, Kernel, fn(usize) -> bool, fn(usize) -> usize);
+        let paths: &[Option<Path>] = &[
+            Some(("plain", dots_plain, |_| true, |hd| hd + 1)),
+            #[cfg(target_arch = "x86_64")]
+            super::super::rows::avx2_fma().then_some(("avx2", |q, k, hd, s| unsafe { x86::dots(q, k, hd, s) }, |hd| hd % 8 == 0, |hd| hd / 8 + 3)),
+            #[cfg(target_arch = "aarch64")]
+            Some(("neon", |q, k, hd, s| unsafe { neon::dots(q, k, hd, s) }, |hd| hd % 4 == 0, |hd| hd.div_ceil(8) + 3)),
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+        for (hd, rows, n) in SHAPES {
+            let (q, keys) = (random(&mut rng, rows * hd, 3.0), random(&mut rng, n * hd, 3.0));
+            for &(name, kernel, _, roundings) in paths.iter().flatten().filter(|p| p.2(hd)) {
+                let mut s = vec![f32::NAN; rows * n];
+                kernel(&q, &keys, hd, &mut s);
+                for (r, j) in (0..rows).flat_map(|r| (0..n).map(move |j| (r, j))) {
+                    let terms = (0..hd).map(|d| q[r * hd + d] as f64 * keys[j * hd + d] as f64);
+                    let (exact, abs) = terms.fold((0.0, 0.0), |(e, a), t| (e + t, a + t.abs()));
+                    let got = s[r * n + j] as f64;
+                    assert!((got - exact).abs() <= (gamma(roundings(hd)) + 1e-12) * abs, "{name} hd {hd} row {r} key {j}: {got} vs {exact}");
+                }
+            }
+        }
+    }
+
+    /// `weighted_sum`'s vector kernels compute every output as `fma(p_j, v_j, acc)` over the keys
+    /// in order from 0: the bits of `f32::mul_add` in that order. The plain loop (a product, then
+    /// an addition, per key) is within `gamma_(n + 1) * sum_j |p_j v_j|` of the exact sum.
+    #[test]
+    fn weighted_sums_are_fmas_in_key_order_on_the_vector_paths() {
+        type Kernel = fn(&[f32], &[f32], usize, &mut [f32]);
+        let vector: &[Option<(&str, Kernel, fn(usize) -> bool)>] = &[
+            #[cfg(target_arch = "x86_64")]
+            super::super::rows::avx2_fma().then_some(("avx2", |p, v, hd, o| unsafe { x86::weighted_sum(p, v, hd, o) }, |hd| hd % 8 == 0)),
+            #[cfg(target_arch = "aarch64")]
+            Some(("neon", |p, v, hd, o| unsafe { neon::weighted_sum(p, v, hd, o) }, |hd| hd % 4 == 0)),
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(19);
+        for (hd, rows, n) in SHAPES {
+            // Softmax numerators are in [0, 1]; negative weights too, for the bound's sake.
+            let (p, values) = (random(&mut rng, rows * n, 1.0), random(&mut rng, n * hd, 2.0));
+            let mut out = vec![f32::NAN; rows * hd];
+            weighted_sum_plain(&p, &values, hd, &mut out);
+            for (r, c) in (0..rows).flat_map(|r| (0..hd).map(move |c| (r, c))) {
+                let terms = (0..n).map(|j| p[r * n + j] as f64 * values[j * hd + c] as f64);
+                let (exact, abs) = terms.fold((0.0, 0.0), |(e, a), t| (e + t, a + t.abs()));
+                let got = out[r * hd + c] as f64;
+                assert!((got - exact).abs() <= (gamma(n + 1) + 1e-12) * abs, "plain hd {hd} row {r} value {c}: {got} vs {exact}");
+            }
+            for &(name, kernel, _) in vector.iter().flatten().filter(|p| p.2(hd)) {
+                let mut out = vec![f32::NAN; rows * hd];
+                kernel(&p, &values, hd, &mut out);
+                for (r, c) in (0..rows).flat_map(|r| (0..hd).map(move |c| (r, c))) {
+                    let want = (0..n).fold(0f32, |acc, j| p[r * n + j].mul_add(values[j * hd + c], acc));
+                    let got = out[r * hd + c];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{name} hd {hd} rows {rows} keys {n} row {r} value {c}: {got} vs {want}");
                 }
             }
         }

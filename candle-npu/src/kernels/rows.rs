@@ -10,6 +10,31 @@
 //! max and sum do not reassociate otherwise), and `exp` is a polynomial the vectorizer can inline:
 //! libm's `expf` is a call per element, and a softmax over a 1024-token prompt's scores takes 4.7
 //! million of them per layer (SmolLM2).
+//!
+//! On aarch64 (a phone's CPU runs every row kernel), NEON is in the baseline: the plain code is
+//! compiled once, already with 128-bit vectors, and `multiversion!` adds no copy. The functions
+//! with AVX2 intrinsics have NEON ones (`mod neon`: `exp_shifted`, `silu_mul`, `gelu_tanh_mul`,
+//! `shadow_row`, `outliers`, on a 4-lane `exp4`), always taken there. What LLVM makes of the
+//! generic functions on aarch64 (read in `--emit asm`, rustc 1.96), so no NEON of ours:
+//! - `quantize` (u8): 8 values a step in `fmul`, `frinta` (round half away from zero, `round`'s
+//!   rule), `fsub`, `fmaxnm`/`fminnm`, `fcvtzs`, `xtn` + `uzp1` to bytes: 23 instructions.
+//! - `quantize_row_i8`: `fdiv` (its bits need the division), `frinta`, the clamp as `fcmgt` +
+//!   `bsl`, NaN to 0 by `fcmeq` + `and`, `fcvtzs`, narrowed: 30 instructions per 8.
+//! - `row_scale_i8`: `fabs` + `fmaxnm` in two vectors (and an `fminnm v, v, v` per vector, LLVM's
+//!   NaN quieting for `max`).
+//! - `dequantize_row`: `scvtf` + `fmul`, 12 instructions per 8.
+//! - `add_rms_norm_rows`: `x += d` and the sums of squares were one loop, which LLVM left
+//!   scalar (`fadd s`, `fmul s` one value at a time); as two passes (same operations, same
+//!   order) they are `fadd .4s` and `fmul` + `fadd .4s` into two vector sums, and the scaling
+//!   `fdiv` + `fmul .4s` (candle's `x / m * w`: the division is kept for its bits). No `fmla`:
+//!   LLVM contracts nothing without fast-math, on aarch64 as on x86.
+//!
+//! f16 <-> f32: the crate converts one value at a time (Q8_0's block scales in `gemv`, the HTP
+//! numerics model's rounding, scales at load), never a bulk row. `half` 2.7 converts with
+//! `fcvt` (one value) and `fcvtl`/`fcvtn` (its slice methods, 4 at a time) on aarch64, but only
+//! when FEAT_FP16 is detected at run time (Armv8.2 cores: Cortex-A55/A75 and later), in
+//! software otherwise, although the conversions themselves are in the aarch64 baseline. No
+//! NEON path of ours is needed.
 
 use std::mem::MaybeUninit;
 
@@ -37,8 +62,8 @@ pub(crate) fn avx2_fma() -> bool {
 }
 
 /// `pub fn $name(..) -> R`, running `$generic` (an `#[inline(always)]` fn) compiled for AVX2 + FMA
-/// where the CPU has them, else as built. LLVM contracts no mul + add into an FMA by itself, so
-/// both copies give the same bits.
+/// where the CPU has them, else as built (on aarch64, as built only: NEON is the baseline).
+/// LLVM contracts no mul + add into an FMA by itself, so both copies give the same bits.
 macro_rules! multiversion {
     ($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $generic:ident;) => {
         $(#[$doc])*
@@ -78,14 +103,21 @@ pub fn row_max(row: &[f32]) -> f32 {
 /// (every exponent <= 0): softmax numerators against a maximum the caller chose, as attention's
 /// running softmax needs (a block of keys is shifted by the largest score seen so far).
 ///
-/// AVX2 + FMA has intrinsics of its own (`exp_shifted_avx2`); elsewhere the plain loop, as
-/// built. The two differ by the FMAs' rounding (a few ulps).
+/// AVX2 + FMA (`exp_shifted_avx2`) and aarch64 (`neon::exp_shifted`) have intrinsics of their
+/// own; elsewhere the plain loop, as built. They differ from it by the FMAs' rounding (a few
+/// ulps).
 pub fn exp_shifted(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA.
         return unsafe { exp_shifted_avx2(row, scale, shift) };
     }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: NEON is in the aarch64 baseline.
+    unsafe {
+        neon::exp_shifted(row, scale, shift)
+    }
+    #[cfg(not(target_arch = "aarch64"))]
     exp_shifted_plain(row, scale, shift)
 }
 
@@ -275,18 +307,19 @@ fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut
     let n = w.len();
     assert!(out.len() == x.len() && x.len().is_multiple_of(n), "add_rms_norm: rows of {n} into {} of {} values", out.len(), x.len());
     for (row, (x, d)) in out.chunks_exact_mut(n).zip(x.chunks_exact_mut(n).zip(d.chunks_exact(n))) {
+        // Two passes over the row (in L1): as one, `x += d` and the sums of squares were left
+        // scalar by LLVM on aarch64 (`fadd s`, `fmul s`); apart, each is vectorized.
+        x.iter_mut().zip(d).for_each(|(x, &d)| *x += d);
         let mut sums = [0f32; LANES];
-        let (mut xc, mut dc) = (x.chunks_exact_mut(LANES), d.chunks_exact(LANES));
-        for (x, d) in (&mut xc).zip(&mut dc) {
-            for ((x, &d), s) in x.iter_mut().zip(d).zip(&mut sums) {
-                *x += d;
-                *s += *x * *x;
+        let mut xc = x.chunks_exact(LANES);
+        for x in &mut xc {
+            for (&x, s) in x.iter().zip(&mut sums) {
+                *s += x * x;
             }
         }
         let mut sum: f32 = sums.iter().sum();
-        for (x, &d) in xc.into_remainder().iter_mut().zip(dc.remainder()) {
-            *x += d;
-            sum += *x * *x;
+        for &x in xc.remainder() {
+            sum += x * x;
         }
         let m = (sum / n as f32 + eps).sqrt();
         for ((o, &x), &w) in row.iter_mut().zip(x.iter()).zip(w) {
@@ -299,16 +332,20 @@ fn add_rms_norm_generic(x: &mut [f32], d: &[f32], w: &[f32], eps: f32, out: &mut
 /// times their channels' INT8 weight columns `q_j` (`terms`), scaled once by the row scales `s`.
 /// The terms are summed in blocks of 64 outputs held in registers, so `y` and `s` are read once
 /// per row rather than once per outlier (an axpy per outlier moved 9 bytes per multiply-add).
-/// AVX2 + FMA has intrinsics of its own; the paths differ by the FMAs' rounding.
+/// AVX2 + FMA (whole blocks of 64) and aarch64 (`neon::shadow_row`, every output) have
+/// intrinsics of their own; the paths differ by the FMAs' rounding.
 pub fn shadow_row(y: &mut [f32], terms: &[(f32, &[i8])], s: &[f32]) {
     let n = y.len();
     assert!(s.len() == n && terms.iter().all(|(_, q)| q.len() == n), "shadow row of {n} outputs, {} scales, columns of another length", s.len());
-    let mut done = 0;
+    // The outputs a vector kernel did; the plain loop does the rest.
     #[cfg(target_arch = "x86_64")]
-    if avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA; the lengths are checked above.
-        done = unsafe { shadow_row_avx2(y, terms, s) };
-    }
+    // SAFETY: the CPU has AVX2 and FMA; the lengths are checked above.
+    let done = if avx2_fma() { unsafe { shadow_row_avx2(y, terms, s) } } else { 0 };
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: NEON is in the aarch64 baseline.
+    let done = unsafe { neon::shadow_row(y, terms, s) };
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let done = 0;
     for i in done..n {
         let acc: f32 = terms.iter().map(|&(a, q)| a * q[i] as f32).sum();
         y[i] += acc * s[i];
@@ -347,13 +384,20 @@ unsafe fn shadow_row_avx2(y: &mut [f32], terms: &[(f32, &[i8])], s: &[f32]) -> u
 /// Appends the values of `row` outside `[lo, hi]` (NaN included): their indexes to `at` and
 /// their remainders `v - clamp(v, lo, hi)` to `rest`. Outliers are rare but not so rare that
 /// a 16-value block is usually free of them: AVX2 tests 8 values per compare and visits only the
-/// lanes outside (`movemask`), where a scalar test per value was 3% of a prefill's time.
+/// lanes outside (`movemask`), where a scalar test per value was 3% of a prefill's time; aarch64
+/// tests 16 values per step (`neon::outliers`).
 pub fn outliers_into(row: &[f32], lo: f32, hi: f32, at: &mut Vec<u32>, rest: &mut Vec<f32>) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2.
         return unsafe { outliers_avx2(row, lo, hi, at, rest) };
     }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: NEON is in the aarch64 baseline.
+    unsafe {
+        neon::outliers(row, lo, hi, at, rest)
+    }
+    #[cfg(not(target_arch = "aarch64"))]
     outliers_scalar(row, 0, lo, hi, at, rest)
 }
 
@@ -415,8 +459,8 @@ pub fn gelu_tanh_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
     par_collect(gate.len(), block_len(gate.len()), |at, out| gelu_tanh_mul_into(&gate[at..], &up[at..], out))
 }
 
-/// [`silu_mul`] of one block: AVX2 + FMA intrinsics ([`exp8`]) where the CPU has them, else the
-/// plain loop as built.
+/// [`silu_mul`] of one block: AVX2 + FMA intrinsics (`exp8`) where the CPU has them, NEON
+/// (`neon::silu_mul`) on aarch64, else the plain loop as built.
 fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
@@ -433,10 +477,17 @@ fn silu_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usiz
         // SAFETY: the CPU has AVX2 and FMA.
         return unsafe { wide(gate, up, out) };
     }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: NEON is in the aarch64 baseline.
+    unsafe {
+        neon::silu_mul(gate, up, out)
+    }
+    #[cfg(not(target_arch = "aarch64"))]
     map2(gate, up, out, silu)
 }
 
 /// `silu(g) * u` of one value (the plain loop's, and the AVX2 loop's tail).
+#[cfg_attr(target_arch = "aarch64", allow(dead_code, reason = "aarch64 runs `neon`'s; its tests compare with this"))]
 #[inline(always)]
 fn silu(g: f32, u: f32) -> f32 {
     g / (1.0 + exp(-g)) * u
@@ -446,6 +497,7 @@ fn silu(g: f32, u: f32) -> f32 {
 const GELU_S: f32 = 0.797_884_6;
 
 /// `gelu_tanh(x) * u` of one value.
+#[cfg_attr(target_arch = "aarch64", allow(dead_code, reason = "aarch64 runs `neon`'s; its tests compare with this"))]
 #[inline(always)]
 fn gelu(x: f32, u: f32) -> f32 {
     (x - x / (exp(2.0 * GELU_S * (x + 0.044_715 * x * x * x)) + 1.0)) * u
@@ -468,6 +520,12 @@ fn gelu_tanh_mul_into(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) ->
         // SAFETY: the CPU has AVX2 and FMA.
         return unsafe { wide(gate, up, out) };
     }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: NEON is in the aarch64 baseline.
+    unsafe {
+        neon::gelu_tanh_mul(gate, up, out)
+    }
+    #[cfg(not(target_arch = "aarch64"))]
     map2(gate, up, out, gelu)
 }
 
@@ -526,6 +584,7 @@ fn quantize(values: &[f32], inv_scale: f32, offset: f32, out: &mut [MaybeUninit<
     })
 }
 
+#[cfg_attr(target_arch = "aarch64", allow(dead_code, reason = "aarch64 runs `neon`'s; its tests compare with this"))]
 #[inline(always)]
 fn exp_shifted_plain(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     // shift >= scale * max: every exponent is <= 0.
@@ -586,14 +645,230 @@ pub(crate) fn exp(x: f32) -> f32 {
     e * f32::from_bits((n + 8_388_735.0).to_bits().wrapping_shl(23))
 }
 
+/// The aarch64 kernels of this module's hot rows. NEON is in the aarch64 baseline, so they run on
+/// every aarch64 CPU with no run-time check; `#[target_feature(enable = "neon")]` only lets
+/// their bodies call the intrinsics as safe functions (a caller outside says why that is sound).
+/// Each is a function of its own, for reading its inner loop in the assembly.
+///
+/// Where [`super::exp`] multiplies then adds, [`exp4`] fuses the two (one `fmla`/`fmls` for
+/// `fmul` + `fadd`, 8 of them, and a shorter dependent chain); the values are then within 2 ulp
+/// of libm as `exp`'s are, not `exp`'s bits. `fmla` overwrites its addend, so each Horner step
+/// first copies its coefficient (a `mov`): `exp_shifted`'s loop is 114 instructions for 16
+/// values, 28 `fmla`, 8 `fmls` and 22 `mov` among them. The tests hold each kernel to the bits
+/// of a scalar twin that does the same fused steps with `f32::mul_add`, in the same order.
+/// Tails go through a zero-padded block of vectors, so that every value of a row gets the same
+/// arithmetic whatever its position (and whatever block split the rayon pool made).
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+    use std::mem::MaybeUninit;
+
+    use super::GELU_S;
+    use crate::kernels::arm::hsum4;
+
+    /// [`super::exp`] of 4 lanes with its multiply-adds fused, clamped to `[-87, 88]` as it is;
+    /// NaN goes through (`fmax`/`fmin` return NaN when an operand is). Steps: `n` rounded to
+    /// nearest-even (`frintn`, what `exp`'s `1.5 * 2^23` trick computes), `r = x - n ln2` in two
+    /// fused parts, Cephes' polynomial by Horner in FMAs, `2^n` from the integer `n + 127`
+    /// shifted into the exponent field.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    pub fn exp4(x: float32x4_t) -> float32x4_t {
+        let x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.0)), vdupq_n_f32(88.0));
+        let n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(std::f32::consts::LOG2_E)));
+        let r = vfmsq_f32(x, n, vdupq_n_f32(0.693_359_4));
+        let r = vfmsq_f32(r, n, vdupq_n_f32(-2.121_944_4e-4));
+        let mut p = vdupq_n_f32(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            p = vfmaq_f32(vdupq_n_f32(c), p, r);
+        }
+        let e = vaddq_f32(vfmaq_f32(r, p, vmulq_f32(r, r)), vdupq_n_f32(1.0));
+        // n is an integer in [-126, 127] (NaN converts to 0): n + 127 is a normal exponent.
+        let two_n = vshlq_n_s32::<23>(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)));
+        vmulq_f32(e, vreinterpretq_f32_s32(two_n))
+    }
+
+    /// [`super::exp_shifted`]: `e^(fma(v, scale, -shift))` by [`exp4`], 16 values a step (four
+    /// independent chains: one `exp4` alone is bound by its latency), in four sums. Each
+    /// numerator meets at most `len / 16 + 16` additions (its lane's, the four sums' and the
+    /// lanes' two levels each, the tail's 15 and 1).
+    #[target_feature(enable = "neon")]
+    pub fn exp_shifted(row: &mut [f32], scale: f32, shift: f32) -> f32 {
+        let (vscale, vnshift) = (vdupq_n_f32(scale), vdupq_n_f32(-shift));
+        let numerator = |v: float32x4_t| exp4(vfmaq_f32(vnshift, v, vscale));
+        let mut s = [vdupq_n_f32(0.0); 4];
+        let mut blocks = row.chunks_exact_mut(16);
+        for c in &mut blocks {
+            let p = c.as_mut_ptr();
+            for (i, s) in s.iter_mut().enumerate() {
+                // SAFETY: `c` is 16 values.
+                unsafe {
+                    let e = numerator(vld1q_f32(p.add(4 * i)));
+                    vst1q_f32(p.add(4 * i), e);
+                    *s = vaddq_f32(*s, e);
+                }
+            }
+        }
+        // The tail (< 16 values) through a zero-padded block; its padding is not summed.
+        let tail = blocks.into_remainder();
+        let mut sum = 0.0;
+        if !tail.is_empty() {
+            let mut block = [0f32; 16];
+            block[..tail.len()].copy_from_slice(tail);
+            for i in 0..4 {
+                // SAFETY: `block` is 16 values.
+                unsafe { vst1q_f32(block.as_mut_ptr().add(4 * i), numerator(vld1q_f32(block.as_ptr().add(4 * i)))) };
+            }
+            tail.copy_from_slice(&block[..tail.len()]);
+            sum = tail.iter().sum();
+        }
+        sum + hsum4(vaddq_f32(vaddq_f32(s[0], s[1]), vaddq_f32(s[2], s[3])))
+    }
+
+    /// `out[i] = f4(a[i], b[i])` for every i of `out`, 16 values a step (four independent
+    /// chains), the tail through a zero-padded block.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    fn map2(a: &[f32], b: &[f32], out: &mut [MaybeUninit<f32>], f4: impl Fn(float32x4_t, float32x4_t) -> float32x4_t) -> usize {
+        let n = out.len();
+        assert!(a.len() >= n && b.len() >= n, "map2 of {n} values over {} and {}", a.len(), b.len());
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: 16 values at i < n <= a.len(), b.len(), out.len(); MaybeUninit<f32> is an f32.
+            unsafe {
+                let (pa, pb, po) = (a.as_ptr().add(i), b.as_ptr().add(i), out.as_mut_ptr().add(i).cast::<f32>());
+                for k in 0..4 {
+                    vst1q_f32(po.add(4 * k), f4(vld1q_f32(pa.add(4 * k)), vld1q_f32(pb.add(4 * k))));
+                }
+            }
+            i += 16;
+        }
+        if i < n {
+            let (mut ta, mut tb) = ([0f32; 16], [0f32; 16]);
+            ta[..n - i].copy_from_slice(&a[i..n]);
+            tb[..n - i].copy_from_slice(&b[i..n]);
+            for k in 0..4 {
+                // SAFETY: `ta` and `tb` are 16 values.
+                unsafe { vst1q_f32(ta.as_mut_ptr().add(4 * k), f4(vld1q_f32(ta.as_ptr().add(4 * k)), vld1q_f32(tb.as_ptr().add(4 * k)))) };
+            }
+            for (o, &y) in out[i..].iter_mut().zip(&ta) {
+                o.write(y);
+            }
+        }
+        n
+    }
+
+    /// [`super::silu_mul`] of one block: `g / (1 + e^-g) * u`, [`exp4`] clamping `-g` at 88.
+    #[target_feature(enable = "neon")]
+    pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
+        let one = vdupq_n_f32(1.0);
+        map2(gate, up, out, |g, u| vmulq_f32(vdivq_f32(g, vaddq_f32(one, exp4(vnegq_f32(g)))), u))
+    }
+
+    /// [`super::gelu_tanh_mul`] of one block: `(x - x / (e^(2y) + 1)) * u`, with
+    /// `2y = 2 sqrt(2 / pi) fma(0.044715 x, x * x, x)` (the AVX2 kernel's steps).
+    #[target_feature(enable = "neon")]
+    pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
+        let (one, c, s2) = (vdupq_n_f32(1.0), vdupq_n_f32(0.044_715), vdupq_n_f32(2.0 * GELU_S));
+        map2(gate, up, out, |x, u| {
+            let y = vmulq_f32(s2, vfmaq_f32(x, vmulq_f32(c, x), vmulq_f32(x, x)));
+            vmulq_f32(vsubq_f32(x, vdivq_f32(x, vaddq_f32(exp4(y), one))), u)
+        })
+    }
+
+    /// [`super::shadow_row`] of every output: blocks of 64 outputs (16 accumulators), then of 16,
+    /// then one at a time, each `acc = fma(a_j, q_j, acc)` over the terms in order and
+    /// `y = fma(acc, s, y)` (the same steps for every output). Returns `y.len()`.
+    #[target_feature(enable = "neon")]
+    pub fn shadow_row(y: &mut [f32], terms: &[(f32, &[i8])], s: &[f32]) -> usize {
+        let n = y.len();
+        assert!(s.len() >= n && terms.iter().all(|(_, q)| q.len() >= n), "neon::shadow_row: {n} outputs, {} scales", s.len());
+        let mut at = 0;
+        while at + 64 <= n {
+            // SAFETY: 64 outputs at `at`, within `y`, `s` and every column (asserted).
+            unsafe { shadow_block::<16>(y, terms, s, at) };
+            at += 64;
+        }
+        while at + 16 <= n {
+            // SAFETY: as above, 16 outputs.
+            unsafe { shadow_block::<4>(y, terms, s, at) };
+            at += 16;
+        }
+        for i in at..n {
+            let acc = terms.iter().fold(0f32, |acc, &(a, q)| a.mul_add(q[i] as f32, acc));
+            y[i] = acc.mul_add(s[i], y[i]);
+        }
+        n
+    }
+
+    /// `V` vectors of [`shadow_row`]'s outputs from `at` (`V` a multiple of 4: whole 16-byte
+    /// loads of the columns, widened i8 -> i16 -> i32 -> f32, all exact).
+    ///
+    /// # Safety
+    /// `y`, `s` and every column hold `at + 4 V` values.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    unsafe fn shadow_block<const V: usize>(y: &mut [f32], terms: &[(f32, &[i8])], s: &[f32], at: usize) {
+        let mut acc = [vdupq_n_f32(0.0); V];
+        for &(a, q) in terms {
+            for g in 0..V / 4 {
+                // SAFETY: 16 bytes at at + 16g < at + 4V (the caller's sizes).
+                let b = unsafe { vld1q_s8(q.as_ptr().add(at + 16 * g)) };
+                let (lo, hi) = (vmovl_s8(vget_low_s8(b)), vmovl_high_s8(b));
+                let w = [vmovl_s16(vget_low_s16(lo)), vmovl_high_s16(lo), vmovl_s16(vget_low_s16(hi)), vmovl_high_s16(hi)];
+                for (k, w) in w.into_iter().enumerate() {
+                    acc[4 * g + k] = vfmaq_n_f32(acc[4 * g + k], vcvtq_f32_s32(w), a);
+                }
+            }
+        }
+        for (v, acc) in acc.into_iter().enumerate() {
+            // SAFETY: 4 values at at + 4v < at + 4V (the caller's sizes).
+            unsafe {
+                let yv = y.as_mut_ptr().add(at + 4 * v);
+                vst1q_f32(yv, vfmaq_f32(vld1q_f32(yv), acc, vld1q_f32(s.as_ptr().add(at + 4 * v))));
+            }
+        }
+    }
+
+    /// [`super::outliers_into`]: 16 values a step, their 16 in-range tests narrowed to bytes and
+    /// then to 4 bits each (`shrn`, NEON's stand-in for `movemask`), so that a block without
+    /// outliers costs one compare of a u64 and only the lanes outside are visited. Ordered
+    /// compares: NaN is inside neither bound, so it is an outlier.
+    #[target_feature(enable = "neon")]
+    pub fn outliers(row: &[f32], lo: f32, hi: f32, at: &mut Vec<u32>, rest: &mut Vec<f32>) {
+        let (vlo, vhi) = (vdupq_n_f32(lo), vdupq_n_f32(hi));
+        let blocks = row.chunks_exact(16);
+        let tail = blocks.remainder();
+        for (b, block) in blocks.enumerate() {
+            let inside = |i: usize| {
+                // SAFETY: `block` is 16 values, i < 4.
+                let v = unsafe { vld1q_f32(block.as_ptr().add(4 * i)) };
+                vandq_u32(vcgeq_f32(v, vlo), vcleq_f32(v, vhi))
+            };
+            let (m01, m23) = (vcombine_u16(vmovn_u32(inside(0)), vmovn_u32(inside(1))), vcombine_u16(vmovn_u32(inside(2)), vmovn_u32(inside(3))));
+            let bytes = vcombine_u8(vmovn_u16(m01), vmovn_u16(m23));
+            // Nibble i of `nibbles` is byte i's (each byte is 0 or 0xff).
+            let nibbles = vget_lane_u64::<0>(vreinterpret_u64_u8(vshrn_n_u16::<4>(vreinterpretq_u16_u8(bytes))));
+            let mut outside = !nibbles;
+            while outside != 0 {
+                let i = outside.trailing_zeros() as usize / 4;
+                at.push((b * 16 + i) as u32);
+                rest.push(block[i] - block[i].clamp(lo, hi));
+                outside &= !(0xf_u64 << (4 * i));
+            }
+        }
+        super::outliers_scalar(tail, row.len() - tail.len(), lo, hi, at, rest)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn outliers_are_the_values_outside_the_range_on_every_path() {
-        // Lanes inside, on the bounds, beyond them, NaN and infinities, across 8-lane blocks and
-        // a tail.
+        // Lanes inside, on the bounds, beyond them, NaN and infinities, across 8- and 16-lane
+        // blocks and a tail.
         let specials = [0.0, -1.5, 2.0, -1.5001, 2.0001, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -0.0];
         let row: Vec<f32> = (0..77).map(|i| if i % 3 == 0 { specials[i / 3 % specials.len()] } else { (i as f32 * 0.37).sin() * 2.2 }).collect();
         let (lo, hi) = (-1.5, 2.0);
@@ -601,12 +876,14 @@ mod tests {
             row.iter().enumerate().map(|(i, &v)| (i as u32, v - v.clamp(lo, hi))).filter(|&(_, r)| r != 0.0 || r.is_nan()).collect();
         assert!(want.len() > 10 && want.iter().any(|(_, r)| r.is_nan()), "the test must exercise outliers and NaN");
         type Scan = fn(&[f32], f32, f32, &mut Vec<u32>, &mut Vec<f32>);
-        let mut paths: Vec<(&str, Scan)> = vec![("scalar", |r, lo, hi, a, v| outliers_scalar(r, 0, lo, hi, a, v))];
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            paths.push(("avx2", |r, lo, hi, a, v| unsafe { outliers_avx2(r, lo, hi, a, v) }));
-        }
-        for (name, f) in paths {
+        let paths: &[Option<(&str, Scan)>] = &[
+            Some(("scalar", |r, lo, hi, a, v| outliers_scalar(r, 0, lo, hi, a, v))),
+            #[cfg(target_arch = "x86_64")]
+            std::arch::is_x86_feature_detected!("avx2").then_some(("avx2", |r, lo, hi, a, v| unsafe { outliers_avx2(r, lo, hi, a, v) })),
+            #[cfg(target_arch = "aarch64")]
+            Some(("neon", |r, lo, hi, a, v| unsafe { neon::outliers(r, lo, hi, a, v) })),
+        ];
+        for &(name, f) in paths.iter().flatten() {
             let (mut at, mut rest) = (vec![], vec![]);
             f(&row, lo, hi, &mut at, &mut rest);
             let got: Vec<(u32, f32)> = at.into_iter().zip(rest).collect();
@@ -673,6 +950,18 @@ mod tests {
         let w: Vec<f32> = (0..n).map(|i| 0.5 + i as f32 * 0.1).collect();
         let mut x = x0.clone();
         let h = add_rms_norm(&mut x, &d, &w, 1e-5);
+        // The same f32 steps one value at a time (8 lanes of sums, the rest after): vectorized
+        // as LLVM likes, the kernel gives their bits.
+        for r in 0..rows {
+            let xs: Vec<f32> = (0..n).map(|i| x0[r * n + i] + d[r * n + i]).collect();
+            let mut sums = [0f32; LANES];
+            (0..n / LANES * LANES).for_each(|i| sums[i % LANES] += xs[i] * xs[i]);
+            let sum = (n / LANES * LANES..n).fold(sums.iter().sum::<f32>(), |s, i| s + xs[i] * xs[i]);
+            let m = (sum / n as f32 + 1e-5).sqrt();
+            for i in 0..n {
+                assert_eq!(h[r * n + i].to_bits(), (xs[i] / m * w[i]).to_bits(), "row {r} col {i}: the scalar steps' bits");
+            }
+        }
         for r in 0..rows {
             let sum: f64 = (0..n).map(|i| ((x0[r * n + i] + d[r * n + i]) as f64).powi(2)).sum();
             let m = (sum / n as f64 + 1e-5).sqrt();
@@ -750,6 +1039,164 @@ mod tests {
                 for (g, w) in got.iter().map(|g| g / sum).zip(&want) {
                     assert!((g as f64 - w).abs() <= 1e-6 * w.max(1e-3), "len {len}: {g} vs {w}");
                 }
+            }
+        }
+    }
+
+    /// [`exp`] with its multiply-adds fused: the scalar twin of the FMA kernels (`exp8`,
+    /// `neon::exp4`), the same steps in the same order, so the same bits.
+    fn exp_fused(x: f32) -> f32 {
+        let x = x.clamp(-87.0, 88.0);
+        let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+        let r = (-n).mul_add(0.693_359_4, x);
+        let r = (-n).mul_add(-2.121_944_4e-4, r);
+        let mut p = 1.987_569_1e-4f32;
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            p = p.mul_add(r, c);
+        }
+        let e = p.mul_add(r * r, r) + 1.0;
+        e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    }
+
+    /// The twins of the FMA kernels' gated activations.
+    fn silu_fused(g: f32, u: f32) -> f32 {
+        g / (1.0 + exp_fused(-g)) * u
+    }
+
+    fn gelu_fused(x: f32, u: f32) -> f32 {
+        let y = 2.0 * GELU_S * (0.044_715 * x).mul_add(x * x, x);
+        (x - x / (exp_fused(y) + 1.0)) * u
+    }
+
+    /// `a` and `b` are the same bits (any NaN equal to any NaN).
+    fn same_bits(a: f32, b: f32) -> bool {
+        a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan()
+    }
+
+    /// The fused twin is within 2 ulp of libm as [`exp`] is, and `neon::exp4` gives its bits on
+    /// every value tried: the clamps, NaN, infinities, signed zeros, and a grid over the range.
+    #[test]
+    fn fused_exp_is_within_2_ulp_of_libm_and_exp4_gives_its_bits() {
+        let mut worst = 0f32;
+        for i in -870_000..=880_000 {
+            let x = i as f32 * 1e-4;
+            let (got, want) = (exp_fused(x), x.exp());
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 2.5e-7, "worst relative error {worst}");
+        #[cfg(target_arch = "aarch64")]
+        {
+            use std::arch::aarch64::*;
+            let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, -87.0, -87.01, 88.0, 88.01, -1e30, 1e30, 0.5 * std::f32::consts::LN_2];
+            let xs: Vec<f32> = (-1_000_000..1_000_000).map(|i| i as f32 * 1e-4).chain(specials).collect();
+            for c in xs.chunks(4) {
+                let mut v = [0f32; 4];
+                v[..c.len()].copy_from_slice(c);
+                let mut got = [0f32; 4];
+                // SAFETY: NEON is in the aarch64 baseline; both arrays are 4 values.
+                unsafe { vst1q_f32(got.as_mut_ptr(), neon::exp4(vld1q_f32(v.as_ptr()))) };
+                for (&x, &g) in v.iter().zip(&got) {
+                    assert!(same_bits(g, exp_fused(x)), "exp4({x}) = {g}, the twin's {}", exp_fused(x));
+                }
+            }
+        }
+    }
+
+    /// Softmax numerators on every path: each numerator has the bits of its path's scalar steps
+    /// (the plain loop's [`exp`], the vector kernels' fused twin), and each sum, of positive
+    /// terms, is within `gamma_d` of the exact sum of those numerators, `gamma_d = d u / (1 - d
+    /// u)` for `d` the additions a term meets at most: below `len / 8 + 32` on every path (plain:
+    /// `len / 8` in its lane, 8 and 7 for the lanes and the tail; AVX2: `len / 16` in its lane, 1,
+    /// 8, 15 and 1; NEON: `len / 16`, 2, 2, 15 and 1).
+    #[test]
+    fn softmax_numerators_are_their_scalar_steps_and_sums_within_their_bound_on_every_path() {
+        type Kernel = fn(&mut [f32], f32, f32) -> f32;
+        let paths: &[Option<(&str, Kernel, fn(f32, f32, f32) -> f32)>] = &[
+            Some(("plain", |r, a, b| exp_shifted_plain(r, a, b), |v, scale, shift| exp(v * scale - shift))),
+            #[cfg(target_arch = "x86_64")]
+            avx2_fma().then_some(("avx2", |r, a, b| unsafe { exp_shifted_avx2(r, a, b) }, |v, scale, shift| exp_fused(v.mul_add(scale, -shift)))),
+            #[cfg(target_arch = "aarch64")]
+            Some(("neon", |r, a, b| unsafe { neon::exp_shifted(r, a, b) }, |v, scale, shift| exp_fused(v.mul_add(scale, -shift)))),
+        ];
+        for len in [0usize, 1, 3, 4, 15, 16, 17, 33, 1000, 4099] {
+            // Large spreads: exponents far below -87 (clamped), some of exactly 0.
+            let row: Vec<f32> = (0..len).map(|i| ((i * 7919 % 1009) as f32 - 800.0) * 0.37).collect();
+            let (scale, shift) = (0.3, 0.3 * row_max(&row));
+            for &(name, kernel, one) in paths.iter().flatten() {
+                let mut got = row.clone();
+                let sum = kernel(&mut got, scale, shift);
+                for (i, (&g, &v)) in got.iter().zip(&row).enumerate() {
+                    assert!(same_bits(g, one(v, scale, shift)), "{name} len {len} value {i}: {g} vs {}", one(v, scale, shift));
+                }
+                let exact: f64 = got.iter().map(|&v| v as f64).sum();
+                let du = (len / 8 + 32) as f64 * f32::EPSILON as f64 / 2.0;
+                assert!((sum as f64 - exact).abs() <= du / (1.0 - du) * exact, "{name} len {len}: sum {sum} vs {exact}");
+            }
+        }
+    }
+
+    /// The vector kernels of the gated activations give their fused twins' bits (the AVX2
+    /// kernel on its 16-value steps; its tail is the plain loop's), and the plain loops their
+    /// scalar steps' bits (`map2` over `silu` and `gelu`).
+    #[test]
+    fn gated_activation_kernels_give_their_scalar_steps_bits() {
+        let gate: Vec<f32> = (-3000..3000).map(|i| i as f32 * 0.013).chain([-100.0, 100.0, 0.0, -0.0, f32::NAN, 1e30, -1e30]).collect();
+        let up: Vec<f32> = gate.iter().enumerate().map(|(i, g)| 1.5 - g * 0.1 + (i % 3) as f32).collect();
+        type Kernel = fn(&[f32], &[f32], &mut [MaybeUninit<f32>]) -> usize;
+        let plain: [(&str, Kernel, fn(f32, f32) -> f32); 2] = [("silu", |a, b, o| map2(a, b, o, silu), silu), ("gelu", |a, b, o| map2(a, b, o, gelu), gelu)];
+        // (name, kernel, the twin of its vector steps, how many leading values they do of n)
+        type Vector = (&'static str, Kernel, fn(f32, f32) -> f32, fn(usize) -> usize);
+        let vector: &[Option<Vector>] = &[
+            #[cfg(target_arch = "x86_64")]
+            avx2_fma().then_some(("avx2 silu", silu_mul_into as Kernel, silu_fused as fn(f32, f32) -> f32, (|n| n / 16 * 16) as fn(usize) -> usize)),
+            #[cfg(target_arch = "x86_64")]
+            avx2_fma().then_some(("avx2 gelu", gelu_tanh_mul_into as Kernel, gelu_fused as fn(f32, f32) -> f32, (|n| n / 16 * 16) as fn(usize) -> usize)),
+            #[cfg(target_arch = "aarch64")]
+            Some(("neon silu", |a, b, o| unsafe { neon::silu_mul(a, b, o) }, silu_fused, |n| n)),
+            #[cfg(target_arch = "aarch64")]
+            Some(("neon gelu", |a, b, o| unsafe { neon::gelu_tanh_mul(a, b, o) }, gelu_fused, |n| n)),
+        ];
+        let paths = plain.iter().map(|&(name, k, f)| (name, k, f, (|_| usize::MAX) as fn(usize) -> usize)).chain(vector.iter().flatten().copied());
+        for (name, kernel, twin, vector_part) in paths {
+            // Lengths with and without a tail; the tail's twin is the plain step where the
+            // kernel leaves it to the plain loop.
+            for n in [gate.len(), gate.len() - 5, 3] {
+                let mut out = vec![MaybeUninit::new(f32::NAN); n];
+                assert_eq!(kernel(&gate[..n], &up[..n], &mut out), n);
+                let tail: fn(f32, f32) -> f32 = if name.contains("silu") { silu } else { gelu };
+                for (i, o) in out.iter().enumerate() {
+                    let want = if i < vector_part(n) { twin(gate[i], up[i]) } else { tail(gate[i], up[i]) };
+                    // SAFETY: the kernel wrote all n values (asserted).
+                    let got = unsafe { o.assume_init() };
+                    assert!(same_bits(got, want), "{name} n {n} value {i} (x = {}): {got} vs {want}", gate[i]);
+                }
+            }
+        }
+    }
+
+    /// The shadow row's vector kernels give the bits of their fused steps (`acc = fma(a, q,
+    /// acc)` over the terms in order, then `fma(acc, s, y)`): NEON on every output, AVX2 on its
+    /// blocks of 64 (the rest is the plain loop's).
+    #[test]
+    fn shadow_row_kernels_give_their_fused_steps_bits() {
+        for (n, n_terms) in [(7usize, 3usize), (16, 2), (64, 1), (64 * 3 + 37, 16), (100, 0), (1000, 5)] {
+            let cols: Vec<Vec<i8>> = (0..n_terms).map(|j| (0..n).map(|i| ((i * 29 + j * 71 + i * j) % 256) as u8 as i8).collect()).collect();
+            let terms: Vec<(f32, &[i8])> = cols.iter().enumerate().map(|(j, c)| (j as f32 * 1.37 - 9.1, &c[..])).collect();
+            let s: Vec<f32> = (0..n).map(|i| 0.001 + i as f32 * 1.3e-4).collect();
+            let y0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.77).sin() * 3.0).collect();
+            let fused = |i: usize| terms.iter().fold(0f32, |acc, &(a, q)| a.mul_add(q[i] as f32, acc)).mul_add(s[i], y0[i]);
+            let plain = |i: usize| y0[i] + terms.iter().map(|&(a, q)| a * q[i] as f32).sum::<f32>() * s[i];
+            let mut y = y0.clone();
+            shadow_row(&mut y, &terms, &s);
+            #[cfg(target_arch = "aarch64")]
+            let fused_part = n;
+            #[cfg(target_arch = "x86_64")]
+            let fused_part = if avx2_fma() { n / 64 * 64 } else { 0 };
+            #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+            let fused_part = 0;
+            for (i, &got) in y.iter().enumerate() {
+                let want = if i < fused_part { fused(i) } else { plain(i) };
+                assert!(same_bits(got, want), "n {n} terms {n_terms} output {i}: {got} vs {want}");
             }
         }
     }
