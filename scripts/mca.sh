@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# llvm-mca estimates of our aarch64 inner loops against ggml's (llama.cpp's) for the same job.
+#
+# Usage: scripts/mca.sh GGML_SRC OURS [MCPU]
+#   GGML_SRC  a ggml source tree: the ggml repository's root, or llama.cpp's (its ggml/ is used).
+#             It is compiled here into $MCA_TMP (default /tmp/mca-ggml); nothing of it is kept in
+#             this repository.
+#   OURS      our aarch64 build: an object, the rlib, or a test binary, e.g.
+#             target/cross/aarch64-unknown-linux-gnu/release/libcandle_npu.rlib. OURS_GEMV,
+#             OURS_INT8 and OURS_ROWS override it per kernel file (each branch's own build).
+#   MCPU      llvm-mca's core model (default cortex-a715; in LLVM 16 it is the Neoverse N2 model,
+#             see docs/aarch64.md).
+# Prints one markdown row per job: cycles per unit of work, ours and ggml's, and the ratio.
+# ggml is built as Android's NDK builds it: clang, -O3, armv8.2-a with dotprod, i8mm and fp16
+# (no SVE: the Snapdragon 8 Gen 3's cores do not expose it). clang-16 if present, else gcc.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+SRC="${1:?usage: scripts/mca.sh GGML_SRC OURS [MCPU]}"
+OURS="${2:?usage: scripts/mca.sh GGML_SRC OURS [MCPU]}"
+MCPU="${3:-cortex-a715}"
+[ -d "$SRC/ggml/src" ] && SRC="$SRC/ggml"
+TMP="${MCA_TMP:-/tmp/mca-ggml}"
+mkdir -p "$TMP"
+MCA="$HERE/mca.py"
+
+ARCH="-march=armv8.2-a+dotprod+i8mm+fp16"
+if command -v clang-16 >/dev/null; then
+  CC=(clang-16 --target=aarch64-linux-gnu) CXX=(clang++-16 --target=aarch64-linux-gnu)
+else
+  CC=(aarch64-linux-gnu-gcc) CXX=(aarch64-linux-gnu-g++)
+fi
+FLAGS=(-O3 "$ARCH" -DNDEBUG -D_GNU_SOURCE -I"$SRC/include" -I"$SRC/src" -I"$SRC/src/ggml-cpu")
+C="$SRC/src/ggml-cpu"
+build() { # out src compiler...
+  local out="$TMP/$1" src="$2"; shift 2
+  [ "$out" -nt "$src" ] || "$@" "${FLAGS[@]}" -c "$src" -o "$out"
+}
+build quants.o "$C/arch/arm/quants.c" "${CC[@]}" -std=c11
+build repack.o "$C/arch/arm/repack.cpp" "${CXX[@]}" -std=c++17
+build vec.o "$C/vec.cpp" "${CXX[@]}" -std=c++17
+build ops.o "$C/ops.cpp" "${CXX[@]}" -std=c++17
+# ggml_vec_mad_f32 is `inline static` in vec.h: a one-line wrapper gives it a symbol.
+printf '#include "vec.h"\n__attribute__((noinline)) void mca_vec_mad_f32(int n, float *y, const float *x, float v) { ggml_vec_mad_f32(n, y, x, v); }\n' > "$TMP/mad.c"
+build mad.o "$TMP/mad.c" "${CC[@]}" -std=c11
+
+# job | our file (GEMV, INT8, ROWS) | our symbol | our loop selection and work | unit |
+#   ggml object | ggml symbol | ggml loop selection and work
+# Work: sdot = 16 MACs (2 per 32-weight block), smmla = 32 MACs, fmla = 4 MACs, @f32 = values read.
+# ggml's soft_max and silu loops are laid out rotated (the out-of-range fix-up of its expf first):
+# loop 1 is the path every in-range vector takes. rms_norm's sum of squares is a scalar loop over
+# doubles that clang unrolls by 8 (loop 2); it is inlined into ggml_compute_forward_rms_norm.
+JOBS=$(cat <<'EOF'
+Q8_0 x Q8_0 dot (sdot)|GEMV|gemv_q8_0_dotprod|--has sdot --count sdot --per 2|32-weight block|quants.o|ggml_vec_dot_q8_0_q8_0|--has sdot --count sdot --per 2
+Q4_1 x Q8 dot (sdot)|GEMV|gemv_q4_1_dotprod|--has sdot --count sdot --per 2|32-weight block|quants.o|ggml_vec_dot_q4_1_q8_1|--has sdot --count sdot --per 2
+INT8 GEMM (smmla)|INT8|int8::aarch64::tile_i8mm|--has smmla --count smmla --per 2|64 MACs|repack.o|ggml_gemm_q8_0_4x8_q8_0|--has smmla --count smmla --per 2
+INT8 GEMM (smmla) vs 2x2 vec_dot|INT8|int8::aarch64::tile_i8mm|--has smmla --count smmla --per 2|64 MACs|quants.o|ggml_vec_dot_q8_0_q8_0|--has smmla --count smmla --per 2
+INT8 GEMM (sdot)|INT8|int8::aarch64::tile_dotprod|--has sdot --count sdot --per 4|64 MACs|quants.o|ggml_vec_dot_q8_0_q8_0|--has sdot --count sdot --per 4
+attention q.k (f32 FMA)|ROWS|attention::neon::dots|--has fmla --count fmla --per 0.25|MAC|vec.o|ggml_vec_dot_f32|--has fmla --count fmla --per 0.25
+attention p.V (f32 FMA)|ROWS|attention::neon::weighted_sum|--has fmla --count fmla --per 0.25|MAC|mad.o|mca_vec_mad_f32|--has fmla --count fmla --per 0.25
+softmax exp|ROWS|rows::neon::exp_shifted|--count @f32|value|vec.o|ggml_vec_soft_max_f32|--loop 1 --count @f32
+SiLU|ROWS|rows::neon::silu|--count @f32|value|vec.o|ggml_vec_silu_f32|--loop 1 --count @f32
+RMS norm sum of squares|ROWS|rows::neon::add_rms_norm|--count @f32|value|ops.o|ggml_compute_forward_rms_norm|--exact --loop 2 --count @f32
+EOF
+)
+[ -n "${MCA_JOBS:-}" ] && JOBS="$(cat "$MCA_JOBS")"
+
+est() { # obj symbol args... -> "cycles_per_unit<TAB>bottleneck" or "-<TAB>why"
+  local obj="$1" sym="$2"; shift 2
+  local out
+  if out=$(python3 "$MCA" "$obj" "$sym" --mcpu "$MCPU" --json "$@" 2>&1); then
+    python3 -c 'import json,sys; r=json.loads(sys.argv[1].splitlines()[-1]); print("%.3f\t%s" % (r["cycles_per_unit"], r["bottleneck"]))' "$out"
+  else
+    printf -- '-\t%s\n' "$(echo "$out" | head -1)"
+  fi
+}
+
+echo "llvm-mca: $(llvm-mca-16 --version | grep -o 'LLVM version [0-9.]*'), -mcpu=$MCPU; ggml: ${CC[0]} $ARCH -O3"
+echo
+echo "| job | our symbol | ggml function | unit | ours (cycles/unit) | ggml (cycles/unit) | ours/ggml | our bottleneck | ggml bottleneck |"
+echo "|---|---|---|---|---|---|---|---|---|"
+while IFS='|' read -r job file osym oargs unit gobj gsym gargs; do
+  [ -z "$job" ] && continue
+  var="OURS_$file"; obj="${!var:-$OURS}"
+  # shellcheck disable=SC2086
+  IFS=$'\t' read -r oc ob < <(est "$obj" "$osym" $oargs)
+  # shellcheck disable=SC2086
+  IFS=$'\t' read -r gc gb < <(est "$TMP/$gobj" "$gsym" $gargs)
+  ratio=$(python3 -c "import sys; a,b=sys.argv[1:]; print('%.2f' % (float(a)/float(b)) if a!='-' and b!='-' else '-')" "$oc" "$gc")
+  echo "| $job | \`$osym\` | \`$gsym\` | $unit | $oc | $gc | $ratio | $ob | $gb |"
+done <<< "$JOBS"
