@@ -64,27 +64,27 @@ EOF
 )
 [ -n "${MCA_JOBS:-}" ] && JOBS="$(cat "$MCA_JOBS")"
 
-est() { # obj symbol args... -> "cycles_per_unit<TAB>bottleneck" or "-<TAB>why"
+est() { # obj symbol args... -> "cycles_per_unit<TAB>rthroughput_per_unit<TAB>bottleneck" or "-<TAB>-<TAB>why"
   local obj="$1" sym="$2"; shift 2
   local out
   if out=$(python3 "$MCA" "$obj" "$sym" --mcpu "$MCPU" --json "$@" 2>&1); then
-    python3 -c 'import json,sys; r=json.loads(sys.argv[1].splitlines()[-1]); print("%.3f\t%s" % (r["cycles_per_unit"], r["bottleneck"]))' "$out"
+    python3 -c 'import json,sys; r=json.loads(sys.argv[1].splitlines()[-1]); print("%.3f\t%.3f\t%s" % (r["cycles_per_unit"], r["rthroughput_per_unit"], r["bottleneck"]))' "$out"
   else
-    printf -- '-\t%s\n' "$(echo "$out" | head -1)"
+    printf -- '-\t-\t%s\n' "$(echo "$out" | tail -1)"
   fi
 }
 
 echo "llvm-mca: $(llvm-mca-16 --version | grep -o 'LLVM version [0-9.]*'), -mcpu=$MCPU; ggml: ${CC[0]} $ARCH -O3"
 echo
-echo "| job | our symbol | ggml function | unit | ours (cycles/unit) | ggml (cycles/unit) | ours/ggml | our bottleneck | ggml bottleneck |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| job | our symbol | ggml function | unit | ours (cycles/unit) | ggml (cycles/unit) | ours/ggml | ours/ggml, resource bound only | our bottleneck | ggml bottleneck |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 while IFS='|' read -r job file osym oargs unit gobj gsym gargs; do
   [ -z "$job" ] && continue
   var="OURS_$file"; obj="${!var:-$OURS}"
   # shellcheck disable=SC2086
-  IFS=$'\t' read -r oc ob < <(est "$obj" "$osym" $oargs)
+  IFS=$'\t' read -r oc orr ob < <(est "$obj" "$osym" $oargs)
   # shellcheck disable=SC2086
-  IFS=$'\t' read -r gc gb < <(est "$TMP/$gobj" "$gsym" $gargs)
-  ratio=$(python3 -c "import sys; a,b=sys.argv[1:]; print('%.2f' % (float(a)/float(b)) if a!='-' and b!='-' else '-')" "$oc" "$gc")
-  echo "| $job | \`$osym\` | \`$gsym\` | $unit | $oc | $gc | $ratio | $ob | $gb |"
+  IFS=$'\t' read -r gc grr gb < <(est "$TMP/$gobj" "$gsym" $gargs)
+  div() { python3 -c "import sys; a,b=sys.argv[1:]; print('%.2f' % (float(a)/float(b)) if a!='-' and b!='-' else '-')" "$1" "$2"; }
+  echo "| $job | \`$osym\` | \`$gsym\` | $unit | $oc | $gc | $(div "$oc" "$gc") | $(div "$orr" "$grr") | $ob | $gb |"
 done <<< "$JOBS"
