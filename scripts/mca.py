@@ -4,7 +4,8 @@
 Given an aarch64 object, archive (.rlib/.a), executable or assembly file and a symbol, this
 disassembles the function, finds its loops (a backward branch and its target: the instructions
 between the target and the branch), picks the innermost one (by default the innermost loop with
-the most SIMD instructions, so a scalar tail loop is not taken for the main loop), writes it as
+the most of the --count mnemonic, else with the most SIMD instructions, so that a tail or
+reduction loop is not taken for the main loop; --loop I overrides), writes it as
 llvm-mca input and runs
 
     llvm-mca-16 -mtriple=aarch64 -mcpu=<model> -mattr=+dotprod,+i8mm,+fullfp16 -iterations=200
@@ -13,7 +14,7 @@ It reports cycles per iteration (Total Cycles / iterations), the Block RThroughp
 from the busiest resource alone), the busiest resource, and cycles per unit of work when told
 how much work one iteration does (--units N, or --count MNEMONIC --per K: units = occurrences of
 MNEMONIC in the loop / K, e.g. `--count sdot --per 2` for Q8_0 blocks of 32 weights;
-`--count @f32` counts the f32 values the loop loads).
+`--count @f32` counts the f32 values the loop loads, `--count @st32` those it stores).
 
 These are model estimates: llvm-mca assumes every load hits L1, and a forward branch inside the
 loop is costed as an instruction with its path always taken through.
@@ -79,8 +80,11 @@ def functions(obj):
     for line in text.splitlines():
         m = head.match(line)
         if m:
-            cur = m.group(2)
-            funcs.setdefault(cur, [])
+            # Monomorphized copies share a demangled name: the second is `name#2`, and so on.
+            cur, n = m.group(2), 2
+            while cur in funcs:
+                cur, n = f"{m.group(2)}#{n}", n + 1
+            funcs[cur] = []
             continue
         m = insn.match(line)
         if m and cur is not None:
@@ -89,8 +93,10 @@ def functions(obj):
     return funcs
 
 
-def pick_function(funcs, symbol, exact):
-    names = [n for n in funcs if (n == symbol if exact else symbol in n) and funcs[n]]
+def pick_function(funcs, symbol, exact, fn_has=None):
+    names = [n for n in funcs if (n.split("#")[0] == symbol if exact else symbol in n) and funcs[n]]
+    if fn_has:
+        names = [n for n in names if any(m == fn_has for _, m, _ in funcs[n])]
     if not names:
         sys.exit(f"mca.py: no function matching {symbol!r}")
     # Prefer the largest match when several share the substring (e.g. a closure next to its fn).
@@ -126,13 +132,16 @@ def innermost(ls):
 
 def count(body, what):
     """Occurrences of a mnemonic in the loop; `@f32` counts the f32 values loaded (4 per q
-    register of an ldr/ldur/ldp/ld1), the work measure of a row kernel that reads its row once."""
-    if what == "@f32":
-        n = 0
+    register of an ldr/ldur/ldp/ld1, 1 per s register; not stack reloads), `@st32` those
+    stored: the work measure
+    of a row kernel (values in, or values out when it reads two inputs per output)."""
+    if what in ("@f32", "@st32"):
+        n, ops = 0, ("ldr", "ldur", "ldp", "ld1") if what == "@f32" else ("str", "stur", "stp", "st1")
         for _, m, o in body:
-            if m in ("ldr", "ldur", "ldp", "ld1"):
-                n += 4 * len(re.findall(r"\bq\d+\b", o.split("[")[0]))
-                n += 4 * len(re.findall(r"\bv\d+\.4s\b", o.split("[")[0]))
+            if m in ops and "[sp" not in o:
+                regs = o.split("[")[0]
+                n += 4 * len(re.findall(r"\bq\d+\b", regs)) + 4 * len(re.findall(r"\bv\d+\.4s\b", regs))
+                n += len(re.findall(r"\bs\d+\b", regs))
         return n
     return sum(1 for _, m, _ in body if m == what)
 
@@ -166,8 +175,8 @@ def mca_input(body, split=True):
     lines = [".Lloop:"]
     for _, mn, ops in body:
         if BRANCH.match(mn):
-            ops = re.sub(r"[0-9a-f]+\s+<[^>]*>", ".Lloop", ops)
-        ops = re.sub(r"\s+<[^>]*>", "", ops)
+            ops = re.sub(r"[0-9a-f]+\s+<.*>$", ".Lloop", ops)
+        ops = re.sub(r"\s+<.*>$", "", ops)
         for m2, o2 in (split_writeback(mn, ops) if split and mn.startswith(("ld", "st")) else [(mn, ops)]):
             lines.append(f"  {m2} {o2}".rstrip())
     return "\n".join(lines) + "\n"
@@ -228,7 +237,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("obj")
     ap.add_argument("symbol")
-    ap.add_argument("--exact", action="store_true")
+    ap.add_argument("--exact", action="store_true", help="the whole demangled name (copies: name#2, ...)")
+    ap.add_argument("--fn-has", help="only functions containing this mnemonic (a kernel inlined into a closure)")
     ap.add_argument("--mcpu", default="cortex-a715")
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--loop", type=int, help="index into the --list output (default: the innermost loop with most SIMD)")
@@ -246,7 +256,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         obj = assemble_if_needed(a.obj, tmp)
         funcs = functions(obj)
-        name, _ = pick_function(funcs, a.symbol, a.exact)
+        name, _ = pick_function(funcs, a.symbol, a.exact, a.fn_has)
         insns = funcs[name]
         ls = loops(insns)
         if not ls:
@@ -267,7 +277,11 @@ def main():
                 inner = [l for l in inner if any(m == a.has for _, m, _ in insns[l[0]:l[1] + 1])]
                 if not inner:
                     sys.exit(f"mca.py: no innermost loop of {name} has {a.has}")
-            s, e = max(inner, key=lambda l: (sum(is_simd(m, o) for _, m, o in insns[l[0]:l[1] + 1]), l[1] - l[0]))
+            if a.count and not a.count.startswith("@"):
+                # The loop doing the most of the work measure, the shorter on a tie.
+                s, e = max(inner, key=lambda l: (count(insns[l[0]:l[1] + 1], a.count), l[0] - l[1]))
+            else:
+                s, e = max(inner, key=lambda l: (sum(is_simd(m, o) for _, m, o in insns[l[0]:l[1] + 1]), l[1] - l[0]))
         body = insns[s:e + 1]
         src = mca_input(body, not a.no_split)
         out, cmd = run_mca(src, a.mcpu, a.iterations, tmp)
