@@ -242,7 +242,7 @@ def main():
     ap.add_argument("--mcpu", default="cortex-a715")
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--loop", type=int, help="index into the --list output (default: the innermost loop with most SIMD)")
-    ap.add_argument("--has", help="take the innermost loop (most SIMD first) that contains this mnemonic")
+    ap.add_argument("--has", help="only innermost loops containing these mnemonics (comma-separated)")
     ap.add_argument("--units", type=float)
     ap.add_argument("--count", help="mnemonic whose occurrences measure the work of one iteration")
     ap.add_argument("--per", type=float, default=1.0)
@@ -274,11 +274,13 @@ def main():
             s, e = ls[a.loop]
         else:
             if a.has:
-                inner = [l for l in inner if any(m == a.has for _, m, _ in insns[l[0]:l[1] + 1])]
+                want = a.has.split(",")
+                inner = [l for l in inner if all(any(m == w for _, m, _ in insns[l[0]:l[1] + 1]) for w in want)]
                 if not inner:
                     sys.exit(f"mca.py: no innermost loop of {name} has {a.has}")
-            if a.count and not a.count.startswith("@"):
-                # The loop doing the most of the work measure, the shorter on a tie.
+            if a.count:
+                # The loop doing the most of the work measure, the shorter on a tie (a
+                # remainder loop is often as wide as the main one, and longer).
                 s, e = max(inner, key=lambda l: (count(insns[l[0]:l[1] + 1], a.count), l[0] - l[1]))
             else:
                 s, e = max(inner, key=lambda l: (sum(is_simd(m, o) for _, m, o in insns[l[0]:l[1] + 1]), l[1] - l[0]))

@@ -39,27 +39,31 @@ build quants.o "$C/arch/arm/quants.c" "${CC[@]}" -std=c11
 build repack.o "$C/arch/arm/repack.cpp" "${CXX[@]}" -std=c++17
 build vec.o "$C/vec.cpp" "${CXX[@]}" -std=c++17
 build ops.o "$C/ops.cpp" "${CXX[@]}" -std=c++17
-# ggml_vec_mad_f32 is `inline static` in vec.h: a one-line wrapper gives it a symbol.
-printf '#include "vec.h"\n__attribute__((noinline)) void mca_vec_mad_f32(int n, float *y, const float *x, float v) { ggml_vec_mad_f32(n, y, x, v); }\n' > "$TMP/mad.c"
+# ggml_vec_mad_f32 and ggml_vec_scale_f32 are `inline static` in vec.h: one-line wrappers give
+# them a symbol.
+printf '#include "vec.h"\n__attribute__((noinline)) void mca_vec_mad_f32(int n, float *y, const float *x, float v) { ggml_vec_mad_f32(n, y, x, v); }\n__attribute__((noinline)) void mca_vec_scale_f32(int n, float *y, float v) { ggml_vec_scale_f32(n, y, v); }\n' > "$TMP/mad.c"
 build mad.o "$TMP/mad.c" "${CC[@]}" -std=c11
 
 # job | our file (GEMV, INT8, ROWS) | our symbol | our loop selection and work | unit |
 #   ggml object | ggml symbol | ggml loop selection and work          ("-": no ggml counterpart)
-# Work: sdot = 16 MACs (2 per 32-weight block), smmla = 32 MACs, fmla = 4 MACs; @st32 = f32
+# Work: sdot = 16 MACs (2 per 32-weight block), smmla = 32 MACs, fmla = 4 MACs, smull .8h = 8 MACs
+# (our NEON gemv: one smull per block, with smull2, smlal, smlal2); @st32 = f32
 # values stored (a row kernel's outputs), @f32 = values loaded. Without --loop the loop with the
 # most of the work measure (or of SIMD) among the innermost is taken.
 # ggml's soft_max and swiglu loops are laid out rotated (the out-of-range fix-up of its expf
 # first): loop 1 is the path every in-range vector takes. rms_norm's sum of squares is a scalar
-# loop over doubles (fcvtl), inlined into ggml_compute_forward_rms_norm; ours (the portable
-# add_rms_norm, no NEON path) is inlined into a rayon closure: the call_mut with an fsqrt.
+# loop over doubles (fcvtl), inlined into ggml_compute_forward_rms_norm, which then scales the
+# row with ggml_vec_scale_f32; ours (the portable add_rms_norm, no NEON path) is inlined into a
+# rayon closure: the call_mut with an fsqrt.
 JOBS=$(cat <<'EOF'
 Q8_0 x Q8_0 dot (sdot)|GEMV|gemv_q8_0_dotprod|--count sdot --per 2|32-weight block|quants.o|ggml_vec_dot_q8_0_q8_0|--count sdot --per 2
 Q4_1 x Q8 dot (sdot)|GEMV|gemv_q4_1_dotprod|--count sdot --per 2|32-weight block|quants.o|ggml_vec_dot_q4_1_q8_1|--count sdot --per 2
-Q8_0 x Q8_0 dot (no dotprod)|GEMV|gemv_q8_0_neon|--count smull --per 2|32-weight block|-|-|-
-Q4_1 x Q8 dot (no dotprod)|GEMV|gemv_q4_1_neon|--count smull --per 2|32-weight block|-|-|-
+Q8_0 x Q8_0 dot (no dotprod)|GEMV|gemv_q8_0_neon|--count smull --per 1|32-weight block|-|-|-
+Q4_1 x Q8 dot (no dotprod)|GEMV|gemv_q4_1_neon|--count smull --per 1|32-weight block|-|-|-
 INT8 GEMM (smmla)|INT8|@INT8_SMMLA@|--count smmla --per 2|64 MACs|repack.o|ggml_gemm_q8_0_4x8_q8_0|--count smmla --per 2
 INT8 GEMM (smmla), 2x2 vec_dot|INT8|@INT8_SMMLA@|--count smmla --per 2|64 MACs|quants.o|ggml_vec_dot_q8_0_q8_0|--count smmla --per 2
 INT8 GEMM (sdot)|INT8|@INT8_SDOT@|--count sdot --per 4|64 MACs|quants.o|ggml_vec_dot_q8_0_q8_0|--count sdot --per 4
+INT8 GEMM (no dotprod)|INT8|kernels::int8::tile_neon|--count smull --per 8|64 MACs|-|-|-
 attention q.k (f32 FMA)|ROWS|attention::neon::dots|--count fmla --per 0.25|MAC|vec.o|ggml_vec_dot_f32|--count fmla --per 0.25
 attention p.V (f32 FMA)|ROWS|attention::neon::strip|--count fmla --per 0.25|MAC|mad.o|mca_vec_mad_f32|--count fmla --per 0.25
 softmax exp|ROWS|rows::neon::exp_shifted|--count @st32|value|vec.o|ggml_vec_soft_max_f32|--loop 1 --count @st32
@@ -67,10 +71,11 @@ SiLU(gate) x up|ROWS|rows::neon::silu_mul|--count @st32|value|vec.o|ggml_vec_swi
 GELU-tanh(gate) x up|ROWS|rows::neon::gelu_tanh_mul|--count @st32|value|-|-|-
 shadow row|ROWS|rows::neon::shadow_row|--count fmla --per 0.25|MAC|-|-|-
 outliers|ROWS|rows::neon::outliers|--count @f32|value|-|-|-
-residual add + RMS sum of squares|ROWS|core::ops::function::impls::<impl core::ops::function::FnMut<A> for &F>::call_mut|--exact --fn-has fsqrt --has ldp --count @st32|value|ops.o|ggml_compute_forward_rms_norm|--exact --has fcvtl --count @f32
+RMS norm: sum of squares|ROWS|core::ops::function::impls::<impl core::ops::function::FnMut<A> for &F>::call_mut|--exact --fn-has fsqrt --has fmul,fadd --count @f32|value|ops.o|ggml_compute_forward_rms_norm|--exact --has fcvtl --count @f32
+RMS norm: scaling pass|ROWS|core::ops::function::impls::<impl core::ops::function::FnMut<A> for &F>::call_mut|--exact --fn-has fsqrt --has fmul --count @st32|value|mad.o|mca_vec_scale_f32|--count @st32
 EOF
 )
-INT8_SMMLA="${INT8_SMMLA:-int8::aarch64::tile_i8mm}" INT8_SDOT="${INT8_SDOT:-int8::aarch64::tile_dotprod}"
+INT8_SMMLA="${INT8_SMMLA:-kernels::int8::tile_i8mm}" INT8_SDOT="${INT8_SDOT:-kernels::int8::tile_dotprod}"
 JOBS="${JOBS//@INT8_SMMLA@/$INT8_SMMLA}"; JOBS="${JOBS//@INT8_SDOT@/$INT8_SDOT}"
 [ -n "${MCA_JOBS:-}" ] && JOBS="$(cat "$MCA_JOBS")"
 
