@@ -94,7 +94,7 @@ def functions(obj):
 
 
 def pick_function(funcs, symbol, exact, fn_has=None):
-    names = [n for n in funcs if (n.split("#")[0] == symbol if exact else symbol in n) and funcs[n]]
+    names = [n for n in funcs if ((n == symbol or n.split("#")[0] == symbol) if exact else symbol in n) and funcs[n]]
     if fn_has:
         names = [n for n in names if any(m == fn_has for _, m, _ in funcs[n])]
     if not names:
