@@ -20,7 +20,8 @@
 //! - `phone` (on its own, simulated only): projected prefill tokens/s and NPU/CPU busy shares of
 //!   the three real models and of the published anchors' models on the Snapdragon 8 Gen 3 model,
 //!   at 256 and 1024 tokens, and how much faster its NPU or CPU would have to be to reach each
-//!   anchor.
+//!   anchor; then the same with the CPU rates our aarch64 kernels' llvm-mca estimates give
+//!   ([`Rates::SNAPDRAGON_8_GEN_3_KERNELS`], docs/aarch64.md).
 //!
 //! ```text
 //! cargo run --release --example sched
@@ -135,12 +136,20 @@ fn tail_on_the_phone() -> Result<()> {
     Ok(())
 }
 
-/// Projected prefill on the phone model ([`Rates::SNAPDRAGON_8_GEN_3`], FIFO, graphs of 256 and
-/// 32 rows, the last rows padded onto the NPU as a real NPU's default plan does) for the three
-/// real models and for the models of the published anchors, at 256 and 1024 tokens; for each
-/// anchor, how much faster the phone model's NPU, its CPU, or both would have to be to reach it.
+/// Projected prefill on the phone model (FIFO, graphs of 256 and 32 rows, the last rows padded
+/// onto the NPU as a real NPU's default plan does) for the three real models and for the models
+/// of the published anchors, at 256 and 1024 tokens; for each anchor, how much faster the phone
+/// model's NPU, its CPU, or both would have to be to reach it. Once with
+/// [`Rates::SNAPDRAGON_8_GEN_3`] (calibrated on llm.npu's split), once with
+/// [`Rates::SNAPDRAGON_8_GEN_3_KERNELS`] (its CPU rates from llvm-mca estimates of our aarch64
+/// kernels, docs/aarch64.md).
 fn phone_projections() -> Result<()> {
-    let rates = Rates::SNAPDRAGON_8_GEN_3;
+    phone_projection_table("Snapdragon 8 Gen 3 model", Rates::SNAPDRAGON_8_GEN_3)?;
+    println!();
+    phone_projection_table("Snapdragon 8 Gen 3 model, CPU rates from our kernels' llvm-mca estimates (model estimate)", Rates::SNAPDRAGON_8_GEN_3_KERNELS)
+}
+
+fn phone_projection_table(title: &str, rates: Rates) -> Result<()> {
     // (model, layer shape, layers, the anchor: tokens/s and where it comes from)
     type Row = (String, LayerShape, usize, Option<(f64, &'static str)>);
     let mut models: Vec<Row> = vec![];
@@ -161,7 +170,8 @@ fn phone_projections() -> Result<()> {
         let plan = ChunkPlan::with_sizes(n, &[256, 32], usize::MAX, Tail::Pad)?;
         Ok(simulate(&prefill_dag(&plan, layers)?, &AnalyticCosts { shape, rates }, &Policy::Fifo)?)
     };
-    println!("## Projected prefill on the Snapdragon 8 Gen 3 model, FIFO, graphs of 256 and 32 rows, padded");
+    println!("## Projected prefill on the {title}, FIFO, graphs of 256 and 32 rows, padded");
+    println!("cpu_macs {:.1} GMAC/s, cpu_elem {:.3} ns per value", rates.cpu_macs / 1e9, rates.cpu_elem * 1e9);
     println!("tokens/s (NPU / CPU busy share of the makespan); for an anchor, the NPU, the CPU or both sped up by how much reach it at 1024 tokens");
     println!("| model | 256 tokens | 1024 tokens | anchor | NPU alone | CPU alone | both |\n|---|---|---|---|---|---|---|");
     for (name, shape, layers, anchor) in &models {
