@@ -630,6 +630,19 @@ mod aarch64 {
         }
     }
 
+    /// A u64's bits as a vector of 4 u16 (lane i its bits 16i..16i + 16), by one `fmov`. In asm
+    /// because LLVM sees through `vcreate_u16`: given `s0 | s1 << 16 | ...` of four loaded u16
+    /// it builds the vector back with a load and three lane-insert loads (`ld1 {v.h}[i]`), the
+    /// serial chain this function exists to avoid.
+    #[inline(always)]
+    fn u64_to_u16x4(bits: u64) -> uint16x4_t {
+        let v: uint16x4_t;
+        // SAFETY: `fmov d, x` (FP/NEON, in the aarch64 baseline) copies a general register to a
+        // vector register's low 64 bits: registers only, no memory, stack or flags.
+        unsafe { core::arch::asm!("fmov {v:d}, {x}", x = in(reg) bits, v = out(vreg) v, options(pure, nomem, nostack, preserves_flags)) };
+        v
+    }
+
     /// Four f16 (their bits) as f32 (`fcvtl`): exact, subnormals included.
     #[inline(always)]
     fn f16x4_to_f32(bits: uint16x4_t) -> float32x4_t {
@@ -712,9 +725,11 @@ mod aarch64 {
             let mut acc = [vdupq_n_f32(0.0); 4];
             let full = nb - nb % 4;
             for b in (0..full).step_by(4) {
-                let bits = vset_lane_u16::<1>(scale(b + 1), vdup_n_u16(scale(b)));
-                let bits = vset_lane_u16::<3>(scale(b + 3), vset_lane_u16::<2>(scale(b + 2), bits));
-                let s = vmulq_f32(f16x4_to_f32(bits), vld1q_f32(xd.add(b)));
+                // The four scales gathered in a general register and moved over once (`ldrh`,
+                // `orr ... lsl`, `fmov`): lane inserts (`vset_lane_u16`, which LLVM makes `ld1 {v.h}[i]`)
+                // chain a load and an insert per scale, and everything below waits on them.
+                let bits = scale(b) as u64 | (scale(b + 1) as u64) << 16 | (scale(b + 2) as u64) << 32 | (scale(b + 3) as u64) << 48;
+                let s = vmulq_f32(f16x4_to_f32(u64_to_u16x4(bits)), vld1q_f32(xd.add(b)));
                 acc[0] = vfmaq_laneq_f32::<0>(acc[0], block(b), s);
                 acc[1] = vfmaq_laneq_f32::<1>(acc[1], block(b + 1), s);
                 acc[2] = vfmaq_laneq_f32::<2>(acc[2], block(b + 2), s);
@@ -771,9 +786,10 @@ mod aarch64 {
             let full = nb - nb % 4;
             for b in (0..full).step_by(4) {
                 // [d0, m0, d1, m1, d2, m2, d3, m3] as f16, then as f32 in two halves, split.
-                let bits = vsetq_lane_u32::<1>(dm(b + 1), vdupq_n_u32(dm(b)));
-                let bits = vreinterpretq_u16_u32(vsetq_lane_u32::<3>(dm(b + 3), vsetq_lane_u32::<2>(dm(b + 2), bits)));
-                let (lo, hi) = (f16x4_to_f32(vget_low_u16(bits)), f16x4_to_f32(vget_high_u16(bits)));
+                // Gathered in general registers, two blocks to one, as in `row_q8_0` (here LLVM
+                // keeps `ldr w`, `orr ... lsl #32`, `fmov`: no lane inserts, no asm needed).
+                let pair = |b: usize| vcreate_u16(dm(b) as u64 | (dm(b + 1) as u64) << 32);
+                let (lo, hi) = (f16x4_to_f32(pair(b)), f16x4_to_f32(pair(b + 2)));
                 let dx = vld1q_f32(xd.add(b));
                 let (ds, ms) = (vmulq_f32(vuzp1q_f32(lo, hi), dx), vmulq_f32(vuzp2q_f32(lo, hi), dx));
                 mins = vfmaq_f32(mins, ms, vcvtq_f32_s32(vld1q_s32(xs.add(b))));
