@@ -652,9 +652,10 @@ pub(crate) fn exp(x: f32) -> f32 {
 ///
 /// Where [`super::exp`] multiplies then adds, [`exp4`] fuses the two (one `fmla`/`fmls` for
 /// `fmul` + `fadd`, 8 of them, and a shorter dependent chain); the values are then within 2 ulp
-/// of libm as `exp`'s are, not `exp`'s bits. `fmla` overwrites its addend, so each Horner step
-/// first copies its coefficient (a `mov`): `exp_shifted`'s loop is 114 instructions for 16
-/// values, 28 `fmla`, 8 `fmls` and 22 `mov` among them. The tests hold each kernel to the bits
+/// of libm as `exp`'s are, not `exp`'s bits. `fmla` overwrites its addend, which in a Horner
+/// step is the coefficient: each is loaded fresh (`coef`) rather than copied from a register
+/// with a vector-pipe `mov` (`exp_shifted`'s loop: 115 instructions for 16 values, 80 of them
+/// on the vector pipes, no `mov`). The tests hold each kernel to the bits
 /// of a scalar twin that does the same fused steps with `f32::mul_add`, in the same order.
 /// Tails go through a zero-padded block of vectors, so that every value of a row gets the same
 /// arithmetic whatever its position (and whatever block split the rayon pool made).
@@ -666,25 +667,84 @@ mod neon {
     use super::GELU_S;
     use crate::kernels::arm::hsum4;
 
+    /// 1.5 * 2^23: `t + SHIFTER` for `|t| < 2^22` lies in `[2^23, 2^24)`, where the float
+    /// spacing is 1, so the addition rounds `t` to an integer, to nearest-even (SHIFTER is even),
+    /// exactly as `frintn` does; subtracting SHIFTER back is exact. The sum's low mantissa bits
+    /// hold `n + 2^22`.
+    const SHIFTER: f32 = 12_582_912.0;
+
+    /// Cephes' coefficients after the leading one, each broadcast to a vector, 16-byte aligned
+    /// for `ldr q`.
+    #[repr(C, align(16))]
+    struct Lanes([f32; 4]);
+    static POLY: [Lanes; 5] = [Lanes([1.398_199_9e-3; 4]), Lanes([8.333_452e-3; 4]), Lanes([4.166_579_6e-2; 4]), Lanes([0.166_666_65; 4]), Lanes([0.5; 4])];
+
+    /// Horner coefficient `i` in a register of its own, loaded from `POLY` at each use. `fmla`
+    /// overwrites its addend, which in a Horner step is the coefficient: a coefficient kept in a
+    /// register is copied (`mov`, a vector-pipe instruction) before every step, while a load
+    /// uses a load pipe, which these loops leave idle. The load is volatile so that LLVM keeps it
+    /// in the loop instead of hoisting it back into a register and its copies.
+    #[inline(always)]
+    fn coef(i: usize) -> float32x4_t {
+        // SAFETY: POLY[i] is four f32 (a float32x4_t), 16-byte aligned.
+        unsafe { std::ptr::read_volatile(POLY[i].0.as_ptr().cast::<float32x4_t>()) }
+    }
+
     /// [`super::exp`] of 4 lanes with its multiply-adds fused, clamped to `[-87, 88]` as it is;
     /// NaN goes through (`fmax`/`fmin` return NaN when an operand is). Steps: `n` rounded to
-    /// nearest-even (`frintn`, what `exp`'s `1.5 * 2^23` trick computes), `r = x - n ln2` in two
-    /// fused parts, Cephes' polynomial by Horner in FMAs, `2^n` from the integer `n + 127`
-    /// shifted into the exponent field.
+    /// nearest-even by the 1.5 * 2^23 shifter (`exp`'s trick: `fmul`, `fadd`, `fsub`, all
+    /// on either vector pipe, where `frintn` and `fcvtzs` are V0-only), `r = x - n ln2` in two
+    /// fused parts, Cephes' polynomial by Horner in FMAs, `2^n` from the shifted sum's bits:
+    /// `n + 2^22 + 127` shifted left by 23 leaves `(n + 127) << 23` (the rest shifts out).
+    /// The multiplier constants are lanes of one register (`fmul`/`fmls`/`fmla` by element).
     #[target_feature(enable = "neon")]
     #[inline]
     pub fn exp4(x: float32x4_t) -> float32x4_t {
+        let k = [std::f32::consts::LOG2_E, 0.693_359_4, -2.121_944_4e-4, 1.987_569_1e-4];
+        // SAFETY: `k` is 4 values.
+        let k = unsafe { vld1q_f32(k.as_ptr()) };
         let x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.0)), vdupq_n_f32(88.0));
-        let n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(std::f32::consts::LOG2_E)));
-        let r = vfmsq_f32(x, n, vdupq_n_f32(0.693_359_4));
-        let r = vfmsq_f32(r, n, vdupq_n_f32(-2.121_944_4e-4));
-        let mut p = vdupq_n_f32(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            p = vfmaq_f32(vdupq_n_f32(c), p, r);
+        // |x log2 e| < 128: the shifter rounds it.
+        let z = vaddq_f32(vmulq_laneq_f32::<0>(x, k), vdupq_n_f32(SHIFTER));
+        let n = vsubq_f32(z, vdupq_n_f32(SHIFTER));
+        let r = vfmsq_laneq_f32::<1>(x, n, k);
+        let r = vfmsq_laneq_f32::<2>(r, n, k);
+        // fma(p0, r, c1) = c1 + r p0, then fma(p, r, c) = c + p r.
+        let mut p = vfmaq_laneq_f32::<3>(coef(0), r, k);
+        for i in 1..5 {
+            p = vfmaq_f32(coef(i), p, r);
         }
         let e = vaddq_f32(vfmaq_f32(r, p, vmulq_f32(r, r)), vdupq_n_f32(1.0));
-        // n is an integer in [-126, 127] (NaN converts to 0): n + 127 is a normal exponent.
-        let two_n = vshlq_n_s32::<23>(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)));
+        // n is an integer in [-126, 127]: n + 127 is a normal exponent. (NaN gives NaN: e is.)
+        let two_n = vshlq_n_s32::<23>(vaddq_s32(vreinterpretq_s32_f32(z), vdupq_n_s32(127)));
+        vmulq_f32(e, vreinterpretq_f32_s32(two_n))
+    }
+
+    /// `exp4(-g)`, the same bits, with the negation folded into the steps (one vector
+    /// instruction fewer: `silu_mul`'s loop is bound by its vector pipes). With `y = clamp(g,
+    /// -88, 87) = -clamp(-g, -87, 88)` and `fl(y log2 e) = -fl(-y log2 e)`, `n` is the shifter's
+    /// rounding of `fl(y (-log2 e))`, as `exp4`'s; then every step of `exp4` on `r` is taken on
+    /// `s = -r` instead, round-to-nearest-even being odd (`fl(-a) = -fl(a)`): `s = fma(n, ln2,
+    /// y)` in two parts, `p = c - p s` (`fmls`), `e = 1 - (s - p s^2)`. They differ from `exp4`'s
+    /// only in the sign of a zero, where `r = 0` exactly: `n = 0` then, `x = +-0`, and the
+    /// zero is added to 1 before it reaches the result.
+    #[target_feature(enable = "neon")]
+    #[inline]
+    pub fn exp4_neg(g: float32x4_t) -> float32x4_t {
+        let k = [-std::f32::consts::LOG2_E, 0.693_359_4, -2.121_944_4e-4, 1.987_569_1e-4];
+        // SAFETY: `k` is 4 values.
+        let k = unsafe { vld1q_f32(k.as_ptr()) };
+        let y = vmaxq_f32(vminq_f32(g, vdupq_n_f32(87.0)), vdupq_n_f32(-88.0));
+        let z = vaddq_f32(vmulq_laneq_f32::<0>(y, k), vdupq_n_f32(SHIFTER));
+        let n = vsubq_f32(z, vdupq_n_f32(SHIFTER));
+        let s = vfmaq_laneq_f32::<1>(y, n, k);
+        let s = vfmaq_laneq_f32::<2>(s, n, k);
+        let mut p = vfmsq_laneq_f32::<3>(coef(0), s, k);
+        for i in 1..5 {
+            p = vfmsq_f32(coef(i), p, s);
+        }
+        let e = vsubq_f32(vdupq_n_f32(1.0), vfmsq_f32(s, p, vmulq_f32(s, s)));
+        let two_n = vshlq_n_s32::<23>(vaddq_s32(vreinterpretq_s32_f32(z), vdupq_n_s32(127)));
         vmulq_f32(e, vreinterpretq_f32_s32(two_n))
     }
 
@@ -694,8 +754,12 @@ mod neon {
     /// lanes' two levels each, the tail's 15 and 1).
     #[target_feature(enable = "neon")]
     pub fn exp_shifted(row: &mut [f32], scale: f32, shift: f32) -> f32 {
-        let (vscale, vnshift) = (vdupq_n_f32(scale), vdupq_n_f32(-shift));
-        let numerator = |v: float32x4_t| exp4(vfmaq_f32(vnshift, v, vscale));
+        let vscale = vdupq_n_f32(scale);
+        // `fmla` overwrites its addend, -shift: a fresh copy from memory each time (see `coef`).
+        let nshift = Lanes([-shift; 4]);
+        // SAFETY: `nshift` is 16 bytes, 16-byte aligned.
+        let vnshift = || unsafe { std::ptr::read_volatile(nshift.0.as_ptr().cast::<float32x4_t>()) };
+        let numerator = |v: float32x4_t| exp4(vfmaq_f32(vnshift(), v, vscale));
         let mut s = [vdupq_n_f32(0.0); 4];
         let mut blocks = row.chunks_exact_mut(16);
         for c in &mut blocks {
@@ -758,11 +822,12 @@ mod neon {
         n
     }
 
-    /// [`super::silu_mul`] of one block: `g / (1 + e^-g) * u`, [`exp4`] clamping `-g` at 88.
+    /// [`super::silu_mul`] of one block: `g / (1 + e^-g) * u`, `e^-g` by [`exp4_neg`] (as
+    /// [`exp4`] of `-g`, clamping `-g` at 88).
     #[target_feature(enable = "neon")]
     pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> usize {
         let one = vdupq_n_f32(1.0);
-        map2(gate, up, out, |g, u| vmulq_f32(vdivq_f32(g, vaddq_f32(one, exp4(vnegq_f32(g)))), u))
+        map2(gate, up, out, |g, u| vmulq_f32(vdivq_f32(g, vaddq_f32(one, exp4_neg(g))), u))
     }
 
     /// [`super::gelu_tanh_mul`] of one block: `(x - x / (e^(2y) + 1)) * u`, with
@@ -1073,8 +1138,8 @@ mod tests {
         a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan()
     }
 
-    /// The fused twin is within 2 ulp of libm as [`exp`] is, and `neon::exp4` gives its bits on
-    /// every value tried: the clamps, NaN, infinities, signed zeros, and a grid over the range.
+    /// The fused twin is within 2 ulp of libm as [`exp`] is, and `neon::exp4` gives its bits
+    /// (`neon::exp4_neg` those of `-x`) on every value tried: the clamps, NaN, infinities, signed zeros, and a grid over the range.
     #[test]
     fn fused_exp_is_within_2_ulp_of_libm_and_exp4_gives_its_bits() {
         let mut worst = 0f32;
@@ -1097,6 +1162,11 @@ mod tests {
                 unsafe { vst1q_f32(got.as_mut_ptr(), neon::exp4(vld1q_f32(v.as_ptr()))) };
                 for (&x, &g) in v.iter().zip(&got) {
                     assert!(same_bits(g, exp_fused(x)), "exp4({x}) = {g}, the twin's {}", exp_fused(x));
+                }
+                // SAFETY: as above.
+                unsafe { vst1q_f32(got.as_mut_ptr(), neon::exp4_neg(vld1q_f32(v.as_ptr()))) };
+                for (&x, &g) in v.iter().zip(&got) {
+                    assert!(same_bits(g, exp_fused(-x)), "exp4_neg({x}) = {g}, the twin's {}", exp_fused(-x));
                 }
             }
         }
