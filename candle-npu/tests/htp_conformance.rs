@@ -510,7 +510,10 @@ fn missing_library_is_a_qnn_library_error() {
 
 #[test]
 fn non_qnn_library_is_a_qnn_library_error() {
-    let candidates = ["/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6", "/lib/aarch64-linux-gnu/libm.so.6", "/lib64/libm.so.6"];
+    // This process's own architecture's libm (on a multiarch host another one is refused before
+    // dlopen, a different error).
+    let arch = std::env::consts::ARCH;
+    let candidates = [format!("/lib/{arch}-linux-gnu/libm.so.6"), format!("/usr/lib/{arch}-linux-gnu/libm.so.6"), "/lib64/libm.so.6".into()];
     let Some(libm) = candidates.iter().map(PathBuf::from).find(|p| p.is_file()) else {
         eprintln!("skipping: no libm.so.6 in {candidates:?}");
         return;

@@ -129,13 +129,14 @@ fn missing_file_error_names_the_path() {
 
 #[test]
 fn non_qnn_library_gives_symbol_missing() {
+    // This process's own architecture's libm (a multiarch host has others: an x86_64 one is
+    // refused before dlopen in an aarch64 process, a different error).
+    let arch = std::env::consts::ARCH;
     let candidates = [
-        "/lib/x86_64-linux-gnu/libm.so.6",
-        "/usr/lib/x86_64-linux-gnu/libm.so.6",
-        "/lib/aarch64-linux-gnu/libm.so.6",
-        "/usr/lib/aarch64-linux-gnu/libm.so.6",
-        "/lib64/libm.so.6",
-        "/usr/lib64/libm.so.6",
+        format!("/lib/{arch}-linux-gnu/libm.so.6"),
+        format!("/usr/lib/{arch}-linux-gnu/libm.so.6"),
+        "/lib64/libm.so.6".into(),
+        "/usr/lib64/libm.so.6".into(),
     ];
     let Some(libm) = candidates.iter().map(PathBuf::from).find(|p| p.is_file()) else {
         eprintln!("skipping: no libm.so.6 found in {candidates:?}");
