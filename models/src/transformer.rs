@@ -513,7 +513,7 @@ impl Model {
 
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(rows, &self.final_norm, self.cfg.rms_eps as f32)?;
-        // A decode step's one row on a Q8_0 or Q4_1 output table (Gemma's and SmolLM2's tied
+        // A decode step's one row on a Q8_0 or Q4_1 output table (SmolLM2's tied Q8_0 one, Gemma's tied
         // embeddings, Qwen's output): the engine's kernel, as for the linears. With the
         // checkpoint's own decode weights, candle's matmul (its results are then candle's bit
         // for bit).

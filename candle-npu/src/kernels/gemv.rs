@@ -7,7 +7,7 @@
 //! is K / 32 blocks, rows one after another), so there is no second copy of the weights:
 //! - Q8_0 (`BlockQ8_0`): per 32 consecutive weights of a row, 34 bytes, an f16 scale `d`
 //!   (little-endian) then 32 i8 `q`; weight i is `d * q[i]`.
-//! - Q4_1 (`BlockQ4_1`; SmolLM2's tied embedding and output table): per 32 weights, 20 bytes, an
+//! - Q4_1 (`BlockQ4_1`; the layers of SmolLM2's GGUF, whose tied table is Q8_0): per 32 weights, 20 bytes, an
 //!   f16 scale `d` and an f16 minimum `m` (little-endian) then 16 bytes `qs` of two 4-bit weights
 //!   each; weight j (0..16) is `d * (qs[j] & 0x0F) + m`, weight j + 16 is `d * (qs[j] >> 4) + m`
 //!   (candle's `BlockQ4_1::to_float`, ggml's `dequantize_row_q4_1`).
