@@ -176,10 +176,10 @@ fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
     let x = _mm256_max_ps(_mm256_set1_ps(-87.0), x);
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)));
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
     }
     let e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
@@ -620,6 +620,18 @@ fn lanes_fold(row: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; LANE
     acc
 }
 
+/// `exp`'s constants (Cephes' `expf`), shared by every path ([`exp`], `exp8`, `neon::exp4`, the
+/// tests' fused twin): ln 2 in two parts, so that `n * EXP_LN2_HI` is exact, and the polynomial's
+/// coefficients, highest order first.
+const EXP_LN2_HI: f32 = 0.693_359_4;
+const EXP_LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_POLY: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+
+/// 1.5 * 2^23: `t + SHIFTER` for `|t| < 2^22` lies in `[2^23, 2^24)`, where the float spacing is
+/// 1, so the addition rounds `t` to an integer, to nearest-even (SHIFTER is even), exactly as
+/// `frintn` does; subtracting SHIFTER back is exact. The sum's low mantissa bits hold `n + 2^22`.
+const SHIFTER: f32 = 12_582_912.0;
+
 /// `e^x` within 2 ulp of libm on `[-87, 88]`, clamped to it (`e^-87` is near the smallest normal,
 /// `e^88` near the largest float):
 /// `e^x = 2^n * e^r` with `n = round(x / ln 2)`, `|r| <= ln 2 / 2`, and `e^r` by Cephes' degree-6
@@ -627,17 +639,13 @@ fn lanes_fold(row: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; LANE
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
-    // Round to nearest by the 1.5 * 2^23 trick (SSE2 has no vector round).
-    const MAGIC: f32 = 12_582_912.0;
-    let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
-    // ln 2 in two parts, so that n * C1 is exact.
-    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 0.166_666_65;
-    p = p * r + 0.5;
+    // Round to nearest by the shifter (SSE2 has no vector round).
+    let n = (x * std::f32::consts::LOG2_E + SHIFTER) - SHIFTER;
+    let r = x - n * EXP_LN2_HI - n * EXP_LN2_LO;
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = p * r + c;
+    }
     let e = p * r * r + r + 1.0;
     // 2^n from the bits of n + 127 + 2^23, whose low mantissa bits are the integer n + 127:
     // shifted into the exponent field (the rest shifts out). `n as i32` would saturate, which
@@ -664,20 +672,14 @@ mod neon {
     use std::arch::aarch64::*;
     use std::mem::MaybeUninit;
 
-    use super::GELU_S;
+    use super::{EXP_LN2_HI, EXP_LN2_LO, EXP_POLY, GELU_S, SHIFTER};
     use crate::kernels::arm::hsum4;
-
-    /// 1.5 * 2^23: `t + SHIFTER` for `|t| < 2^22` lies in `[2^23, 2^24)`, where the float
-    /// spacing is 1, so the addition rounds `t` to an integer, to nearest-even (SHIFTER is even),
-    /// exactly as `frintn` does; subtracting SHIFTER back is exact. The sum's low mantissa bits
-    /// hold `n + 2^22`.
-    const SHIFTER: f32 = 12_582_912.0;
 
     /// Cephes' coefficients after the leading one, each broadcast to a vector, 16-byte aligned
     /// for `ldr q`.
     #[repr(C, align(16))]
     struct Lanes([f32; 4]);
-    static POLY: [Lanes; 5] = [Lanes([1.398_199_9e-3; 4]), Lanes([8.333_452e-3; 4]), Lanes([4.166_579_6e-2; 4]), Lanes([0.166_666_65; 4]), Lanes([0.5; 4])];
+    static POLY: [Lanes; 5] = [Lanes([EXP_POLY[1]; 4]), Lanes([EXP_POLY[2]; 4]), Lanes([EXP_POLY[3]; 4]), Lanes([EXP_POLY[4]; 4]), Lanes([EXP_POLY[5]; 4])];
 
     /// Horner coefficient `i` in a register of its own, loaded from `POLY` at each use. `fmla`
     /// overwrites its addend, which in a Horner step is the coefficient: a coefficient kept in a
@@ -690,6 +692,18 @@ mod neon {
         unsafe { std::ptr::read_volatile(POLY[i].0.as_ptr().cast::<float32x4_t>()) }
     }
 
+    /// `e * 2^n` for `z = n + SHIFTER` (`n` an integer in [-126, 127], as `exp4`'s clamp makes
+    /// it): `n + 2^22 + 127` shifted left by 23 leaves `(n + 127) << 23`, 2^n's bits (the rest
+    /// shifts out; a NaN `z` makes `e` NaN already).
+    #[inline(always)]
+    fn times_two_to(e: float32x4_t, z: float32x4_t) -> float32x4_t {
+        // SAFETY: NEON is in the aarch64 baseline; registers only.
+        unsafe {
+            let two_n = vshlq_n_s32::<23>(vaddq_s32(vreinterpretq_s32_f32(z), vdupq_n_s32(127)));
+            vmulq_f32(e, vreinterpretq_f32_s32(two_n))
+        }
+    }
+
     /// [`super::exp`] of 4 lanes with its multiply-adds fused, clamped to `[-87, 88]` as it is;
     /// NaN goes through (`fmax`/`fmin` return NaN when an operand is). Steps: `n` rounded to
     /// nearest-even by the 1.5 * 2^23 shifter (`exp`'s trick: `fmul`, `fadd`, `fsub`, all
@@ -700,7 +714,7 @@ mod neon {
     #[target_feature(enable = "neon")]
     #[inline]
     pub fn exp4(x: float32x4_t) -> float32x4_t {
-        let k = [std::f32::consts::LOG2_E, 0.693_359_4, -2.121_944_4e-4, 1.987_569_1e-4];
+        let k = [std::f32::consts::LOG2_E, EXP_LN2_HI, EXP_LN2_LO, EXP_POLY[0]];
         // SAFETY: `k` is 4 values.
         let k = unsafe { vld1q_f32(k.as_ptr()) };
         let x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.0)), vdupq_n_f32(88.0));
@@ -715,9 +729,7 @@ mod neon {
             p = vfmaq_f32(coef(i), p, r);
         }
         let e = vaddq_f32(vfmaq_f32(r, p, vmulq_f32(r, r)), vdupq_n_f32(1.0));
-        // n is an integer in [-126, 127]: n + 127 is a normal exponent. (NaN gives NaN: e is.)
-        let two_n = vshlq_n_s32::<23>(vaddq_s32(vreinterpretq_s32_f32(z), vdupq_n_s32(127)));
-        vmulq_f32(e, vreinterpretq_f32_s32(two_n))
+        times_two_to(e, z)
     }
 
     /// `exp4(-g)`, the same bits, with the negation folded into the steps (one vector
@@ -731,7 +743,7 @@ mod neon {
     #[target_feature(enable = "neon")]
     #[inline]
     pub fn exp4_neg(g: float32x4_t) -> float32x4_t {
-        let k = [-std::f32::consts::LOG2_E, 0.693_359_4, -2.121_944_4e-4, 1.987_569_1e-4];
+        let k = [-std::f32::consts::LOG2_E, EXP_LN2_HI, EXP_LN2_LO, EXP_POLY[0]];
         // SAFETY: `k` is 4 values.
         let k = unsafe { vld1q_f32(k.as_ptr()) };
         let y = vmaxq_f32(vminq_f32(g, vdupq_n_f32(87.0)), vdupq_n_f32(-88.0));
@@ -744,8 +756,7 @@ mod neon {
             p = vfmsq_f32(coef(i), p, s);
         }
         let e = vsubq_f32(vdupq_n_f32(1.0), vfmsq_f32(s, p, vmulq_f32(s, s)));
-        let two_n = vshlq_n_s32::<23>(vaddq_s32(vreinterpretq_s32_f32(z), vdupq_n_s32(127)));
-        vmulq_f32(e, vreinterpretq_f32_s32(two_n))
+        times_two_to(e, z)
     }
 
     /// [`super::exp_shifted`]: `e^(fma(v, scale, -shift))` by [`exp4`], 16 values a step (four
@@ -1113,10 +1124,10 @@ mod tests {
     fn exp_fused(x: f32) -> f32 {
         let x = x.clamp(-87.0, 88.0);
         let n = (x * std::f32::consts::LOG2_E).round_ties_even();
-        let r = (-n).mul_add(0.693_359_4, x);
-        let r = (-n).mul_add(-2.121_944_4e-4, r);
-        let mut p = 1.987_569_1e-4f32;
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        let r = (-n).mul_add(EXP_LN2_HI, x);
+        let r = (-n).mul_add(EXP_LN2_LO, r);
+        let mut p = EXP_POLY[0];
+        for &c in &EXP_POLY[1..] {
             p = p.mul_add(r, c);
         }
         let e = p.mul_add(r * r, r) + 1.0;
