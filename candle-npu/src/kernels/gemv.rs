@@ -43,6 +43,8 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
+mod formats;
+
 /// Values per block (Q8_0 and Q4_1 alike).
 pub const QK: usize = 32;
 /// Bytes per Q8_0 weight block: an f16 scale, then 32 i8.
@@ -188,7 +190,7 @@ pub fn gemv_q8_0(w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: 
 /// [`gemv_q8_0`] on `path` (tests run every path this machine runs); panics if the CPU lacks
 /// the path's features.
 pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: &mut [f32]) {
-    let Some((w, nb)) = checked_rows("gemv_q8_0", BLOCK_BYTES, w, k, x, &rows, out) else {
+    let Some((w, nb)) = checked_rows("gemv_q8_0", BLOCK_BYTES, QK, w, k, x, &rows, out) else {
         return;
     };
     assert!(path.runs_here(), "gemv_q8_0: this CPU cannot run {path:?}");
@@ -233,17 +235,11 @@ pub fn gemv_q4_1(w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: 
 /// [`gemv_q4_1`] on `path` (tests run every path this machine runs); panics if the CPU lacks
 /// the path's features.
 pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: &mut [f32]) {
-    let Some((w, nb)) = checked_rows("gemv_q4_1", Q4_1_BLOCK_BYTES, w, k, x, &rows, out) else {
+    let Some((w, nb)) = checked_rows("gemv_q4_1", Q4_1_BLOCK_BYTES, QK, w, k, x, &rows, out) else {
         return;
     };
     assert!(path.runs_here(), "gemv_q4_1: this CPU cannot run {path:?}");
-    assert_eq!(x.sums.len(), nb, "gemv_q4_1: the activation has {} block sums for K = {k} ({nb} blocks)", x.sums.len());
-    // K additions, against rows.len() * K weights (as `gemv_q8_0`'s memchr): a wrong sum would
-    // shift every row's result by `m_w * d_x` times its error, silently.
-    assert!(
-        x.q.chunks_exact(QK).zip(&x.sums).all(|(qb, &s)| qb.iter().map(|&q| q as i32).sum::<i32>() == s),
-        "gemv_q4_1: the activation's block sums are not its values' (Q8Activation::quantize fills them)"
-    );
+    assert_sums("gemv_q4_1", x);
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
@@ -266,23 +262,152 @@ pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
     }
 }
 
+/// That `x`'s block sums are its values' (`name`: the caller's, for the message): K additions,
+/// against rows.len() * K weights (as `gemv_q8_0`'s memchr). A format with a minimum term needs
+/// them, and a wrong sum would shift every row's result by `m_w * d_x` times its error, silently.
+fn assert_sums(name: &str, x: &Q8Activation) {
+    assert_eq!(x.sums.len(), x.scales.len(), "{name}: the activation has {} block sums for {} blocks", x.sums.len(), x.scales.len());
+    assert!(
+        x.q.chunks_exact(QK).zip(&x.sums).all(|(qb, &s)| qb.iter().map(|&q| q as i32).sum::<i32>() == s),
+        "{name}: the activation's block sums are not its values' (Q8Activation::quantize fills them)"
+    );
+}
+
+/// ggml's block formats that the decode product reads where they are (candle's [`GgmlDType`]s
+/// of the same names): Q8_0 and Q4_1 in this file, the others in `formats`.
+///
+/// [`GgmlDType`]: candle_core::quantized::GgmlDType
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockFormat {
+    /// 32 weights in 18 bytes: a scale, 4-bit values offset by 8.
+    Q4_0,
+    /// 32 weights in 20 bytes: a scale and a minimum, 4-bit values.
+    Q4_1,
+    /// 32 weights in 22 bytes: a scale, 5-bit values offset by 16.
+    Q5_0,
+    /// 32 weights in 34 bytes: a scale, 8-bit values.
+    Q8_0,
+    /// 256 weights in 144 bytes: 8 sub-blocks with 6-bit scales and minimums, 4-bit values.
+    Q4K,
+    /// 256 weights in 176 bytes: as Q4K with 5-bit values.
+    Q5K,
+    /// 256 weights in 210 bytes: 16 sub-blocks with i8 scales, 6-bit values offset by 32.
+    Q6K,
+}
+
+impl BlockFormat {
+    /// Every format.
+    pub const ALL: [BlockFormat; 7] =
+        [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q5_0, BlockFormat::Q8_0, BlockFormat::Q4K, BlockFormat::Q5K, BlockFormat::Q6K];
+
+    /// The format of candle's `dtype`, if the decode product reads it.
+    pub fn of(dtype: candle_core::quantized::GgmlDType) -> Option<Self> {
+        use candle_core::quantized::GgmlDType as G;
+        Some(match dtype {
+            G::Q4_0 => BlockFormat::Q4_0,
+            G::Q4_1 => BlockFormat::Q4_1,
+            G::Q5_0 => BlockFormat::Q5_0,
+            G::Q8_0 => BlockFormat::Q8_0,
+            G::Q4K => BlockFormat::Q4K,
+            G::Q5K => BlockFormat::Q5K,
+            G::Q6K => BlockFormat::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// candle's name for it.
+    pub fn dtype(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType as G;
+        match self {
+            BlockFormat::Q4_0 => G::Q4_0,
+            BlockFormat::Q4_1 => G::Q4_1,
+            BlockFormat::Q5_0 => G::Q5_0,
+            BlockFormat::Q8_0 => G::Q8_0,
+            BlockFormat::Q4K => G::Q4K,
+            BlockFormat::Q5K => G::Q5K,
+            BlockFormat::Q6K => G::Q6K,
+        }
+    }
+
+    fn kind(self) -> Option<formats::Kind> {
+        Some(match self {
+            BlockFormat::Q4_0 => formats::Kind::Q4_0,
+            BlockFormat::Q5_0 => formats::Kind::Q5_0,
+            BlockFormat::Q4K => formats::Kind::Q4K,
+            BlockFormat::Q5K => formats::Kind::Q5K,
+            BlockFormat::Q6K => formats::Kind::Q6K,
+            BlockFormat::Q8_0 | BlockFormat::Q4_1 => return None,
+        })
+    }
+
+    /// Weights per block (a row of K weights is K / this many blocks).
+    pub fn block_len(self) -> usize {
+        self.kind().map_or(QK, |k| k.block_len())
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            BlockFormat::Q8_0 => BLOCK_BYTES,
+            BlockFormat::Q4_1 => Q4_1_BLOCK_BYTES,
+            f => f.kind().expect("the other formats are in `formats`").block_bytes(),
+        }
+    }
+
+    /// Bytes of a row of `k` weights (`k` a multiple of [`Self::block_len`]).
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / self.block_len() * self.block_bytes()
+    }
+}
+
+/// The product of the rows `rows` of `w` (`format`'s blocks, rows of K weights) with `x`,
+/// on [`GemvPath::detect`]'s path: [`gemv_q8_0`], [`gemv_q4_1`] or the other formats' kernels
+/// (`formats`). `out[j]` is row `rows.start + j`; the same contract as [`gemv_q8_0`]; a format
+/// with a minimum term (Q4_1, Q4_K, Q5_K) needs the activation's block sums.
+pub fn gemv(format: BlockFormat, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: &mut [f32]) {
+    gemv_on(GemvPath::detect(), format, w, k, x, rows, out)
+}
+
+/// [`gemv`] on `path`; panics if the CPU lacks the path's features.
+pub fn gemv_on(path: GemvPath, format: BlockFormat, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>, out: &mut [f32]) {
+    let Some(kind) = format.kind() else {
+        return match format {
+            BlockFormat::Q8_0 => gemv_q8_0_on(path, w, k, x, rows, out),
+            _ => gemv_q4_1_on(path, w, k, x, rows, out),
+        };
+    };
+    let name = "gemv";
+    let Some((w, nb)) = checked_rows(name, kind.block_bytes(), kind.block_len(), w, k, x, &rows, out) else {
+        return;
+    };
+    assert!(path.runs_here(), "gemv {format:?}: this CPU cannot run {path:?}");
+    if matches!(format, BlockFormat::Q4K | BlockFormat::Q5K) {
+        assert_sums(name, x);
+    }
+    // SAFETY: the CPU runs `path` (asserted); `w` is `out.len()` whole rows of `nb` blocks and
+    // the activation has their K / 32 blocks (`checked_rows`) and, where used, their sums
+    // (asserted); the formats' kernels take any i8 activation.
+    unsafe { formats::gemv(kind, path, w, nb, x, out) }
+}
+
 /// The sizes both formats check (`name` is the caller's, for the messages; `block_bytes` its
 /// block size): the bytes of `rows` and the blocks per row, or `None` for K = 0, `out` then
 /// zeroed (an empty sum).
 fn checked_rows<'w>(
     name: &str,
     block_bytes: usize,
+    block_len: usize,
     w: &'w [u8],
     k: usize,
     x: &Q8Activation,
     rows: &Range<usize>,
     out: &mut [f32],
 ) -> Option<(&'w [u8], usize)> {
-    assert!(k.is_multiple_of(QK), "{name}: K = {k} is not a multiple of 32");
-    let nb = k / QK;
+    assert!(k.is_multiple_of(block_len), "{name}: K = {k} is not a multiple of {block_len}");
+    let nb = k / block_len;
     let row_bytes = nb * block_bytes;
     assert_eq!(x.q.len(), k, "{name}: the activation has {} values for K = {k}", x.q.len());
-    assert_eq!(x.scales.len(), nb, "{name}: the activation has {} scales for K = {k} ({nb} blocks)", x.scales.len());
+    assert_eq!(x.scales.len(), k / QK, "{name}: the activation has {} scales for K = {k} ({} blocks)", x.scales.len(), k / QK);
     assert!(rows.start <= rows.end, "{name}: rows {rows:?} are reversed");
     assert_eq!(out.len(), rows.len(), "{name}: out has {} values for rows {rows:?}", out.len());
     if row_bytes == 0 {
@@ -833,18 +958,14 @@ pub fn matvec(w: &candle_core::quantized::QTensor, x: &candle_core::Tensor) -> c
 /// where a call per matrix quantized it three times and woke the helpers three times per layer.
 /// `None` unless every matrix takes `x` ([`matvec`]'s operands).
 pub fn matvec_many(ws: &[&candle_core::quantized::QTensor], x: &candle_core::Tensor) -> crate::Result<Option<Vec<candle_core::Tensor>>> {
-    use candle_core::quantized::GgmlDType;
-    type Gemv = fn(&[u8], usize, &Q8Activation, Range<usize>, &mut [f32]);
     let Some(&k) = x.dims().last() else { return Ok(None) };
-    let mut mats: Vec<(Gemv, std::borrow::Cow<'_, [u8]>, usize)> = Vec::with_capacity(ws.len());
+    let mut mats: Vec<(BlockFormat, std::borrow::Cow<'_, [u8]>, usize)> = Vec::with_capacity(ws.len());
     for w in ws {
-        let gemv: Gemv = match w.dtype() {
-            GgmlDType::Q8_0 => gemv_q8_0,
-            GgmlDType::Q4_1 => gemv_q4_1,
-            _ => return Ok(None),
+        let Some(format) = BlockFormat::of(w.dtype()) else {
+            return Ok(None);
         };
         match w.shape().dims() {
-            &[n, wk] if wk == k => mats.push((gemv, w.data()?, n)),
+            &[n, wk] if wk == k => mats.push((format, w.data()?, n)),
             _ => return Ok(None),
         }
     }
@@ -869,13 +990,13 @@ pub fn matvec_many(ws: &[&candle_core::quantized::QTensor], x: &candle_core::Ten
     let helpers = if total * k >= 1 << 21 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
     super::claim::for_each_chunk(total, 64, helpers, &|rows| {
         // The chunk's rows, matrix by matrix (a chunk may cross from one matrix to the next).
-        for ((gemv, bytes, n), &s) in mats.iter().zip(&starts) {
+        for ((format, bytes, n), &s) in mats.iter().zip(&starts) {
             let (a, b) = (rows.start.max(s), rows.end.min(s + n));
             if a < b {
                 // SAFETY: `a..b` is within `rows`, which is within 0..total and goes to exactly
                 // one call (`for_each_chunk`), so the slices are disjoint; `y` outlives the loop.
                 let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(a), b - a) };
-                gemv(bytes, k, &xq, a - s..b - s, out);
+                gemv(*format, bytes, k, &xq, a - s..b - s, out);
             }
         }
     });
@@ -1332,7 +1453,7 @@ mod tests {
     }
 
     #[test]
-    fn matvec_takes_q8_0_and_q4_1_and_leaves_the_rest() {
+    fn matvec_takes_the_block_formats_and_leaves_the_rest() {
         // 300 rows: past the size that brings in the helpers, and not a whole number of chunks.
         use candle_core::quantized::{GgmlDType, QTensor};
         use candle_core::{Device, Tensor};
@@ -1349,7 +1470,7 @@ mod tests {
             // Two rows are candle's matmul's.
             assert!(matvec(&qt, &Tensor::cat(&[&x, &x], 0).unwrap()).unwrap().is_none(), "{dtype:?}");
         }
-        for dtype in [GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::F32] {
+        for dtype in [GgmlDType::Q2K, GgmlDType::F16, GgmlDType::F32] {
             assert!(matvec(&QTensor::quantize(&w, dtype).unwrap(), &x).unwrap().is_none(), "{dtype:?}");
         }
     }
@@ -1468,6 +1589,25 @@ mod tests {
                 }
             }
         }
+        // The other formats (`formats`): random bytes, -128 in the activation too.
+        for format in BlockFormat::ALL {
+            for k in [256usize, 768, 896, 4864].into_iter().filter(|k| k.is_multiple_of(format.block_len())) {
+                let n = 5;
+                let w = format_weights(&mut rng, format, n, k);
+                let mut x = Q8Activation::quantize(&activations(&mut rng, k, true));
+                if format != BlockFormat::Q8_0 {
+                    for (qb, sum) in x.q.chunks_exact_mut(QK).zip(&mut x.sums) {
+                        qb[rng.random_range(0..QK)] = i8::MIN;
+                        *sum = qb.iter().map(|&q| q as i32).sum();
+                    }
+                }
+                let (mut neon, mut dotprod) = (vec![0.0; n], vec![0.0; n]);
+                gemv_on(GemvPath::Neon, format, &w, k, &x, 0..n, &mut neon);
+                gemv_on(GemvPath::Dotprod, format, &w, k, &x, 0..n, &mut dotprod);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&neon), bits(&dotprod), "{format:?} K = {k}: {neon:?} {dotprod:?}");
+            }
+        }
     }
 
     #[test]
@@ -1552,11 +1692,183 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "has 1 block sums for K = 64 (2 blocks)")]
+    #[should_panic(expected = "has 1 block sums for 2 blocks")]
     fn q4_1_without_block_sums_panics() {
         let w = q4_1_weights(&mut rand::rngs::StdRng::seed_from_u64(1), 1, 64);
         let mut x = Q8Activation::quantize(&[1.0; 64]);
         x.sums.pop();
         gemv_q4_1(&w, 64, &x, 0..1, &mut [0.0]);
+    }
+
+
+    // --- Every format through `gemv_on`, against candle's own dequantization ---
+
+    /// Where `format`'s f16 fields are in a block: the scale `d`, and the minimum's (`dmin`, `m`)
+    /// for the formats that subtract one.
+    fn f16_fields(format: BlockFormat) -> (usize, Option<usize>) {
+        match format {
+            BlockFormat::Q4_0 | BlockFormat::Q5_0 | BlockFormat::Q8_0 => (0, None),
+            BlockFormat::Q4_1 | BlockFormat::Q4K | BlockFormat::Q5K => (0, Some(2)),
+            BlockFormat::Q6K => (208, None),
+        }
+    }
+
+    /// `n` rows of `k` weights of `format`: random bytes (every value, scale and bit pattern),
+    /// the f16 fields finite, of kind `r % 6` for row `r` ([`scale_bits`]), a minimum of either
+    /// sign.
+    fn format_weights(rng: &mut impl Rng, format: BlockFormat, n: usize, k: usize) -> Vec<u8> {
+        let (bytes, (d, m)) = (format.block_bytes(), f16_fields(format));
+        let mut w: Vec<u8> = (0..n * format.row_bytes(k)).map(|_| rng.random()).collect();
+        for (i, blk) in w.chunks_exact_mut(bytes).enumerate() {
+            let kind = i / (k / format.block_len()) % 6;
+            blk[d..d + 2].copy_from_slice(&scale_bits(rng, kind).to_le_bytes());
+            if let Some(m) = m {
+                let sign = if rng.random() { 0x8000 } else { 0 };
+                blk[m..m + 2].copy_from_slice(&(scale_bits(rng, kind) ^ sign).to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// The rows of `w` dequantized by candle (ggml's `to_float`), `[n, k]`.
+    fn candle_rows(format: BlockFormat, w: &[u8], n: usize, k: usize) -> Vec<f32> {
+        use candle_core::quantized::ggml_file::qtensor_from_ggml;
+        let t = qtensor_from_ggml(format.dtype(), w, vec![n, k], &candle_core::Device::Cpu).unwrap();
+        t.dequantize(&candle_core::Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Row `r`'s product in f64 from candle's dequantized weights, and the sum of the absolute
+    /// terms the kernels add: `|d ...| |q q_x|` and, for a minimum, `|dmin m| |q_x|` per weight,
+    /// found by dequantizing with the minimum, then the scale, set to zero.
+    fn format_reference(format: BlockFormat, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>) -> Vec<(f64, f64)> {
+        let n = w.len() / format.row_bytes(k);
+        let xf: Vec<f64> = x.q.iter().enumerate().map(|(i, &q)| q as f64 * x.scales[i / QK] as f64).collect();
+        let zeroed = |at: usize| {
+            let mut z = w.to_vec();
+            z.chunks_exact_mut(format.block_bytes()).for_each(|b| b[at..at + 2].fill(0));
+            candle_rows(format, &z, n, k)
+        };
+        let (d, m) = f16_fields(format);
+        let wf = candle_rows(format, w, n, k);
+        let parts = m.map(|m| (zeroed(m), zeroed(d)));
+        rows.map(|r| {
+            let row = |v: &[f32]| v[r * k..][..k].to_vec();
+            let sum = row(&wf).iter().zip(&xf).map(|(&w, &x)| w as f64 * x).sum();
+            let abs = match &parts {
+                None => row(&wf).iter().zip(&xf).map(|(&w, &x)| (w as f64 * x).abs()).sum(),
+                Some((scaled, mins)) => row(scaled).iter().zip(row(mins)).zip(&xf).map(|((&s, mn), &x)| (s.abs() + mn.abs()) as f64 * x.abs()).sum(),
+            };
+            (sum, abs)
+        })
+        .collect()
+    }
+
+    /// As [`tolerance_q4_1`], with room for the K-quants' longer way to the sum (per
+    /// super-block: the scale's two products, a chain of at most K / 256 + 1 FMAs per
+    /// accumulator, the minimum terms' own chain and the final subtraction) and for candle's
+    /// dequantization, which rounds each weight (`d * sc` then `* q - dmin * m`: 3 roundings).
+    fn format_tolerance(k: usize, abs: f64) -> f64 {
+        (k / QK + 16) as f64 * f32::EPSILON as f64 * abs
+    }
+
+    fn check_format(format: BlockFormat, path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: Range<usize>) {
+        let mut out = vec![f32::NAN; rows.len()];
+        gemv_on(path, format, w, k, x, rows.clone(), &mut out);
+        for ((r, got), (want, abs)) in rows.clone().zip(&out).zip(format_reference(format, w, k, x, rows.clone())) {
+            let (err, tol) = ((*got as f64 - want).abs(), format_tolerance(k, abs));
+            assert!(err <= tol, "{format:?} {path:?} K = {k} rows {rows:?}: row {r} is {got} for {want} (error {err:e} > {tol:e})");
+        }
+    }
+
+    #[test]
+    fn every_format_on_every_path_matches_candles_dequantization() {
+        // K of one super-block, two, three, Llama-3.2-1B's hidden 2048, Qwen2.5-0.5B's
+        // intermediate 4864 (19 super-blocks); 32-blocks also at K = 32, 96, 896 (Qwen2.5-0.5B's
+        // hidden size: no K-quant row); row sub-ranges as above.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(35);
+        for format in BlockFormat::ALL {
+            for k in [32usize, 96, 256, 512, 768, 896, 2048, 4864] {
+                if !k.is_multiple_of(format.block_len()) {
+                    continue;
+                }
+                let n = 7;
+                let w = format_weights(&mut rng, format, n, k);
+                for mixed in [false, true] {
+                    let x = Q8Activation::quantize(&activations(&mut rng, k, mixed));
+                    for path in paths() {
+                        for rows in [0..n, 2..n, 3..4, n..n] {
+                            check_format(format, path, &w, k, &x, rows);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_format_is_exact_at_its_integer_corners() {
+        // The largest integer sums each kernel forms: every byte of the weights 0xFF (the
+        // largest values, scales and minimums, the fifth and sixth bits set; Q6_K's scales -1),
+        // 0x00, or alternating, with unit f16 fields, against activations of +-127 and of -128
+        // with unit scales. A saturated i16 pair or a wrapped sign would be off by thousands;
+        // the tolerance is a few parts in 10^6.
+        let one = half::f16::from_f32(1.0).to_bits().to_le_bytes();
+        let k = 512;
+        for format in BlockFormat::ALL {
+            let (d, m) = f16_fields(format);
+            for fill in [0xFFu8, 0x00, 0xAA, 0x55] {
+                let mut w = vec![fill; 2 * format.row_bytes(k)];
+                for blk in w.chunks_exact_mut(format.block_bytes()) {
+                    blk[d..d + 2].copy_from_slice(&one);
+                    if let Some(m) = m {
+                        blk[m..m + 2].copy_from_slice(&one);
+                    }
+                }
+                for q in [vec![127i8; k], vec![-128; k], (0..k).map(|i| if i % 4 < 2 { 127 } else { -128 }).collect()] {
+                    if format == BlockFormat::Q8_0 && q.contains(&i8::MIN) {
+                        continue; // Q8_0's own test covers -128 (some paths refuse it).
+                    }
+                    let sums = q.chunks_exact(QK).map(|b| b.iter().map(|&v| v as i32).sum()).collect();
+                    let x = Q8Activation { scales: vec![1.0; k / QK], q, sums };
+                    for path in paths() {
+                        check_format(format, path, &w, k, &x, 0..2);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_format_tolerance_sees_one_bit_of_any_value_byte() {
+        // Rows as a quantizer makes them (candle's, from normal weights), K = 512: flipping the
+        // lowest bit of any byte past the f16 fields (a value, a fifth or sixth bit, a sub-block
+        // scale or minimum) changes the dequantized row; against activations of 127 (unit
+        // scales) that must move the product by more than the tolerance, or the tests above
+        // could miss a wrong weight.
+        use candle_core::quantized::QTensor;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(36);
+        let k = 512;
+        let normal: Vec<f32> = (0..k).map(|_| (0..12).map(|_| rng.random_range(-0.5f32..0.5)).sum()).collect();
+        let x = Q8Activation { scales: vec![1.0; k / QK], q: vec![127; k], sums: vec![127 * QK as i32; k / QK] };
+        for format in BlockFormat::ALL {
+            let t = candle_core::Tensor::from_vec(normal.clone(), (1, k), &candle_core::Device::Cpu).unwrap();
+            let w = QTensor::quantize(&t, format.dtype()).unwrap().data().unwrap().to_vec();
+            let (_, abs) = format_reference(format, &w, k, &x, 0..1)[0];
+            let tol = format_tolerance(k, abs);
+            let base = candle_rows(format, &w, 1, k);
+            let (d, m) = f16_fields(format);
+            let f16_bytes = |i: usize| [Some(d), m].into_iter().flatten().any(|at| (at..at + 2).contains(&(i % format.block_bytes())));
+            let mut seen = 0;
+            for i in (0..w.len()).filter(|&i| !f16_bytes(i)) {
+                let mut off = w.clone();
+                off[i] ^= 1;
+                let step: f64 = candle_rows(format, &off, 1, k).iter().zip(&base).map(|(a, b)| (a - b) as f64 * 127.0).sum();
+                if step != 0.0 {
+                    seen += 1;
+                    assert!(step.abs() > tol, "{format:?} byte {i}: one bit moves the row by {step:e}, the tolerance is {tol:e}");
+                }
+            }
+            assert!(seen > w.len() / 2, "{format:?}: only {seen} of {} bytes change the row", w.len());
+        }
     }
 }
