@@ -1,10 +1,11 @@
-//! Decode throughput, side by side in one run: this engine's CPU decode (candle ops, Q8_0
-//! decode weights made from the NPU's INT8 copy) against llama.cpp's `llama-bench` on the same
-//! weights requantized to Q8_0, for the three real models, at a context of 64 and 2048 tokens,
-//! on a quiet machine and beside a busy process (a shell spinning on one core: on a phone, every
-//! other app). Also the machine's memory bandwidth (a STREAM-like read of a buffer far larger
-//! than the caches), the limit decode is measured against: the bytes one token reads (weights,
-//! the output matrix, the KV rows) over the bandwidth.
+//! Decode throughput, side by side in one run, in interleaved rounds: this engine's CPU decode
+//! reading the model file's own blocks (the default), the same engine on a Q8_0 copy made from
+//! the NPU's INT8 weights (the default before 2026-11-26), and llama.cpp's `llama-bench` on the
+//! same file, for the three real models, at a context of 64 and 2048 tokens, on a quiet machine
+//! and beside a busy process (a shell spinning on one core: on a phone, every other app). Also
+//! the machine's memory bandwidth (a STREAM-like read of a buffer far larger than the caches),
+//! the limit decode is measured against: the bytes one token reads (weights, the output
+//! matrix, the KV rows) over the bandwidth.
 //!
 //! ```text
 //! cargo run --release --example bench_decode -- [--llama-bench PATH] [--models smollm2,qwen,gemma]
@@ -14,15 +15,12 @@
 //! `llama-cpp-python` sdist's vendored source (cmake) and give its path (or `$LLAMA_BENCH`).
 #[path = "common/llama_bench.rs"]
 mod llama_bench;
-#[path = "common/requantize.rs"]
-mod requantize;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::GgmlDType;
 use candle_npu::NpuDevice;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
 use clap::Parser;
@@ -146,10 +144,10 @@ fn main() -> Result<()> {
         args.rounds,
         args.tokens,
         args.threads,
-        if llama_bench.is_some() { "; llama.cpp: llama-bench on the same weights as Q8_0" } else { " (no --llama-bench: our rows only)" }
+        if llama_bench.is_some() { "; llama.cpp: llama-bench on the same file" } else { " (no --llama-bench: our rows only)" }
     );
-    println!("\n| model | context | load | ours | llama.cpp | ours / llama.cpp | ours: GB/s read (share of {bw:.0}) |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("\n| model | context | load | ours, the file's blocks | ours, Q8_0 copy | llama.cpp | file's / llama.cpp | file's / Q8_0 copy | file's: GB/s read (share of {bw:.0}) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let mut chat = vec![];
     for m in &args.models {
         let (path, name) = match m.as_str() {
@@ -158,30 +156,31 @@ fn main() -> Result<()> {
             "gemma" => (assets::gemma3_270m()?, "gemma3-270m"),
             other => bail!("unknown model {other}: smollm2, qwen or gemma"),
         };
-        let q8 = match &llama_bench {
-            Some(_) => Some(requantize::requantized(&path, name, GgmlDType::Q8_0)?),
-            None => None,
+        let load = |decode_weights| -> Result<Pipeline> {
+            let opts = LoadOptions { precision: Precision::W8A8, decode_weights, ..Default::default() };
+            let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
+            p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+            Ok(p)
         };
-        let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
-        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
-        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
-        // Bytes one decode step reads: every decode weight (Q8_0: 34 bytes per 32) and, per
-        // context token, a K and a V row per layer in f32.
-        let cfg = p.model.config().clone();
-        let weights: usize = p.model.linears().map(|l| l.dims().0 * l.dims().1).sum::<usize>() + cfg.vocab * cfg.hidden;
+        let (mut file, mut q8) = (load(DecodeWeights::Checkpoint)?, load(DecodeWeights::Q8_0)?);
+        // Bytes one decode step reads: every decode weight as stored and, per context token, a K
+        // and a V row per layer in f32.
+        let cfg = file.model.config().clone();
+        let weights: usize = file.model.linears().map(|l| l.decode().bytes()).sum::<usize>() + file.model.output().bytes();
         let kv_row = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4;
         for &context in &args.contexts {
             for busy in [false, true] {
-                let (mut a, mut b) = (vec![], vec![]);
+                let (mut a, mut b, mut c) = (vec![], vec![], vec![]);
                 for _ in 0..args.rounds {
                     let _load = if busy { Some(Busy::start()?) } else { None };
-                    a.push(ours(&mut p, context, args.tokens)?);
-                    if let (Some(bin), Some(q8)) = (&llama_bench, &q8) {
-                        b.push(llama(bin, q8, context, args.tokens, args.threads)?);
+                    a.push(ours(&mut file, context, args.tokens)?);
+                    c.push(ours(&mut q8, context, args.tokens)?);
+                    if let Some(bin) = &llama_bench {
+                        b.push(llama(bin, &path, context, args.tokens, args.threads)?);
                     }
                 }
-                let ours = median(a);
-                let bytes = weights as f64 * 34.0 / 32.0 + (context as f64) * kv_row as f64;
+                let (ours, q8_copy) = (median(a), median(c));
+                let bytes = weights as f64 + (context as f64) * kv_row as f64;
                 let gbs = ours * bytes / 1e9;
                 let (theirs, ratio) = match b.is_empty() {
                     true => ("-".to_string(), "-".to_string()),
@@ -191,15 +190,20 @@ fn main() -> Result<()> {
                     }
                 };
                 let load = if busy { "busy process" } else { "quiet" };
-                println!("| {name} | {context} | {load} | {ours:.1} | {theirs} | {ratio} | {gbs:.1} ({:.0}%) |", 100.0 * gbs / bw);
+                println!(
+                    "| {name} | {context} | {load} | {ours:.1} | {q8_copy:.1} | {theirs} | {ratio} | {:.2}x | {gbs:.1} ({:.0}%) |",
+                    ours / q8_copy,
+                    100.0 * gbs / bw
+                );
             }
         }
+        drop(q8);
         for &prompt in args.chat.iter().filter(|_| !args.no_chat) {
             let (mut a, mut b) = (vec![], vec![]);
             for _ in 0..args.rounds {
-                a.push(ours_chat(&mut p, prompt, args.chat_tokens)?);
-                if let (Some(bin), Some(q8)) = (&llama_bench, &q8) {
-                    b.push(llama_chat(bin, q8, prompt, args.chat_tokens, args.threads)?);
+                a.push(ours_chat(&mut file, prompt, args.chat_tokens)?);
+                if let Some(bin) = &llama_bench {
+                    b.push(llama_chat(bin, &path, prompt, args.chat_tokens, args.threads)?);
                 }
             }
             let ours = median(a);

@@ -80,11 +80,13 @@ fn llama_and_qwen2_against_candle_in_f16() {
     checkpoint_decode_weights_match_candle_quantized_qwen2();
 }
 
-/// `DecodeWeights::Checkpoint`: our CPU path over the GGUF's own k-quant tensors against
-/// candle's quantized Qwen2 over the same tensors (neither dequantized): the same matmul
-/// kernels, so the logits agree up to F32 rounding in the non-matmul ops, which the kernels'
-/// 8-bit activation quantization amplifies (a value moved across a rounding step changes a
-/// whole matmul row), and greedy decode gives the same tokens.
+/// `DecodeWeights::Checkpoint`: our CPU path over the GGUF's own blocks (Q5_0, Q4_K, Q6_K,
+/// Q8_0) against candle's quantized Qwen2 over the same tensors (neither dequantized): the same
+/// weights through other kernels (ours quantize the activation in blocks of 32 with an f32
+/// scale; candle's K-quant products take blocks of 256, its Q5_0 and Q8_0 ones an f16 scale),
+/// so the logits agree up to rounding, which the 8-bit activation quantization amplifies (a
+/// value moved across a rounding step changes a whole matmul row), and greedy decode gives the
+/// same tokens.
 fn checkpoint_decode_weights_match_candle_quantized_qwen2() {
     use candle_transformers::models::quantized_qwen2 as qwen2;
     let path = assets::qwen25_coder_05b().unwrap();

@@ -5,20 +5,22 @@
 //! and decodes only through it.
 //!
 //! Memory: the float weight is never resident. It is read from its [`WeightSource`] (the
-//! checkpoint file) to quantize it and to build a float graph. The INT8 weight is held once: as Q8_0 blocks whose values are the NPU's (`d` = the channel's
-//! scale), which candle's CPU kernels run for decode and from which the NPU graph's INT8 weight
-//! is copied when a graph is built.
+//! checkpoint file) to quantize it and to build a float graph. The INT8 weight is held once: as
+//! Q8_0 blocks whose values are the NPU's (`d` = the channel's scale), which the decode kernels
+//! read and from which the NPU graph's INT8 weight is copied when a graph is built; or, with
+//! [`DecodeWeights::Checkpoint`], decode reads the checkpoint's own blocks (mapped) and the INT8
+//! values are held as they are.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
 use crate::device::PreparedGraph;
+use crate::kernels::gemv::{BlockFormat, BlockMatrix};
 use crate::kernels::{prefetch, PackedI8};
 use crate::kernels::rows::{rows_per_task, shadow_row};
 use crate::outlier::{Outliers, WeightSource};
@@ -46,11 +48,12 @@ pub enum DecodeWeights {
     /// otherwise the INT8 values are kept as they are and decode runs them dequantized (logged).
     #[default]
     Q8_0,
-    /// The checkpoint's own quantized tensor (e.g. a GGUF's Q4_K / Q6_K), a second copy beside
-    /// the INT8 one: smaller per weight than Q8_0 but both are resident, and decode and prefill
-    /// then use different weight values. Where the source has no quantized form (HF folders),
-    /// falls back to Q8_0 (logged). The "Decode weights" table of `docs/memory.md` is the
-    /// measurement behind the default.
+    /// The checkpoint's own blocks (a GGUF's Q4_1, Q5_0, Q4_K, Q6_K, ...: every
+    /// [`crate::kernels::gemv::BlockFormat`]), read where they are in the mapped file through
+    /// this crate's decode kernels: no decode copy of its own. Decode and prefill then use
+    /// different weight values (the file's and their INT8 requantization). Where the source has
+    /// no such blocks (HF folders, another format), Q8_0 as above. The INT8 weights are then
+    /// held apart for the NPU graphs. `docs/decode.md` measures both forms.
     Checkpoint,
 }
 
@@ -63,7 +66,7 @@ struct NpuWeight {
 /// Where the INT8 values are held.
 enum Int8 {
     /// In the decode matmul's Q8_0 blocks (see [`DecodeWeights::Q8_0`]).
-    Q8_0(Arc<QTensor>),
+    Q8_0(BlockMatrix),
     /// As they are (decode has its own weight).
     Raw(Arc<Vec<i8>>),
 }
@@ -136,10 +139,7 @@ impl NpuWeight {
         }
         Ok(match &self.int8 {
             Int8::Raw(q) => gather(cs, n, q, |r, c| r * k + c, |v| v),
-            Int8::Q8_0(t) => {
-                let data = t.data()?;
-                gather(cs, n, &data, |r, c| (r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32, |v| v as i8)
-            }
+            Int8::Q8_0(t) => gather(cs, n, t.data(), |r, c| (r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32, |v| v as i8),
         })
     }
 
@@ -148,7 +148,7 @@ impl NpuWeight {
         match &self.int8 {
             Int8::Raw(q) => Ok(q.clone()),
             Int8::Q8_0(t) => {
-                let data = t.data()?;
+                let data = t.data();
                 // A block at a time (`flat_map` gives `collect` no length: it grew the vector
                 // value by value; 21% of SmolLM2's load).
                 let mut q = Vec::with_capacity(data.len() / Q8_0_BLOCK * 32);
@@ -162,7 +162,7 @@ impl NpuWeight {
 }
 
 /// `q` (`[N, K]`, K whole blocks of 32) with one scale per row, as Q8_0.
-fn q8_0_blocks(q: &[i8], n: usize, k: usize, scale: impl Fn(usize) -> f32) -> Result<QTensor> {
+fn q8_0_blocks(q: &[i8], n: usize, k: usize, scale: impl Fn(usize) -> f32) -> Result<BlockMatrix> {
     let mut bytes = Vec::with_capacity(n * k / 32 * Q8_0_BLOCK);
     for (r, row) in q.chunks_exact(k).enumerate() {
         let d = half::f16::from_f32(scale(r)).to_le_bytes();
@@ -171,7 +171,73 @@ fn q8_0_blocks(q: &[i8], n: usize, k: usize, scale: impl Fn(usize) -> f32) -> Re
             bytes.extend(block.iter().map(|&v| v as u8));
         }
     }
-    Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(GgmlDType::Q8_0, &bytes, vec![n, k], &Device::Cpu)?)
+    BlockMatrix::new(BlockFormat::Q8_0, n, k, Arc::new(bytes), 0)
+}
+
+/// A decode weight `[N, K]`: what a linear, the embedding table or the output table multiplies
+/// with on the CPU.
+#[derive(Debug, Clone)]
+pub enum DecodeMatrix {
+    /// ggml blocks (the checkpoint's own, mapped, or a Q8_0 form of the INT8 weights), through
+    /// this crate's decode kernels ([`crate::kernels::gemv`]).
+    Blocks(BlockMatrix),
+    /// Floats (a float reference, or a width that is not whole blocks), through candle's matmul.
+    F32(Tensor),
+}
+
+impl DecodeMatrix {
+    /// `x @ w^T` for `x` of `[.., K]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            DecodeMatrix::Blocks(b) => b.forward(x),
+            DecodeMatrix::F32(w) => Ok(x.broadcast_matmul(&w.t()?)?),
+        }
+    }
+
+    /// Rows `ids` as F32, `[ids.len(), K]` (the embedding lookup).
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        match self {
+            DecodeMatrix::Blocks(b) => b.rows(ids),
+            DecodeMatrix::F32(w) => {
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= w.dim(0).unwrap_or(0)) {
+                    return Err(Error::Input(format!("row {id} of a matrix of {} rows", w.dim(0)?)));
+                }
+                Ok(w.index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?)
+            }
+        }
+    }
+
+    /// (N, K).
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            DecodeMatrix::Blocks(b) => b.dims(),
+            DecodeMatrix::F32(w) => w.dims2().unwrap_or((0, 0)),
+        }
+    }
+
+    /// Bytes of its weights (mapped ones too: resident once read).
+    pub fn bytes(&self) -> usize {
+        match self {
+            DecodeMatrix::Blocks(b) => b.data().len(),
+            DecodeMatrix::F32(w) => w.elem_count() * 4,
+        }
+    }
+
+    /// Each of `ws` times `x` (a stage's linears, sharing their input): one decode product for
+    /// all when every one is in blocks (`x` quantized once per row), else one each.
+    pub fn forward_all(ws: &[&DecodeMatrix], x: &Tensor) -> Result<Vec<Tensor>> {
+        let blocks: Option<Vec<&BlockMatrix>> = ws
+            .iter()
+            .map(|w| match w {
+                DecodeMatrix::Blocks(b) => Some(b),
+                DecodeMatrix::F32(_) => None,
+            })
+            .collect();
+        match blocks {
+            Some(bs) => BlockMatrix::forward_all(&bs, x),
+            None => ws.iter().map(|w| w.forward(x)).collect(),
+        }
+    }
 }
 
 /// The hot input channels' weight columns, `[n_hot, N]`, contiguous (a column of the row-major
@@ -204,7 +270,7 @@ pub struct ShadowLinear {
     row_scales: Vec<f32>,
     bias: Option<Vec<f32>>,
     bias_t: Option<Tensor>,
-    decode: QMatMul,
+    decode: DecodeMatrix,
     hot: HotColumns,
     shadow: bool,
     cold_reads: AtomicU64,
@@ -219,55 +285,6 @@ impl std::fmt::Debug for ShadowLinear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ShadowLinear({} [{}, {}], {} hot, shadow {})", self.name, self.n, self.k, self.n_hot(), self.shadow)
     }
-}
-
-/// `w.forward(x)`, candle's CPU matmul of a decode weight, on any CPU: where candle's own
-/// quantized kernels cannot run, this crate's decode kernel takes it row by row, or the weight
-/// dequantized to F32.
-///
-/// Why: candle-core 0.11's quantized kernels on aarch64 execute `sdot` (FEAT_DotProd) without
-/// asking the CPU (its `neon` module): on a core without it (Cortex-A53/A72, e.g. a Raspberry
-/// Pi 3 or 4) the process dies of SIGILL on the first prompt. There, a Q8_0 or Q4_1 weight goes
-/// through [`crate::kernels::gemv::matvec`] one row of `x` at a time (its NEON path), and any
-/// other format (a checkpoint's K-quants) is dequantized for the call, with a warning once per
-/// process: slow, but right. Every CPU that has dotprod (every Snapdragon since the 855) and every
-/// x86 CPU runs candle's matmul, as before.
-pub fn decode_matmul(w: &QMatMul, x: &Tensor) -> Result<Tensor> {
-    #[cfg(target_arch = "aarch64")]
-    if let (QMatMul::QTensor(qw), false) = (w, crate::kernels::arm::has_dotprod()) {
-        return matmul_without_dotprod(qw, x);
-    }
-    Ok(w.forward(x)?)
-}
-
-/// [`decode_matmul`] on an aarch64 CPU without dotprod: `x` (`[.., K]`) times `w^T` (`[N, K]`).
-#[cfg(target_arch = "aarch64")]
-fn matmul_without_dotprod(w: &QTensor, x: &Tensor) -> Result<Tensor> {
-    let (k, n) = (w.shape().dims()[1], w.shape().dims()[0]);
-    let mut out_dims = x.dims().to_vec();
-    if out_dims.last() != Some(&k) {
-        return Err(Error::Input(format!("decode matmul: input {:?} against a weight of [{n}, {k}]", x.dims())));
-    }
-    *out_dims.last_mut().expect("checked above") = n;
-    let rows = x.reshape(((), k))?.to_dtype(candle_core::DType::F32)?;
-    let mut ys = Vec::with_capacity(rows.dim(0)?);
-    for r in 0..rows.dim(0)? {
-        match crate::kernels::gemv::matvec(w, &rows.narrow(0, r, 1)?)? {
-            Some(y) => ys.push(y),
-            None => {
-                static WARNED: std::sync::Once = std::sync::Once::new();
-                WARNED.call_once(|| {
-                    tracing::warn!(
-                        dtype = ?w.dtype(),
-                        "this CPU lacks Arm dotprod, which candle's quantized matmul needs: the weight is dequantized to F32 for each product"
-                    )
-                });
-                let wf = w.dequantize(&Device::Cpu)?;
-                return Ok(rows.matmul(&wf.t()?)?.reshape(out_dims)?.to_dtype(x.dtype())?);
-            }
-        }
-    }
-    Ok(Tensor::cat(&ys, 0)?.reshape(out_dims)?.to_dtype(x.dtype())?)
 }
 
 impl ShadowLinear {
@@ -301,28 +318,28 @@ impl ShadowLinear {
         let row_scales: Vec<f32> = (0..n).map(|r| scales.row(r)).collect();
         let checkpoint = match decode {
             DecodeWeights::Checkpoint => {
-                let t = source.quantized()?;
+                let t = source.blocks()?;
                 if t.is_none() {
-                    tracing::warn!(linear = %name, "{} has no quantized form: decode uses Q8_0", source.describe());
+                    tracing::debug!(linear = %name, "{} has no blocks of a decode kernel's format: decode uses Q8_0", source.describe());
                 }
                 t
             }
             _ => None,
         };
         let (int8, decode) = match (decode, checkpoint) {
-            (_, Some(t)) => (Int8::Raw(Arc::new(q)), QMatMul::from_qtensor(t)?),
-            (DecodeWeights::F32, None) => (Int8::Raw(Arc::new(q)), QMatMul::Tensor(Tensor::from_vec(data, (n, k), &Device::Cpu)?)),
+            (_, Some(b)) => (Int8::Raw(Arc::new(q)), DecodeMatrix::Blocks(b)),
+            (DecodeWeights::F32, None) => (Int8::Raw(Arc::new(q)), DecodeMatrix::F32(Tensor::from_vec(data, (n, k), &Device::Cpu)?)),
             (_, None) if k % 32 == 0 => {
                 if let Some(r) = row_scales.iter().position(|&s| s > half::f16::MAX.to_f32()) {
                     return Err(Error::Input(format!("{name}: row {r}'s weights (scale {}) are beyond Q8_0's f16 scales", row_scales[r])));
                 }
-                let t = Arc::new(q8_0_blocks(&q, n, k, |r| row_scales[r])?);
-                (Int8::Q8_0(t.clone()), QMatMul::QTensor(t))
+                let t = q8_0_blocks(&q, n, k, |r| row_scales[r])?;
+                (Int8::Q8_0(t.clone()), DecodeMatrix::Blocks(t))
             }
             (_, None) => {
                 tracing::warn!(linear = %name, k, "input width is not whole Q8_0 blocks of 32: decode runs the INT8 weight dequantized to F32");
                 let deq: Vec<f32> = q.iter().enumerate().map(|(i, &v)| v as f32 * row_scales[i / k]).collect();
-                (Int8::Raw(Arc::new(q)), QMatMul::Tensor(Tensor::from_vec(deq, (n, k), &Device::Cpu)?))
+                (Int8::Raw(Arc::new(q)), DecodeMatrix::F32(Tensor::from_vec(deq, (n, k), &Device::Cpu)?))
             }
         };
         let npu = NpuWeight { int8, scales };
@@ -415,14 +432,15 @@ impl ShadowLinear {
     }
     /// Bytes of the decode matmul's weight, and of the INT8 copy when decode has its own.
     pub fn decode_bytes(&self) -> usize {
-        let own = match &self.decode {
-            QMatMul::QTensor(t) => t.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.elem_count() * t.dtype().size_in_bytes(),
-        };
-        own + match &self.npu.int8 {
+        self.decode.bytes()
+            + match &self.npu.int8 {
             Int8::Q8_0(_) => 0,
             Int8::Raw(q) => q.len(),
         }
+    }
+    /// The decode weight.
+    pub fn decode(&self) -> &DecodeMatrix {
+        &self.decode
     }
     /// Bytes of the hot channels' contiguous columns.
     pub fn hot_bytes(&self) -> usize {
@@ -499,32 +517,17 @@ impl ShadowLinear {
         Ok(())
     }
 
-    /// Decode (candle CPU): `x @ w^T + b` for `x` `[rows, K]`. One row on Q8_0 decode weights
-    /// (every decode step) runs this crate's matrix-vector kernel ([`crate::kernels::gemv::matvec`]);
-    /// everything else is candle's matmul.
+    /// Decode (CPU): `x @ w^T + b` for `x` `[rows, K]`, by the decode weight ([`DecodeMatrix`]:
+    /// this crate's kernels on blocks).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match self.gemv(x)? {
-            Some(y) => y,
-            None => decode_matmul(&self.decode, x)?,
-        };
-        self.with_bias(y)
+        self.with_bias(self.decode.forward(x)?)
     }
 
-    /// [`ShadowLinear::forward`] of each of `linears` (a stage's, sharing the input `x`): one row
-    /// on Q8_0 decode weights is one call of the decode kernel for all of them
-    /// ([`crate::kernels::gemv::matvec_many`]: `x` quantized once, one parallel loop), the same
-    /// values as one call each.
+    /// [`ShadowLinear::forward`] of each of `linears` (a stage's, sharing the input `x`): one
+    /// decode product for all ([`DecodeMatrix::forward_all`]), the same values as one call each.
     pub fn forward_all(linears: &[ShadowLinear], x: &Tensor) -> Result<Vec<Tensor>> {
-        let q8: Option<Vec<&QTensor>> = linears
-            .iter()
-            .map(|l| match &l.npu.int8 {
-                Int8::Q8_0(w) => Some(&**w),
-                Int8::Raw(_) => None,
-            })
-            .collect();
-        let Some(ys) = q8.map(|ws| crate::kernels::gemv::matvec_many(&ws, x)).transpose()?.flatten() else {
-            return linears.iter().map(|l| l.forward(x)).collect();
-        };
+        let ws: Vec<&DecodeMatrix> = linears.iter().map(|l| &l.decode).collect();
+        let ys = DecodeMatrix::forward_all(&ws, x)?;
         linears.iter().zip(ys).map(|(l, y)| l.with_bias(y)).collect()
     }
 
@@ -534,16 +537,6 @@ impl ShadowLinear {
             None => y,
         })
     }
-
-    /// `x @ w^T` by the decode kernel when `x` is one F32 row and the decode weight is the
-    /// INT8 copy in Q8_0 blocks ([`DecodeWeights::Q8_0`]; a checkpoint's own tensors stay with
-    /// candle, whose results they then equal bit for bit).
-    fn gemv(&self, x: &Tensor) -> Result<Option<Tensor>> {
-        match &self.npu.int8 {
-            Int8::Q8_0(w) => crate::kernels::gemv::matvec(w, x),
-            Int8::Raw(_) => Ok(None),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -552,29 +545,43 @@ mod tests {
     use crate::outlier::InMemoryWeight;
 
     #[test]
-    fn decode_matmul_is_the_weights_product_on_every_cpu() {
-        // Several rows on Q8_0, Q4_1 and a K-quant: candle's matmul where the CPU runs it, this
-        // crate's kernel or the dequantized weight on an aarch64 CPU without dotprod (qemu's
-        // cortex-a53, where candle's kernels die of SIGILL). Either way the product of the
-        // dequantized weights with the activations quantized to 8 bits: within 1% of the sum of
-        // the absolute terms (8-bit activations are off by at most 1/254 of their block's
-        // maximum each), and a wrong row or format is off by far more.
+    fn a_decode_matrix_is_the_weights_product_in_every_form() {
+        // Several rows on every block format and on floats: the product of the dequantized
+        // weights with the activations quantized to 8 bits, within 1% of the sum of the absolute
+        // terms (8-bit activations are off by at most 1/254 of their block's maximum each), and
+        // a wrong row or format is off by far more. The embedding rows are the dequantized rows.
+        use candle_core::quantized::QTensor;
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let (m, n, k) = (3, 9, 256);
         let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let wf: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
         let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
-        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::Q4K] {
-            let qt = QTensor::quantize(&Tensor::from_slice(&wf, (n, k), &Device::Cpu).unwrap(), dtype).unwrap();
-            let w: Vec<f32> = qt.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            let got: Vec<f32> = decode_matmul(&QMatMul::QTensor(Arc::new(qt)), &xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            assert_eq!(got.len(), m * n, "{dtype:?}");
+        let wt = Tensor::from_slice(&wf, (n, k), &Device::Cpu).unwrap();
+        let mut forms: Vec<DecodeMatrix> = BlockFormat::ALL
+            .iter()
+            .map(|f| DecodeMatrix::Blocks(BlockMatrix::from_qtensor(&QTensor::quantize(&wt, f.dtype()).unwrap()).unwrap().unwrap()))
+            .collect();
+        forms.push(DecodeMatrix::F32(wt.clone()));
+        for dm in forms {
+            let w: Vec<f32> = match &dm {
+                DecodeMatrix::Blocks(b) => b.dequantize().unwrap(),
+                DecodeMatrix::F32(t) => t.clone(),
+            }
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+            let got: Vec<f32> = dm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!((got.len(), dm.dims()), (m * n, (n, k)), "{dm:?}");
             for (i, j) in (0..m).flat_map(|i| (0..n).map(move |j| (i, j))) {
                 let terms = (0..k).map(|t| x[i * k + t] * w[j * k + t]);
                 let (want, abs): (f32, f32) = terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
-                assert!((got[i * n + j] - want).abs() <= 0.01 * abs, "{dtype:?} ({i}, {j}): {} for {want}", got[i * n + j]);
+                assert!((got[i * n + j] - want).abs() <= 0.01 * abs, "{dm:?} ({i}, {j}): {} for {want}", got[i * n + j]);
             }
+            let rows: Vec<f32> = dm.rows(&[4, 0, 4]).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(rows, [&w[4 * k..5 * k], &w[..k], &w[4 * k..5 * k]].concat(), "{dm:?}");
+            assert!(dm.rows(&[n as u32]).is_err(), "{dm:?}: a row past the table");
         }
     }
 
@@ -596,8 +603,8 @@ mod tests {
         let one_each: Vec<Vec<f32>> = lins.iter().map(|l| l.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap()).collect();
         let all: Vec<Vec<f32>> = ShadowLinear::forward_all(&lins, &x).unwrap().iter().map(|y| y.flatten_all().unwrap().to_vec1().unwrap()).collect();
         assert_eq!(all, one_each);
-        assert_eq!(one_each[1][0] - 0.5, lins[1].gemv(&x).unwrap().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()[0], "the bias is added");
-        // Two rows: candle's matmul, one call each.
+        assert_eq!(one_each[1][0] - 0.5, lins[1].decode.forward(&x).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()[0], "the bias is added");
+        // Two rows: each its own product.
         let x2 = Tensor::cat(&[&x, &x], 0).unwrap();
         let ys = ShadowLinear::forward_all(&lins, &x2).unwrap();
         assert_eq!(ys.iter().map(|y| y.dims().to_vec()).collect::<Vec<_>>(), [vec![2, 70], vec![2, 40], vec![2, 130]]);

@@ -244,9 +244,10 @@ pub trait WeightSource: Send + Sync {
     fn matrix(&self) -> Result<Vec<f32>>;
     /// Where the weight comes from, for logs and errors.
     fn describe(&self) -> String;
-    /// The weight in its file's own quantized form (a GGUF's k-quants), when it has one: what
-    /// [`crate::DecodeWeights::Checkpoint`] decodes with.
-    fn quantized(&self) -> Result<Option<candle_core::quantized::QTensor>> {
+    /// The weight in its file's own blocks (a GGUF's Q4_K, Q6_K, ...), where they are (mapped):
+    /// what [`crate::DecodeWeights::Checkpoint`] decodes with. `None` where the source has no
+    /// blocks of a format the decode kernels read ([`crate::kernels::gemv::BlockFormat`]).
+    fn blocks(&self) -> Result<Option<crate::kernels::gemv::BlockMatrix>> {
         Ok(None)
     }
 }

@@ -7,9 +7,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use candle_npu::kernels::gemv::{BlockFormat, BlockMatrix};
+use candle_npu::linear::DecodeMatrix;
 use candle_npu::{DecodeWeights, Error, Result, WeightSource};
 
 use crate::gguf::Gguf;
@@ -47,8 +49,8 @@ pub trait Checkpoint {
     /// A matrix `[N, K]`, read on demand.
     fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>>;
     /// The embedding table `[vocab, hidden]` (also the tied output matrix) in its decode form:
-    /// the checkpoint's own quantization where it has one.
-    fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul>;
+    /// the checkpoint's own blocks (mapped) where it has them.
+    fn table(&self, name: &str, decode: DecodeWeights) -> Result<DecodeMatrix>;
 
     /// The matrix at `m`, cut to its rows if it is part of a fused tensor.
     fn mapped_matrix(&self, m: &Mapped) -> Result<Arc<dyn WeightSource>> {
@@ -113,6 +115,11 @@ fn check_finite(t: &Tensor, name: &str, path: &Path) -> Result<()> {
 /// when those are, so only they are read (a dequantized copy of Gemma 3's embedding would be
 /// 670 MB of f32).
 pub fn first_non_finite(q: &QTensor) -> Result<Option<usize>> {
+    Ok(first_non_finite_in(q.dtype(), &q.data()?))
+}
+
+/// [`first_non_finite`] of `data`, whole blocks (or elements) of `dtype`.
+pub fn first_non_finite_in(dtype: GgmlDType, data: &[u8]) -> Option<usize> {
     #[derive(Clone, Copy)]
     enum Float {
         F16,
@@ -122,7 +129,7 @@ pub fn first_non_finite(q: &QTensor) -> Result<Option<usize>> {
     use Float::{Bf16, F16, F32};
     // The float fields of one block (or element): (byte offset, type). Layouts: ggml's
     // `block_q*` structs (candle's `k_quants.rs`).
-    let fields: &[(usize, Float)] = match q.dtype() {
+    let fields: &[(usize, Float)] = match dtype {
         GgmlDType::F32 => &[(0, F32)],
         GgmlDType::F16 => &[(0, F16)],
         GgmlDType::BF16 => &[(0, Bf16)],
@@ -133,14 +140,13 @@ pub fn first_non_finite(q: &QTensor) -> Result<Option<usize>> {
         GgmlDType::Q6K => &[(208, F16)],
         GgmlDType::Q8K => &[(0, F32)],
     };
-    let data = q.data()?;
     let finite = |b: &[u8], (at, ty): (usize, Float)| match ty {
         // An f16 or bf16 is NaN or infinite exactly when its exponent bits are all set.
         F16 => u16::from_le_bytes([b[at], b[at + 1]]) & 0x7c00 != 0x7c00,
         Bf16 => u16::from_le_bytes([b[at], b[at + 1]]) & 0x7f80 != 0x7f80,
         F32 => f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]).is_finite(),
     };
-    Ok(data.chunks_exact(q.dtype().type_size()).position(|block| !fields.iter().all(|&f| finite(block, f))))
+    data.chunks_exact(dtype.type_size()).position(|block| !fields.iter().all(|&f| finite(block, f)))
 }
 
 // --- GGUF ---
@@ -149,6 +155,9 @@ pub fn first_non_finite(q: &QTensor) -> Result<Option<usize>> {
 pub struct GgufCheckpoint {
     g: Arc<Gguf>,
     file: Arc<std::fs::File>,
+    /// The whole file, mapped: decode reads the weights' blocks here, as they are. Pages count
+    /// in this process's resident set once read (file-backed: the kernel can drop them).
+    map: Arc<memmap2::Mmap>,
 }
 
 impl GgufCheckpoint {
@@ -156,7 +165,11 @@ impl GgufCheckpoint {
     /// are read through (positioned reads: no cursor shared with `g`'s reader).
     pub fn new(g: Arc<Gguf>) -> Result<Self> {
         let f = std::fs::File::open(&g.path).map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot open: {e}") })?;
-        Ok(GgufCheckpoint { g, file: Arc::new(f) })
+        // SAFETY: the file is opened read-only and must not be modified while the model is
+        // loaded (candle's condition for mapped checkpoints too); `Gguf::open` checked every
+        // tensor against the file's length.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot map: {e}") })?;
+        Ok(GgufCheckpoint { g, file: Arc::new(f), map: Arc::new(map) })
     }
     /// The parsed file: metadata and tensor directory.
     pub fn gguf(&self) -> &Gguf {
@@ -177,17 +190,30 @@ impl Checkpoint for GgufCheckpoint {
         Ok(t)
     }
     fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>> {
-        Ok(Arc::new(GgufWeight::new(&self.g, self.file.clone(), name)?))
+        Ok(Arc::new(GgufWeight::new(&self.g, self.file.clone(), self.map.clone(), name)?))
     }
-    fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul> {
-        let t = self.g.qtensor(name)?;
-        if let Some(i) = first_non_finite(&t)? {
-            let unit = if t.dtype().block_size() == 1 { "value" } else { "block" };
-            return Err(Error::Model { path: self.path().to_path_buf(), reason: format!("tensor '{name}': {unit} {i} is NaN or infinite ({:?})", t.dtype()) });
+    fn table(&self, name: &str, decode: DecodeWeights) -> Result<DecodeMatrix> {
+        let w = GgufWeight::new(&self.g, self.file.clone(), self.map.clone(), name)?;
+        // Checked through positioned reads a block-aligned piece at a time: through the map,
+        // the whole table would stay resident (262k rows of Gemma's, where a prompt reads a few
+        // hundred), and read at once it would be a second copy at the peak.
+        w.check_finite()?;
+        if decode != DecodeWeights::F32 {
+            if let Some(b) = w.blocks()? {
+                return Ok(DecodeMatrix::Blocks(b));
+            }
         }
+        let t = w.read()?.dequantize(&Device::Cpu)?;
         Ok(match decode {
-            DecodeWeights::F32 => QMatMul::Tensor(t.dequantize(&Device::Cpu)?),
-            DecodeWeights::Q8_0 | DecodeWeights::Checkpoint => QMatMul::from_qtensor(t)?,
+            DecodeWeights::F32 => DecodeMatrix::F32(t),
+            _ if w.k % 32 == 0 => {
+                tracing::info!(tensor = name, dtype = ?w.dtype, "no decode kernel reads this format: the table is requantized to Q8_0");
+                DecodeMatrix::Blocks(BlockMatrix::from_qtensor(&QTensor::quantize(&t, GgmlDType::Q8_0)?)?.expect("Q8_0 of a matrix"))
+            }
+            _ => {
+                tracing::warn!(tensor = name, dtype = ?w.dtype, "no decode kernel reads this format and rows are not whole blocks of 32: kept in F32");
+                DecodeMatrix::F32(t)
+            }
         })
     }
 }
@@ -197,6 +223,7 @@ impl Checkpoint for GgufCheckpoint {
 /// process's resident set (file-backed, but counted) for every weight of the model.
 pub struct GgufWeight {
     file: Arc<std::fs::File>,
+    map: Arc<memmap2::Mmap>,
     path: PathBuf,
     name: String,
     /// Byte offset of the tensor's data in the file.
@@ -209,7 +236,7 @@ pub struct GgufWeight {
 impl GgufWeight {
     /// Tensor `tensor` of `g`, to be read through `file` (a handle on `g`'s file): checked to be
     /// a matrix of whole quantization blocks per row; nothing is read yet.
-    pub fn new(g: &Gguf, file: Arc<std::fs::File>, tensor: &str) -> Result<Self> {
+    pub fn new(g: &Gguf, file: Arc<std::fs::File>, map: Arc<memmap2::Mmap>, tensor: &str) -> Result<Self> {
         let info = g.content.tensor_infos.get(tensor).ok_or_else(|| Error::MissingTensor { path: g.path.clone(), name: tensor.to_string() })?;
         let dims = info.shape.dims();
         let bad = |reason: String| Error::Model { path: g.path.clone(), reason: format!("tensor '{tensor}': {reason}") };
@@ -222,7 +249,27 @@ impl GgufWeight {
         }
         // In bounds: Gguf::open checked every tensor against the file's length.
         let offset = (g.content.tensor_data_offset + info.offset) as usize;
-        Ok(GgufWeight { file, path: g.path.clone(), name: tensor.to_string(), offset, dtype, n, k })
+        Ok(GgufWeight { file, map, path: g.path.clone(), name: tensor.to_string(), offset, dtype, n, k })
+    }
+
+    /// An error naming the first block whose scale (or value) is NaN or infinite, read a few
+    /// MB at a time.
+    fn check_finite(&self) -> Result<()> {
+        let block = self.dtype.type_size();
+        let piece = (4 << 20) / block * block;
+        let total = self.n * self.row_bytes();
+        let mut buf = vec![0u8; piece.min(total)];
+        for start in (0..total).step_by(piece.max(1)) {
+            let part = &mut buf[..piece.min(total - start)];
+            std::os::unix::fs::FileExt::read_exact_at(&*self.file, part, (self.offset + start) as u64)
+                .map_err(|e| Error::Model { path: self.path.clone(), reason: format!("reading tensor '{}': {e}", self.name) })?;
+            if let Some(i) = first_non_finite_in(self.dtype, part) {
+                let unit = if self.dtype.block_size() == 1 { "value" } else { "block" };
+                let reason = format!("tensor '{}': {unit} {} is NaN or infinite ({:?})", self.name, start / block + i, self.dtype);
+                return Err(Error::Model { path: self.path.clone(), reason });
+            }
+        }
+        Ok(())
     }
 
     fn row_bytes(&self) -> usize {
@@ -247,8 +294,12 @@ impl WeightSource for GgufWeight {
         Ok(self.read()?.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
     }
 
-    fn quantized(&self) -> Result<Option<QTensor>> {
-        self.read().map(Some)
+    fn blocks(&self) -> Result<Option<BlockMatrix>> {
+        let Some(format) = BlockFormat::of(self.dtype) else {
+            return Ok(None);
+        };
+        let map: Arc<dyn AsRef<[u8]> + Send + Sync> = self.map.clone();
+        BlockMatrix::new(format, self.n, self.k, map, self.offset).map(Some)
     }
 
     fn describe(&self) -> String {
@@ -326,16 +377,18 @@ impl Checkpoint for SafetensorsCheckpoint {
             .map_err(|_| Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': expected a matrix, shape {:?}", t.dims()) })?;
         Ok(Arc::new(SafetensorsWeight { vb: self.vb.clone(), dir: self.dir.clone(), name: name.to_string(), n, k }))
     }
-    fn table(&self, name: &str, decode: DecodeWeights) -> Result<QMatMul> {
+    fn table(&self, name: &str, decode: DecodeWeights) -> Result<DecodeMatrix> {
         let t = self.get(name)?;
         check_finite(&t, name, &self.dir)?;
         Ok(match decode {
-            DecodeWeights::F32 => QMatMul::Tensor(t),
-            // A float checkpoint has no quantized form of its own: Q8_0 as for the linears.
-            DecodeWeights::Q8_0 | DecodeWeights::Checkpoint if t.dim(1)? % 32 == 0 => QMatMul::from_qtensor(QTensor::quantize(&t, GgmlDType::Q8_0)?)?,
+            DecodeWeights::F32 => DecodeMatrix::F32(t),
+            // A float checkpoint has no blocks of its own: Q8_0 as for the linears.
+            DecodeWeights::Q8_0 | DecodeWeights::Checkpoint if t.dim(1)? % 32 == 0 => {
+                DecodeMatrix::Blocks(BlockMatrix::from_qtensor(&QTensor::quantize(&t, GgmlDType::Q8_0)?)?.expect("Q8_0 of a matrix"))
+            }
             DecodeWeights::Q8_0 | DecodeWeights::Checkpoint => {
                 tracing::warn!(tensor = name, "embedding width is not whole Q8_0 blocks: kept in F32");
-                QMatMul::Tensor(t)
+                DecodeMatrix::F32(t)
             }
         })
     }

@@ -38,7 +38,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::quantized::QMatMul;
+use candle_npu::linear::DecodeMatrix;
 use candle_core::{DType as CDType, Device, Tensor, D};
 use candle_npu::kernels::rows::{self, with_f32};
 use candle_npu::sched::{simulate, AnalyticCosts, DagChunk, LayerShape, Policy, Processor, Rates, Runner, Schedule, StageDesc, SubgraphDag};
@@ -224,9 +224,9 @@ pub struct Model {
     device: NpuDevice,
     precision: Precision,
     /// `[vocab, hidden]` in the checkpoint's quantization: rows are dequantized on lookup.
-    embed: QMatMul,
+    embed: DecodeMatrix,
     final_norm: Tensor,
-    lm_head: QMatMul,
+    lm_head: DecodeMatrix,
     layers: Vec<Layer>,
     profile: Option<QuantProfile>,
     /// Per layer, per stage: the input point (from the profile).
@@ -235,8 +235,6 @@ pub struct Model {
     shadow_on: Vec<bool>,
     /// How the INT8 weights are scaled ([`LoadOptions::weights`]).
     weights: WeightQuant,
-    /// The decode weights' format ([`LoadOptions::decode_weights`]).
-    decode_weights: DecodeWeights,
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
     a16: Vec<[Quant; N_STAGES]>,
     graphs: HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
@@ -284,8 +282,8 @@ impl Model {
         };
         let final_norm = vector("output_norm.weight".into())?;
         for (name, dims, want) in [
-            ("token_embd.weight", qmatmul_dims(&embed), vec![cfg.vocab, cfg.hidden]),
-            ("output.weight", qmatmul_dims(&lm_head), vec![cfg.vocab, cfg.hidden]),
+            ("token_embd.weight", dims_of(&embed), vec![cfg.vocab, cfg.hidden]),
+            ("output.weight", dims_of(&lm_head), vec![cfg.vocab, cfg.hidden]),
             ("output_norm.weight", final_norm.dims().to_vec(), vec![cfg.hidden]),
         ] {
             if dims != want {
@@ -358,7 +356,6 @@ impl Model {
             a16: vec![],
             shadow_on: vec![],
             weights: opts.weights,
-            decode_weights: opts.decode_weights,
             shadow_time: std::time::Duration::ZERO,
             graphs: HashMap::new(),
             kv: (0..n).map(|_| Mutex::default()).collect(),
@@ -373,6 +370,11 @@ impl Model {
     /// How the family's layer computes.
     pub fn spec(&self) -> &FamilySpec {
         &self.spec
+    }
+
+    /// The output table in its decode form (the embedding table when tied).
+    pub fn output(&self) -> &DecodeMatrix {
+        &self.lm_head
     }
 
     /// The model's sizes.
@@ -504,7 +506,7 @@ impl Model {
 
     /// Embeddings of `tokens`, `[n, hidden]` (scaled as the family says).
     fn embed_rows(&self, tokens: &[u32]) -> Result<Tensor> {
-        let x = self.embed.embedding(&Tensor::new(tokens, &Device::Cpu)?)?;
+        let x = self.embed.rows(tokens)?;
         Ok(match self.spec.embed_scale {
             Some(s) => (x * s)?,
             None => x,
@@ -513,16 +515,9 @@ impl Model {
 
     fn logits(&self, rows: &Tensor) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(rows, &self.final_norm, self.cfg.rms_eps as f32)?;
-        // A decode step's one row on a Q8_0 or Q4_1 output table (SmolLM2's tied Q8_0 one, Gemma's tied
-        // embeddings, Qwen's output): the engine's kernel, as for the linears. With the
-        // checkpoint's own decode weights, candle's matmul (its results are then candle's bit
-        // for bit).
-        if let (QMatMul::QTensor(w), DecodeWeights::Q8_0) = (&self.lm_head, self.decode_weights) {
-            if let Some(y) = candle_npu::kernels::gemv::matvec(w, &h)? {
-                return Ok(y);
-            }
-        }
-        Ok(candle_npu::linear::decode_matmul(&self.lm_head, &h)?)
+        // The output table in its decode form (SmolLM2's tied Q8_0 one, Gemma's tied embeddings,
+        // Qwen's own output matrix): the engine's decode kernels, as for the linears.
+        Ok(self.lm_head.forward(&h)?)
     }
 
     pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -533,11 +528,9 @@ impl Model {
     }
 }
 
-fn qmatmul_dims(m: &QMatMul) -> Vec<usize> {
-    match m {
-        QMatMul::QTensor(q) => q.shape().dims().to_vec(),
-        QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims().to_vec(),
-    }
+fn dims_of(m: &DecodeMatrix) -> Vec<usize> {
+    let (n, k) = m.dims();
+    vec![n, k]
 }
 
 /// A config and spec the engine can run, or an error naming the checkpoint and what is wrong.

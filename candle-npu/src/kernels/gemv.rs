@@ -1,5 +1,6 @@
-//! The decode matrix-vector product (M = 1) on weights in ggml's Q8_0 and Q4_1 blocks, at memory
-//! speed.
+//! The decode matrix-vector product (M = 1) on weights in ggml's blocks, at memory speed: Q8_0
+//! and Q4_1 here, Q4_0, Q5_0, Q4_K, Q5_K and Q6_K in `formats` ([`BlockFormat`] names them all,
+//! [`gemv`] runs any, [`BlockMatrix`] holds a matrix where it lives and multiplies it).
 //!
 //! Decode reads every weight once per token and does two operations per weight byte, so its speed
 //! is the memory's: the kernel only has to keep the loads coming. It reads the weights where they
@@ -945,63 +946,153 @@ mod aarch64 {
     }
 }
 
-/// `x @ w^T` for one F32 row `x` (`[1, K]`) and a Q8_0 or Q4_1 matrix `w` (`[N, K]`) on the CPU,
-/// by [`gemv_q8_0`] or [`gemv_q4_1`] in 64-row chunks over the cores ([`super::claim`]: it keeps
-/// its speed beside busy processes, where candle's pool does not); `None` for any other operands,
-/// which the caller's candle matmul then takes.
-pub fn matvec(w: &candle_core::quantized::QTensor, x: &candle_core::Tensor) -> crate::Result<Option<candle_core::Tensor>> {
-    Ok(matvec_many(&[w], x)?.map(|mut ys| ys.remove(0)))
+/// A matrix `[N, K]` (rows = output features) of ggml blocks where it lives: a checkpoint's
+/// mapped bytes (decode then reads the user's file as it is) or bytes of its own (a Q8_0 form of
+/// the NPU's INT8 weights). Clones share the bytes.
+#[derive(Clone)]
+pub struct BlockMatrix {
+    format: BlockFormat,
+    n: usize,
+    k: usize,
+    bytes: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>,
+    offset: usize,
 }
 
-/// [`matvec`] of one row `x` with each of `ws` (a stage's linears that share their input: Q, K
-/// and V, or gate and up): `x` is quantized once and the matrices' rows are one parallel loop,
-/// where a call per matrix quantized it three times and woke the helpers three times per layer.
-/// `None` unless every matrix takes `x` ([`matvec`]'s operands).
-pub fn matvec_many(ws: &[&candle_core::quantized::QTensor], x: &candle_core::Tensor) -> crate::Result<Option<Vec<candle_core::Tensor>>> {
-    let Some(&k) = x.dims().last() else { return Ok(None) };
-    let mut mats: Vec<(BlockFormat, std::borrow::Cow<'_, [u8]>, usize)> = Vec::with_capacity(ws.len());
-    for w in ws {
-        let Some(format) = BlockFormat::of(w.dtype()) else {
+impl std::fmt::Debug for BlockMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BlockMatrix({:?} [{}, {}])", self.format, self.n, self.k)
+    }
+}
+
+impl BlockMatrix {
+    /// The `[n, k]` matrix of `format` blocks at `offset` in `bytes` (whole rows, one after
+    /// another); an error if `k` is not whole blocks or the rows run past the bytes.
+    pub fn new(format: BlockFormat, n: usize, k: usize, bytes: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>, offset: usize) -> crate::Result<Self> {
+        if !k.is_multiple_of(format.block_len()) {
+            return Err(crate::Error::Input(format!("a {format:?} matrix of [{n}, {k}]: rows are not whole blocks of {}", format.block_len())));
+        }
+        let len = (*bytes).as_ref().len();
+        match n.checked_mul(format.row_bytes(k)).and_then(|b| b.checked_add(offset)) {
+            Some(end) if end <= len => Ok(BlockMatrix { format, n, k, bytes, offset }),
+            _ => Err(crate::Error::Input(format!("a {format:?} matrix of [{n}, {k}] at byte {offset} runs past its {len} bytes"))),
+        }
+    }
+
+    /// A copy of `t`'s blocks (`[N, K]`, a format of [`BlockFormat`]); `None` for another dtype or
+    /// shape.
+    pub fn from_qtensor(t: &candle_core::quantized::QTensor) -> crate::Result<Option<Self>> {
+        let (Some(format), &[n, k]) = (BlockFormat::of(t.dtype()), t.shape().dims()) else {
             return Ok(None);
         };
-        match w.shape().dims() {
-            &[n, wk] if wk == k => mats.push((format, w.data()?, n)),
-            _ => return Ok(None),
-        }
+        Self::new(format, n, k, std::sync::Arc::new(t.data()?.into_owned()), 0).map(Some)
     }
-    if ws.is_empty() || x.dims() != [1, k] || x.dtype() != candle_core::DType::F32 || !x.device().is_cpu() {
-        return Ok(None);
+
+    /// Its blocks' format.
+    pub fn format(&self) -> BlockFormat {
+        self.format
     }
-    let xq = crate::kernels::rows::with_f32(x, Q8Activation::quantize)?;
-    // Row offsets of each matrix in the one output.
-    let starts: Vec<usize> = mats.iter().scan(0, |at, m| Some(std::mem::replace(at, *at + m.2))).collect();
-    let total: usize = mats.iter().map(|m| m.2).sum();
-    let mut y = vec![0f32; total];
-    let out = OutPtr(y.as_mut_ptr());
-    // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB in Q8_0, ~23 KB in Q4_1:
-    // microseconds, enough to amortize claiming one, small enough that a late helper leaves
-    // little to wait for). Products under 2M weights (2 MB, ~50 us on one core) stay on the
-    // caller: one core reads most of the machine's bandwidth (38 of 46 GB/s here), and a helper
-    // joins a few microseconds late. SmolLM2's decode, whose products are all smaller but the
-    // output matrix, against llama.cpp in the same runs (`bench_decode`, 2 runs of 3 rounds
-    // each, context 64): 1.18-1.21x with this limit, 1.10-1.15x with helpers for every product
-    // of 64K weights or more (and 0.84-0.91x of that beside a busy process, against 0.93-1.02x),
-    // 1.00-1.12x from 1M.
-    let helpers = if total * k >= 1 << 21 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
-    super::claim::for_each_chunk(total, 64, helpers, &|rows| {
-        // The chunk's rows, matrix by matrix (a chunk may cross from one matrix to the next).
-        for ((format, bytes, n), &s) in mats.iter().zip(&starts) {
-            let (a, b) = (rows.start.max(s), rows.end.min(s + n));
-            if a < b {
-                // SAFETY: `a..b` is within `rows`, which is within 0..total and goes to exactly
-                // one call (`for_each_chunk`), so the slices are disjoint; `y` outlives the loop.
-                let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(a), b - a) };
-                gemv(*format, bytes, k, &xq, a - s..b - s, out);
+    /// (N, K).
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+    /// Its bytes: N rows of [`BlockFormat::row_bytes`].
+    pub fn data(&self) -> &[u8] {
+        &(*self.bytes).as_ref()[self.offset..][..self.n * self.format.row_bytes(self.k)]
+    }
+
+    /// Rows `ids` dequantized to F32 (candle's `to_float`, ggml's), `[ids.len(), K]`: the
+    /// embedding lookup. An id past the rows is an error.
+    pub fn rows(&self, ids: &[u32]) -> crate::Result<candle_core::Tensor> {
+        let row_bytes = self.format.row_bytes(self.k);
+        let mut bytes = Vec::with_capacity(ids.len() * row_bytes);
+        for &id in ids {
+            if id as usize >= self.n {
+                return Err(crate::Error::Input(format!("row {id} of a matrix of {} rows", self.n)));
             }
+            bytes.extend_from_slice(&self.data()[id as usize * row_bytes..][..row_bytes]);
         }
-    });
-    let ys = mats.iter().zip(&starts).map(|((_, _, n), &s)| candle_core::Tensor::from_slice(&y[s..s + n], (1, *n), &candle_core::Device::Cpu));
-    Ok(Some(ys.collect::<candle_core::Result<Vec<_>>>()?))
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.format.dtype(), &bytes, vec![ids.len(), self.k], &candle_core::Device::Cpu)?;
+        Ok(t.dequantize(&candle_core::Device::Cpu)?)
+    }
+
+    /// The whole matrix dequantized, `[N, K]`.
+    pub fn dequantize(&self) -> crate::Result<candle_core::Tensor> {
+        let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.format.dtype(), self.data(), vec![self.n, self.k], &candle_core::Device::Cpu)?;
+        Ok(t.dequantize(&candle_core::Device::Cpu)?)
+    }
+
+    /// `x @ self^T` for `x` of `[.., K]` (F32, any dtype is converted): each row of `x` one
+    /// decode product ([`Self::forward_all`]).
+    pub fn forward(&self, x: &candle_core::Tensor) -> crate::Result<candle_core::Tensor> {
+        Ok(Self::forward_all(&[self], x)?.remove(0))
+    }
+
+    /// [`Self::forward`] of `x` with each of `ws` (a stage's linears that share their input: Q, K
+    /// and V, or gate and up): each row of `x` is quantized once and the matrices' rows are one
+    /// parallel loop, where a call per matrix quantized it three times and woke the helpers three
+    /// times per layer. Several rows (a verifier's, a calibration window's) are one such loop
+    /// each: every row reads the weights again, as candle's quantized matmul does.
+    pub fn forward_all(ws: &[&BlockMatrix], x: &candle_core::Tensor) -> crate::Result<Vec<candle_core::Tensor>> {
+        use candle_core::{DType, Device, Tensor};
+        let Some(&k) = x.dims().last() else {
+            return Err(crate::Error::Input("decode product: a scalar input".into()));
+        };
+        if let Some(w) = ws.iter().find(|w| w.k != k) {
+            return Err(crate::Error::Input(format!("decode product: input {:?} against a weight of [{}, {}]", x.dims(), w.n, w.k)));
+        }
+        let m = x.elem_count() / k.max(1);
+        let xs = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.reshape((m, k))?;
+        let total: usize = ws.iter().map(|w| w.n).sum();
+        let mut y = vec![0f32; m * total];
+        let mut xq = Q8Activation::default();
+        for (r, out) in y.chunks_exact_mut(total.max(1)).enumerate().take(m) {
+            crate::kernels::rows::with_f32(&xs.narrow(0, r, 1)?, |v| xq.quantize_into(v))?;
+            Self::product(ws, &xq, out);
+        }
+        // Matrix j's columns of each row.
+        let mut at = 0;
+        let mut shape = x.dims().to_vec();
+        ws.iter()
+            .map(|w| {
+                let cols: Vec<f32> = y.chunks_exact(total.max(1)).take(m).flat_map(|row| &row[at..at + w.n]).copied().collect();
+                at += w.n;
+                *shape.last_mut().expect("checked above") = w.n;
+                Ok(Tensor::from_vec(cols, shape.as_slice(), &Device::Cpu)?.to_dtype(x.dtype())?)
+            })
+            .collect()
+    }
+
+    /// One quantized row `xq` times each of `ws`, their outputs one after another in `y`.
+    fn product(ws: &[&BlockMatrix], xq: &Q8Activation, y: &mut [f32]) {
+        // Row offsets of each matrix in the one output.
+        let starts: Vec<usize> = ws.iter().scan(0, |at, w| Some(std::mem::replace(at, *at + w.n))).collect();
+        let total = y.len();
+        let k = xq.q.len();
+        let out = OutPtr(y.as_mut_ptr());
+        // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB in Q8_0, ~23 KB in Q4_1:
+        // microseconds, enough to amortize claiming one, small enough that a late helper leaves
+        // little to wait for). Products under 2M weights (2 MB, ~50 us on one core) stay on the
+        // caller: one core reads most of the machine's bandwidth (38 of 46 GB/s here), and a
+        // helper joins a few microseconds late. SmolLM2's decode, whose products are all smaller
+        // but the output matrix, against llama.cpp in the same runs (`bench_decode`, 2 runs of 3
+        // rounds each, context 64): 1.18-1.21x with this limit, 1.10-1.15x with helpers for
+        // every product of 64K weights or more (and 0.84-0.91x of that beside a busy process,
+        // against 0.93-1.02x), 1.00-1.12x from 1M.
+        let helpers = if total * k >= 1 << 21 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
+        super::claim::for_each_chunk(total, 64, helpers, &|rows| {
+            // The chunk's rows, matrix by matrix (a chunk may cross from one matrix to the next).
+            for (w, &s) in ws.iter().zip(&starts) {
+                let (a, b) = (rows.start.max(s), rows.end.min(s + w.n));
+                if a < b {
+                    // SAFETY: `a..b` is within `rows`, which is within 0..total and goes to
+                    // exactly one call (`for_each_chunk`), so the slices are disjoint; `y`
+                    // outlives the loop.
+                    let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(a), b - a) };
+                    gemv(w.format, w.data(), k, xq, a - s..b - s, out);
+                }
+            }
+        });
+    }
 }
 
 /// The output of a parallel loop whose ranges write disjoint parts (see its use).
@@ -1453,26 +1544,49 @@ mod tests {
     }
 
     #[test]
-    fn matvec_takes_the_block_formats_and_leaves_the_rest() {
+    fn block_matrices_multiply_every_row_and_refuse_what_they_cannot() {
         // 300 rows: past the size that brings in the helpers, and not a whole number of chunks.
+        // One row, three rows (each its own product) and a 3-D input, against the kernel on the
+        // same activation; two matrices at once give each one's own product.
         use candle_core::quantized::{GgmlDType, QTensor};
         use candle_core::{Device, Tensor};
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let (n, k) = (300, 256);
         let w = Tensor::from_vec((0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>(), (n, k), &Device::Cpu).unwrap();
-        let xs = activations(&mut rng, k, true);
-        let x = Tensor::from_vec(xs.clone(), (1, k), &Device::Cpu).unwrap();
-        for (dtype, format) in [(GgmlDType::Q8_0, Format::Q8_0), (GgmlDType::Q4_1, Format::Q4_1)] {
-            let qt = QTensor::quantize(&w, dtype).unwrap();
-            let y = matvec(&qt, &x).unwrap().expect("matvec takes this dtype");
-            assert_eq!(y.dims(), [1, n]);
-            check_against_candle(format, &qt, &Q8Activation::quantize(&xs), &y.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            // Two rows are candle's matmul's.
-            assert!(matvec(&qt, &Tensor::cat(&[&x, &x], 0).unwrap()).unwrap().is_none(), "{dtype:?}");
+        let xs: Vec<f32> = (0..3).flat_map(|_| activations(&mut rng, k, true)).collect();
+        let x3 = Tensor::from_vec(xs.clone(), (3, k), &Device::Cpu).unwrap();
+        for format in BlockFormat::ALL {
+            let qt = QTensor::quantize(&w, format.dtype()).unwrap();
+            let bm = BlockMatrix::from_qtensor(&qt).unwrap().expect("a block format");
+            assert_eq!((bm.dims(), bm.data().len()), ((n, k), n * format.row_bytes(k)));
+            let y = bm.forward(&x3).unwrap();
+            assert_eq!(y.dims(), [3, n]);
+            let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+            for r in 0..3 {
+                let xq = Q8Activation::quantize(&xs[r * k..][..k]);
+                let mut want = vec![0.0; n];
+                gemv(format, bm.data(), k, &xq, 0..n, &mut want);
+                assert_eq!(&y[r * n..][..n], &want[..], "{format:?} row {r}");
+            }
+            let y3 = bm.forward(&x3.reshape((1, 3, k)).unwrap()).unwrap();
+            assert_eq!(y3.dims(), [1, 3, n]);
+            let halves = [BlockMatrix::new(format, n / 2, k, bm.bytes.clone(), 0).unwrap(), BlockMatrix::new(format, n - n / 2, k, bm.bytes.clone(), n / 2 * format.row_bytes(k)).unwrap()];
+            let both = BlockMatrix::forward_all(&[&halves[0], &halves[1]], &x3).unwrap();
+            let joined: Vec<f32> = Tensor::cat(&both, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(joined, y, "{format:?}: two halves at once");
         }
         for dtype in [GgmlDType::Q2K, GgmlDType::F16, GgmlDType::F32] {
-            assert!(matvec(&QTensor::quantize(&w, dtype).unwrap(), &x).unwrap().is_none(), "{dtype:?}");
+            assert!(BlockMatrix::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap().is_none(), "{dtype:?}");
         }
+        let bytes: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync> = std::sync::Arc::new(vec![0u8; 2 * 34 * 2]);
+        let err = BlockMatrix::new(BlockFormat::Q8_0, 3, 64, bytes.clone(), 0).unwrap_err().to_string();
+        assert!(err.contains("runs past its 136 bytes"), "{err}");
+        let err = BlockMatrix::new(BlockFormat::Q4K, 1, 64, bytes.clone(), 0).unwrap_err().to_string();
+        assert!(err.contains("not whole blocks of 256"), "{err}");
+        let ok = BlockMatrix::new(BlockFormat::Q8_0, 2, 64, bytes, 0).unwrap();
+        let err = ok.forward(&Tensor::zeros((1, 32), candle_core::DType::F32, &Device::Cpu).unwrap()).unwrap_err().to_string();
+        assert!(err.contains("against a weight of [2, 64]"), "{err}");
+        assert!(ok.rows(&[2]).unwrap_err().to_string().contains("row 2 of a matrix of 2 rows"));
     }
 
     #[test]

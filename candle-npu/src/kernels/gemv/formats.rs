@@ -204,8 +204,8 @@ mod x86 {
             // has the features. One call per format so that each loop is compiled on its own.
             *o = unsafe {
                 match kind {
-                    Kind::Q4_0 => row_q4_0(row.as_ptr(), nb, x),
-                    Kind::Q5_0 => row_q5_0(row.as_ptr(), nb, x),
+                    Kind::Q4_0 => row_q4_0_q5_0::<false>(row.as_ptr(), nb, x),
+                    Kind::Q5_0 => row_q4_0_q5_0::<true>(row.as_ptr(), nb, x),
                     Kind::Q4K => row_k::<false>(row.as_ptr(), nb, x),
                     Kind::Q5K => row_k::<true>(row.as_ptr(), nb, x),
                     Kind::Q6K => row_q6_k(row.as_ptr(), nb, x),
@@ -261,45 +261,67 @@ mod x86 {
         unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
     }
 
+    /// A Q4_0 or Q5_0 block's products with the activation block at `xq`, as f32.
+    ///
     /// # Safety
-    /// As [`gemv`]: `nb` Q4_0 blocks at `w`; inlined only into it.
+    /// A block at `blk`, whose `qs` are at `at`; 32 activations at `xq`; inlined only into
+    /// functions with AVX2.
     #[inline(always)]
-    unsafe fn row_q4_0(w: *const u8, nb: usize, x: &Q8Activation) -> f32 {
-        // SAFETY: reads of blocks below `nb` and of the activation's first `nb` blocks.
+    unsafe fn block_q4_0_q5_0<const FIVE: bool>(blk: *const u8, at: usize, xq: *const i8, off: __m256i) -> __m256 {
+        // SAFETY: the caller's contract.
         unsafe {
-            let eight = _mm256_set1_epi8(8);
-            let mut acc = [_mm256_setzero_ps(); 2];
-            for b in 0..nb {
-                let blk = w.add(18 * b);
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH).cast());
-                let xv = _mm256_loadu_si256(x.q.as_ptr().add(QK * b).cast());
-                let p = _mm256_cvtepi32_ps(dot_off(nibbles16(blk.add(2)), xv, eight));
-                let s = f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned())) * *x.scales.get_unchecked(b);
-                acc[b % 2] = _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc[b % 2]);
+            let mut q = nibbles16(blk.add(at));
+            if FIVE {
+                q = _mm256_or_si256(q, bits_to_0x10(u32::from_le(blk.add(2).cast::<u32>().read_unaligned())));
             }
-            hsum(_mm256_add_ps(acc[0], acc[1]))
+            _mm256_cvtepi32_ps(dot_off(q, _mm256_loadu_si256(xq.cast()), off))
         }
     }
 
+    /// Q4_0 (`FIVE` false) or Q5_0. The blocks' scales `d_w d_x` four at a time: four 16-bit
+    /// loads joined in a general register, one conversion and one multiply, then through a stack
+    /// array to `vbroadcastss` (as the Q4_1 kernel does). A scale per block with scalar
+    /// instructions (a conversion, a multiply, a broadcast: the vector ALUs the products need)
+    /// read 14-15 GB/s on one core of the build machine; four at a time 2026-11-26: see
+    /// `bench_gemv` in docs/decode.md.
+    ///
     /// # Safety
-    /// As [`gemv`]: `nb` Q5_0 blocks at `w`; inlined only into it.
+    /// As [`gemv`]: `nb` Q4_0 or Q5_0 blocks at `w`; inlined only into it.
     #[inline(always)]
-    unsafe fn row_q5_0(w: *const u8, nb: usize, x: &Q8Activation) -> f32 {
-        // SAFETY: reads of blocks below `nb` and of the activation's first `nb` blocks.
+    unsafe fn row_q4_0_q5_0<const FIVE: bool>(w: *const u8, nb: usize, x: &Q8Activation) -> f32 {
+        let (bytes, at) = if FIVE { (22, 6) } else { (18, 2) };
+        // SAFETY: reads of blocks below `nb` and of the activation's first `nb` blocks;
+        // `factors` is read back through `black_box` (broadcast loads).
         unsafe {
-            let sixteen = _mm256_set1_epi8(16);
-            let mut acc = [_mm256_setzero_ps(); 2];
-            for b in 0..nb {
-                let blk = w.add(22 * b);
+            let off = _mm256_set1_epi8(if FIVE { 16 } else { 8 });
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut factors = [0f32; 4];
+            let f_out = factors.as_mut_ptr();
+            let f_in = std::hint::black_box(f_out);
+            // No closures here: one this size was compiled out of line, without AVX2.
+            let full = nb - nb % 4;
+            for b in (0..full).step_by(4) {
+                let blk = w.add(bytes * b);
                 _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH).cast());
-                let qh = u32::from_le(blk.add(2).cast::<u32>().read_unaligned());
-                let q = _mm256_or_si256(nibbles16(blk.add(6)), bits_to_0x10(qh));
-                let xv = _mm256_loadu_si256(x.q.as_ptr().add(QK * b).cast());
-                let p = _mm256_cvtepi32_ps(dot_off(q, xv, sixteen));
-                let s = f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned())) * *x.scales.get_unchecked(b);
-                acc[b % 2] = _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc[b % 2]);
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64).cast());
+                let mut ds = 0u64;
+                for i in 0..4 {
+                    ds |= (u16::from_le(blk.add(bytes * i).cast::<u16>().read_unaligned()) as u64) << (16 * i);
+                }
+                let ds = _mm_cvtph_ps(_mm_cvtsi64_si128(ds as i64));
+                _mm_storeu_ps(f_out, _mm_mul_ps(ds, _mm_loadu_ps(x.scales.as_ptr().add(b))));
+                for i in 0..4 {
+                    let p = block_q4_0_q5_0::<FIVE>(blk.add(bytes * i), at, x.q.as_ptr().add(QK * (b + i)), off);
+                    acc[i] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&*f_in.add(i)), acc[i]);
+                }
             }
-            hsum(_mm256_add_ps(acc[0], acc[1]))
+            for b in full..nb {
+                let blk = w.add(bytes * b);
+                let s = f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned())) * *x.scales.get_unchecked(b);
+                let p = block_q4_0_q5_0::<FIVE>(blk, at, x.q.as_ptr().add(QK * b), off);
+                acc[b % 4] = _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc[b % 4]);
+            }
+            hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
         }
     }
 

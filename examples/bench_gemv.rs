@@ -1,0 +1,79 @@
+//! The decode kernels' speed per block format: one thread, the weights read from memory (copies
+//! of the matrix in turn, 512 MiB in all, so that no copy is in a cache when read), GB/s of
+//! weight bytes against the machine's read bandwidth on one thread (a plain sum over 512 MiB).
+//!
+//! ```text
+//! cargo run --release --example bench_gemv -- [--n 4864] [--k 896] [--rounds 5]
+//! ```
+//!
+//! The shape defaults to Qwen2.5-0.5B's `ffn_gate` (4864 x 896); a K-quant needs K a multiple
+//! of 256, so those rows use K rounded up to one (1024 for the default).
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+use candle_npu::kernels::gemv::{gemv_on, BlockFormat, GemvPath, Q8Activation};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Rows (output features).
+    #[arg(long, default_value_t = 4864)]
+    n: usize,
+    /// Columns (input features).
+    #[arg(long, default_value_t = 896)]
+    k: usize,
+    /// Rounds; the best of them is shown.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+}
+
+/// One thread's read bandwidth, GB/s: the best of 5 sums over 512 MiB.
+fn bandwidth() -> f64 {
+    let buf: Vec<u64> = (0..(64u64 << 20)).collect();
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(buf.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
+            (buf.len() * 8) as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let bw = bandwidth();
+    let path = GemvPath::detect();
+    println!("One thread, {path:?} path; read bandwidth of one thread (sum over 512 MiB, best of 5): {bw:.1} GB/s");
+    println!("Weights from memory: copies of the matrix in turn, 512 MiB; best of {} rounds\n", args.rounds);
+    println!("| format | shape | bytes per weight | GB/s | share of the bandwidth | weights/ns |");
+    println!("|---|---|---|---|---|---|");
+    let mut seed = 1u64;
+    let mut random = move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+    };
+    for format in BlockFormat::ALL {
+        let k = args.k.next_multiple_of(format.block_len());
+        let (n, k) = (args.n, k);
+        let w = Tensor::from_vec((0..n * k).map(|_| random()).collect::<Vec<f32>>(), (n, k), &Device::Cpu)?;
+        let bytes = QTensor::quantize(&w, format.dtype())?.data()?.into_owned();
+        let copies = ((512usize << 20) / bytes.len()).max(2);
+        let all: Vec<u8> = bytes.iter().copied().cycle().take(bytes.len() * copies).collect();
+        let x = Q8Activation::quantize(&(0..k).map(|_| random()).collect::<Vec<f32>>());
+        let mut out = vec![0f32; n];
+        let mut best = 0f64;
+        for _ in 0..args.rounds {
+            let t = Instant::now();
+            for c in all.chunks_exact(bytes.len()) {
+                gemv_on(path, format, c, k, &x, 0..n, &mut out);
+            }
+            best = best.max(all.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
+            std::hint::black_box(&out);
+        }
+        let per_weight = bytes.len() as f64 / (n * k) as f64;
+        println!("| {format:?} | {n} x {k} | {per_weight:.3} | {best:.1} | {:.0}% | {:.1} |", 100.0 * best / bw, best / per_weight);
+    }
+    Ok(())
+}
