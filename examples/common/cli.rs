@@ -43,7 +43,8 @@ enum DecodeFormat {
     /// The NPU's INT8 weights as Q8_0 blocks: one copy for prefill and decode.
     #[value(name = "q8_0")]
     Q8_0,
-    /// The checkpoint's own quantized tensors (a GGUF's k-quants), beside the INT8 copy.
+    /// The checkpoint's own blocks (a GGUF's Q4_1, Q5_0, k-quants), read mapped; the INT8
+    /// weights are then held apart for the NPU graphs.
     Checkpoint,
 }
 
