@@ -1,5 +1,5 @@
-//! The memory bound of issue 9: SmolLM2's main job (W8A8 NPU prefill of a long prompt on the
-//! host executor, CPU decode) peaks at no more than 430 MiB resident (llama.cpp runs the same
+//! The memory bound of issues 9 and 35: SmolLM2's main job (W8A8 NPU prefill of a long prompt
+//! on the host executor, CPU decode) peaks at no more than 370 MiB resident (llama.cpp runs the same
 //! Q4_1 file in 179 MiB natively, 223 MiB requantized to Q8_0: `docs/memory.md`). Its own
 //! test binary: peak RSS is per process, and cargo runs test binaries one at a time.
 
@@ -15,17 +15,20 @@ use common::*;
 /// executor's default now runs the chunks in order, and the KV cache reserves its decode
 /// headroom with the prompt (no copy at the first decode step): measured 410 MiB, 2026-11-25.
 /// The bound still fails on a regression of ~20 MiB above that.
-const BOUND_MIB: u64 = 430;
+// Measured 344 MiB on 2026-11-26 with decode reading the GGUF's own blocks and the host
+// executor's packed copy the only INT8 one (410 before, with a Q8_0 decode copy beside it, when
+// the bound was 430): the bound keeps a margin of 7% for allocator and page-cache variation.
+const BOUND_MIB: u64 = 370;
 
 #[test]
-fn smollm2_main_job_peaks_under_430_mib() {
+fn smollm2_main_job_peaks_under_370_mib() {
     let Some((_, start)) = memory::rss() else {
         eprintln!("skipped: /proc/self/status is not available on this OS");
         return;
     };
     // As the examples do at start (see the function for why and what it saves).
     memory::limit_malloc_arenas(1);
-    let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::default());
     eprintln!("loaded: {}", memory::describe());
     // The profile as the example gets it: loaded, or calibrated and saved on first use.
     p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();

@@ -22,7 +22,7 @@ use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
 use crate::device::PreparedGraph;
 use crate::kernels::gemv::{BlockFormat, BlockMatrix};
 use crate::kernels::{prefetch, PackedI8};
-use crate::kernels::rows::{rows_per_task, shadow_row};
+use crate::kernels::rows::{quantize_i8, rows_per_task, shadow_row};
 use crate::outlier::{Outliers, WeightSource};
 use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel};
 
@@ -42,18 +42,22 @@ pub enum DecodeWeights {
     /// The float weights, resident: a full F32 copy, for bit-for-bit comparison with a float
     /// reference only.
     F32,
-    /// The NPU's INT8 weights as Q8_0 blocks (candle's fastest CPU kernel on the build machine;
-    /// issue 2 measured Q4_1 24, F32 32, Q8_0 67 tok/s for SmolLM2): no second copy, and
-    /// prefill and decode use the same weight values. Needs `K` to be whole blocks of 32;
-    /// otherwise the INT8 values are kept as they are and decode runs them dequantized (logged).
-    #[default]
+    /// The NPU's INT8 weights as Q8_0 blocks, decoded by this crate's kernels: prefill and
+    /// decode use the same weight values, and the INT8 weights are held once for both (a float
+    /// checkpoint's default). Needs `K` to be whole blocks of 32; otherwise the INT8 values are
+    /// kept as they are and decode runs them dequantized (logged).
     Q8_0,
     /// The checkpoint's own blocks (a GGUF's Q4_1, Q5_0, Q4_K, Q6_K, ...: every
     /// [`crate::kernels::gemv::BlockFormat`]), read where they are in the mapped file through
-    /// this crate's decode kernels: no decode copy of its own. Decode and prefill then use
-    /// different weight values (the file's and their INT8 requantization). Where the source has
-    /// no such blocks (HF folders, another format), Q8_0 as above. The INT8 weights are then
-    /// held apart for the NPU graphs. `docs/decode.md` measures both forms.
+    /// this crate's decode kernels, and the INT8 weights not held at all: they are requantized
+    /// from those blocks when a graph is built or a shadow column needed (the host executor's
+    /// packed copy is then the only INT8 one). The default: decode reads what the user's file
+    /// has (0.56-0.82 bytes per weight for 4-6-bit files, against Q8_0's 1.06), and the process
+    /// holds one copy of each weight per processor. Decode and prefill then use different
+    /// weight values (the file's and their INT8 requantization), as llm.npu's CPU and NPU do.
+    /// Where the source has no such blocks (HF folders, another format), Q8_0 as above.
+    /// `docs/memory.md` and `docs/decode.md` measure both forms.
+    #[default]
     Checkpoint,
 }
 
@@ -69,6 +73,12 @@ enum Int8 {
     Q8_0(BlockMatrix),
     /// As they are (decode has its own weight).
     Raw(Arc<Vec<i8>>),
+    /// Not held: requantized when needed from the decode weight's blocks, which are the
+    /// checkpoint's own (mapped) and dequantize to exactly the float weight they were quantized
+    /// from (checked at load). A graph build takes them all (`values`); the shadow path's cold
+    /// columns come from the host executor's packed copy while one lives, else one value at a
+    /// time from the blocks.
+    Blocks(BlockMatrix),
 }
 
 enum Scales {
@@ -107,8 +117,8 @@ impl NpuWeight {
     /// is read in blocks of rows, each row once for all the columns (a column read alone touches
     /// a cache line per row), the blocks split over the rayon pool.
     fn columns(&self, cs: &[usize], n: usize, k: usize) -> Result<Vec<i8>> {
-        /// `at(r, c)`: where value (r, c) is in `data`; `to_i8` reads it.
-        fn gather<T: Copy + Sync>(cs: &[usize], n: usize, data: &[T], at: impl Fn(usize, usize) -> usize + Sync, to_i8: fn(T) -> i8) -> Vec<i8> {
+        /// `value(r, c)` reads a value; `ahead(r, c)` is where it lies, to prefetch.
+        fn gather(cs: &[usize], n: usize, value: impl Fn(usize, usize) -> i8 + Sync, ahead: impl Fn(usize, usize) -> *const u8 + Sync) -> Vec<i8> {
             const ROWS: usize = 64;
             let mut out = vec![0i8; cs.len() * n];
             // Each value is a cache line of its own (a column of a row-major weight): the gather
@@ -129,17 +139,25 @@ impl NpuWeight {
                 for (part, &c) in parts.iter_mut().zip(cs) {
                     for (i, v) in part.iter_mut().enumerate() {
                         if r0 + i + ROWS < n {
-                            prefetch(data.as_ptr().wrapping_add(at(r0 + i + ROWS, c)));
+                            prefetch(ahead(r0 + i + ROWS, c));
                         }
-                        *v = to_i8(data[at(r0 + i, c)]);
+                        *v = value(r0 + i, c);
                     }
                 }
             });
             out
         }
         Ok(match &self.int8 {
-            Int8::Raw(q) => gather(cs, n, q, |r, c| r * k + c, |v| v),
-            Int8::Q8_0(t) => gather(cs, n, t.data(), |r, c| (r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32, |v| v as i8),
+            Int8::Raw(q) => gather(cs, n, |r, c| q[r * k + c], |r, c| q.as_ptr().wrapping_add(r * k + c).cast()),
+            Int8::Q8_0(t) => {
+                let (data, at) = (t.data(), |r: usize, c: usize| (r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32);
+                gather(cs, n, |r, c| data[at(r, c)] as i8, |r, c| data.as_ptr().wrapping_add(at(r, c)))
+            }
+            Int8::Blocks(b) => {
+                let (data, f) = (b.data(), b.format());
+                let at = |r: usize, c: usize| (r * k + c) / f.block_len() * f.block_bytes();
+                gather(cs, n, |r, c| quantize_i8(b.value(r, c), self.scales.row(r)), |r, c| data.as_ptr().wrapping_add(at(r, c)))
+            }
         })
     }
 
@@ -147,6 +165,18 @@ impl NpuWeight {
     fn values(&self) -> Result<Arc<Vec<i8>>> {
         match &self.int8 {
             Int8::Raw(q) => Ok(q.clone()),
+            Int8::Blocks(b) => {
+                // The float weight (candle's dequantization: `source.matrix()`'s values for a
+                // checkpoint's blocks), each row by its scale.
+                let (n, k) = b.dims();
+                let w = b.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
+                let mut q = vec![0i8; n * k];
+                q.par_chunks_mut(k.max(1)).zip(w.par_chunks(k.max(1))).enumerate().for_each(|(r, (q, w))| {
+                    let s = self.scales.row(r);
+                    q.iter_mut().zip(w).for_each(|(q, &v)| *q = quantize_i8(v, s));
+                });
+                Ok(Arc::new(q))
+            }
             Int8::Q8_0(t) => {
                 let data = t.data();
                 // A block at a time (`flat_map` gives `collect` no length: it grew the vector
@@ -327,7 +357,22 @@ impl ShadowLinear {
             _ => None,
         };
         let (int8, decode) = match (decode, checkpoint) {
-            (_, Some(b)) => (Int8::Raw(Arc::new(q)), DecodeMatrix::Blocks(b)),
+            (_, Some(b)) => {
+                // The INT8 values are dropped and taken from the blocks when needed: they must be
+                // the blocks' values requantized. Spot-checked (each row's first and last 32
+                // values): a source whose blocks are not its matrix would give the NPU one
+                // weight and the shadow path another.
+                let spots = (0..n).flat_map(|r| (0..k.min(32)).chain(k.saturating_sub(32)..k).map(move |c| (r, c)));
+                if let Some((r, c)) = spots.into_iter().find(|&(r, c)| quantize_i8(b.value(r, c), row_scales[r]) != q[r * k + c]) {
+                    return Err(Error::Internal(format!(
+                        "{name}: the blocks of {} give {} at [{r}, {c}] where its matrix gives {}",
+                        source.describe(),
+                        b.value(r, c),
+                        data[r * k + c]
+                    )));
+                }
+                (Int8::Blocks(b.clone()), DecodeMatrix::Blocks(b))
+            }
             (DecodeWeights::F32, None) => (Int8::Raw(Arc::new(q)), DecodeMatrix::F32(Tensor::from_vec(data, (n, k), &Device::Cpu)?)),
             (_, None) if k % 32 == 0 => {
                 if let Some(r) = row_scales.iter().position(|&s| s > half::f16::MAX.to_f32()) {
@@ -436,6 +481,7 @@ impl ShadowLinear {
             + match &self.npu.int8 {
             Int8::Q8_0(_) => 0,
             Int8::Raw(q) => q.len(),
+            Int8::Blocks(_) => 0,
         }
     }
     /// The decode weight.
@@ -629,6 +675,69 @@ mod tests {
                 assert!((g - e).abs() <= 1e-4 * e.abs().max(1.0), "row {r}: {g} vs {e}");
             }
         }
+    }
+
+    /// A float weight that is a block matrix's dequantization, with the blocks (as a GGUF
+    /// checkpoint's matrices are): `lie` makes its matrix differ from its blocks at one value.
+    struct BlockSource {
+        blocks: BlockMatrix,
+        lie: bool,
+    }
+
+    impl WeightSource for BlockSource {
+        fn dims(&self) -> (usize, usize) {
+            self.blocks.dims()
+        }
+        fn matrix(&self) -> Result<Vec<f32>> {
+            let mut w = self.blocks.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
+            if self.lie {
+                w[0] += 1.0;
+            }
+            Ok(w)
+        }
+        fn describe(&self) -> String {
+            "blocks".into()
+        }
+        fn blocks(&self) -> Result<Option<BlockMatrix>> {
+            Ok(Some(self.blocks.clone()))
+        }
+    }
+
+    fn block_source(format: BlockFormat, n: usize, k: usize, lie: bool) -> Arc<dyn WeightSource> {
+        use candle_core::quantized::QTensor;
+        let w = Tensor::from_vec((0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * (1.0 + (i / k) as f32)).collect::<Vec<f32>>(), (n, k), &Device::Cpu).unwrap();
+        let blocks = BlockMatrix::from_qtensor(&QTensor::quantize(&w, format.dtype()).unwrap()).unwrap().unwrap();
+        Arc::new(BlockSource { blocks, lie })
+    }
+
+    #[test]
+    fn checkpoint_decode_holds_no_int8_and_gives_the_same_int8_values() {
+        // Every format, both weight quantizations: the INT8 values (all of them for a graph,
+        // and any columns) taken from the blocks are those of the float weight quantized at
+        // load, to the bit; decode multiplies by the blocks themselves; nothing INT8 is held.
+        let (n, k) = (70, 256);
+        for format in BlockFormat::ALL {
+            for wq in [WeightQuant::PerChannel, WeightQuant::PerTensor] {
+                let src = block_source(format, n, k, false);
+                let lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Checkpoint).unwrap();
+                assert!(matches!(lin.npu.int8, Int8::Blocks(_)), "{format:?}");
+                let (want, _) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq);
+                assert_eq!(*lin.npu.values().unwrap(), want, "{format:?} {wq:?}");
+                let cs = [0, 5, 31, 32, 200, 255];
+                let cols = lin.npu.columns(&cs, n, k).unwrap();
+                for (j, &c) in cs.iter().enumerate() {
+                    let col: Vec<i8> = (0..n).map(|r| want[r * k + c]).collect();
+                    assert_eq!(&cols[j * n..][..n], &col[..], "{format:?} {wq:?} column {c}");
+                }
+                assert_eq!(lin.decode_bytes(), n * format.row_bytes(k), "{format:?}: the blocks only");
+                let x = Tensor::ones((1, k), candle_core::DType::F32, &Device::Cpu).unwrap();
+                let DecodeMatrix::Blocks(b) = lin.decode() else { panic!("blocks") };
+                assert_eq!(lin.forward(&x).unwrap().to_vec2::<f32>().unwrap(), b.forward(&x).unwrap().to_vec2::<f32>().unwrap());
+            }
+        }
+        // Blocks that are not the matrix are refused, not run with two different weights.
+        let err = ShadowLinear::new("l", block_source(BlockFormat::Q8_0, n, k, true), None, WeightQuant::PerChannel, DecodeWeights::Checkpoint).unwrap_err();
+        assert!(matches!(&err, Error::Internal(m) if m.contains("at [0, 0]")), "{err}");
     }
 
     #[test]

@@ -142,7 +142,7 @@ struct Args {
     #[arg(long)]
     f32_prefill: bool,
     /// Weights of the CPU decode path (docs/memory.md, "Decode weights", has the measurements).
-    #[arg(long, value_enum, default_value = "q8_0")]
+    #[arg(long, value_enum, default_value = "checkpoint")]
     decode_weights: DecodeFormat,
     /// Quant profile file (default: next to the model; calibrated and saved when missing).
     #[arg(long)]

@@ -94,7 +94,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerChannel, chunk_len: None, sched: None }
+        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, chunk_len: None, sched: None }
     }
 }
 

@@ -361,6 +361,42 @@ impl BlockFormat {
     }
 }
 
+/// Weight `i` of one block of `format` (`blk`), as candle's `to_float` computes it (see
+/// [`BlockMatrix::value`]).
+fn block_value(format: BlockFormat, blk: &[u8], i: usize) -> f32 {
+    let f16 = |at: usize| half::f16::from_bits(u16::from_le_bytes([blk[at], blk[at + 1]])).to_f32();
+    // Block-of-32 formats: the nibble (or byte) of weight i.
+    let nibble = |qs: usize| if i < 16 { blk[qs + i] & 0x0F } else { blk[qs + i - 16] >> 4 };
+    match format {
+        BlockFormat::Q8_0 => blk[2 + i] as i8 as f32 * f16(0),
+        BlockFormat::Q4_0 => (nibble(2) as i16 - 8) as f32 * f16(0),
+        BlockFormat::Q4_1 => nibble(4) as f32 * f16(0) + f16(2),
+        BlockFormat::Q5_0 => {
+            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+            ((nibble(6) | ((qh >> i) as u8 & 1) << 4) as i32 - 16) as f32 * f16(0)
+        }
+        BlockFormat::Q4K | BlockFormat::Q5K => {
+            let (sc, m) = formats::k_scales(blk[4..16].try_into().expect("12 scale bytes"));
+            let (j, l) = (i / 32, i % 32);
+            let qs = if format == BlockFormat::Q4K { 16 } else { 48 };
+            let q = (blk[qs + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+            let d1 = f16(0) * sc[j] as f32;
+            let m1 = f16(2) * m[j] as f32;
+            match format {
+                BlockFormat::Q4K => d1 * q as f32 - m1,
+                _ => d1 * (q as f32 + if (blk[16 + l] >> j) & 1 == 1 { 16.0 } else { 0.0 }) - m1,
+            }
+        }
+        BlockFormat::Q6K => {
+            // Half h, group g (see `formats`), position l.
+            let (h, g, l) = (i / 128, i % 128 / 32, i % 32);
+            let low = (blk[64 * h + l + 32 * (g % 2)] >> (4 * (g / 2))) & 0x0F;
+            let q = (low | ((blk[128 + 32 * h + l] >> (2 * g)) & 3) << 4) as i8 - 32;
+            f16(208) * blk[192 + i / 16] as i8 as f32 * q as f32
+        }
+    }
+}
+
 /// The product of the rows `rows` of `w` (`format`'s blocks, rows of K weights) with `x`,
 /// on [`GemvPath::detect`]'s path: [`gemv_q8_0`], [`gemv_q4_1`] or the other formats' kernels
 /// (`formats`). `out[j]` is row `rows.start + j`; the same contract as [`gemv_q8_0`]; a format
@@ -1013,6 +1049,16 @@ impl BlockMatrix {
         }
         let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.format.dtype(), &bytes, vec![ids.len(), self.k], &candle_core::Device::Cpu)?;
         Ok(t.dequantize(&candle_core::Device::Cpu)?)
+    }
+
+    /// Weight (r, c) as candle's `to_float` (ggml's dequantization) computes it, to the bit: the
+    /// same f32 operations in the same order. How a column is read without dequantizing its rows
+    /// (the shadow path's cold columns). Panics past the matrix.
+    pub fn value(&self, r: usize, c: usize) -> f32 {
+        assert!(r < self.n && c < self.k, "value ({r}, {c}) of a [{}, {}] matrix", self.n, self.k);
+        let (len, bytes) = (self.format.block_len(), self.format.block_bytes());
+        let at = (r * self.k + c) / len * bytes;
+        block_value(self.format, &self.data()[at..at + bytes], c % len)
     }
 
     /// The whole matrix dequantized, `[N, K]`.
@@ -1983,6 +2029,24 @@ mod tests {
                 }
             }
             assert!(seen > w.len() / 2, "{format:?}: only {seen} of {} bytes change the row", w.len());
+        }
+    }
+
+    #[test]
+    fn a_single_value_is_candles_dequantization_to_the_bit() {
+        // Random bytes (every value, scale and bit; finite f16 fields) of every format: each
+        // weight read alone equals the whole matrix's dequantization by candle, bit for bit.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(37);
+        for format in BlockFormat::ALL {
+            let (n, k) = (3, 512);
+            let w = format_weights(&mut rng, format, n, k);
+            let want = candle_rows(format, &w, n, k);
+            let m = BlockMatrix::new(format, n, k, std::sync::Arc::new(w), 0).unwrap();
+            for r in 0..n {
+                for c in 0..k {
+                    assert_eq!(m.value(r, c).to_bits(), want[r * k + c].to_bits(), "{format:?} ({r}, {c})");
+                }
+            }
         }
     }
 }

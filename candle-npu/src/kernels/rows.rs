@@ -268,14 +268,20 @@ multiversion! {
 
 #[inline(always)]
 fn quantize_row_i8_generic(row: &[f32], scale: f32, out: &mut [MaybeUninit<i8>]) -> usize {
-    map2(row, row, out, |v, _| {
-        let r = (v / scale).round();
-        // NaN to 0, as `as i8` maps it, so that the unchecked conversion (which vectorizes)
-        // sees a number in [-127, 127].
-        let r = if r.is_nan() { 0.0 } else { r.clamp(-127.0, 127.0) };
-        // SAFETY: r is finite and in [-127, 127].
-        unsafe { r.to_int_unchecked::<i32>() as i8 }
-    })
+    map2(row, row, out, |v, _| quantize_i8(v, scale))
+}
+
+/// One value of [`quantize_rows_i8`]: `round(v / scale)` in [-127, 127], NaN to 0. Whoever
+/// needs a single weight's INT8 value (a column of it) uses this, so that it is the row
+/// kernel's to the bit.
+#[inline(always)]
+pub fn quantize_i8(v: f32, scale: f32) -> i8 {
+    let r = (v / scale).round();
+    // NaN to 0, as `as i8` maps it, so that the unchecked conversion (which vectorizes) sees a
+    // number in [-127, 127].
+    let r = if r.is_nan() { 0.0 } else { r.clamp(-127.0, 127.0) };
+    // SAFETY: r is finite and in [-127, 127].
+    unsafe { r.to_int_unchecked::<i32>() as i8 }
 }
 
 /// The residual add and the next RMSNorm in one pass over each row: `x += d`, then

@@ -76,7 +76,7 @@ pub(super) const QK_K: usize = 256;
 /// four bits are the nibbles of `b[j + 4]` (low for `sc`, high for `m`) and the top two the top
 /// bits of `b[j - 4]` (`sc`) or `b[j]` (`m`). Four at a time in u32 words.
 #[inline(always)]
-pub(super) fn k_scales(b: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+pub(crate) fn k_scales(b: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     let word = |i: usize| u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
     let (u0, u1, u2) = (word(0), word(1), word(2));
     let (low6, low4, top2) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
