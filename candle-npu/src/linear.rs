@@ -484,6 +484,14 @@ impl ShadowLinear {
             Int8::Blocks(_) => 0,
         }
     }
+    /// Bytes of INT8 values this linear holds apart from its decode weight (0 when they are
+    /// the decode weight's Q8_0 blocks or are requantized from the checkpoint's blocks).
+    pub fn int8_bytes(&self) -> usize {
+        match &self.npu.int8 {
+            Int8::Raw(q) => q.len(),
+            Int8::Q8_0(_) | Int8::Blocks(_) => 0,
+        }
+    }
     /// The decode weight.
     pub fn decode(&self) -> &DecodeMatrix {
         &self.decode

@@ -405,7 +405,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         prefill_stats.executions - before.executions
     );
     println!("{} tokens generated: {:.2} token/s", stats.generated_tokens, stats.decode_tokens_per_sec());
-    println!("memory: {}", candle_npu_models::memory::describe());
+    println!("memory: {}; {}", candle_npu_models::memory::describe(), p.model.weight_bytes());
     print_qnn_profile(&device);
     Ok(())
 }

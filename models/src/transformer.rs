@@ -227,6 +227,8 @@ pub struct Model {
     embed: DecodeMatrix,
     final_norm: Tensor,
     lm_head: DecodeMatrix,
+    /// Whether the output table is the embedding table.
+    tied: bool,
     layers: Vec<Layer>,
     profile: Option<QuantProfile>,
     /// Per layer, per stage: the input point (from the profile).
@@ -276,7 +278,8 @@ impl Model {
         // The tables and the final norm first: their shapes tell a wrong config before the layers'
         // quantization takes its seconds.
         let embed = ckpt.table(&names("token_embd.weight").name, opts.decode_weights)?;
-        let lm_head = match ckpt.contains(&names("output.weight").name) {
+        let tied = !ckpt.contains(&names("output.weight").name);
+        let lm_head = match !tied {
             true => ckpt.table(&names("output.weight").name, opts.decode_weights)?,
             false => embed.clone(), // tied
         };
@@ -350,6 +353,7 @@ impl Model {
             embed,
             final_norm,
             lm_head,
+            tied,
             layers,
             profile: None,
             points: vec![],
@@ -370,6 +374,24 @@ impl Model {
     /// How the family's layer computes.
     pub fn spec(&self) -> &FamilySpec {
         &self.spec
+    }
+
+    /// What the model's weights take, in bytes, by part: a line for logs and the examples.
+    pub fn weight_bytes(&self) -> String {
+        let mb = |b: usize| b as f64 / 1e6;
+        let decode: usize = self.linears().map(|l| l.decode().bytes()).sum();
+        let int8: usize = self.linears().map(|l| l.int8_bytes()).sum();
+        let hot: usize = self.linears().map(|l| l.hot_bytes()).sum();
+        let embed = self.embed.bytes();
+        let output = if self.tied { 0 } else { self.lm_head.bytes() };
+        format!(
+            "linears' decode weights {:.0} MB, embedding {:.0} MB{}, INT8 held apart {:.0} MB, hot columns {:.0} MB (plus the executor's graph weights)",
+            mb(decode),
+            mb(embed),
+            if self.tied { " (tied output)".to_string() } else { format!(", output {:.0} MB", mb(output)) },
+            mb(int8),
+            mb(hot)
+        )
     }
 
     /// The output table in its decode form (the embedding table when tied).

@@ -101,6 +101,9 @@ pub(super) unsafe fn gemv(kind: Kind, path: GemvPath, w: &[u8], nb: usize, x: &Q
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's contract.
         GemvPath::Avx2 => unsafe { x86::gemv(kind, w, nb, x, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's contract.
+        GemvPath::Avx512 => unsafe { x86::gemv_vnni(kind, w, nb, x, out) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the caller's contract.
         GemvPath::Dotprod => unsafe { aarch64::gemv_dotprod(kind, w, nb, x, out) },
@@ -206,11 +209,108 @@ mod x86 {
                 match kind {
                     Kind::Q4_0 => row_q4_0_q5_0::<false>(row.as_ptr(), nb, x),
                     Kind::Q5_0 => row_q4_0_q5_0::<true>(row.as_ptr(), nb, x),
-                    Kind::Q4K => row_k::<false>(row.as_ptr(), nb, x),
-                    Kind::Q5K => row_k::<true>(row.as_ptr(), nb, x),
+                    Kind::Q4K => row_k::<false, false>(row.as_ptr(), nb, x),
+                    Kind::Q5K => row_k::<true, false>(row.as_ptr(), nb, x),
                     Kind::Q6K => row_q6_k(row.as_ptr(), nb, x),
                 }
             };
+        }
+    }
+
+    /// [`GemvPath::Avx512`](super::GemvPath::Avx512): Q4_0, Q5_0, Q4_K and Q5_K with `vpdpbusd` (32 byte
+    /// products summed into 8 i32 lanes, in one instruction: no i16 step, nothing saturates)
+    /// starting from the block's offset term `-o * sum q_x` (computed once per call for every
+    /// activation block: 8 lanes each, the same lanes `vpdpbusd` fills), and Q5_0's fifth bits as
+    /// a byte mask (`kmovd`, then a masked add of 16); the K-quants' sub-block products from zero.
+    /// Q6_K: [`gemv`] (its sub-blocks of 16 take their scales in `vpmaddwd`, which `vpdpbusd`
+    /// would not save).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI; as [`super::gemv`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn gemv_vnni(kind: Kind, w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
+        if let Kind::Q4K | Kind::Q5K = kind {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * kind.block_bytes())) {
+                // SAFETY: `row` is `nb` super-blocks, the activation has their blocks and sums;
+                // the CPU has the features.
+                *o = unsafe {
+                    match kind {
+                        Kind::Q4K => row_k::<false, true>(row.as_ptr(), nb, x),
+                        _ => row_k::<true, true>(row.as_ptr(), nb, x),
+                    }
+                };
+            }
+            return;
+        }
+        if kind == Kind::Q6K {
+            // SAFETY: the caller's contract; the CPU has AVX2, FMA and F16C.
+            return unsafe { gemv(kind, w, nb, x, out) };
+        }
+        let o = if kind == Kind::Q5_0 { 16 } else { 8 };
+        // SAFETY: the activation has `nb` blocks.
+        let offsets: Vec<__m256i> = (0..nb)
+            .map(|b| unsafe { _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(o), _mm256_loadu_si256(x.q.as_ptr().add(QK * b).cast()))) })
+            .collect();
+        let bytes = kind.block_bytes();
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * bytes)) {
+            // SAFETY: `row` is `nb` blocks, the activation and `offsets` have `nb` blocks; the
+            // CPU has the features.
+            *o = unsafe {
+                match kind {
+                    Kind::Q5_0 => row_vnni::<true>(row.as_ptr(), nb, x, &offsets),
+                    _ => row_vnni::<false>(row.as_ptr(), nb, x, &offsets),
+                }
+            };
+        }
+    }
+
+    /// One Q4_0 (`FIVE` false) or Q5_0 row on the VNNI path: as [`row_q4_0_q5_0`], the block
+    /// product by `vpdpbusd` from the block's offset term.
+    ///
+    /// # Safety
+    /// As [`gemv_vnni`], for `nb` blocks at `w` and `offsets`; inlined only into it.
+    #[inline(always)]
+    unsafe fn row_vnni<const FIVE: bool>(w: *const u8, nb: usize, x: &Q8Activation, offsets: &[__m256i]) -> f32 {
+        let (bytes, at) = if FIVE { (22, 6) } else { (18, 2) };
+        // SAFETY: reads of blocks below `nb`, of the activation's first `nb` blocks and of
+        // `offsets[..nb]`; `factors` as in `row_q4_0_q5_0`.
+        unsafe {
+            let sixteen = _mm256_set1_epi8(16);
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut factors = [0f32; 4];
+            let f_out = factors.as_mut_ptr();
+            let f_in = std::hint::black_box(f_out);
+            let full = nb - nb % 4;
+            for b in (0..nb).step_by(4) {
+                let blk = w.add(bytes * b);
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH).cast());
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64).cast());
+                let group = if b < full { 4 } else { nb - b };
+                if group == 4 {
+                    let mut ds = 0u64;
+                    for i in 0..4 {
+                        ds |= (u16::from_le(blk.add(bytes * i).cast::<u16>().read_unaligned()) as u64) << (16 * i);
+                    }
+                    let ds = _mm_cvtph_ps(_mm_cvtsi64_si128(ds as i64));
+                    _mm_storeu_ps(f_out, _mm_mul_ps(ds, _mm_loadu_ps(x.scales.as_ptr().add(b))));
+                } else {
+                    for i in 0..group {
+                        *f_out.add(i) = f16_to_f32(u16::from_le(blk.add(bytes * i).cast::<u16>().read_unaligned())) * *x.scales.get_unchecked(b + i);
+                    }
+                }
+                for i in 0..group {
+                    let blk = blk.add(bytes * i);
+                    let mut q = nibbles16(blk.add(at));
+                    if FIVE {
+                        let qh = u32::from_le(blk.add(2).cast::<u32>().read_unaligned());
+                        q = _mm256_mask_add_epi8(q, qh, q, sixteen);
+                    }
+                    let xv = _mm256_loadu_si256(x.q.as_ptr().add(QK * (b + i)).cast());
+                    let p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(*offsets.get_unchecked(b + i), q, xv));
+                    acc[i] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&*f_in.add(i)), acc[i]);
+                }
+            }
+            hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
         }
     }
 
@@ -330,7 +430,7 @@ mod x86 {
     /// # Safety
     /// As [`gemv`]: `nb` super-blocks at `w`; inlined only into it.
     #[inline(always)]
-    unsafe fn row_k<const FIVE: bool>(w: *const u8, nb: usize, x: &Q8Activation) -> f32 {
+    unsafe fn row_k<const FIVE: bool, const VNNI: bool>(w: *const u8, nb: usize, x: &Q8Activation) -> f32 {
         let bytes = if FIVE { 176 } else { 144 };
         // SAFETY: reads of super-blocks below `nb` and of the activation's first `8 nb` blocks;
         // `factors` is read back through `black_box` (see the Q4_1 kernel: broadcast loads).
@@ -369,8 +469,12 @@ mod x86 {
                         qh = _mm256_srli_epi16::<2>(qh);
                     }
                     let xq = x.q.as_ptr().add(QK * (a + 2 * c));
-                    let p_lo = _mm256_cvtepi32_ps(dot(lo, _mm256_loadu_si256(xq.cast())));
-                    let p_hi = _mm256_cvtepi32_ps(dot(hi, _mm256_loadu_si256(xq.add(QK).cast())));
+                    let (x_lo, x_hi) = (_mm256_loadu_si256(xq.cast()), _mm256_loadu_si256(xq.add(QK).cast()));
+                    let (p_lo, p_hi) = match VNNI {
+                        true => (_mm256_dpbusd_epi32(zero, lo, x_lo), _mm256_dpbusd_epi32(zero, hi, x_hi)),
+                        false => (dot(lo, x_lo), dot(hi, x_hi)),
+                    };
+                    let (p_lo, p_hi) = (_mm256_cvtepi32_ps(p_lo), _mm256_cvtepi32_ps(p_hi));
                     acc[0] = _mm256_fmadd_ps(p_lo, _mm256_broadcast_ss(&*f_in.add(2 * c)), acc[0]);
                     acc[1] = _mm256_fmadd_ps(p_hi, _mm256_broadcast_ss(&*f_in.add(2 * c + 1)), acc[1]);
                 }
