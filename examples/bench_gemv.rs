@@ -44,11 +44,12 @@ fn bandwidth() -> f64 {
 fn main() -> Result<()> {
     let args = Args::parse();
     let bw = bandwidth();
-    let path = GemvPath::detect();
-    println!("One thread, {path:?} path; read bandwidth of one thread (sum over 512 MiB, best of 5): {bw:.1} GB/s");
-    println!("Weights from memory: copies of the matrix in turn, 512 MiB; best of {} rounds\n", args.rounds);
-    println!("| format | shape | bytes per weight | GB/s | share of the bandwidth | weights/ns |");
-    println!("|---|---|---|---|---|---|");
+    let paths: Vec<GemvPath> = [GemvPath::Avx512, GemvPath::Avx2, GemvPath::Dotprod, GemvPath::Neon].into_iter().filter(|p| p.runs_here()).collect();
+    println!("One thread; read bandwidth of one thread (sum over 512 MiB, best of 5): {bw:.1} GB/s (the default path: {:?})", GemvPath::detect());
+    println!("Weights from memory: copies of the matrix in turn, 512 MiB; best of {} rounds; GB/s of weight bytes (share of the bandwidth)\n", args.rounds);
+    let names: Vec<String> = paths.iter().map(|p| format!("{p:?}")).collect();
+    println!("| format | shape | bytes per weight | {} |", names.join(" | "));
+    println!("|---|---|---|{}", "---|".repeat(paths.len()));
     let mut seed = 1u64;
     let mut random = move || {
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -63,17 +64,21 @@ fn main() -> Result<()> {
         let all: Vec<u8> = bytes.iter().copied().cycle().take(bytes.len() * copies).collect();
         let x = Q8Activation::quantize(&(0..k).map(|_| random()).collect::<Vec<f32>>());
         let mut out = vec![0f32; n];
-        let mut best = 0f64;
-        for _ in 0..args.rounds {
-            let t = Instant::now();
-            for c in all.chunks_exact(bytes.len()) {
-                gemv_on(path, format, c, k, &x, 0..n, &mut out);
+        let mut cells = vec![];
+        for &path in &paths {
+            let mut best = 0f64;
+            for _ in 0..args.rounds {
+                let t = Instant::now();
+                for c in all.chunks_exact(bytes.len()) {
+                    gemv_on(path, format, c, k, &x, 0..n, &mut out);
+                }
+                best = best.max(all.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
+                std::hint::black_box(&out);
             }
-            best = best.max(all.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
-            std::hint::black_box(&out);
+            cells.push(format!("{best:.1} ({:.0}%)", 100.0 * best / bw));
         }
         let per_weight = bytes.len() as f64 / (n * k) as f64;
-        println!("| {format:?} | {n} x {k} | {per_weight:.3} | {best:.1} | {:.0}% | {:.1} |", 100.0 * best / bw, best / per_weight);
+        println!("| {format:?} | {n} x {k} | {per_weight:.3} | {} |", cells.join(" | "));
     }
     Ok(())
 }
