@@ -154,9 +154,25 @@ impl NpuWeight {
                 gather(cs, n, |r, c| data[at(r, c)] as i8, |r, c| data.as_ptr().wrapping_add(at(r, c)))
             }
             Int8::Blocks(b) => {
-                let (data, f) = (b.data(), b.format());
-                let at = |r: usize, c: usize| (r * k + c) / f.block_len() * f.block_bytes();
-                gather(cs, n, |r, c| quantize_i8(b.value(r, c), self.scales.row(r)), |r, c| data.as_ptr().wrapping_add(at(r, c)))
+                // A column at a time per block of rows (its decoding chosen once), over the pool.
+                const ROWS: usize = 64;
+                let mut out = vec![0i8; cs.len() * n];
+                let mut parts: Vec<Vec<(usize, &mut [i8])>> = (0..n.div_ceil(ROWS)).map(|_| Vec::with_capacity(cs.len())).collect();
+                for (column, &c) in out.chunks_mut(n.max(1)).zip(cs) {
+                    for (blk, part) in column.chunks_mut(ROWS).enumerate() {
+                        parts[blk].push((c, part));
+                    }
+                }
+                parts.into_par_iter().enumerate().for_each(|(blk, parts)| {
+                    let r0 = blk * ROWS;
+                    let mut w = [0f32; ROWS];
+                    for (c, part) in parts {
+                        let w = &mut w[..part.len()];
+                        b.column(c, r0..r0 + part.len(), w);
+                        part.iter_mut().zip(w.iter()).enumerate().for_each(|(i, (q, &v))| *q = quantize_i8(v, self.scales.row(r0 + i)));
+                    }
+                });
+                out
             }
         })
     }

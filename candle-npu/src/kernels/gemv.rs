@@ -1074,6 +1074,41 @@ impl BlockMatrix {
         block_value(self.format, &self.data()[at..at + bytes], c % len)
     }
 
+    /// Column `c` of rows `rows` into `out` (one value per row), each as [`Self::value`] gives
+    /// it, to the bit: the format's decoding chosen once for the column, the rows' blocks read
+    /// one after another (the shadow path's cold columns, where no INT8 copy is held).
+    pub fn column(&self, c: usize, rows: Range<usize>, out: &mut [f32]) {
+        assert!(c < self.k && rows.end <= self.n && out.len() == rows.len(), "column {c} of rows {rows:?} of a [{}, {}] matrix into {}", self.n, self.k, out.len());
+        let (len, bytes, row_bytes) = (self.format.block_len(), self.format.block_bytes(), self.format.row_bytes(self.k));
+        let (data, first, i) = (self.data(), c / len * bytes, c % len);
+        fn fill(data: &[u8], row_bytes: usize, first: usize, bytes: usize, rows: Range<usize>, out: &mut [f32], f: impl Fn(&[u8]) -> f32) {
+            for (o, r) in out.iter_mut().zip(rows) {
+                *o = f(&data[r * row_bytes + first..][..bytes]);
+            }
+        }
+        let f16 = |b: &[u8], at: usize| half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
+        // Block-of-32 formats: where weight i's nibble is, and its shift.
+        let (nib_at, nib_shift) = (i % 16, if i < 16 { 0 } else { 4 });
+        let go = |f: &dyn Fn(&[u8]) -> f32, out: &mut [f32]| fill(data, row_bytes, first, bytes, rows.clone(), out, f);
+        match self.format {
+            BlockFormat::Q8_0 => go(&|b| b[2 + i] as i8 as f32 * f16(b, 0), out),
+            BlockFormat::Q4_0 => go(&|b| (((b[2 + nib_at] >> nib_shift) & 0x0F) as i16 - 8) as f32 * f16(b, 0), out),
+            BlockFormat::Q4_1 => go(&|b| ((b[4 + nib_at] >> nib_shift) & 0x0F) as f32 * f16(b, 0) + f16(b, 2), out),
+            BlockFormat::Q5_0 => go(
+                &|b| {
+                    let high = (b[2 + i / 8] >> (i % 8)) & 1;
+                    ((((b[6 + nib_at] >> nib_shift) & 0x0F) | high << 4) as i32 - 16) as f32 * f16(b, 0)
+                },
+                out,
+            ),
+            BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K => {
+                // The K-quants' decoding has more steps; `block_value` is it, written once.
+                let format = self.format;
+                go(&|b| block_value(format, b, i), out)
+            }
+        }
+    }
+
     /// The whole matrix dequantized, `[N, K]`.
     pub fn dequantize(&self) -> crate::Result<candle_core::Tensor> {
         let t = candle_core::quantized::ggml_file::qtensor_from_ggml(self.format.dtype(), self.data(), vec![self.n, self.k], &candle_core::Device::Cpu)?;
@@ -2059,6 +2094,12 @@ mod tests {
                 for c in 0..k {
                     assert_eq!(m.value(r, c).to_bits(), want[r * k + c].to_bits(), "{format:?} ({r}, {c})");
                 }
+            }
+            for c in 0..k {
+                let mut col = vec![0f32; n - 1];
+                m.column(c, 1..n, &mut col);
+                let want: Vec<u32> = (1..n).map(|r| want[r * k + c].to_bits()).collect();
+                assert_eq!(col.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "{format:?} column {c}");
             }
         }
     }
