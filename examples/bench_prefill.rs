@@ -25,7 +25,7 @@ use candle_core::{Device, Tensor};
 use candle_npu::kernels::{Int8Kernel, PackedI8};
 use candle_npu::NpuDevice;
 use candle_npu::sched::Policy;
-use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
+use candle_npu_models::{assets, CalibrationSet, LoadOptions, Pipeline, Precision, SchedOptions};
 use candle_transformers::models::quantized_llama::ModelWeights;
 
 const REPS: usize = 3;
@@ -163,7 +163,7 @@ fn main() -> Result<()> {
     let lens = args.lens.clone();
     let max = lens.iter().copied().max().unwrap_or(0);
     let dev = NpuDevice::host();
-    let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+    let opts = LoadOptions { precision: Precision::W8A8, ..Default::default() };
     let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts.clone())?;
     p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
     let text = heldout(&p, max.max(2048))?;
