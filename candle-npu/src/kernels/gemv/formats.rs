@@ -207,8 +207,8 @@ mod x86 {
             // has the features. One call per format so that each loop is compiled on its own.
             *o = unsafe {
                 match kind {
-                    Kind::Q4_0 => row_q4_0_q5_0::<false>(row.as_ptr(), nb, x),
-                    Kind::Q5_0 => row_q4_0_q5_0::<true>(row.as_ptr(), nb, x),
+                    Kind::Q4_0 => row_q4_0_q5_0::<false, false>(row.as_ptr(), nb, x, &[]),
+                    Kind::Q5_0 => row_q4_0_q5_0::<true, false>(row.as_ptr(), nb, x, &[]),
                     Kind::Q4K => row_k::<false, false>(row.as_ptr(), nb, x),
                     Kind::Q5K => row_k::<true, false>(row.as_ptr(), nb, x),
                     Kind::Q6K => row_q6_k(row.as_ptr(), nb, x),
@@ -257,60 +257,10 @@ mod x86 {
             // CPU has the features.
             *o = unsafe {
                 match kind {
-                    Kind::Q5_0 => row_vnni::<true>(row.as_ptr(), nb, x, &offsets),
-                    _ => row_vnni::<false>(row.as_ptr(), nb, x, &offsets),
+                    Kind::Q5_0 => row_q4_0_q5_0::<true, true>(row.as_ptr(), nb, x, &offsets),
+                    _ => row_q4_0_q5_0::<false, true>(row.as_ptr(), nb, x, &offsets),
                 }
             };
-        }
-    }
-
-    /// One Q4_0 (`FIVE` false) or Q5_0 row on the VNNI path: as [`row_q4_0_q5_0`], the block
-    /// product by `vpdpbusd` from the block's offset term.
-    ///
-    /// # Safety
-    /// As [`gemv_vnni`], for `nb` blocks at `w` and `offsets`; inlined only into it.
-    #[inline(always)]
-    unsafe fn row_vnni<const FIVE: bool>(w: *const u8, nb: usize, x: &Q8Activation, offsets: &[__m256i]) -> f32 {
-        let (bytes, at) = if FIVE { (22, 6) } else { (18, 2) };
-        // SAFETY: reads of blocks below `nb`, of the activation's first `nb` blocks and of
-        // `offsets[..nb]`; `factors` as in `row_q4_0_q5_0`.
-        unsafe {
-            let sixteen = _mm256_set1_epi8(16);
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut factors = [0f32; 4];
-            let f_out = factors.as_mut_ptr();
-            let f_in = std::hint::black_box(f_out);
-            let full = nb - nb % 4;
-            for b in (0..nb).step_by(4) {
-                let blk = w.add(bytes * b);
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH).cast());
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + 64).cast());
-                let group = if b < full { 4 } else { nb - b };
-                if group == 4 {
-                    let mut ds = 0u64;
-                    for i in 0..4 {
-                        ds |= (u16::from_le(blk.add(bytes * i).cast::<u16>().read_unaligned()) as u64) << (16 * i);
-                    }
-                    let ds = _mm_cvtph_ps(_mm_cvtsi64_si128(ds as i64));
-                    _mm_storeu_ps(f_out, _mm_mul_ps(ds, _mm_loadu_ps(x.scales.as_ptr().add(b))));
-                } else {
-                    for i in 0..group {
-                        *f_out.add(i) = f16_to_f32(u16::from_le(blk.add(bytes * i).cast::<u16>().read_unaligned())) * *x.scales.get_unchecked(b + i);
-                    }
-                }
-                for i in 0..group {
-                    let blk = blk.add(bytes * i);
-                    let mut q = nibbles16(blk.add(at));
-                    if FIVE {
-                        let qh = u32::from_le(blk.add(2).cast::<u32>().read_unaligned());
-                        q = _mm256_mask_add_epi8(q, qh, q, sixteen);
-                    }
-                    let xv = _mm256_loadu_si256(x.q.as_ptr().add(QK * (b + i)).cast());
-                    let p = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(*offsets.get_unchecked(b + i), q, xv));
-                    acc[i] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&*f_in.add(i)), acc[i]);
-                }
-            }
-            hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
         }
     }
 
@@ -361,24 +311,37 @@ mod x86 {
         unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
     }
 
-    /// A Q4_0 or Q5_0 block's products with the activation block at `xq`, as f32.
+    /// A Q4_0 or Q5_0 block's products with the activation block at `xq`, as f32: with `VNNI`,
+    /// by `vpdpbusd` from `offset` (the block's `-o * sum q_x` in `vpdpbusd`'s lanes) and the
+    /// fifth bits as a byte mask; else by `vpmaddubsw` with the offset `off` taken off in i16.
     ///
     /// # Safety
     /// A block at `blk`, whose `qs` are at `at`; 32 activations at `xq`; inlined only into
-    /// functions with AVX2.
+    /// functions with AVX2 (and, with `VNNI`, AVX-512 BW, VL and VNNI).
     #[inline(always)]
-    unsafe fn block_q4_0_q5_0<const FIVE: bool>(blk: *const u8, at: usize, xq: *const i8, off: __m256i) -> __m256 {
+    unsafe fn block_q4_0_q5_0<const FIVE: bool, const VNNI: bool>(blk: *const u8, at: usize, xq: *const i8, off: __m256i, offset: __m256i) -> __m256 {
         // SAFETY: the caller's contract.
         unsafe {
             let mut q = nibbles16(blk.add(at));
-            if FIVE {
-                q = _mm256_or_si256(q, bits_to_0x10(u32::from_le(blk.add(2).cast::<u32>().read_unaligned())));
-            }
-            _mm256_cvtepi32_ps(dot_off(q, _mm256_loadu_si256(xq.cast()), off))
+            let qh = if FIVE { u32::from_le(blk.add(2).cast::<u32>().read_unaligned()) } else { 0 };
+            let xv = _mm256_loadu_si256(xq.cast());
+            let p = if VNNI {
+                if FIVE {
+                    q = _mm256_mask_add_epi8(q, qh, q, _mm256_set1_epi8(16));
+                }
+                _mm256_dpbusd_epi32(offset, q, xv)
+            } else {
+                if FIVE {
+                    q = _mm256_or_si256(q, bits_to_0x10(qh));
+                }
+                dot_off(q, xv, off)
+            };
+            _mm256_cvtepi32_ps(p)
         }
     }
 
-    /// Q4_0 (`FIVE` false) or Q5_0. The blocks' scales `d_w d_x` four at a time: four 16-bit
+    /// Q4_0 (`FIVE` false) or Q5_0, on the AVX2 path or (`VNNI`) the AVX-512 one with each
+    /// block's offset term in `offsets` (see [`gemv_vnni`]). The blocks' scales `d_w d_x` four at a time: four 16-bit
     /// loads joined in a general register, one conversion and one multiply, then through a stack
     /// array to `vbroadcastss` (as the Q4_1 kernel does). A scale per block with scalar
     /// instructions (a conversion, a multiply, a broadcast: the vector ALUs the products need)
@@ -386,11 +349,12 @@ mod x86 {
     /// `bench_gemv` in docs/decode.md.
     ///
     /// # Safety
-    /// As [`gemv`]: `nb` Q4_0 or Q5_0 blocks at `w`; inlined only into it.
+    /// As [`gemv`] (or [`gemv_vnni`], with `VNNI`): `nb` Q4_0 or Q5_0 blocks at `w`, and with
+    /// `VNNI` `nb` offsets; inlined only into it.
     #[inline(always)]
-    unsafe fn row_q4_0_q5_0<const FIVE: bool>(w: *const u8, nb: usize, x: &Q8Activation) -> f32 {
+    unsafe fn row_q4_0_q5_0<const FIVE: bool, const VNNI: bool>(w: *const u8, nb: usize, x: &Q8Activation, offsets: &[__m256i]) -> f32 {
         let (bytes, at) = if FIVE { (22, 6) } else { (18, 2) };
-        // SAFETY: reads of blocks below `nb` and of the activation's first `nb` blocks;
+        // SAFETY: reads of blocks below `nb`, of the activation's first `nb` blocks and (with `VNNI`) of `offsets[..nb]`;
         // `factors` is read back through `black_box` (broadcast loads).
         unsafe {
             let off = _mm256_set1_epi8(if FIVE { 16 } else { 8 });
@@ -398,7 +362,10 @@ mod x86 {
             let mut factors = [0f32; 4];
             let f_out = factors.as_mut_ptr();
             let f_in = std::hint::black_box(f_out);
-            // No closures here: one this size was compiled out of line, without AVX2.
+            // The VNNI path's block offset term (the AVX2 path takes the offset in its product).
+            let offset = |b: usize| if VNNI { *offsets.get_unchecked(b) } else { _mm256_setzero_si256() };
+            // No larger closures here: one computing a block's product was compiled out of line,
+            // without AVX2.
             let full = nb - nb % 4;
             for b in (0..full).step_by(4) {
                 let blk = w.add(bytes * b);
@@ -411,14 +378,14 @@ mod x86 {
                 let ds = _mm_cvtph_ps(_mm_cvtsi64_si128(ds as i64));
                 _mm_storeu_ps(f_out, _mm_mul_ps(ds, _mm_loadu_ps(x.scales.as_ptr().add(b))));
                 for i in 0..4 {
-                    let p = block_q4_0_q5_0::<FIVE>(blk.add(bytes * i), at, x.q.as_ptr().add(QK * (b + i)), off);
+                    let p = block_q4_0_q5_0::<FIVE, VNNI>(blk.add(bytes * i), at, x.q.as_ptr().add(QK * (b + i)), off, offset(b + i));
                     acc[i] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&*f_in.add(i)), acc[i]);
                 }
             }
             for b in full..nb {
                 let blk = w.add(bytes * b);
                 let s = f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned())) * *x.scales.get_unchecked(b);
-                let p = block_q4_0_q5_0::<FIVE>(blk, at, x.q.as_ptr().add(QK * b), off);
+                let p = block_q4_0_q5_0::<FIVE, VNNI>(blk, at, x.q.as_ptr().add(QK * b), off, offset(b));
                 acc[b % 4] = _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc[b % 4]);
             }
             hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
