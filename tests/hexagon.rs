@@ -160,7 +160,8 @@ fn readme_question_on_the_default_hexagon_plan() {
     let htp = NpuDevice::hexagon(HtpConfig { cache_dir: Some(cache.clone()), ..Default::default() }).unwrap();
     let mut x = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     assert_eq!(x.model.sched().tail, Tail::Pad, "a real NPU's default plan pads");
-    x.model.set_profile(profile).unwrap();
+    x.model.set_profile(profile.clone()).unwrap();
+    let h_profile = profile;
     let text = answer(&mut x, question, 8);
     eprintln!("hexagon, default plan: {text:?}; host: {host_text:?}");
     assert_eq!(htp.stats().fallbacks, 0);
@@ -168,9 +169,21 @@ fn readme_question_on_the_default_hexagon_plan() {
     // context, one cache entry.
     assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1, "one context binary");
     std::fs::remove_dir_all(&cache).unwrap();
+    std::fs::create_dir_all(&cache).unwrap();
     assert_eq!(htp.margin_device().stats().executions, 0, "no CPU margin");
     assert!(text.contains("Paris"), "hexagon: {text:?}");
     assert_eq!(text, predicted, "the answer the HTP numerics model predicts");
+
+    // The model split by a small context budget (HtpConfig::context_budget; its 120 graphs need
+    // up to about 1.3 GB): contexts by layer range, the same answer.
+    let htp = NpuDevice::hexagon(HtpConfig { cache_dir: Some(cache.clone()), context_budget: 400 << 20, ..Default::default() }).unwrap();
+    let mut x = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
+    x.model.set_profile(h_profile).unwrap();
+    let split = answer(&mut x, question, 8);
+    let contexts = std::fs::read_dir(&cache).unwrap().count();
+    std::fs::remove_dir_all(&cache).unwrap();
+    assert!(contexts >= 3, "{contexts} context binaries");
+    assert_eq!(split, text, "the model in {contexts} contexts answers as in one");
 }
 
 /// Prepares SmolLM2's W8A8 stage graphs for chunks of 64 and 32 rows (240 graphs) on a fresh

@@ -17,15 +17,19 @@
 //! sharing. The x86 library prepares and runs a weight-shared context but refuses to load its
 //! binary (QNN 1000, "Shared weights buffer isn't supported on this platform"), so sharing is
 //! off by default there, and without it there is one context per graph size: a context of
-//! every size would save nothing, and the library refuses to load one beyond the NPU's memory
-//! (QNN 1002, "Failed to find available PD", with its "context size estimate", 2.5x the binary
-//! for Qwen2.5-Coder's at 256 + 32 rows). A graph prepared alone ([`Executor::prepare`], or
-//! with [`Contexts::PerGraph`]) gets a context of its own. Every graph
+//! every size would save nothing. A context the library estimates beyond one protection
+//! domain's address space is refused at load (QNN 1002, "Failed to find available PD", with its
+//! "context size estimate", 2.3-3.1x the binary without sharing): a model whose graphs would
+//! need more than [`HtpConfig::context_budget`] is split into contexts by layer range, each
+//! holding its layers' graphs of every size ([`super::htp_contexts`]); on a phone the library
+//! puts each in the next PD when one fills, while the x86 emulator has a single PD per process.
+//! A graph prepared alone ([`Executor::prepare`], or with [`Contexts::PerGraph`]) gets a
+//! context of its own. Every graph
 //! holds an `Arc` of its context, freed with its last graph; executions in one context run one
 //! at a time. Each context holds an `Arc` of the runtime, so the device, backend and log are
 //! freed (in that order, after every context) only when the executor and its last graph are
 //! gone. Several executors may live in one process (each has its own backend; checked on the
-//! emulator).
+//! emulator), but on the emulator they share its one PD: a second executor does not make room.
 //!
 //! # Prepared-graph cache, profiling, shared buffers
 //!
@@ -103,6 +107,8 @@ use std::time::Instant;
 use qnn_sys::*;
 
 use super::{ExecutableGraph, Executor, GraphProfile, Origin, ProfileEvent};
+use super::htp_contexts::{plan, Member};
+pub use super::htp_contexts::{address_space, Contexts, DEFAULT_CONTEXT_BUDGET};
 use super::rpcmem::{self, RpcMem, SharedBuffer};
 use crate::cache::{CacheKey, CachedGraph, GraphCache, Lookup};
 use crate::error::{Error, Result};
@@ -140,6 +146,11 @@ pub struct HtpConfig {
     /// back (QNN error 1000, "Shared weights buffer isn't supported on this platform"): there
     /// the prepared-graph cache holds the context without sharing.
     pub weight_sharing: bool,
+    /// The most NPU address space one context may need, in bytes, as the library estimates it
+    /// at load ([`address_space`] bounds it per graph): a model's graphs beyond it are split into
+    /// contexts by layer range. Default [`DEFAULT_CONTEXT_BUDGET`] (3400 MiB: a protection
+    /// domain of the DSP holds about 3.5 GB; see [`super::htp_contexts`]).
+    pub context_budget: u64,
 }
 
 impl Default for HtpConfig {
@@ -153,27 +164,9 @@ impl Default for HtpConfig {
             profiling: None,
             contexts: None,
             weight_sharing: !cfg!(target_arch = "x86_64"),
+            context_budget: DEFAULT_CONTEXT_BUDGET,
         }
     }
-}
-
-/// How graphs prepared together are held in QNN contexts ([`HtpConfig::contexts`]). A context
-/// is one context binary in the cache and one `contextCreateFromBinary`; its graphs are found
-/// in it with `graphRetrieve`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Contexts {
-    /// A context per graph, as [`Executor::prepare`] does: for measuring the difference, or for
-    /// a device that maps only small contexts.
-    PerGraph,
-    /// A context per graph size (row count). Without weight sharing (the x86 emulator, HTP
-    /// before v73) a context of every size saves no memory (SmolLM2 at 256 + 32 rows: 483 MB of
-    /// binary against 486 MB in 240 contexts) and is the likelier to exceed what the NPU can map:
-    /// Qwen2.5-Coder's at 256 + 32 rows is refused at load (QNN 1002, "Failed to find available
-    /// PD ... context size estimate 4768450560", 2.5x its binary) while its 256-row one loads.
-    PerGraphSize,
-    /// One context for all of them: with [`HtpConfig::weight_sharing`], the sizes' copies of a
-    /// weight are held once (SmolLM2 at 256 + 32 rows: 118 MB of binary).
-    PerModel,
 }
 
 /// QNN profiling level.
@@ -340,7 +333,13 @@ impl HtpExecutor {
         // SAFETY: out-pointers are valid; config lists are NULL-terminated and their pointees live
         // across each call. On an early return `rt`'s Drop frees what was created.
         unsafe {
-            let rc = log_create(Some(log_callback), QNN_LOG_LEVEL_WARN, &mut rt.log);
+            // The library's verbose log (what it reserves for each context, why a graph was
+            // tiled as it was) when its trace is asked for: `RUST_LOG=candle_npu::qnn=trace`.
+            let level = match tracing::enabled!(target: "candle_npu::qnn", tracing::Level::TRACE) {
+                true => QNN_LOG_LEVEL_VERBOSE,
+                false => QNN_LOG_LEVEL_WARN,
+            };
+            let rc = log_create(Some(log_callback), level, &mut rt.log);
             if rc != QNN_SUCCESS {
                 return Err(lib_err(format!("logCreate: {}", rt.message(rc))));
             }
@@ -422,6 +421,14 @@ impl HtpExecutor {
     /// graph configs).
     pub fn cache_key(&self, graph: &Graph) -> CacheKey {
         self.context_cache_key(&[graph.fingerprint()])
+    }
+
+    /// The contexts [`Executor::prepare_all`] would hold `graphs` in (indices): as
+    /// [`HtpConfig::contexts`] says, split by layer range within [`HtpConfig::context_budget`].
+    /// An [`Error::Input`] names a graph that alone needs more than the budget.
+    pub fn plan_contexts(&self, graphs: &[Graph]) -> Result<Vec<Vec<usize>>> {
+        let c = &self.rt.config;
+        plan(&graphs.iter().map(|g| Member::of(g, c.vtcm_mb)).collect::<Vec<_>>(), c.contexts(), c.context_budget)
     }
 
     /// Whether a context of `graphs` graphs is created with the HTP's weight sharing: as
@@ -689,25 +696,6 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
     }
 }
 
-/// Which of `graphs` share a context (indices, in order): all of them, or those of one row count
-/// (their first input's first dimension), or each alone.
-fn context_groups(graphs: &[Described], contexts: Contexts) -> Vec<Vec<usize>> {
-    match contexts {
-        Contexts::PerModel => return vec![(0..graphs.len()).collect()],
-        Contexts::PerGraph => return (0..graphs.len()).map(|i| vec![i]).collect(),
-        Contexts::PerGraphSize => {}
-    }
-    let rows = |g: &Described| g.inputs.first().and_then(|t| t.shape.first().copied());
-    let mut groups: Vec<(Option<usize>, Vec<usize>)> = Vec::new();
-    for (i, g) in graphs.iter().enumerate() {
-        match groups.iter_mut().find(|(r, _)| *r == rows(g)) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((rows(g), vec![i])),
-        }
-    }
-    groups.into_iter().map(|(_, members)| members).collect()
-}
-
 /// What a context needs of a graph besides its weights: its index for `describe`, its name,
 /// its fingerprint (for the cache key) and its buffers (the tensor ids are set when it is built
 /// or retrieved).
@@ -766,26 +754,37 @@ impl Executor for HtpExecutor {
 
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
         check_supported(graph)?;
+        plan(&[Member::of(graph, self.rt.config.vtcm_mb)], Contexts::PerGraph, self.rt.config.context_budget)?;
         let mut built = self.prepare_context(&[&Described::of(graph, 0)], &|_| Ok(graph.clone()))?;
         Ok(Box::new(built.remove(0)))
     }
 
-    /// In contexts as [`HtpConfig::contexts`] says. Each graph is described once to check it
-    /// and take its fingerprint and buffers, then again only to be built (on a cache miss), one
-    /// at a time: QNN copies a graph's weights by its graphFinalize.
+    /// In contexts as [`HtpConfig::contexts`] says, each within [`HtpConfig::context_budget`]
+    /// (split by layer range where the whole would not be). Each graph is described once to
+    /// check it and take its fingerprint, buffers and estimate, then again only to be built (on
+    /// a cache miss), one at a time: QNN copies a graph's weights by its graphFinalize.
     fn prepare_all(&self, n: usize, describe: &dyn Fn(usize) -> Result<Graph>) -> Result<Vec<Box<dyn ExecutableGraph>>> {
         let contexts = self.rt.config.contexts();
         if contexts == Contexts::PerGraph {
             return (0..n).map(|i| self.prepare(&describe(i)?)).collect();
         }
-        let mut described = Vec::with_capacity(n);
+        let (mut described, mut members) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for i in 0..n {
             let graph = describe(i)?;
             check_supported(&graph)?;
             described.push(Described::of(&graph, i));
+            members.push(Member::of(&graph, self.rt.config.vtcm_mb));
+        }
+        let groups = plan(&members, contexts, self.rt.config.context_budget)?;
+        if groups.len() > 1 {
+            let mib = |g: &[usize]| g.iter().map(|&i| members[i].need).sum::<u64>() >> 20;
+            tracing::info!(
+                graphs = n, contexts = groups.len(), ?contexts, budget_mib = self.rt.config.context_budget >> 20,
+                largest_mib = groups.iter().map(|g| mib(g)).max(), "stage graphs in several QNN contexts"
+            );
         }
         let mut out: Vec<Option<Box<dyn ExecutableGraph>>> = (0..n).map(|_| None).collect();
-        for group in context_groups(&described, contexts) {
+        for group in groups {
             let built: Vec<Box<dyn ExecutableGraph>> = match group[..] {
                 [i] => vec![self.prepare(&describe(i)?)?],
                 _ => {
@@ -1597,7 +1596,7 @@ mod tests {
     }
 
     #[test]
-    fn graphs_are_grouped_into_contexts_by_size_and_their_qnn_names_must_differ() {
+    fn qnn_names_of_graphs_in_one_context_must_differ() {
         let graph = |name: &str, rows: usize| {
             let mut g = Graph::new(name);
             let x = g.input("x", &[rows, 4], DType::F32, None);
@@ -1607,9 +1606,6 @@ mod tests {
         };
         let graphs = [graph("a.m64", 64), graph("a.m32", 32), graph("b.m64", 64), graph("b.m32", 32)];
         let described: Vec<Described> = graphs.iter().enumerate().map(|(i, g)| Described::of(g, i)).collect();
-        assert_eq!(context_groups(&described, Contexts::PerGraphSize), vec![vec![0, 2], vec![1, 3]]);
-        assert_eq!(context_groups(&described, Contexts::PerModel), vec![vec![0, 1, 2, 3]]);
-        assert_eq!(context_groups(&described, Contexts::PerGraph), vec![vec![0], vec![1], vec![2], vec![3]]);
         assert_eq!(set_name(&described.iter().collect::<Vec<_>>()), "a.m64+3");
         assert!(check_unique_names(&described.iter().collect::<Vec<_>>()).is_ok());
         let clash = [Described::of(&graph("blk.0", 8), 0), Described::of(&graph("blk_0", 8), 1)];

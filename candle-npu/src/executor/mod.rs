@@ -7,6 +7,8 @@
 pub mod host;
 #[cfg(feature = "qnn")]
 pub mod htp;
+#[cfg(feature = "qnn")]
+pub mod htp_contexts;
 pub mod htp_numerics;
 #[cfg(feature = "qnn")]
 pub(crate) mod rpcmem;
