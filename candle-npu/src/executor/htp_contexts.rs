@@ -26,8 +26,9 @@
 //! W8A8 gate/up graphs at 256 rows hold constants that grow with the rows, 48 MiB for
 //! Qwen2.5-Coder's 8.7 MB of weights). Over the three real models' stage graphs at 32 and 256
 //! rows the bound is 1.00-1.77x the library's figure (`tests/htp_context_budget.rs` checks it on
-//! the library, with shapes of other sizes too). With weight sharing a unit's weights are
-//! counted once per graph, not once: an over-estimate, never an under one.
+//! the library). With weight sharing a unit's weights are counted once per graph, not once: an
+//! over-estimate (the x86 library cannot load a shared context, so what it would reserve for one
+//! is not measured).
 
 use crate::error::{Error, Result};
 use crate::graph::Graph;
