@@ -279,6 +279,36 @@ fn streamed_text_never_splits_a_character() {
     }
 }
 
+/// Calibration settings that are not shares (a NaN or negative clip budget quietly acted as 0; a
+/// NaN hot coverage skipped the counting pass and was saved as `null`, which the profile's
+/// loader refused) are refused before any work, naming the setting; the model keeps no profile.
+#[test]
+fn calibration_settings_that_are_not_shares_are_refused() {
+    use candle_npu::ClipMethod;
+    use candle_npu_models::CalibrationSet;
+    let mut p = common::smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::default());
+    let small = CalibrationSet { sequences: 1, seq_len: 8, ..Default::default() };
+    let budget = |fraction| CalibrationSet { clip: ClipMethod::Budget { fraction }, ..small };
+    for (set, want) in [
+        (budget(f64::NAN), "clip budget NaN"),
+        (budget(-0.01), "clip budget -0.01"),
+        (budget(1.0), "clip budget 1:"),
+        (CalibrationSet { hot_coverage: f64::NAN, ..small }, "hot coverage NaN"),
+        (CalibrationSet { hot_coverage: 1.5, ..small }, "hot coverage 1.5"),
+        (CalibrationSet { seq_len: 0, ..small }, "need at least one token"),
+    ] {
+        let err = p.calibrate(set, |_, _| {}).unwrap_err().to_string();
+        assert!(err.contains(want), "{set:?}: {err}");
+        let err = p.calibrate_on(&[vec![1, 2, 3]], set, |_, _| {}).map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains(want), "{set:?} on the caller's sequences: {err}");
+        assert!(p.model.profile().is_none(), "{set:?}: no profile set");
+    }
+    // The edges are shares: a budget of 0 and coverages of 0 and 1 calibrate.
+    for set in [budget(0.0), CalibrationSet { hot_coverage: 0.0, ..small }, small] {
+        p.calibrate(set, |_, _| {}).unwrap_or_else(|e| panic!("{set:?}: {e}"));
+    }
+}
+
 /// Runs the example with `args`: (success, stdout, stderr).
 fn run_llama(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(llama_example()).args(args).output().unwrap();

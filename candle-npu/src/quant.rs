@@ -51,6 +51,19 @@ pub enum ClipMethod {
     },
 }
 
+impl ClipMethod {
+    /// An [`Error::Input`] for a budget that is not a share of the values: NaN, negative, or 1
+    /// and above (a NaN or negative budget would quietly act as 0).
+    pub fn check(self) -> Result<()> {
+        match self {
+            ClipMethod::Budget { fraction } if !(0.0..1.0).contains(&fraction) => {
+                Err(Error::Input(format!("clip budget {fraction}: the share of calibration values beyond the range must be at least 0 and below 1")))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Log-spaced histogram resolution: 32 bins per octave (2.2% relative width) over 2^-24..2^24.
 const BINS_PER_OCTAVE: f64 = 32.0;
 const MIN_EXP: f64 = -24.0;

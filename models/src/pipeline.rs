@@ -94,6 +94,23 @@ impl Default for CalibrationSet {
     }
 }
 
+impl CalibrationSet {
+    /// An [`Error::Input`] naming the first setting that cannot be calibrated with: a clip
+    /// budget or hot coverage that is not a share (NaN, negative, beyond 1), no windows, or empty
+    /// ones. (A NaN coverage used to skip the counting pass and be saved as `null`, which the
+    /// profile's loader then refused.)
+    pub fn check(&self) -> Result<()> {
+        self.clip.check()?;
+        if !(0.0..=1.0).contains(&self.hot_coverage) {
+            return Err(Error::Input(format!("hot coverage {}: the share of outliers the hot channels hold must be within 0..=1", self.hot_coverage)));
+        }
+        if self.sequences == 0 || self.seq_len == 0 {
+            return Err(Error::Input(format!("calibration on {} sequences of {} tokens: need at least one token", self.sequences, self.seq_len)));
+        }
+        Ok(())
+    }
+}
+
 impl Pipeline {
     /// Load a model of a supported family, with its tokenizer: a GGUF file (tokenizer and chat
     /// template from its metadata) or an HF folder (`tokenizer.json`, `tokenizer_config.json`);
@@ -212,6 +229,7 @@ impl Pipeline {
     /// [`Pipeline::token_sequences`]); `set` gives the clip method, importance and hot coverage
     /// (its source and sizes are not used). Returns the profile, which the model now uses.
     pub fn calibrate_on(&mut self, seqs: &[Vec<u32>], set: CalibrationSet, mut progress: impl FnMut(usize, usize)) -> Result<QuantProfile> {
+        set.check()?;
         let (ctx, chunk_len) = (self.model.config().context_len, self.model.chunk_len());
         if seqs.is_empty() || seqs.iter().any(|s| s.is_empty() || s.len() > ctx) {
             return Err(Error::Input(format!("calibration needs at least one sequence, each of 1..={ctx} tokens")));
@@ -239,6 +257,7 @@ impl Pipeline {
     /// The token sequences [`Pipeline::calibrate`] runs on: `set.sequences` of `set.seq_len`
     /// tokens of `set.source`'s text.
     pub fn calibration_sequences(&self, set: CalibrationSet) -> Result<Vec<Vec<u32>>> {
+        set.check()?;
         if set.sequences == 0 || set.seq_len == 0 || set.seq_len > self.model.config().context_len {
             let (n, len, ctx) = (set.sequences, set.seq_len, self.model.config().context_len);
             return Err(Error::Input(format!("calibration on {n} sequences of {len} tokens: need at least one of 1..={ctx} tokens")));

@@ -20,8 +20,8 @@
 //! every size would save nothing. A context the library estimates beyond one protection
 //! domain's address space is refused at load (QNN 1002, "Failed to find available PD", with its
 //! "context size estimate", 2.3-3.1x the binary without sharing): a model whose graphs would
-//! need more than [`HtpConfig::context_budget`] is split into contexts by layer range, each
-//! holding its layers' graphs of every size ([`super::htp_contexts`]); on a phone the library
+//! need more than [`HtpConfig::context_budget`] is split into contexts by layer range, a
+//! stage's graphs of every size kept together ([`super::htp_contexts`]); on a phone the library
 //! puts each in the next PD when one fills, while the x86 emulator has a single PD per process.
 //! A graph prepared alone ([`Executor::prepare`], or with [`Contexts::PerGraph`]) gets a
 //! context of its own. Every graph
