@@ -353,6 +353,19 @@ fn bad_hf_folders_are_clear_errors() {
     candle_core::safetensors::save(&ts, &st).unwrap();
     let e = load_err(&d);
     assert!(e.contains("tie_word_embeddings is false") && e.contains("lm_head.weight"), "{e}");
+    // Tied by the config while the folder also holds lm_head: the output is the embedding (as
+    // HF and candle-transformers read it), not lm_head.
+    let d = tmpdir("tied-with-head");
+    let mut c = base_config("llama");
+    c["tie_word_embeddings"] = serde_json::json!(true);
+    write_model(&d, c, false, 4);
+    let m = ours(&d);
+    let st = candle_core::safetensors::load(st_path(&d), &Device::Cpu).unwrap();
+    let (embed, head) = (&st["model.embed_tokens.weight"], &st["lm_head.weight"]);
+    let output = m.output().rows(&(0..VOCAB as u32).collect::<Vec<_>>()).unwrap();
+    let max_diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(max_diff(&output, embed), 0.0, "the output table is the embedding");
+    assert!(max_diff(&output, head) > 0.1, "not lm_head");
     // The same tensor in two files, an integer tensor, a NaN in a norm and in the embedding.
     let d = tmpdir("dup-across-files");
     write_model(&d, base_config("llama"), false, 4);

@@ -39,7 +39,8 @@ impl HfConfig {
     /// Field `key` as a non-negative integer; `None` when absent or null, an error when of
     /// another type.
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
-        self.field(key).map(|v| v.as_u64().map(|v| v as usize).ok_or_else(|| self.bad(format!("field '{key}' is not a non-negative integer: {v}")))).transpose()
+        let int = |v: &serde_json::Value| v.as_u64().and_then(|v| usize::try_from(v).ok());
+        self.field(key).map(|v| int(v).ok_or_else(|| self.bad(format!("field '{key}' is not a non-negative integer: {v}")))).transpose()
     }
     /// Field `key` as a non-negative integer; absent is an error.
     pub fn usize(&self, key: &str) -> Result<usize> {
@@ -64,7 +65,10 @@ impl HfConfig {
     /// `eos_token_id`: one id or a list (none when absent).
     pub fn eos_token_ids(&self) -> Result<Vec<u32>> {
         let Some(v) = self.field("eos_token_id") else { return Ok(vec![]) };
-        let one = |v: &serde_json::Value| v.as_u64().map(|v| v as u32).ok_or_else(|| self.bad(format!("eos_token_id is not a token id: {v}")));
+        // An id of 2^32 or more is refused, not wrapped to a small one.
+        let one = |v: &serde_json::Value| {
+            v.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or_else(|| self.bad(format!("eos_token_id is not a token id (0 to 2^32 - 1): {v}")))
+        };
         match v.as_array() {
             Some(a) => a.iter().map(one).collect(),
             None => Ok(vec![one(v)?]),
@@ -164,7 +168,7 @@ pub fn load(dir: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model> 
     let hf = HfConfig::open(dir)?;
     let model_type = hf.opt_str("model_type")?.ok_or_else(|| hf.bad("missing field 'model_type'".into()))?.to_string();
     let cfg = hf.config()?;
-    let (spec, names): (FamilySpec, Box<dyn Fn(&str) -> Mapped>) = match model_type.as_str() {
+    let (mut spec, names): (FamilySpec, Box<dyn Fn(&str) -> Mapped>) = match model_type.as_str() {
         "llama" => (crate::llama::hf_spec(&hf, &cfg)?, Box::new(standard_name)),
         "mistral" => (crate::mistral::hf_spec(&hf, &cfg)?, Box::new(standard_name)),
         "qwen2" => (crate::qwen2::hf_spec(&hf, &cfg)?, Box::new(standard_name)),
@@ -172,10 +176,18 @@ pub fn load(dir: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model> 
         other => return Err(hf.bad(format!("model_type '{other}' is not supported (HF folders: {})", HF_MODEL_TYPES.join(", ")))),
     };
     let ckpt = SafetensorsCheckpoint::open(dir)?;
-    // HF's default is tied; a config that says untied needs the output matrix it implies.
+    // HF's default is tied; a config that says untied needs the output matrix it implies. One
+    // that says tied outputs through the embedding, as HF and candle-transformers do, even when
+    // the folder also holds an output matrix (which is then not read).
     let output = names("output.weight").name;
     if !hf.bool_or("tie_word_embeddings", true)? && !ckpt.contains(&output) {
         return Err(hf.bad(format!("tie_word_embeddings is false but the folder has no '{output}'")));
+    }
+    if hf.has("tie_word_embeddings") && hf.bool_or("tie_word_embeddings", true)? {
+        spec.tied_output = true;
+        if ckpt.contains(&output) {
+            tracing::warn!(folder = %dir.display(), tensor = %output, "tie_word_embeddings is true: the output is the embedding, and '{output}' is not read");
+        }
     }
     let id = folder_id(dir)?;
     Model::load(cfg, spec, &ckpt, &*names, id, device.clone(), opts)
@@ -228,5 +240,24 @@ pub fn resolve_model_id(model_id: &str, cache: Option<&Path>) -> Result<PathBuf>
                 model_id.replace('/', "--")
             ),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(json: &str) -> HfConfig {
+        HfConfig { path: PathBuf::from("m/config.json"), json: serde_json::from_str(json).unwrap() }
+    }
+
+    #[test]
+    fn ids_beyond_u32_are_refused_not_wrapped() {
+        assert_eq!(config(r#"{"eos_token_id": 2}"#).eos_token_ids().unwrap(), vec![2]);
+        assert_eq!(config(r#"{"eos_token_id": [2, 4294967295]}"#).eos_token_ids().unwrap(), vec![2, u32::MAX]);
+        for json in [r#"{"eos_token_id": 4294967298}"#, r#"{"eos_token_id": [1, 4294967298]}"#, r#"{"eos_token_id": -1}"#] {
+            let err = config(json).eos_token_ids().unwrap_err().to_string();
+            assert!(err.contains("m/config.json") && err.contains("eos_token_id is not a token id"), "{json}: {err}");
+        }
     }
 }

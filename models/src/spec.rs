@@ -145,6 +145,10 @@ pub struct FamilySpec {
     pub embed_scale: Option<f64>,
     /// Attention logits are `q.k * attn_scale` (usually `1/sqrt(head_dim)`).
     pub attn_scale: f64,
+    /// The output table is the embedding even where the checkpoint also holds an output matrix
+    /// (an HF config's `tie_word_embeddings: true`, as HF and candle-transformers read it).
+    /// Otherwise it is the embedding only where there is no output matrix.
+    pub tied_output: bool,
 }
 
 impl FamilySpec {
@@ -161,6 +165,7 @@ impl FamilySpec {
             qkv_bias: false,
             embed_scale: None,
             attn_scale: 1.0 / (cfg.head_dim as f64).sqrt(),
+            tied_output: false,
         }
     }
 }

@@ -278,7 +278,7 @@ impl Model {
         // The tables and the final norm first: their shapes tell a wrong config before the layers'
         // quantization takes its seconds.
         let embed = ckpt.table(&names("token_embd.weight").name, opts.decode_weights)?;
-        let tied = !ckpt.contains(&names("output.weight").name);
+        let tied = spec.tied_output || !ckpt.contains(&names("output.weight").name);
         let lm_head = match !tied {
             true => ckpt.table(&names("output.weight").name, opts.decode_weights)?,
             false => embed.clone(), // tied
