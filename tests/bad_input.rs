@@ -348,6 +348,19 @@ fn command_line_input_is_checked_before_the_long_work() {
         assert!(!ok && err.contains(&cause), "{args:?}: expected an error naming '{cause}', got:\n{err}");
         assert!(!err.contains("panicked") && !err.contains("calibrating"), "{args:?}: {err}");
     }
+    // An output naming one of the run's inputs (the model file, by another name; the profile it
+    // reads): refused before anything loads, the input left as it was.
+    // On a copy: were the check to fail, the run would overwrite the file.
+    let model = dir.join("m.gguf");
+    std::fs::copy(assets::smollm2(), &model).unwrap();
+    let (size, profile) = (std::fs::metadata(&model).unwrap().len(), candle_npu::QuantProfile::default_path(&model));
+    let other_name = dir.join(".").join("m.gguf");
+    for (trace, what) in [(&other_name, &model), (&profile, &profile)] {
+        let (ok, _, err) = run_llama(&["--model", model.to_str().unwrap(), "--trace", trace.to_str().unwrap()]);
+        assert!(!ok && err.contains("which this run reads") && err.contains(&what.display().to_string()), "--trace {}: {err}", trace.display());
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    assert_eq!(std::fs::metadata(&model).unwrap().len(), size, "the model file is untouched");
     // --sample-len 0: the prefill alone, no token generated.
     let (ok, out, err) = run_llama(&["--sample-len", "0"]);
     assert!(ok, "{err}");

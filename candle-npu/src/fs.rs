@@ -14,7 +14,7 @@
 //! is written, so a bad path is reported at once rather than after minutes of prefill.
 
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
@@ -81,6 +81,39 @@ pub fn check_output_path(path: &Path, what: &str) -> Result<()> {
         Ok(m) => Err(bad(format!("{} is {}, not a folder", dir.display(), kind(&m.file_type())))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(bad(format!("folder {} does not exist", dir.display()))),
         Err(e) => Err(bad(format!("folder {}: {e}", dir.display()))),
+    }
+}
+
+/// An [`Error::Input`] when writing `output` would replace one of the run's `inputs`: the same
+/// file however it is named (compared as canonical paths; a path not there yet by its folder's),
+/// or an existing file inside an input folder (an HF model's). Checked before anything loads:
+/// `--trace` naming the run's own model file once replaced 98 MB of weights with a trace.
+pub fn check_not_an_input(output: &Path, what: &str, inputs: &[&Path]) -> Result<()> {
+    let out = identity(output);
+    for input in inputs {
+        let inp = identity(input);
+        let inside = input.is_dir() && output.exists() && out.starts_with(&inp);
+        if out == inp || inside {
+            return Err(Error::Input(format!(
+                "{what} {}: is {}, which this run reads: give another path",
+                output.display(),
+                if inside { format!("a file of the model folder {}", input.display()) } else { format!("the same file as {}", input.display()) }
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `path` as one name per file: canonical where it exists, else its folder's canonical path and
+/// its file name (else as given, made absolute).
+fn identity(path: &Path) -> PathBuf {
+    if let Ok(p) = path.canonicalize() {
+        return p;
+    }
+    let absolute = std::env::current_dir().map(|d| d.join(path)).unwrap_or_else(|_| path.to_path_buf());
+    match (absolute.parent().and_then(|d| d.canonicalize().ok()), absolute.file_name()) {
+        (Some(dir), Some(name)) => dir.join(name),
+        _ => absolute,
     }
 }
 

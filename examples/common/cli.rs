@@ -268,6 +268,15 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if !path.exists() {
         bail!("model {} not found: run scripts/setup.sh, or pass --model", path.display());
     }
+    // An output that is one of the run's inputs would destroy it: refused before anything loads.
+    if let Some(trace) = &args.trace {
+        let profile = args.profile.clone().unwrap_or_else(|| match path.is_dir() {
+            true => path.join("candle-npu.w8a8.json"),
+            false => candle_npu::QuantProfile::default_path(&path),
+        });
+        let inputs: Vec<&std::path::Path> = [Some(path.as_path()), Some(profile.as_path()), args.tokenizer.as_deref()].into_iter().flatten().collect();
+        candle_npu::fs::check_not_an_input(trace, "--trace", &inputs)?;
+    }
     let mut sched = SchedOptions::for_device(&device);
     if let Some(policy) = args.policy {
         sched.policy = match policy {
