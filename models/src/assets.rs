@@ -5,12 +5,28 @@ use std::path::{Path, PathBuf};
 
 use candle_npu::{Error, Result};
 
-/// The assets directory: `$CANDLE_NPU_ASSETS` when set, else `assets/` at the workspace root
-/// (found from this crate's manifest directory at compile time).
+/// The assets directory: `$CANDLE_NPU_ASSETS` when set and not empty, else `assets/` at the
+/// workspace root (found from this crate's manifest directory at compile time). An empty value
+/// counts as unset, as shells mean `CANDLE_NPU_ASSETS=`, not the current folder.
 pub fn dir() -> PathBuf {
-    match std::env::var_os("CANDLE_NPU_ASSETS") {
+    dir_from(std::env::var_os("CANDLE_NPU_ASSETS"))
+}
+
+fn dir_from(var: Option<std::ffi::OsString>) -> PathBuf {
+    match var.filter(|d| !d.is_empty()) {
         Some(d) => PathBuf::from(d),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("assets"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_empty_assets_variable_is_unset_not_the_current_folder() {
+        let default = super::dir_from(None);
+        assert!(default.ends_with("assets"), "{}", default.display());
+        assert_eq!(super::dir_from(Some("".into())), default);
+        assert_eq!(super::dir_from(Some("/x".into())), std::path::PathBuf::from("/x"));
     }
 }
 

@@ -63,8 +63,10 @@ impl GenerateOptions {
         if self.top_k == Some(0) {
             return bad("top-k 0: expected at least 1".into());
         }
-        if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
-            return bad(format!("repeat penalty {}: expected a finite value > 0", self.repeat_penalty));
+        // Logits are divided or multiplied by it: a penalty near 0 or huge sends them to
+        // infinity and the sampler then fails mid-generation.
+        if !(REPEAT_PENALTY.contains(&self.repeat_penalty)) {
+            return bad(format!("repeat penalty {}: expected {} to {}", self.repeat_penalty, REPEAT_PENALTY.start(), REPEAT_PENALTY.end()));
         }
         Ok(())
     }
@@ -179,9 +181,24 @@ pub fn argmax(logits: &Tensor) -> Result<u32> {
     Ok(logits.argmax(candle_core::D::Minus1)?.to_scalar::<u32>()?)
 }
 
+/// The repeat penalties accepted: 1 is none, and 1.1-1.5 the usual.
+const REPEAT_PENALTY: std::ops::RangeInclusive<f32> = 0.01..=100.0;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeat_penalty_that_would_send_logits_to_infinity_is_refused() {
+        let opts = |repeat_penalty| GenerateOptions { repeat_penalty, ..Default::default() };
+        for p in [1e-40, 0.0, -1.0, 1e30, f32::NAN, f32::INFINITY] {
+            let e = opts(p).validate().unwrap_err().to_string();
+            assert!(e.contains("repeat penalty") && e.contains("0.01 to 100"), "{p}: {e}");
+        }
+        for p in [0.01, 1.0, 1.3, 100.0] {
+            assert!(opts(p).validate().is_ok(), "{p}");
+        }
+    }
 
     #[test]
     fn a_top_p_that_keeps_no_token_in_candle_s_f32_sampler_is_refused() {
