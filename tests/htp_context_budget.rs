@@ -72,7 +72,7 @@ fn estimates(lines: &[String]) -> (HashMap<String, u64>, HashMap<u64, u64>) {
             graphs.insert(w[p + 1].to_string(), mib(w[p + 5]));
         }
         // "QNN: <V> Context 1 estimated PD size requirement is ~3103.90MB, including ..."
-        if let Some(p) = w.windows(5).position(|x| x[0] == "Context" && x[2] == "estimated" && x[5 - 1] == "size") {
+        if let Some(p) = w.windows(5).position(|x| x[0] == "Context" && x[2] == "estimated" && x[4] == "size") {
             if w.get(p + 5) == Some(&"requirement") {
                 contexts.insert(w[p + 1].parse().unwrap(), mib(w[p + 7]));
             }
