@@ -117,35 +117,36 @@ impl NpuWeight {
     /// is read in blocks of rows, each row once for all the columns (a column read alone touches
     /// a cache line per row), the blocks split over the rayon pool.
     fn columns(&self, cs: &[usize], n: usize, k: usize) -> Result<Vec<i8>> {
-        /// `value(r, c)` reads a value; `ahead(r, c)` is where it lies, to prefetch.
-        fn gather(cs: &[usize], n: usize, value: impl Fn(usize, usize) -> i8 + Sync, ahead: impl Fn(usize, usize) -> *const u8 + Sync) -> Vec<i8> {
-            const ROWS: usize = 64;
+        const ROWS: usize = 64;
+        /// `cs.len()` columns of `n` values, one after another, filled by `fill(r0, c, part)`
+        /// (rows `r0..r0 + part.len()` of column `c`) in blocks of `ROWS` rows over the pool.
+        /// Each value is a cache line of its own (a column of a row-major weight): the gather
+        /// waits on memory, not on arithmetic, and is split by rows even for a few columns
+        /// (split by columns, a call's usual ten or so cold ones were one task while the other
+        /// core waited). A block's rows stay in cache while every column is taken from them,
+        /// each column's values written contiguously.
+        fn by_row_blocks(cs: &[usize], n: usize, fill: impl Fn(usize, usize, &mut [i8]) + Sync) -> Vec<i8> {
             let mut out = vec![0i8; cs.len() * n];
-            // Each value is a cache line of its own (a column of a row-major weight): the gather
-            // waits on memory, not on arithmetic, and is split by rows even for a few columns
-            // (split by columns, a call's usual ten or so cold ones were one task while the
-            // other core waited). Task `b` fills rows `b * ROWS..` of every column.
-            let mut blocks: Vec<Vec<&mut [i8]>> = (0..n.div_ceil(ROWS)).map(|_| Vec::with_capacity(cs.len())).collect();
-            for column in out.chunks_mut(n.max(1)) {
+            let mut blocks: Vec<Vec<(usize, &mut [i8])>> = (0..n.div_ceil(ROWS)).map(|_| Vec::with_capacity(cs.len())).collect();
+            for (column, &c) in out.chunks_mut(n.max(1)).zip(cs) {
                 for (b, part) in column.chunks_mut(ROWS).enumerate() {
-                    blocks[b].push(part);
+                    blocks[b].push((c, part));
                 }
             }
-            blocks.into_par_iter().enumerate().for_each(|(b, mut parts)| {
-                // The block's rows stay in cache while every column is taken from them, each
-                // column's values written contiguously; the next block's lines (likely this
-                // thread's next task) are asked for meanwhile.
-                let r0 = b * ROWS;
-                for (part, &c) in parts.iter_mut().zip(cs) {
-                    for (i, v) in part.iter_mut().enumerate() {
-                        if r0 + i + ROWS < n {
-                            prefetch(ahead(r0 + i + ROWS, c));
-                        }
-                        *v = value(r0 + i, c);
-                    }
-                }
-            });
+            blocks.into_par_iter().enumerate().for_each(|(b, parts)| parts.into_iter().for_each(|(c, part)| fill(b * ROWS, c, part)));
             out
+        }
+        /// `value(r, c)` reads a value; `ahead(r, c)` is where it lies, to prefetch: the next
+        /// block's lines (likely this thread's next task) are asked for meanwhile.
+        fn gather(cs: &[usize], n: usize, value: impl Fn(usize, usize) -> i8 + Sync, ahead: impl Fn(usize, usize) -> *const u8 + Sync) -> Vec<i8> {
+            by_row_blocks(cs, n, |r0, c, part| {
+                for (i, v) in part.iter_mut().enumerate() {
+                    if r0 + i + ROWS < n {
+                        prefetch(ahead(r0 + i + ROWS, c));
+                    }
+                    *v = value(r0 + i, c);
+                }
+            })
         }
         Ok(match &self.int8 {
             Int8::Raw(q) => gather(cs, n, |r, c| q[r * k + c], |r, c| q.as_ptr().wrapping_add(r * k + c).cast()),
@@ -153,27 +154,13 @@ impl NpuWeight {
                 let (data, at) = (t.data(), |r: usize, c: usize| (r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32);
                 gather(cs, n, |r, c| data[at(r, c)] as i8, |r, c| data.as_ptr().wrapping_add(at(r, c)))
             }
-            Int8::Blocks(b) => {
-                // A column at a time per block of rows (its decoding chosen once), over the pool.
-                const ROWS: usize = 64;
-                let mut out = vec![0i8; cs.len() * n];
-                let mut parts: Vec<Vec<(usize, &mut [i8])>> = (0..n.div_ceil(ROWS)).map(|_| Vec::with_capacity(cs.len())).collect();
-                for (column, &c) in out.chunks_mut(n.max(1)).zip(cs) {
-                    for (blk, part) in column.chunks_mut(ROWS).enumerate() {
-                        parts[blk].push((c, part));
-                    }
-                }
-                parts.into_par_iter().enumerate().for_each(|(blk, parts)| {
-                    let r0 = blk * ROWS;
-                    let mut w = [0f32; ROWS];
-                    for (c, part) in parts {
-                        let w = &mut w[..part.len()];
-                        b.column(c, r0..r0 + part.len(), w);
-                        part.iter_mut().zip(w.iter()).enumerate().for_each(|(i, (q, &v))| *q = quantize_i8(v, self.scales.row(r0 + i)));
-                    }
-                });
-                out
-            }
+            // A column of a block of rows at a time, its decoding chosen once.
+            Int8::Blocks(b) => by_row_blocks(cs, n, |r0, c, part| {
+                let mut w = [0f32; ROWS];
+                let w = &mut w[..part.len()];
+                b.column(c, r0..r0 + part.len(), w);
+                part.iter_mut().zip(w.iter()).enumerate().for_each(|(i, (q, &v))| *q = quantize_i8(v, self.scales.row(r0 + i)));
+            }),
         })
     }
 
