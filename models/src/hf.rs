@@ -180,10 +180,11 @@ pub fn load(dir: &Path, device: &NpuDevice, opts: LoadOptions) -> Result<Model> 
     // that says tied outputs through the embedding, as HF and candle-transformers do, even when
     // the folder also holds an output matrix (which is then not read).
     let output = names("output.weight").name;
-    if !hf.bool_or("tie_word_embeddings", true)? && !ckpt.contains(&output) {
+    let tied = hf.bool_or("tie_word_embeddings", true)?;
+    if !tied && !ckpt.contains(&output) {
         return Err(hf.bad(format!("tie_word_embeddings is false but the folder has no '{output}'")));
     }
-    if hf.has("tie_word_embeddings") && hf.bool_or("tie_word_embeddings", true)? {
+    if tied && hf.has("tie_word_embeddings") {
         spec.tied_output = true;
         if ckpt.contains(&output) {
             tracing::warn!(folder = %dir.display(), tensor = %output, "tie_word_embeddings is true: the output is the embedding, and '{output}' is not read");

@@ -258,7 +258,7 @@ impl Pipeline {
     /// tokens of `set.source`'s text.
     pub fn calibration_sequences(&self, set: CalibrationSet) -> Result<Vec<Vec<u32>>> {
         set.check()?;
-        if set.sequences == 0 || set.seq_len == 0 || set.seq_len > self.model.config().context_len {
+        if set.seq_len > self.model.config().context_len {
             let (n, len, ctx) = (set.sequences, set.seq_len, self.model.config().context_len);
             return Err(Error::Input(format!("calibration on {n} sequences of {len} tokens: need at least one of 1..={ctx} tokens")));
         }
