@@ -170,20 +170,25 @@ fn npu_contexts(p: &Pipeline) -> Result<(usize, f64, f64, f64)> {
     let stages = candle_npu_models::transformer::N_STAGES;
     let per_size = n_layer * stages;
     let describe = |i: usize| p.model.stage_graph(i % per_size / stages, i % stages, [256, 32][i / per_size], Precision::W8A8);
+    // Each graph's bound, taken as it is described (a description requantizes its weights).
+    let bounds = std::cell::RefCell::new(vec![0u64; 2 * per_size]);
     let t = Instant::now();
-    let prepared = htp.prepare_described(2 * per_size, |i| Ok(describe(i)?))?;
+    let prepared = htp.prepare_described(2 * per_size, |i| {
+        let g = describe(i)?;
+        bounds.borrow_mut()[i] = candle_npu::executor::htp_contexts::address_space(&g, None);
+        Ok(g)
+    })?;
     let secs = t.elapsed().as_secs_f64();
     if htp.stats().fallbacks > 0 {
         bail!("{} stage graphs fell back to the host", htp.stats().fallbacks);
     }
-    let (mut bytes, mut contexts, mut need) = (0f64, 0f64, 0f64);
-    for i in 0..2 * per_size {
-        let g = &prepared[i];
+    let (mut bytes, mut contexts) = (0f64, 0f64);
+    for g in &prepared {
         let share = 1.0 / g.graphs_in_unit() as f64;
         bytes += g.serialized_size().unwrap_or(0) as f64 * share;
         contexts += share;
-        need += candle_npu::executor::htp_contexts::address_space(&describe(i)?, None) as f64;
     }
+    let need = bounds.into_inner().iter().sum::<u64>() as f64;
     Ok((contexts.round() as usize, bytes, need, secs))
 }
 
