@@ -320,7 +320,18 @@ fn graphs_in_shared_contexts_compute_as_alone() {
     let rebuilt = run(per_model.clone());
     assert_eq!((rebuilt.1.graphs_prepared, rebuilt.1.graphs_loaded), (8, 0), "a wrong side table: rebuilt");
     assert!(rebuilt.0 == alone.0);
-    assert_eq!(run(per_model).1.graphs_loaded, 8, "rewritten, then loaded");
+    assert_eq!(run(per_model.clone()).1.graphs_loaded, 8, "rewritten, then loaded");
+    // A side table with layer 0's K and V ids swapped (same shape), its checksum recomputed:
+    // the library's own metadata (libQnnSystem.so) disagrees, so the context is rebuilt rather
+    // than loaded with K's and V's buffers crossed.
+    let candle_npu::cache::Lookup::Hit(entry) = cache.load(name, &key) else { panic!("rewritten") };
+    let mut swapped = entry.meta.clone();
+    assert_eq!(graphs[0].outputs.len(), 3, "{}: q, k, v", graphs[0].name);
+    swapped.swap(3, 4);
+    cache.store(name, &key, &swapped, &entry.payload).unwrap();
+    let rebuilt = run(per_model);
+    assert_eq!((rebuilt.1.graphs_prepared, rebuilt.1.graphs_loaded), (8, 0), "ids that are not the binary's: rebuilt");
+    assert!(rebuilt.0 == alone.0);
     std::fs::remove_dir_all(&dir).unwrap();
     if cfg!(target_arch = "x86_64") {
         // The x86 library refuses to load a weight-shared binary (QNN 1000): the context is

@@ -27,7 +27,9 @@
 //! outputs, which a context binary does not give back without QNN's System library: the number
 //! of graphs in the context, then each graph's ids in order). The
 //! checksum covers every byte read back, the side table included: a damaged id would bind a
-//! graph's buffers wrongly without any error. ("CNPUGRF1" files hashed the payload alone; they
+//! graph's buffers wrongly without any error. A checksum proves a file intact, not right (an
+//! edited table can be hashed again), so the QNN executor also checks each id against the tensor
+//! of that name in the binary's own metadata, read by `libQnnSystem.so`. ("CNPUGRF1" files hashed the payload alone; they
 //! are rebuilt.)
 //!
 //! # Failure policy

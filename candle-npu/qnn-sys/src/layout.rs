@@ -5,6 +5,7 @@
 use core::mem::{align_of, offset_of, size_of};
 
 use crate::interface::*;
+use crate::system::*;
 use crate::types::*;
 
 macro_rules! assert_layout {
@@ -252,3 +253,9 @@ assert_table!(
     contextGetBinarySectionUpdate = 552,
     contextFreeBinarySectionUpdate = 560,
 );
+
+// The System library's interface (system.rs): the table starts after the 12-byte version.
+assert_offset!(QnnSystemInterface_t, providerName, 8);
+assert_offset!(QnnSystemInterface_t, systemApiVersion, 16);
+assert_offset!(QnnSystemInterface_t, functions, 32);
+assert_layout!(QnnSystemFunctions_t, 32, 8);

@@ -14,7 +14,7 @@
 //!
 //! Layout: [`types`] (`#[repr(C)]` structs and small constructors), [`consts`] (enum values, op
 //! and param names), [`interface`] (`QnnInterface_t` and its 71-entry function table),
-//! [`loader`] (dlopen, version guard, [`default_lib_dir`]).
+//! [`loader`] (dlopen, version guard, [`default_lib_dir`]), [`system`] (`libQnnSystem.so`: the graphs and tensor ids a context binary holds).
 
 #![allow(non_camel_case_types, non_snake_case)]
 
@@ -22,11 +22,13 @@ pub mod consts;
 pub mod interface;
 mod layout;
 pub mod loader;
+pub mod system;
 pub mod types;
 
 pub use consts::*;
 pub use interface::*;
 pub use loader::*;
+pub use system::*;
 pub use types::*;
 
 use core::ffi::{c_char, c_int};

@@ -522,8 +522,25 @@ fn element_wise_add_end_to_end_and_context_binary() {
         // rt drops here: context, device, backend, log freed in reverse order.
     };
 
-    // A fresh runtime loads the binary, retrieves the graph by name and gives the same output.
+    // The System library reads the binary's graphs back with the ids and names given them.
     let (buf, id0, id1, id_out) = binary;
+    let system = default_lib_dir().join(QNN_SYSTEM_LIBRARY_NAME);
+    let system = QnnSystemLibrary::load(&system).unwrap_or_else(|e| panic!("{e}"));
+    let io = system.graph_io(&buf).unwrap();
+    let named = |v: &[(u32, &str)]| v.iter().map(|&(i, n)| (i, n.to_string())).collect::<Vec<_>>();
+    assert_eq!(
+        io,
+        [GraphIo {
+            name: "add".into(),
+            inputs: named(&[(id0, "in0"), (id1, "in1")]),
+            outputs: named(&[(id_out, "out")]),
+        }]
+    );
+    let mut damaged = buf.clone();
+    damaged.truncate(64);
+    assert!(matches!(system.graph_io(&damaged), Err(GraphIoError::Refused(_))), "a cut binary is refused");
+
+    // A fresh runtime loads the binary, retrieves the graph by name and gives the same output.
     let mut rt = Runtime::new(lib);
     unsafe {
         check(

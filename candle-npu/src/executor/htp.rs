@@ -292,6 +292,9 @@ pub struct HtpExecutor {
     cache: Option<GraphCache>,
     /// What besides the graph determines a compiled graph (see [`crate::cache`]).
     cache_salt: String,
+    /// `libQnnSystem.so` beside the backend, with a cache: it reads a cached binary's own tensor
+    /// ids, which the entry's side table must match ([`check_ids`]).
+    system: Option<QnnSystemLibrary>,
     profiles: Option<Profiles>,
 }
 
@@ -382,8 +385,14 @@ impl HtpExecutor {
             c.vtcm_mb,
         );
         let cache = c.cache_dir.clone().map(GraphCache::new);
+        let system = cache.as_ref().and_then(|_| {
+            let path = c.library_path().with_file_name(QNN_SYSTEM_LIBRARY_NAME);
+            QnnSystemLibrary::load(&path)
+                .inspect_err(|e| tracing::warn!(error = %e, "the graph cache's tensor ids cannot be checked against its binaries without the QNN System library: trusting them"))
+                .ok()
+        });
         let profiles = c.profiling.map(|_| Profiles::default());
-        Ok(HtpExecutor { rt: Arc::new(rt), cache, cache_salt, profiles })
+        Ok(HtpExecutor { rt: Arc::new(rt), cache, cache_salt, system, profiles })
     }
 
     /// The loaded library's path.
@@ -467,7 +476,7 @@ impl HtpExecutor {
         let t = Instant::now();
         if let Some(entry) = lookup(cache, &name, &key) {
             let read = t.elapsed();
-            match load_all(&self.rt, graphs, &entry, self.profiles.clone()) {
+            match load_all(&self.rt, self.system.as_ref(), graphs, &entry, self.profiles.clone()) {
                 Ok(g) => {
                     tracing::debug!(graphs = %name, bytes = entry.payload.len(), ?read, load = ?(t.elapsed() - read), "context loaded from the cache");
                     return Ok(g);
@@ -724,7 +733,7 @@ fn io_tensors(graph: &Graph, ids: &[TensorId]) -> Vec<IoTensor> {
     ids.iter()
         .map(|&id| {
             let s = graph.tensor(id);
-            IoTensor { qnn_id: None, name: s.name.clone(), dtype: s.dtype, shape: s.shape.clone(), len: s.elem_count() }
+            IoTensor { qnn_id: None, name: s.name.clone(), qnn_name: qnn_tensor_name(id, &s.name), dtype: s.dtype, shape: s.shape.clone(), len: s.elem_count() }
         })
         .collect()
 }
@@ -821,6 +830,12 @@ fn qnn_dtype(d: DType) -> Qnn_DataType_t {
 }
 
 /// Letters, digits and `_` only: QNN names end up in context binaries and log lines.
+/// The name tensor `id` (called `name` in the IR) is created with in a QNN graph: unique within
+/// the graph, and what a context binary's metadata gives back.
+fn qnn_tensor_name(id: TensorId, name: &str) -> String {
+    format!("t{}_{}", id.0, sanitize(name))
+}
+
 fn sanitize(name: &str) -> String {
     name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect()
 }
@@ -1003,7 +1018,7 @@ impl Builder<'_> {
             Some(StaticData::I32(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: (v.len() * 4) as u32 },
             None => Qnn_ClientBuffer_t::empty(),
         };
-        let t = self.create(format!("t{}_{}", id.0, sanitize(&spec.name)), ty, qnn_dtype(spec.dtype), q, &spec.shape, buf)?;
+        let t = self.create(qnn_tensor_name(id, &spec.name), ty, qnn_dtype(spec.dtype), q, &spec.shape, buf)?;
         self.tensors[id.0] = Some(t);
         Ok(t)
     }
@@ -1278,14 +1293,18 @@ fn add_graph(ctx: &Arc<Context>, graph: &Graph, profiles: Option<Profiles>) -> R
 
 /// Recreates `graphs` from the cached context binary that holds them: one
 /// contextCreateFromBinary, a graphRetrieve per graph. The entry's side table is the graph
-/// count, then each graph's input and output tensor ids in order.
-fn load_all(rt: &Arc<Runtime>, graphs: &[&Described], entry: &CachedGraph, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
+/// count, then each graph's input and output tensor ids in order; with the System library, it
+/// is checked against the binary's own ids first.
+fn load_all(rt: &Arc<Runtime>, system: Option<&QnnSystemLibrary>, graphs: &[&Described], entry: &CachedGraph, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
     let name = set_name(graphs);
     let want = 1 + graphs.iter().map(|g| g.inputs.len() + g.outputs.len()).sum::<usize>();
     if entry.meta.first() != Some(&(graphs.len() as u32)) || entry.meta.len() != want {
         return Err(load_error(&name, 0, format!("cache entry's table ({} ids) is not that of these {} graphs ({want})", entry.meta.len(), graphs.len())));
     }
     check_unique_names(graphs)?;
+    if let Some(system) = system {
+        check_ids(system, graphs, entry).map_err(|why| load_error(&name, 0, format!("cache entry's tensor ids: {why}")))?;
+    }
     let ctx = load_context(rt, &entry.payload, graphs.len(), &name, profiles.as_ref())?;
     let mut at = 1;
     graphs
@@ -1296,6 +1315,41 @@ fn load_all(rt: &Arc<Runtime>, graphs: &[&Described], entry: &CachedGraph, profi
             retrieve(&ctx, g, &entry.meta[at - n..at], profiles.clone())
         })
         .collect()
+}
+
+/// Whether the entry's side table binds each of `graphs`' inputs and outputs to the tensor of
+/// that name in the binary (as the System library reads it). The checksum proves the table is
+/// the one written, not that it is right: a table edited and re-hashed would otherwise bind,
+/// say, a layer's K output to its V buffer without any error.
+fn check_ids(system: &QnnSystemLibrary, graphs: &[&Described], entry: &CachedGraph) -> std::result::Result<(), String> {
+    let io = match system.graph_io(&entry.payload) {
+        Ok(io) => io,
+        Err(e @ GraphIoError::Unknown(_)) => {
+            tracing::warn!(error = %e, "cannot check a cached context's tensor ids: trusting them");
+            return Ok(());
+        }
+        Err(e) => return Err(e.to_string()),
+    };
+    let mut at = 1;
+    for g in graphs {
+        let qnn_name = sanitize(&g.name);
+        let found = io.iter().find(|x| x.name == qnn_name).ok_or_else(|| format!("the binary has no graph {qnn_name}"))?;
+        for (tensors, held, what) in [(&g.inputs, &found.inputs, "input"), (&g.outputs, &found.outputs, "output")] {
+            for t in tensors.iter() {
+                let id = entry.meta[at];
+                at += 1;
+                if id == NO_TENSOR {
+                    continue;
+                }
+                let name = held.iter().find(|(i, _)| *i == id).map(|(_, n)| n.as_str());
+                if name != Some(t.qnn_name.as_str()) {
+                    let held = name.map_or_else(|| format!("no {what} of the graph"), |n| format!("tensor {n}"));
+                    return Err(format!("{what} {} of graph {} is bound to id {id}, which is {held} in the binary", t.qnn_name, g.name));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn load_error(graph: &str, code: u64, message: String) -> Error {
@@ -1360,6 +1414,8 @@ struct IoTensor {
     /// QNN tensor id; `None` for an input no op reads.
     qnn_id: Option<u32>,
     name: String,
+    /// Its name in the QNN graph ([`qnn_tensor_name`]).
+    qnn_name: String,
     dtype: DType,
     shape: Vec<usize>,
     len: usize,
