@@ -7,6 +7,7 @@ use candle_npu::NpuDevice;
 use candle_npu_models::transformer::argmax;
 use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Pipeline, Precision, StopReason};
 use common::*;
+use sha2::Digest;
 
 fn calibrated(device: &NpuDevice, precision: Precision) -> Pipeline {
     let mut p = smollm2(device, precision, DecodeWeights::Q8_0);
@@ -146,6 +147,16 @@ fn a_saved_session_restores_the_same_kv() {
     std::fs::write(&damaged, b"not a kv file at all").unwrap();
     refused(&mut p, &damaged, "magic");
     refused(&mut p, &dir, "not a regular file");
+    // Values no attention produces, the checksum recomputed over them: refused by content.
+    let body = bytes.len() - 32 - 64 * 4;
+    for (value, why) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf"), (3.0e30, "3e30")] {
+        let mut b = bytes[..bytes.len() - 32].to_vec();
+        b[body..body + 4].copy_from_slice(&value.to_le_bytes());
+        let digest = sha2::Sha256::digest(&b);
+        b.extend_from_slice(&digest);
+        std::fs::write(&damaged, &b).unwrap();
+        refused(&mut p, &damaged, why);
+    }
     // Pruned shadow paths compute other rows: refused too.
     let n_layer = p.model.config().n_layer;
     p.model.set_shadow_layers(&vec![false; n_layer]).unwrap();

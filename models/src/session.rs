@@ -24,6 +24,8 @@ use crate::transformer::Model;
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
 const FORMAT: u32 = 1;
+/// The largest key or value magnitude a restored state may hold: f16's largest finite value.
+const KV_LIMIT: f32 = 65504.0;
 
 impl Pipeline {
     /// A conversation on this pipeline, from an empty KV cache.
@@ -248,9 +250,16 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Opt
     hash.update(&json);
     let mut caches = Vec::with_capacity(h.layers);
     let mut buf = vec![0u8; layer_bytes];
-    for _ in 0..h.layers {
+    for layer in 0..h.layers {
         f.read_exact(&mut buf).map_err(io)?;
         hash.update(&buf);
+        // The checksum proves the file is what was written, not that a model wrote it: a state
+        // edited and hashed again would be restored and answered from. No model's keys or values
+        // leave f16's range (llama.cpp and candle keep KV caches in f16), so anything outside it,
+        // or not finite, did not come from attention.
+        if let Some(x) = buf.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).find(|x| !(x.abs() <= KV_LIMIT)) {
+            return Err(bad(format!("layer {layer} holds a key or value of {x:e}: not finite or beyond the ±{KV_LIMIT} any model's attention keeps")));
+        }
         caches.push(KvCache::from_bytes(&buf, h.kv_heads, h.head_dim, len).ok_or_else(|| bad("a layer of the wrong size".into()))?);
     }
     let mut digest = [0u8; 32];
