@@ -199,6 +199,12 @@ impl Calibrator {
     }
 }
 
+/// The largest activation magnitude a profile may give a point: the real models' largest is
+/// 2984 (SmolLM2's down projection input), and models that run in f16 stay below 65504; a range
+/// reaching 1e6 did not come from a calibration pass (it would also put most values of the
+/// point on the u8 grid's zero step).
+pub const ACTIVATION_LIMIT: f32 = 1e6;
+
 /// Version 2: clip ranges, hot channels and layer importance (version 1 held min/max only).
 pub const PROFILE_FORMAT: u32 = 2;
 
@@ -286,7 +292,8 @@ impl QuantProfile {
         Ok(Quant::u8_range(p.lo, p.hi))
     }
 
-    /// Why the profile cannot be used, if it cannot: every range finite and ordered, a clip range
+    /// Why the profile cannot be used, if it cannot: every range finite, ordered and of a sane
+    /// magnitude ([`ACTIVATION_LIMIT`]), the clip range within the seen one, a clip range
     /// of some width wherever calibration saw more than one value (a zero-width one would send
     /// every value down the CPU's shadow path), hot channels sorted, unique and in range, and
     /// importance finite. (Whether it fits a model is `Model::set_profile`'s check.)
@@ -298,6 +305,13 @@ impl QuantProfile {
             }
             if p.lo > p.hi || p.min > p.max {
                 return bad(format!("range inverted (clip {}..{}, seen {}..{})", p.lo, p.hi, p.min, p.max));
+            }
+            if let Some(v) = [p.lo, p.hi, p.min, p.max].into_iter().find(|v| v.abs() > ACTIVATION_LIMIT) {
+                return bad(format!("a range reaching {v:e} (clip {}..{}, seen {}..{}): no model's activations come near ±{ACTIVATION_LIMIT:e}", p.lo, p.hi, p.min, p.max));
+            }
+            // Every clip method chooses within what calibration saw (widened to take in 0).
+            if p.lo < p.min.min(0.0) || p.hi > p.max.max(0.0) {
+                return bad(format!("clip range {}..{} reaches outside the values seen, {}..{}", p.lo, p.hi, p.min, p.max));
             }
             if p.lo == p.hi && p.min < p.max {
                 return bad(format!("zero-width clip range {}..{} over values seen in {}..{}", p.lo, p.hi, p.min, p.max));
@@ -418,9 +432,11 @@ mod tests {
         good.save(&path).unwrap();
         assert_eq!(QuantProfile::load(&path, "m").unwrap().points, good.points);
         type Edit = fn(&mut PointProfile);
-        let cases: [(Edit, &str); 9] = [
+        let cases: [(Edit, &str); 11] = [
+            (|p| (p.lo, p.hi, p.min, p.max) = (-1e30, 1e30, -1e30, 1e30), "no model's activations"),
+            (|p| (p.lo, p.hi) = (10.0, 20.0), "outside the values seen"),
             (|p| (p.lo, p.hi) = (0.0, 1e-44), "no usable quantization step"),
-            (|p| (p.min, p.max) = (-3e38, 3e38), "no usable quantization step"),
+            (|p| (p.min, p.max) = (-3e38, 3e38), "no model's activations"),
             (|p| p.hi = f32::INFINITY, "not finite"),
             (|p| p.lo = f32::NAN, "not finite"),
             (|p| (p.lo, p.hi) = (1.0, -1.0), "inverted"),
