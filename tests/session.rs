@@ -64,7 +64,16 @@ fn a_session_turn_prefills_only_its_new_tokens() {
         assert_eq!(s2.cached_tokens, after1, "turn 2 starts after turn 1 in the cache");
         assert!(s2.prompt_tokens < 20, "turn 2 prefilled {} tokens: only its own", s2.prompt_tokens);
         assert_eq!(s.pipeline().model.position(), s.tokens().len());
-        (a1, a2, s.tokens()[..after1 + s2.prompt_tokens].to_vec(), s2)
+        let out = (a1, a2, s.tokens()[..after1 + s2.prompt_tokens].to_vec(), s2);
+        // The model's cache changed outside the session: it no longer holds the conversation,
+        // so the session refuses to answer from it or to save it (no file is written).
+        s.pipeline().model.clear();
+        let e = s.send("And of Italy?", &opts, |_| {}).unwrap_err().to_string();
+        assert!(e.contains("changed outside"), "{e}");
+        let file = std::env::temp_dir().join(format!("candle-npu-stale-session-{}.kv", std::process::id()));
+        assert!(s.save(&file).unwrap_err().to_string().contains("changed outside"));
+        assert!(!file.exists());
+        out
     };
     eprintln!("turn 1: {turn1:?}; turn 2: {turn2:?} ({} new tokens after {})", s2.prompt_tokens, s2.cached_tokens);
     assert!(turn1.contains("Paris"), "{turn1:?}");

@@ -31,7 +31,8 @@ impl Pipeline {
     /// A conversation on this pipeline, from an empty KV cache.
     pub fn session(&mut self) -> Session<'_> {
         self.model.clear();
-        Session { p: self, tokens: vec![], pending: None }
+        let epoch = self.model.kv_epoch();
+        Session { p: self, tokens: vec![], pending: None, epoch }
     }
 
     /// The conversation saved at `path` ([`Session::save`]), its KV cache restored: the next
@@ -40,7 +41,8 @@ impl Pipeline {
     pub fn restore_session(&mut self, path: &Path) -> Result<Session<'_>> {
         let (caches, tokens, pending) = read_state(&self.model, path)?;
         self.model.set_kv_caches(caches);
-        Ok(Session { p: self, tokens, pending })
+        let epoch = self.model.kv_epoch();
+        Ok(Session { p: self, tokens, pending, epoch })
     }
 }
 
@@ -53,17 +55,34 @@ pub struct Session<'p> {
     /// The last answer's last token when it was sampled but not decoded (an answer cut at
     /// `sample_len`): it goes into the cache before the next turn.
     pending: Option<u32>,
+    /// The model's [`Model::kv_epoch`] after this session's last change to the cache.
+    epoch: u64,
 }
 
 impl Session<'_> {
+    /// Refuses to go on when something other than this session changed the model's KV cache
+    /// (through [`Session::pipeline`]): the cache no longer holds this conversation, and a turn
+    /// or a save would go on as if it did.
+    fn check_in_step(&self) -> Result<()> {
+        let m = &self.p.model;
+        if m.kv_epoch() != self.epoch {
+            return Err(Error::Input(format!(
+                "this session's model was changed outside it (its KV cache now holds {} tokens, the conversation {}; or its profile or shadow layers changed): start a new session or restore a saved one",
+                m.position(),
+                self.tokens.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// The tokens the KV cache holds.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
 
-    /// The pipeline the conversation runs on. What changes its model's KV cache or position
-    /// (a prefill, `clear`, `extend`) takes the session's tokens out of step with the cache:
-    /// start a new session after that.
+    /// The pipeline the conversation runs on. What changes its model's KV cache or what its rows
+    /// mean (a prefill, `clear`, `extend`, a profile) takes the cache away from the conversation:
+    /// [`Session::send`] and [`Session::save`] then refuse, and a new session starts over.
     pub fn pipeline(&mut self) -> &mut Pipeline {
         self.p
     }
@@ -74,6 +93,15 @@ impl Session<'_> {
     /// [`GenerateOptions::parse_special`].
     pub fn send(&mut self, text: &str, opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         opts.validate()?;
+        self.check_in_step()?;
+        // Every change the turn makes is this session's, failed ones too (a failed prefill or
+        // decode takes the cache back to the tokens the session holds).
+        let r = self.turn(text, opts, &mut on_text);
+        self.epoch = self.p.model.kv_epoch();
+        r
+    }
+
+    fn turn(&mut self, text: &str, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<(String, GenerateStats)> {
         let p = &mut *self.p;
         let mut new: Vec<u32> = self.pending.into_iter().collect();
         if self.tokens.is_empty() {
@@ -135,6 +163,7 @@ impl Session<'_> {
 
     /// Saves the conversation's KV state to `path` (see the module documentation).
     pub fn save(&self, path: &Path) -> Result<()> {
+        self.check_in_step()?;
         let model = &self.p.model;
         let caches = model.kv_caches();
         let cfg = model.config();

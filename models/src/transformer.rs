@@ -242,6 +242,8 @@ pub struct Model {
     graphs: HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
     kv: Vec<Mutex<KvCache>>,
     pos: usize,
+    /// Bumped by every change to the KV cache or to what its rows mean ([`Model::kv_epoch`]).
+    kv_epoch: u64,
     sched: SchedOptions,
     /// Rows of the NPU graphs a prompt is cut into ([`LoadOptions::chunk_len`]).
     chunk_len: usize,
@@ -367,6 +369,7 @@ impl Model {
             npu_pool: None,
             last_run: None,
             pos: 0,
+            kv_epoch: 0,
             progress: None,
         })
     }
@@ -425,6 +428,13 @@ impl Model {
         self.pos
     }
 
+    /// Changes with every change to the KV cache (a prefill, decode, `clear`, a restore) and to
+    /// what its rows mean (a profile, the shadow layers): a holder of a conversation (a
+    /// [`crate::Session`]) notes it after its own changes and so sees any other.
+    pub fn kv_epoch(&self) -> u64 {
+        self.kv_epoch
+    }
+
     /// The quant profile in use, once one is set ([`Model::set_profile`]): clip ranges, hot
     /// channels, layer importance.
     pub fn profile(&self) -> Option<&QuantProfile> {
@@ -446,12 +456,14 @@ impl Model {
     pub(crate) fn set_kv_caches(&mut self, caches: Vec<KvCache>) {
         self.pos = caches.first().map_or(0, KvCache::len);
         self.kv = caches.into_iter().map(Mutex::new).collect();
+        self.kv_epoch += 1;
     }
 
     /// Forget the KV cache.
     pub fn clear(&mut self) {
         self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).clear());
         self.pos = 0;
+        self.kv_epoch += 1;
     }
 
     /// Decode one token at the current position; returns its logits, `[vocab]`.
@@ -501,6 +513,7 @@ impl Model {
         }
         let x = x.finish()?;
         self.pos += n;
+        self.kv_epoch += 1;
         Ok(x)
     }
 
@@ -524,6 +537,7 @@ impl Model {
     fn truncate_kv(&mut self, n: usize) {
         self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).truncate(n));
         self.pos = self.pos.min(n);
+        self.kv_epoch += 1;
     }
 
     /// Embeddings of `tokens`, `[n, hidden]` (scaled as the family says).
