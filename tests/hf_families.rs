@@ -268,6 +268,29 @@ fn a_model_id_resolves_in_the_hf_hub_cache_and_an_absent_one_is_a_clear_error() 
     assert_eq!(ours(&dir).config().n_layer, LAYERS);
     let e = hf::resolve_model_id("test/absent", Some(&cache)).unwrap_err().to_string();
     assert!(e.contains("test/absent") && e.contains(&cache.display().to_string()) && e.contains("models--test--absent"), "{e}");
+    // refs/main as a FIFO (reading it would block forever), linked to /dev/zero (endless), or
+    // naming a path rather than a commit: each refused, naming refs/main.
+    let refs = cache.join("models--test--tiny-mistral/refs/main");
+    std::fs::remove_file(&refs).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(&refs).status().unwrap().success());
+    let e = hf::resolve_model_id("test/tiny-mistral", Some(&cache)).unwrap_err().to_string();
+    assert!(e.contains("refs/main") && e.contains("FIFO"), "{e}");
+    std::fs::remove_file(&refs).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &refs).unwrap();
+    let e = hf::resolve_model_id("test/tiny-mistral", Some(&cache)).unwrap_err().to_string();
+    assert!(e.contains("refs/main") && e.contains("character device"), "{e}");
+    std::fs::remove_file(&refs).unwrap();
+    std::fs::write(&refs, "../../../etc").unwrap();
+    let e = hf::resolve_model_id("test/tiny-mistral", Some(&cache)).unwrap_err().to_string();
+    assert!(e.contains("not a commit hash"), "{e}");
+    // model.safetensors as a FIFO: refused before candle's reader opens it.
+    std::fs::remove_file(&refs).unwrap();
+    std::fs::write(&refs, "0123abc\n").unwrap();
+    assert_eq!(hf::resolve_model_id("test/tiny-mistral", Some(&cache)).unwrap(), snapshot, "a ref with its line end");
+    std::fs::remove_file(st_path(&snapshot)).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(st_path(&snapshot)).status().unwrap().success());
+    let e = load_err(&snapshot);
+    assert!(e.contains("model.safetensors") && e.contains("FIFO"), "{e}");
 }
 
 fn st_path(dir: &Path) -> PathBuf {

@@ -196,7 +196,15 @@ fn bad_prompts_are_errors() {
 #[test]
 fn bad_model_files_are_errors() {
     let e = load_err(std::path::Path::new("/nonexistent/model.gguf"));
-    assert!(e.contains("/nonexistent/model.gguf") && e.contains("cannot open"), "{e}");
+    assert!(e.contains("/nonexistent/model.gguf") && e.contains("No such file"), "{e}");
+    // A FIFO where the model should be: refused from its type (opening it would block until a
+    // writer came), and so is a device.
+    let fifo = tmp("fifo.gguf");
+    let _ = std::fs::remove_file(&fifo);
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let e = load_err(&fifo);
+    assert!(e.contains("fifo.gguf") && e.contains("FIFO (named pipe), not a regular file"), "{e}");
+    assert!(load_err(std::path::Path::new("/dev/zero")).contains("a character device, not a regular file"));
 
     let src = std::fs::read(assets::smollm2()).unwrap();
     let truncated = tmp("truncated.gguf");

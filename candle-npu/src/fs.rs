@@ -28,19 +28,9 @@ pub const MIB: u64 = 1 << 20;
 pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>> {
     let refuse = |why: String| Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {why}")));
     let over = |size: String| refuse(format!("{size} bytes, over the limit of {limit} bytes ({})", human(limit)));
-    // Before opening it: opening a FIFO blocks, reading a device may never end.
-    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-    if !meta.is_file() {
-        return Err(refuse(format!("is {}, not a regular file", kind(&meta.file_type()))));
-    }
-    if meta.len() > limit {
-        return Err(over(meta.len().to_string()));
-    }
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    // The file opened may not be the one looked at (the path was replaced in between).
-    let opened = file.metadata().map_err(|e| Error::io(path, e))?;
-    if !opened.is_file() {
-        return Err(refuse(format!("is {}, not a regular file", kind(&opened.file_type()))));
+    let (file, opened) = open_regular(path, what)?;
+    if opened.len() > limit {
+        return Err(over(opened.len().to_string()));
     }
     let mut bytes = Vec::with_capacity(opened.len().min(limit) as usize);
     // One byte more than the limit: a file that grew while read is seen to be over it.
@@ -49,6 +39,29 @@ pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>> {
         return Err(refuse(format!("grew while read beyond the limit of {limit} bytes ({})", human(limit))));
     }
     Ok(bytes)
+}
+
+/// The regular file at `path` (a symbolic link to one is followed), opened for reading, and its
+/// metadata; anything else (a folder, a FIFO, a device, a socket) is refused from its metadata
+/// before it is opened, since opening a FIFO blocks until a writer comes and a device may never
+/// end. Errors are [`Error::Io`] naming `path` and `what`. The model readers (GGUF, safetensors)
+/// open through this too; [`read_bounded`] adds a size limit.
+pub fn open_regular(path: &Path, what: &str) -> Result<(std::fs::File, std::fs::Metadata)> {
+    let refuse = |t: &std::fs::FileType| {
+        let why = format!("{what}: is {}, not a regular file", kind(t));
+        Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, why))
+    };
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(refuse(&meta.file_type()));
+    }
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // The file opened may not be the one looked at (the path was replaced in between).
+    let opened = file.metadata().map_err(|e| Error::io(path, e))?;
+    if !opened.is_file() {
+        return Err(refuse(&opened.file_type()));
+    }
+    Ok((file, opened))
 }
 
 /// [`read_bounded`], as UTF-8 text (an error naming `path` when it is not).

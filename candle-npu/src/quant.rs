@@ -386,7 +386,7 @@ impl QuantProfile {
 pub fn model_id(path: &Path) -> Result<String> {
     use sha2::Digest;
     use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let (mut f, _) = crate::fs::open_regular(path, "model file")?;
     let mut h = sha2::Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {

@@ -164,7 +164,7 @@ impl GgufCheckpoint {
     /// The checkpoint of an opened GGUF, with a handle on its file of its own that the matrices
     /// are read through (positioned reads: no cursor shared with `g`'s reader).
     pub fn new(g: Arc<Gguf>) -> Result<Self> {
-        let f = std::fs::File::open(&g.path).map_err(|e| Error::Model { path: g.path.clone(), reason: format!("cannot open: {e}") })?;
+        let (f, _) = candle_npu::fs::open_regular(&g.path, "GGUF model")?;
         // SAFETY: the file is opened read-only and must not be modified while the model is
         // loaded (candle's condition for mapped checkpoints too); `Gguf::open` checked every
         // tensor against the file's length.
@@ -330,6 +330,8 @@ impl SafetensorsCheckpoint {
         // keeps one) and integer tensors (it converts them to F32).
         let mut seen = std::collections::HashMap::new();
         for file in &files {
+            // candle's reader opens it blindly: a FIFO would block it forever.
+            candle_npu::fs::open_regular(file, "safetensors checkpoint")?;
             // SAFETY: as below: read-only, not modified while mapped.
             let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(file) }.map_err(|e| bad(format!("{}: {e}", file.display())))?;
             for (name, view) in st.tensors() {

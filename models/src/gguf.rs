@@ -29,8 +29,8 @@ impl Gguf {
     /// loading; a panic of candle's reader on a bad header is reported as this file's error.
     pub fn open(path: &Path) -> Result<Self> {
         let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason };
-        let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
-        let file_len = file.metadata().map_err(|e| bad(e.to_string()))?.len();
+        let (file, meta) = candle_npu::fs::open_regular(path, "GGUF model")?;
+        let file_len = meta.len();
         let mut reader = BufReader::new(file);
         // What candle's reader trusts or merges, read first: an alignment of 0 would divide by
         // zero inside it, and it keeps one of two tensors (or metadata keys) of the same name.

@@ -209,7 +209,7 @@ pub fn folder_id(dir: &Path) -> Result<String> {
     let mut buf = vec![0u8; 1 << 20];
     for path in files {
         h.update(path.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
-        let mut f = std::fs::File::open(&path).map_err(|e| Error::Model { path: path.clone(), reason: format!("cannot open: {e}") })?;
+        let (mut f, _) = candle_npu::fs::open_regular(&path, "model file")?;
         loop {
             let n = f.read(&mut buf).map_err(|e| Error::Model { path: path.clone(), reason: format!("reading: {e}") })?;
             if n == 0 {
@@ -227,21 +227,37 @@ pub fn folder_id(dir: &Path) -> Result<String> {
 pub fn resolve_model_id(model_id: &str, cache: Option<&Path>) -> Result<PathBuf> {
     // hf-hub's own default panics where there is no home folder: the same rule, as an error.
     let cache = match (cache, std::env::var_os("HF_HOME"), std::env::var_os("HOME").filter(|h| !h.is_empty())) {
-        (Some(p), _, _) => hf_hub::Cache::new(p.to_path_buf()),
-        (None, Some(hf_home), _) => hf_hub::Cache::new(PathBuf::from(hf_home).join("hub")),
-        (None, None, Some(home)) => hf_hub::Cache::new(PathBuf::from(home).join(".cache/huggingface/hub")),
+        (Some(p), _, _) => p.to_path_buf(),
+        (None, Some(hf_home), _) => PathBuf::from(hf_home).join("hub"),
+        (None, None, Some(home)) => PathBuf::from(home).join(".cache/huggingface/hub"),
         (None, None, None) => return Err(Error::Input(format!("model {model_id}: no hf-hub cache folder to look in: set HF_HOME (or HOME)"))),
     };
-    match cache.model(model_id.to_string()).get("config.json") {
-        Some(config) => Ok(config.parent().map(Path::to_path_buf).unwrap_or_default()),
-        None => Err(Error::Model {
-            path: cache.path().clone(),
-            reason: format!(
-                "model '{model_id}' is not in the hf-hub cache (no config.json under models--{}): download it first, e.g. `huggingface-cli download {model_id}`",
-                model_id.replace('/', "--")
-            ),
-        }),
+    // hf-hub's layout: models--org--name/refs/main holds the commit whose snapshot folder holds
+    // the files. Read here rather than by hf-hub, which reads refs/main whole, whatever it is
+    // (a FIFO blocks it forever, a link to /dev/zero reads without end).
+    let repo = cache.join(format!("models--{}", model_id.replace('/', "--")));
+    let refs = repo.join("refs").join("main");
+    let missing = || Error::Model {
+        path: cache.clone(),
+        reason: format!(
+            "model '{model_id}' is not in the hf-hub cache (no config.json under models--{}): download it first, e.g. `huggingface-cli download {model_id}`",
+            model_id.replace('/', "--")
+        ),
+    };
+    if !refs.exists() {
+        return Err(missing());
     }
+    // A commit hash is 40 hex digits; a line end may follow.
+    let commit = candle_npu::fs::read_to_string_bounded(&refs, 256, "hf-hub ref")?;
+    let commit = commit.trim();
+    if commit.is_empty() || !commit.chars().all(|c| c.is_ascii_alphanumeric()) {
+        return Err(Error::Model { path: refs, reason: format!("not a commit hash: {commit:?}") });
+    }
+    let snapshot = repo.join("snapshots").join(commit);
+    if !snapshot.join("config.json").exists() {
+        return Err(missing());
+    }
+    Ok(snapshot)
 }
 
 #[cfg(test)]
