@@ -64,6 +64,17 @@ pub fn open_regular(path: &Path, what: &str) -> Result<(std::fs::File, std::fs::
     Ok((file, opened))
 }
 
+/// Whether something is at `path` (a symbolic link is followed): `Ok(false)` only when nothing
+/// is; a path that cannot be looked at (permission denied, a file where a folder should be) is
+/// that error, naming `path`, not "does not exist" as [`Path::exists`] would have it.
+pub fn exists(path: &Path) -> Result<bool> {
+    match std::fs::metadata(path) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
 /// [`read_bounded`], as UTF-8 text (an error naming `path` when it is not).
 pub fn read_to_string_bounded(path: &Path, limit: u64, what: &str) -> Result<String> {
     String::from_utf8(read_bounded(path, limit, what)?).map_err(|e| {
@@ -249,6 +260,22 @@ mod tests {
         std::fs::File::create(&p).unwrap().set_len(3 << 30).unwrap();
         let e = err_of(read_bounded(&p, 256 * MIB, "quant profile"));
         assert!(e.contains("3221225472 bytes") && e.contains("limit of 268435456 bytes (256 MiB)"), "{e}");
+        std::fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn a_path_that_cannot_be_looked_at_is_not_called_absent() {
+        let d = scratch("exists");
+        let file = d.join("f");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(exists(&file).unwrap());
+        assert!(!exists(&d.join("absent")).unwrap());
+        // Under a file (as under a folder this user may not read): the system's error, naming
+        // the path, where Path::exists says "false" and callers said "not found".
+        let under = file.join("model.gguf");
+        assert!(!under.exists());
+        let e = err_of(exists(&under));
+        assert!(e.contains(&under.display().to_string()) && e.contains("Not a directory"), "{e}");
         std::fs::remove_dir_all(d).unwrap();
     }
 

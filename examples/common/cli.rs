@@ -217,10 +217,12 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         candle_npu::fs::check_output_path(trace, "--trace")?;
     }
     // A profile is read when it exists (a regular file, or a link to one), written when not.
-    match &args.profile {
-        Some(p) if p.exists() && !p.is_file() => bail!("--profile {}: not a regular file", p.display()),
-        Some(p) if !p.exists() => candle_npu::fs::check_output_path(p, "--profile")?,
-        _ => {}
+    if let Some(p) = &args.profile {
+        match candle_npu::fs::exists(p)? {
+            true if !p.is_file() => bail!("--profile {}: not a regular file", p.display()),
+            false => candle_npu::fs::check_output_path(p, "--profile")?,
+            true => {}
+        }
     }
     let device = match args.executor {
         ExecutorKind::Host => NpuDevice::host(),
@@ -265,7 +267,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         ),
         (None, None, None) => bail!("no {family} weights are fetched by scripts/setup.sh: pass --model <GGUF or HF folder> or --model-id org/name"),
     };
-    if !path.exists() {
+    if !candle_npu::fs::exists(&path)? {
         bail!("model {} not found: run scripts/setup.sh, or pass --model", path.display());
     }
     // An output that is one of the run's inputs would destroy it: refused before anything loads.

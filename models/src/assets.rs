@@ -49,7 +49,7 @@ pub fn qwen25_coder_05b() -> Result<PathBuf> {
 /// committed, so a missing one almost always means the set-up script has not been run.
 fn fetched(name: &str) -> Result<PathBuf> {
     let path = dir().join(name);
-    if path.is_file() {
+    if candle_npu::fs::exists(&path)? {
         return Ok(path);
     }
     Err(Error::Model {

@@ -141,7 +141,7 @@ impl Pipeline {
         let model = crate::hf::load(dir, device, opts)?;
         let tok = crate::tokenizer::from_file(tokenizer.unwrap_or(&dir.join("tokenizer.json")))?;
         let tc = dir.join("tokenizer_config.json");
-        let template = if tc.exists() { ChatTemplate::from_tokenizer_config(&tc)? } else { ChatTemplate::None };
+        let template = if candle_npu::fs::exists(&tc)? { ChatTemplate::from_tokenizer_config(&tc)? } else { ChatTemplate::None };
         let mut stop_tokens = crate::hf::HfConfig::open(dir)?.eos_token_ids()?;
         for s in template.stop_strings() {
             stop_tokens.extend(tok.token_to_id(s));
@@ -194,7 +194,7 @@ impl Pipeline {
             true => self.model_path.join("candle-npu.w8a8.json"),
             false => QuantProfile::default_path(&self.model_path),
         });
-        if path.exists() {
+        if candle_npu::fs::exists(&path)? {
             let p = QuantProfile::load(&path, self.model.model_id())?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");
             // Its refusals name the file they came from.
