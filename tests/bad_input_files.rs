@@ -95,3 +95,72 @@ fn a_model_id_without_a_home_folder_is_an_error_not_a_panic() {
     assert!(!out.status.success() && !err.contains("panicked"), "{err}");
     assert!(err.contains("org/absent") && err.contains("set HF_HOME (or HOME)"), "{err}");
 }
+
+/// `tokenizer.json` contents that make the `tokenizers` library (or the regex engine under it)
+/// panic, fail on every prompt or grow a prompt without bound: each is an error naming the file
+/// at load, or the prompt at encoding; none ends the process.
+#[test]
+fn hostile_tokenizer_files_are_errors_at_load_or_encoding() {
+    use candle_npu_models::gguf::Gguf;
+    use candle_npu_models::tokenizer;
+    let dir = scratch("tokenizer");
+    let model = candle_npu_models::assets::smollm2();
+    let base: serde_json::Value = serde_json::from_str(&tokenizer::from_gguf(&Gguf::open(&model).unwrap()).unwrap().to_string(false).unwrap()).unwrap();
+    let write = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut v = base.clone();
+        edit(&mut v);
+        let path = dir.join(name);
+        std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+        path
+    };
+    let at_load = |name: &str, edit: &dyn Fn(&mut serde_json::Value), cause: &str| {
+        let path = write(name, edit);
+        error_naming(tokenizer::from_file(&path), &path, cause);
+    };
+    assert!(tokenizer::from_file(&write("base.json", &|_| {})).is_ok(), "the unedited file loads");
+    // A precompiled charsmap that does not parse.
+    at_load("charsmap.json", &|v| v["normalizer"] = serde_json::json!({"type": "Precompiled", "precompiled_charsmap": "AAECAwQF"}), "tokenizer");
+    // A post-processor naming a special token the vocabulary lacks.
+    at_load(
+        "post.json",
+        &|v| {
+            v["post_processor"] = serde_json::json!({"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<missing>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {}})
+        },
+        "tokenizer",
+    );
+    // An unknown token that is not in the vocabulary: every prompt would fail.
+    at_load("unk.json", &|v| v["model"]["unk_token"] = serde_json::json!("<no such token>"), "unknown token \"<no such token>\" is not in its vocabulary");
+    // A normalizer that drops every character: every prompt would be "empty".
+    at_load(
+        "drops.json",
+        &|v| v["normalizer"] = serde_json::json!({"type": "Replace", "pattern": {"Regex": "[^\\n]"}, "content": ""}),
+        "drops every character",
+    );
+    // A split regex that backtracks catastrophically: loads (short texts are fine), and a
+    // long text is an error naming it, not a panic.
+    let regex = write("regex.json", &|v| {
+        v["pre_tokenizer"] = serde_json::json!({"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": false})
+    });
+    let tok = tokenizer::from_file(&regex).unwrap();
+    let long = format!("{}!", "a".repeat(20_000));
+    // (Oniguruma gives up at its retry limit, and `tokenizers` panics on that.)
+    let e = tokenizer::encode(&tok, &long, false).unwrap_err().to_string();
+    assert!(e.contains("on a text of 20001 bytes") && e.contains("retry-limit"), "{e}");
+
+    // In a pipeline: a prompt is bounded before the tokenizer normalizes it. A normalizer that
+    // turns each "a" into 1 MB would make 200 of them allocate 200 MB.
+    let grows = write("grows.json", &|v| {
+        v["normalizer"] = serde_json::json!({"type": "Replace", "pattern": {"String": "a"}, "content": "b".repeat(1 << 20)})
+    });
+    let p = candle_npu_models::Pipeline::load(&model, Some(&grows), &candle_npu::NpuDevice::host(), Default::default()).unwrap();
+    let e = p.encode_with(&"a".repeat(200), false, false).unwrap_err().to_string();
+    assert!(e.contains("a prompt of 200 bytes") && e.contains("grows it up to 1048576x") && e.contains("shorten it"), "{e}");
+    // 12 MB of spaces (the split regex once ran out of backtracking on them and panicked).
+    let p = candle_npu_models::Pipeline::load(&model, None, &candle_npu::NpuDevice::host(), Default::default()).unwrap();
+    let e = p.encode_with(&" ".repeat(12 << 20), true, false).unwrap_err().to_string();
+    assert!(e.contains("a prompt of 12582912 bytes") && e.contains("context of 8192 tokens"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -27,6 +27,8 @@ pub struct Pipeline {
     /// Ids of the embedding that have no token in the tokenizer (a vocabulary padded to a round
     /// size): they have no text, so generation never samples them.
     pub(crate) textless: Vec<u32>,
+    /// The longest prompt (bytes) taken ([`Pipeline::check_prompt`]).
+    prompt_limit: usize,
 }
 
 /// Which text calibration reads (user texts: [`Pipeline::calibrate_on`]).
@@ -132,7 +134,8 @@ impl Pipeline {
             stop_tokens.extend(tok.token_to_id(s));
         }
         let textless = check_tokenizer(&tok, &model, &stop_tokens, path)?;
-        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: path.to_path_buf(), textless })
+        let prompt_limit = prompt_limit(&tok, model.config().context_len);
+        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: path.to_path_buf(), textless, prompt_limit })
     }
 
     /// An HF folder: `config.json`, `*.safetensors`, `tokenizer.json` (or `tokenizer`), and the
@@ -147,7 +150,8 @@ impl Pipeline {
             stop_tokens.extend(tok.token_to_id(s));
         }
         let textless = check_tokenizer(&tok, &model, &stop_tokens, dir)?;
-        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: dir.to_path_buf(), textless })
+        let prompt_limit = prompt_limit(&tok, model.config().context_len);
+        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: dir.to_path_buf(), textless, prompt_limit })
     }
 
     /// Token ids of a prompt, with the special tokens the tokenizer adds (Gemma's BOS), wrapped
@@ -161,6 +165,7 @@ impl Pipeline {
     /// those tokens (llama.cpp's `parse_special`): for text the caller trusts as much as the
     /// template, since it can close the user's turn and write the assistant's.
     pub fn encode_with(&self, text: &str, chat: bool, parse_special: bool) -> Result<Vec<u32>> {
+        self.check_prompt(text)?;
         let (before, after) = if chat { self.template.around() } else { Default::default() };
         crate::tokenizer::encode_user(&self.tokenizer, &before, text, &after, true, parse_special)
     }
@@ -168,6 +173,7 @@ impl Pipeline {
     /// Token ids of a later turn of a conversation ([`ChatTemplate::follow_up`]), no BOS; the
     /// control tokens in `text` are plain text unless `parse_special`.
     pub fn encode_follow_up(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        self.check_prompt(text)?;
         let (before, after) = self.template.follow_up_around();
         crate::tokenizer::encode_user(&self.tokenizer, &before, text, &after, false, parse_special)
     }
@@ -175,6 +181,7 @@ impl Pipeline {
     /// Token ids of `text` alone: no BOS/EOS (a piece of a longer text), control tokens spelled
     /// in it as plain text (to match them: `crate::tokenizer::encode(&p.tokenizer, text, false)`).
     pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>> {
+        self.check_prompt(text)?;
         crate::tokenizer::encode_user(&self.tokenizer, "", text, "", false, false)
     }
 
@@ -308,6 +315,34 @@ impl Pipeline {
     }
 }
 
+/// The longest text (bytes) a pipeline encodes: what, normalized at the tokenizer's largest
+/// growth, still fits a context of its longest tokens. Checked before `tokenizers` sees the
+/// text, so its normalized copy is bounded before it is allocated (a normalizer that expands
+/// text once made a short prompt allocate gigabytes) and its split regex never runs on
+/// megabytes (Qwen2's ran out of backtracking on 12 MB of spaces).
+fn prompt_limit(tok: &Tokenizer, context: usize) -> usize {
+    let fits = context.saturating_mul(crate::tokenizer::max_token_bytes(tok));
+    (fits as f64 / crate::tokenizer::normalizer_growth(tok)).floor() as usize
+}
+
+impl Pipeline {
+    /// Refuses a text longer than [`prompt_limit`], saying why.
+    fn check_prompt(&self, text: &str) -> Result<()> {
+        if text.len() <= self.prompt_limit {
+            return Ok(());
+        }
+        let growth = crate::tokenizer::normalizer_growth(&self.tokenizer);
+        let normalized = if growth > 1.0 { format!(", once its normalizer grows it up to {growth}x") } else { String::new() };
+        Err(Error::Input(format!(
+            "a prompt of {} bytes: more than the model's context of {} tokens can take ({} bytes at most{normalized}; a token of this tokenizer holds at most {} bytes): shorten it",
+            text.len(),
+            self.model.config().context_len,
+            self.prompt_limit,
+            crate::tokenizer::max_token_bytes(&self.tokenizer)
+        )))
+    }
+}
+
 /// A tokenizer that can produce ids the model has no embedding for (or stop ids it can never
 /// sample) belongs to another model: an error, not garbage or a generation that never stops.
 /// The tokenizer against the model: every token id and stop id within the embedding. Returns
@@ -392,7 +427,7 @@ fn after_common_prefix<'a>(before: &str, text: &'a str) -> &'a str {
 }
 
 fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
-    tok.decode(ids, false).map_err(|e| Error::Input(format!("tokenizer: {e}")))
+    crate::tokenizer::guarded(|| tok.decode(ids, false)).map_err(|e| Error::Input(format!("tokenizer, decoding {} tokens: {e}", ids.len())))
 }
 
 #[cfg(test)]

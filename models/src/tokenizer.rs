@@ -113,11 +113,107 @@ pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
 }
 
 /// A Hugging Face `tokenizer.json`: an HF folder's tokenizer, or one given in place of a GGUF's own.
+///
+/// Read by `tokenizers` under [`guarded`] (a charsmap or a decoder it cannot take panics in it),
+/// then tried once ([`check_usable`]): what would fail on every prompt fails here, naming the file.
 pub fn from_file(path: &Path) -> Result<Tokenizer> {
     // The largest published ones (Gemma 3's 262K tokens with their merges) are ~33 MB.
     const TOKENIZER_LIMIT: u64 = 128 * candle_npu::fs::MIB;
     let bytes = candle_npu::fs::read_bounded(path, TOKENIZER_LIMIT, "tokenizer")?;
-    Tokenizer::from_bytes(bytes).map_err(|e| Error::Model { path: path.to_path_buf(), reason: format!("tokenizer: {e}") })
+    let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason: format!("tokenizer: {reason}") };
+    let tok = guarded(|| Tokenizer::from_bytes(bytes)).map_err(bad)?;
+    check_usable(&tok).map_err(bad)?;
+    Ok(tok)
+}
+
+/// A call into `tokenizers` (and the regex engines under it), with a panic in it turned into an
+/// error: some `tokenizer.json` contents make it panic rather than fail (a precompiled charsmap
+/// that does not parse, a post-processor naming a token it lacks, a split regex that runs out of
+/// backtracking on a long input), and a file from outside must not end the process.
+///
+/// The panic is not printed (it is the error returned): a process-wide panic hook, installed
+/// once, stays silent on a thread inside this call and hands every other panic to the hook that
+/// was there before.
+pub(crate) fn guarded<T, E: std::fmt::Display>(f: impl FnOnce() -> std::result::Result<T, E>) -> std::result::Result<T, String> {
+    use std::cell::Cell;
+    use std::sync::Once;
+    thread_local!(static GUARDED: Cell<bool> = const { Cell::new(false) });
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !GUARDED.with(Cell::get) {
+                previous(info)
+            }
+        }));
+    });
+    let outer = GUARDED.with(|g| g.replace(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(outer));
+    match r {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(p) => {
+            let msg = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+            Err(format!("the tokenizers library failed (panicked: {msg})"))
+        }
+    }
+}
+
+/// The text a loaded tokenizer is tried on: letters, punctuation, digits and a space.
+const PROBE: &str = "Hello, world! 123";
+
+/// Why a tokenizer would fail on every prompt, if it would: its model's unknown token missing
+/// from its vocabulary (each character outside it then fails), an encoding of [`PROBE`] (with
+/// its BOS/EOS) that fails or keeps no text at all, or a decoding of it that fails.
+fn check_usable(tok: &Tokenizer) -> std::result::Result<(), String> {
+    let model = serde_json::to_value(tok.get_model()).unwrap_or_default();
+    if let Some(unk) = model.get("unk_token").and_then(|u| u.as_str()) {
+        if tok.token_to_id(unk).is_none() {
+            return Err(format!("its unknown token {unk:?} is not in its vocabulary (every text with a character outside it would fail)"));
+        }
+    }
+    let enc = guarded(|| tok.encode(PROBE, true)).map_err(|e| format!("fails on the text {PROBE:?}: {e}"))?;
+    let ids = enc.get_ids();
+    if ids.iter().all(|&id| is_control(tok, id)) {
+        return Err(format!("gives no token of text for {PROBE:?} (its normalizer or pre-tokenizer drops every character)"));
+    }
+    guarded(|| tok.decode(ids, false)).map_err(|e| format!("cannot decode what it encodes: {e}"))?;
+    Ok(())
+}
+
+/// How many bytes of normalized text a byte of input can become at most, from the kinds of
+/// `tok`'s normalizer (`Replace`: its replacement per byte matched; Unicode normalization: 18,
+/// the longest decomposition, U+FDFA's; kinds whose growth is not known this way count as 18).
+/// A prompt is bounded by this before `tokenizers` allocates its normalized copy
+/// ([`crate::Pipeline`]'s prompt limit): a normalizer that expands text once made a short prompt
+/// allocate gigabytes.
+pub fn normalizer_growth(tok: &Tokenizer) -> f64 {
+    fn growth(v: &serde_json::Value) -> f64 {
+        let len = |key: &str| v.get(key).and_then(|s| s.as_str()).map_or(0, str::len) as f64;
+        match v.get("type").and_then(|t| t.as_str()) {
+            None => 1.0,
+            Some("Sequence") => v.get("normalizers").and_then(|n| n.as_array()).map_or(1.0, |a| a.iter().map(growth).product()),
+            Some("Replace") => match v.get("pattern").and_then(|p| p.get("String")).and_then(|p| p.as_str()) {
+                Some(p) => (len("content") / p.len().max(1) as f64).max(1.0),
+                // A regex may match one byte, or nothing (content between every two bytes).
+                None => 1.0 + len("content"),
+            },
+            Some("Prepend") => 1.0 + len("prepend"),
+            Some("Strip" | "StripAccents" | "Nmt") => 1.0,
+            // Each byte becomes a character of one or two bytes.
+            Some("ByteLevel") => 2.0,
+            // Full case mapping: at most three bytes for one (U+0130 -> "i\u{307}").
+            Some("Lowercase") => 3.0,
+            Some(_) => 18.0,
+        }
+    }
+    tok.get_normalizer().map_or(1.0, |n| growth(&serde_json::to_value(n).unwrap_or_default()))
+}
+
+/// The most bytes of text one token of `tok` stands for (its longest vocabulary entry, at
+/// least 1): a prompt of more normalized bytes than `context` of these cannot fit.
+pub fn max_token_bytes(tok: &Tokenizer) -> usize {
+    tok.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1)
 }
 
 /// Token ids of `text`. With `add_special`, the BOS/EOS the tokenizer's post-processor adds (for
@@ -126,8 +222,14 @@ pub fn from_file(path: &Path) -> Result<Tokenizer> {
 /// (llama.cpp's `parse_special = true`): for text the program writes, such as a chat template's;
 /// a user's text goes through [`encode_user`].
 pub fn encode(tok: &Tokenizer, text: &str, add_special: bool) -> Result<Vec<u32>> {
-    let enc = tok.encode(text, add_special).map_err(|e| Error::Input(format!("tokenizer: {e}")))?;
+    let enc = guarded(|| tok.encode(text, add_special)).map_err(|e| on_text(text, e))?;
     Ok(enc.get_ids().to_vec())
+}
+
+/// A tokenizer's failure on `text`, naming it by its size and start.
+fn on_text(text: &str, e: String) -> Error {
+    let start: String = text.chars().take(24).collect();
+    Error::Input(format!("tokenizer, on a text of {} bytes ({start:?}...): {e}", text.len()))
 }
 
 /// Token ids of a user's `text` between the chat template's text `before` and `after` (both
@@ -145,8 +247,10 @@ pub fn encode_user(tok: &Tokenizer, before: &str, text: &str, after: &str, add_s
     if parse_special {
         return encode(tok, &format!("{before}{text}{after}"), add_special);
     }
-    let err = |e: tokenizers::Error| Error::Input(format!("tokenizer: {e}"));
-    let (head, tail) = (tok.encode(before, false).map_err(err)?, tok.encode(after, false).map_err(err)?);
+    let (head, tail) = (
+        guarded(|| tok.encode(before, false)).map_err(|e| on_text(before, e))?,
+        guarded(|| tok.encode(after, false)).map_err(|e| on_text(after, e))?,
+    );
     let controls = |enc: &tokenizers::Encoding| -> Vec<usize> {
         enc.get_ids().iter().enumerate().filter(|&(_, &id)| is_control(tok, id)).map(|(i, _)| i).collect()
     };
@@ -162,7 +266,7 @@ pub fn encode_user(tok: &Tokenizer, before: &str, text: &str, after: &str, add_s
     let middle = encode_plain(tok, &format!("{head_text}{text}{tail_text}"))?;
     let ids = head_ids.iter().chain(&middle).chain(tail_ids);
     let enc: tokenizers::Encoding = ids.map(|&id| (id, String::new(), (0, 0), None, 0)).collect();
-    Ok(tok.post_process(enc, None, add_special).map_err(err)?.get_ids().to_vec())
+    Ok(guarded(|| tok.post_process(enc, None, add_special)).map_err(|e| on_text(text, e))?.get_ids().to_vec())
 }
 
 /// Ids of `text` with no control token matched (no BOS/EOS). Text without any (nearly all) is
