@@ -133,37 +133,9 @@ impl GraphCache {
         cache
     }
 
-    /// Deletes the temporary files of interrupted writes ([`is_entry_temp_name`]) last modified
-    /// more than [`STALE_TEMP_AGE`] ago; logs what it did. Never fails: the cache only saves time.
+    /// Deletes the temporary files of interrupted writes of entries ([`is_entry_temp_name`]).
     fn remove_stale_temporaries(&self) {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return; // No folder yet (created by the first store), or unreadable: the loads will say.
-        };
-        let (mut files, mut bytes) = (0u64, 0u64);
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            if !name.to_str().is_some_and(is_entry_temp_name) {
-                continue;
-            }
-            // Not followed: only a regular file of that name is a temporary file of ours.
-            let Ok(meta) = entry.metadata() else { continue };
-            let stale = meta.modified().ok().and_then(|m| m.elapsed().ok()).is_some_and(|age| age > STALE_TEMP_AGE);
-            if !meta.file_type().is_file() || !stale {
-                continue;
-            }
-            match std::fs::remove_file(entry.path()) {
-                Ok(()) => {
-                    files += 1;
-                    bytes += meta.len();
-                }
-                // Another process may have just removed it too.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => tracing::warn!(path = %entry.path().display(), "graph cache: cannot delete a stale temporary file: {e}"),
-            }
-        }
-        if files > 0 {
-            tracing::info!(dir = %self.dir.display(), files, bytes, "graph cache: deleted the temporary files of interrupted writes");
-        }
+        remove_stale_temporaries(&self.dir, is_entry_temp_name, "graph cache");
     }
 
     /// The folder holding the cache files.
@@ -220,10 +192,50 @@ impl GraphCache {
     }
 }
 
+/// Deletes the regular files in `dir` whose names `is_temp` takes for [`write_atomic`]'s
+/// temporary files and that were last modified more than [`STALE_TEMP_AGE`] ago: a writer
+/// killed mid-write (SIGKILL, power loss) left them. `what` names the files in the log. Never
+/// fails: a file that cannot be deleted is a warning.
+fn remove_stale_temporaries(dir: &Path, is_temp: impl Fn(&str) -> bool, what: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return; // No folder yet, or unreadable: the write or read that follows will say.
+    };
+    let (mut files, mut bytes) = (0u64, 0u64);
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name.to_str().is_some_and(&is_temp) {
+            continue;
+        }
+        // Not followed: only a regular file of that name is a temporary file of ours.
+        let Ok(meta) = entry.metadata() else { continue };
+        let stale = meta.modified().ok().and_then(|m| m.elapsed().ok()).is_some_and(|age| age > STALE_TEMP_AGE);
+        if !meta.file_type().is_file() || !stale {
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => {
+                files += 1;
+                bytes += meta.len();
+            }
+            // Another process may have just removed it too.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(path = %entry.path().display(), "{what}: cannot delete a stale temporary file: {e}"),
+        }
+    }
+    if files > 0 {
+        tracing::info!(dir = %dir.display(), files, bytes, "{what}: deleted the temporary files of interrupted writes");
+    }
+}
+
 /// Write `path` atomically: `write` fills a temporary file in the same folder, which is synced
 /// and renamed into place, so a reader never sees half a file. The temporary name is unique per
 /// process, writer and moment (two containers sharing the folder can have the same pid), and
-/// `create_new` refuses to reuse a name rather than truncate another writer's.
+/// `create_new` refuses to reuse a name rather than truncate another writer's. Temporary files
+/// of `path` that killed writers left (over [`STALE_TEMP_AGE`] old) are deleted first, as the
+/// graph cache deletes its own.
+///
+/// A file-size limit (`ulimit -f`) is a write error naming `path`, not a SIGXFSZ that ends the
+/// process: the signal is set to be ignored (once, for the process) before the first write.
 ///
 /// Only a regular file at `path` is replaced: a folder, a symbolic link (the rename would
 /// replace the link itself), a device (as root, `/dev/null` would become a file), a FIFO or a
@@ -236,6 +248,11 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std:
         Err(e) => Err(e),
     };
     replaceable().map_err(|e| Error::io(path, e))?;
+    ignore_sigxfsz();
+    if let Some(target) = path.file_name().and_then(|n| n.to_str()) {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        remove_stale_temporaries(dir, |name| temp_target(name) == Some(target), "atomic write");
+    }
     let tmp = temp_path(path);
     let run = || -> std::io::Result<()> {
         let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
@@ -266,14 +283,43 @@ fn temp_path(path: &Path) -> PathBuf {
     ))
 }
 
-/// Whether `name` is that of a temporary file [`temp_path`] makes for a cache entry:
-/// `.<name>.bin.tmp.<pid>.<seq>.<nanos>`, the three numbers in decimal digits.
-fn is_entry_temp_name(name: &str) -> bool {
+/// The file a temporary file [`temp_path`] made is for, from its name
+/// `.<file>.tmp.<pid>.<seq>.<nanos>` (the three numbers in decimal digits); `None` for any
+/// other name.
+fn temp_target(name: &str) -> Option<&str> {
     let mut parts = name.rsplitn(4, '.');
     let numbers = [parts.next(), parts.next(), parts.next()];
     let digits = |s: Option<&str>| s.is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
-    numbers.into_iter().all(digits)
-        && parts.next().and_then(|r| r.strip_prefix('.')).and_then(|r| r.strip_suffix(".bin.tmp")).is_some_and(|entry| !entry.is_empty())
+    if !numbers.into_iter().all(digits) {
+        return None;
+    }
+    parts.next()?.strip_prefix('.')?.strip_suffix(".tmp").filter(|t| !t.is_empty())
+}
+
+/// Whether `name` is that of a temporary file [`temp_path`] makes for a cache entry:
+/// `.<name>.bin.tmp.<pid>.<seq>.<nanos>`.
+fn is_entry_temp_name(name: &str) -> bool {
+    temp_target(name).and_then(|t| t.strip_suffix(".bin")).is_some_and(|entry| !entry.is_empty())
+}
+
+/// Sets SIGXFSZ to be ignored, once per process: a write past a file-size limit then fails with
+/// EFBIG ("File too large"), which [`write_atomic`] reports with the path, instead of ending the
+/// process without a word and leaving its temporary file. Only a default disposition is
+/// changed: a handler the program installed is kept.
+fn ignore_sigxfsz() {
+    #[cfg(unix)]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            // SAFETY: signal(2) with a valid signal number and SIG_IGN / the handler it returned.
+            unsafe {
+                let previous = libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                if previous != libc::SIG_DFL && previous != libc::SIG_ERR {
+                    libc::signal(libc::SIGXFSZ, previous);
+                }
+            }
+        });
+    }
 }
 
 /// Checks, before long work whose result goes to `path`, that [`write_atomic`] could write it:
@@ -454,6 +500,61 @@ mod tests {
         assert!(folder.is_dir());
         // And the cache works as before.
         assert!(matches!(cache.load("blk.0.qkv", &CacheKey::new(&[4; 32], "")), Lookup::Invalid(_)));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn an_atomic_write_deletes_the_stale_temporary_files_of_its_file() {
+        let dir = tmp_dir("stale-atomic");
+        std::fs::create_dir_all(&dir).unwrap();
+        let two_hours_ago = std::time::SystemTime::now() - 2 * STALE_TEMP_AGE;
+        let file = |name: &str, old: bool| {
+            let p = dir.join(name);
+            std::fs::write(&p, b"x").unwrap();
+            if old {
+                std::fs::File::options().write(true).open(&p).unwrap().set_modified(two_hours_ago).unwrap();
+            }
+            p
+        };
+        // What a session save and a profile save killed mid-write left, and what is not theirs.
+        let stale = [file(".turn.kv.tmp.12.0.5", true), file(".turn.kv.tmp.99.3.1", true)];
+        let kept = [file(".turn.kv.tmp.12.0.6", false), file(".other.kv.tmp.12.0.5", true), file(".turn.kv.tmp.12.0", true)];
+        write_atomic(&dir.join("turn.kv"), |f| f.write_all(b"state")).unwrap();
+        assert!(stale.iter().all(|p| !p.exists()), "stale temporary files of turn.kv deleted");
+        assert!(kept.iter().all(|p| p.exists()), "a live writer's, another file's and a near miss kept");
+        assert_eq!(std::fs::read(dir.join("turn.kv")).unwrap(), b"state");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Under a file-size limit (`ulimit -f`), a write is an error naming the file and leaves no
+    /// temporary file, where SIGXFSZ once ended the process. Run in a child process (this test
+    /// again, with the limit set): the limit would hit every other test's writes.
+    #[test]
+    fn a_file_size_limit_is_an_error_naming_the_file() {
+        const CHILD: &str = "CANDLE_NPU_TEST_FSIZE_CHILD";
+        if let Some(dir) = std::env::var_os(CHILD) {
+            let path = PathBuf::from(dir).join("big.json");
+            let e = write_atomic(&path, |f| f.write_all(&vec![7u8; 1 << 20])).unwrap_err().to_string();
+            assert!(e.contains("big.json") && e.contains("File too large"), "{e}");
+            assert_eq!(std::fs::read_dir(path.parent().unwrap()).unwrap().count(), 0, "the temporary file is removed");
+            println!("limit reported: {e}");
+            return;
+        }
+        let dir = tmp_dir("fsize");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+        child.args(["--exact", "cache::tests::a_file_size_limit_is_an_error_naming_the_file", "--nocapture"]).env(CHILD, &dir);
+        // SAFETY: setrlimit is async-signal-safe; the limit is this child's alone.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            child.pre_exec(|| {
+                let limit = libc::rlimit { rlim_cur: 64 << 10, rlim_max: 64 << 10 };
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+            });
+        }
+        let out = child.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains("limit reported"), "{:?}\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
         std::fs::remove_dir_all(dir).unwrap();
     }
 
