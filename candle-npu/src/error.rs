@@ -149,6 +149,15 @@ pub enum Error {
         /// The node that was not run, named `c{chunk}.l{layer}.{stage}` (e.g. "c1.l3.qkv").
         stage: String,
     },
+    /// An allocation the work needs could not be made: what it was for and its size, where
+    /// Rust's own handler would abort with a bare "memory allocation failed".
+    #[error("out of memory: {what} needs {bytes} bytes ({} MiB), which could not be allocated", bytes >> 20)]
+    OutOfMemory {
+        /// What the memory was for, e.g. "the KV cache of 4096 tokens".
+        what: String,
+        /// The size asked for.
+        bytes: u64,
+    },
     /// A fault of this crate, not of its input: a bug to report, with this message.
     #[error("internal error (please report): {0}")]
     Internal(String),

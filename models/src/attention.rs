@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use candle_npu::kernels::attention::{self as kernel, HeadKv, Partial, Scratch};
 use candle_npu::kernels::claim;
 use candle_npu::kernels::rows::{rows_per_task, with_f32};
-use candle_npu::Result;
+use candle_npu::{Error, Result};
 use rayon::prelude::*;
 
 use crate::spec::{Config, FamilySpec, LayerSpec, RopeLayout};
@@ -103,20 +103,31 @@ impl KvCache {
     /// all is made at once when known (a prefill's length), else the capacity grows by `GROW`
     /// tokens (not by a factor: after a long prompt, +50% would be the job's peak; a copy per 256
     /// decoded tokens costs little).
-    fn append(&mut self, k: &[f32], v: &[f32], n: usize, heads: usize, head_dim: usize, reserve: usize) {
+    ///
+    /// A cache that does not fit in memory is [`Error::OutOfMemory`] saying how many tokens it
+    /// was for (the longest prompts and conversations are where memory runs out).
+    fn append(&mut self, k: &[f32], v: &[f32], n: usize, heads: usize, head_dim: usize, reserve: usize) -> Result<()> {
         let need = self.len + n;
         if need > self.cap || (heads, head_dim) != (self.heads, self.head_dim) {
             let cap = need.max(reserve).max(self.cap + Self::GROW);
             let (len, old_cap) = (self.len, self.cap);
-            let grow = |old: &[f32]| {
-                let mut t = vec![0f32; heads * cap * head_dim];
+            let values = heads.checked_mul(cap).and_then(|x| x.checked_mul(head_dim));
+            let oom = || Error::OutOfMemory {
+                what: format!("a layer's KV cache of {cap} tokens ({heads} KV heads of {head_dim})"),
+                bytes: values.map_or(u64::MAX, |n| 8 * n as u64),
+            };
+            let values = values.ok_or_else(oom)?;
+            let grow = |old: &[f32]| -> Result<Vec<f32>> {
+                let mut t = Vec::new();
+                t.try_reserve_exact(values).map_err(|_| oom())?;
+                t.resize(values, 0f32);
                 for h in 0..heads.min(self.heads) {
                     let src = &old[h * old_cap * head_dim..][..len * head_dim];
                     t[h * cap * head_dim..][..len * head_dim].copy_from_slice(src);
                 }
-                t
+                Ok(t)
             };
-            (self.k, self.v) = (grow(&self.k), grow(&self.v));
+            (self.k, self.v) = (grow(&self.k)?, grow(&self.v)?);
             (self.heads, self.head_dim, self.cap) = (heads, head_dim, cap);
         }
         for (dst, src) in [(&mut self.k, k), (&mut self.v, v)] {
@@ -127,6 +138,7 @@ impl KvCache {
             }
         }
         self.len = need;
+        Ok(())
     }
 
     /// (heads, head_dim) of the tokens held.
@@ -188,7 +200,7 @@ pub fn attend(c: &Config, spec: &FamilySpec, layer: &LayerSpec, qk_norm: Option<
     let (cos, sin) = rows.tables(layer.rope_base);
     let (q, k) = (with_f32(&q, |q| roped(spec, q, nh, hd, cos, sin))?, with_f32(&k, |k| roped(spec, k, nkv, hd, cos, sin))?);
     // V is appended from the stage's output as it is (no copy of its own).
-    with_f32(v, |v| cache.append(&k, v, rows.n_valid, nkv, hd, rows.reserve))?;
+    with_f32(v, |v| cache.append(&k, v, rows.n_valid, nkv, hd, rows.reserve))??;
     let out = causal(&q, cache, rows, nh, layer.window, spec.attn_scale as f32);
     Ok(Tensor::from_vec(out, (m, nh * hd), &Device::Cpu)?)
 }
@@ -395,6 +407,24 @@ fn rope_tables(dims: usize, base: f32, start: usize, n: usize) -> (Vec<f32>, Vec
 mod tests {
     use super::*;
 
+    /// A KV cache that cannot be allocated is an error saying what it was for, where Rust's
+    /// allocation failure handler would abort the process with "memory allocation failed".
+    #[test]
+    fn a_kv_cache_beyond_memory_is_an_error() {
+        let mut cache = KvCache::default();
+        let n = KvCache::GROW;
+        let (k, v) = (vec![1f32; n * 2 * 4], vec![2f32; n * 2 * 4]);
+        cache.append(&k, &v, 1, 2, 4, 1).unwrap();
+        // Past its capacity, reserving 2^40 tokens of 2 heads of 4: 2^45 values, 256 TiB.
+        let e = cache.append(&k, &v, n, 2, 4, 1 << 40).unwrap_err().to_string();
+        assert!(e.contains("out of memory") && e.contains("KV cache of 1099511627776 tokens"), "{e}");
+        // A size that overflows too; the cache is left as it was, and grows when it can.
+        assert!(cache.append(&k, &v, n, 2, 4, usize::MAX / 2).unwrap_err().to_string().contains("out of memory"));
+        assert_eq!(cache.len(), 1);
+        cache.append(&k, &v, n, 2, 4, n + 1).unwrap();
+        assert_eq!(cache.len(), n + 1);
+    }
+
     /// `causal` against attention written from its definition (f64, one row and head at a time),
     /// over row blocks, GQA groups, a pre-filled cache, padding rows and sliding windows.
     #[test]
@@ -416,9 +446,9 @@ mod tests {
                     .collect()
             };
             let (k0, v0) = (random(start * nkv * hd), random(start * nkv * hd));
-            cache.append(&k0, &v0, start, nkv, hd, start + n_valid);
+            cache.append(&k0, &v0, start, nkv, hd, start + n_valid).unwrap();
             let (k1, v1, q) = (random(m * nkv * hd), random(m * nkv * hd), random(m * nh * hd));
-            cache.append(&k1, &v1, n_valid, nkv, hd, start + n_valid);
+            cache.append(&k1, &v1, n_valid, nkv, hd, start + n_valid).unwrap();
             // A one-row pass also as a decode step (the one-position kernel).
             let rows = Rows { start, m, n_valid, reserve: start + n_valid, rope: vec![], decode: false };
             let runs = [Some(rows), (m == 1).then(|| Rows { start, m, n_valid, reserve: start + n_valid, rope: vec![], decode: true })];
