@@ -75,6 +75,64 @@ pub fn exists(path: &Path) -> Result<bool> {
     }
 }
 
+/// JSON from outside (a quant profile, `config.json`, `tokenizer_config.json`) as a value, with
+/// a key that appears twice in one object refused: `serde_json` keeps the last silently, so an
+/// edited file could say two things and mean the one a reader does not see first. The error
+/// says which key and where.
+pub fn parse_json(bytes: &[u8]) -> std::result::Result<serde_json::Value, serde_json::Error> {
+    use serde::de::{Deserialize, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+    struct Strict(serde_json::Value);
+    struct Any;
+    impl<'de> Visitor<'de> for Any {
+        type Value = Strict;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> std::result::Result<Strict, E> {
+            Ok(Strict(v.into()))
+        }
+        fn visit_i64<E>(self, v: i64) -> std::result::Result<Strict, E> {
+            Ok(Strict(v.into()))
+        }
+        fn visit_u64<E>(self, v: u64) -> std::result::Result<Strict, E> {
+            Ok(Strict(v.into()))
+        }
+        fn visit_f64<E>(self, v: f64) -> std::result::Result<Strict, E> {
+            Ok(Strict(v.into()))
+        }
+        fn visit_str<E>(self, v: &str) -> std::result::Result<Strict, E> {
+            Ok(Strict(v.into()))
+        }
+        fn visit_unit<E>(self) -> std::result::Result<Strict, E> {
+            Ok(Strict(serde_json::Value::Null))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Strict, A::Error> {
+            let mut out = Vec::new();
+            while let Some(Strict(v)) = seq.next_element()? {
+                out.push(v);
+            }
+            Ok(Strict(out.into()))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Strict, A::Error> {
+            let mut out = serde_json::Map::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if out.contains_key(&key) {
+                    return Err(A::Error::custom(format!("the key {key:?} appears twice in one object")));
+                }
+                let Strict(v) = map.next_value()?;
+                out.insert(key, v);
+            }
+            Ok(Strict(out.into()))
+        }
+    }
+    impl<'de> Deserialize<'de> for Strict {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+            d.deserialize_any(Any)
+        }
+    }
+    serde_json::from_slice::<Strict>(bytes).map(|s| s.0)
+}
+
 /// [`read_bounded`], as UTF-8 text (an error naming `path` when it is not).
 pub fn read_to_string_bounded(path: &Path, limit: u64, what: &str) -> Result<String> {
     String::from_utf8(read_bounded(path, limit, what)?).map_err(|e| {
@@ -261,6 +319,17 @@ mod tests {
         let e = err_of(read_bounded(&p, 256 * MIB, "quant profile"));
         assert!(e.contains("3221225472 bytes") && e.contains("limit of 268435456 bytes (256 MiB)"), "{e}");
         std::fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn json_with_a_key_twice_is_refused() {
+        let v = parse_json(br#"{"a": [1, -2, 3.5, "x", null, true], "b": {"c": {}}}"#).unwrap();
+        assert_eq!(v, serde_json::from_str::<serde_json::Value>(r#"{"a": [1, -2, 3.5, "x", null, true], "b": {"c": {}}}"#).unwrap());
+        for json in [r#"{"a": 1, "a": 2}"#, r#"{"p": {"points": {"x": 1, "x": 1}}}"#] {
+            let e = parse_json(json.as_bytes()).unwrap_err().to_string();
+            assert!(e.contains("appears twice") && e.contains("line 1"), "{e}");
+        }
+        assert!(parse_json(b"{").is_err());
     }
 
     #[test]

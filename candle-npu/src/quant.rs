@@ -357,7 +357,7 @@ impl QuantProfile {
         const PROFILE_LIMIT: u64 = 256 * crate::fs::MIB;
         let bytes = crate::fs::read_bounded(path, PROFILE_LIMIT, "quant profile")?;
         let bad = |reason: String| Error::Profile { path: path.to_path_buf(), reason };
-        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a quant profile: {e}")))?;
+        let v = crate::fs::parse_json(&bytes).map_err(|e| bad(format!("not a quant profile: {e}")))?;
         match v.get("format").and_then(|f| f.as_u64()) {
             Some(f) if f == PROFILE_FORMAT as u64 => {}
             Some(f) => return Err(bad(format!("format {f} (this build reads {PROFILE_FORMAT}); delete it to recalibrate"))),
@@ -462,6 +462,14 @@ mod tests {
             let err = QuantProfile::load(&path, "m").unwrap_err().to_string();
             assert!(err.contains("point p") && err.contains("delete it"), "{err}");
         }
+        // A point given twice (the reader would keep the second silently): refused.
+        let json = String::from_utf8(serde_json::to_vec(&good).unwrap()).unwrap();
+        let point = serde_json::to_string(&good.points["p"]).unwrap();
+        let twice = json.replacen(&format!("\"p\":{point}"), &format!("\"p\":{point},\"p\":{point}"), 1);
+        assert_ne!(twice, json);
+        std::fs::write(&path, twice).unwrap();
+        let err = QuantProfile::load(&path, "m").unwrap_err().to_string();
+        assert!(err.contains("\"p\" appears twice"), "{err}");
         // Nothing but the profile is left in the folder: the temporary files were renamed.
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         std::fs::remove_dir_all(&dir).unwrap();

@@ -69,7 +69,7 @@ impl ChatTemplate {
         // Gemma 3's, listing its 6K+ added tokens, is 1.2 MB; 64 MiB is ample for any template.
         const TOKENIZER_CONFIG_LIMIT: u64 = 64 * candle_npu::fs::MIB;
         let bytes = candle_npu::fs::read_bounded(path, TOKENIZER_CONFIG_LIMIT, "tokenizer_config.json")?;
-        let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let v = candle_npu::fs::parse_json(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
         let text = match v.get("chat_template") {
             None | Some(serde_json::Value::Null) => return Ok(ChatTemplate::None),
             Some(serde_json::Value::String(s)) => s.as_str(),

@@ -23,7 +23,7 @@ impl HfConfig {
         // A few KB in practice; 16 MiB leaves room for any text a config holds.
         const CONFIG_LIMIT: u64 = 16 * candle_npu::fs::MIB;
         let text = candle_npu::fs::read_to_string_bounded(&path, CONFIG_LIMIT, "config.json")?;
-        let json = serde_json::from_str(&text).map_err(|e| Error::Model { path: path.clone(), reason: format!("not valid JSON: {e}") })?;
+        let json = candle_npu::fs::parse_json(text.as_bytes()).map_err(|e| Error::Model { path: path.clone(), reason: format!("not valid JSON: {e}") })?;
         Ok(HfConfig { path, json })
     }
 
