@@ -241,5 +241,13 @@ fn profile_of_another_model_is_an_error() {
     prof.save(&path).unwrap();
     let e = p.ensure_profile(Some(&path), CalibrationSet::default(), |_, _| {}).unwrap_err().to_string();
     assert!(e.contains("calibrated for model 0123456789abcdef") && e.contains("other-model.w8a8.json"), "{e}");
-    assert!(p.model.set_profile(prof).is_err());
+    assert!(p.model.set_profile(prof.clone()).is_err());
+    // This model's profile with a point left out: the error names the file, the point and what
+    // to do.
+    prof.model_id = p.model.model_id().to_string();
+    prof.points.remove("blk.3.ffn_down_in").expect("the profile has blk.3.ffn_down_in");
+    let path = tmp("missing-point.w8a8.json");
+    prof.save(&path).unwrap();
+    let e = p.ensure_profile(Some(&path), CalibrationSet::default(), |_, _| {}).unwrap_err().to_string();
+    assert!(e.contains("missing-point.w8a8.json") && e.contains("blk.3.ffn_down_in") && e.contains("delete it to recalibrate"), "{e}");
 }

@@ -206,7 +206,11 @@ impl Pipeline {
             tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");
             // Its refusals name the file they came from.
             self.model.set_profile(p).map_err(|e| match e {
-                Error::Input(reason) => Error::Profile { path: path.clone(), reason },
+                Error::Input(reason) => Error::Profile { path: path.clone(), reason: format!("{reason}; delete it to recalibrate") },
+                Error::MissingRange(point) => Error::Profile {
+                    path: path.clone(),
+                    reason: format!("no range for point {point}: not a profile of this model's layers; delete it to recalibrate"),
+                },
                 e => e,
             })?;
         } else {
