@@ -422,3 +422,25 @@ fn bad_hf_folders_are_clear_errors() {
     assert!(load_err(&d).contains("no *.safetensors file"));
     assert!(load_err(&d.join("absent")).contains("config.json"));
 }
+
+/// A model whose context is shorter than the command line's chunk length default (256) runs with
+/// the default taken down to its context, and only a length the user gave is reported as given.
+#[test]
+fn the_command_line_default_chunk_length_fits_a_short_context() {
+    let d = tmpdir("short-context");
+    let mut c = base_config("mistral");
+    c["max_position_embeddings"] = serde_json::json!(64);
+    write_model(&d, c, false, 5);
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..VOCAB).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
+    let tokenizer = serde_json::json!({"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}, "pre_tokenizer": {"type": "Whitespace"}});
+    std::fs::write(d.join("tokenizer.json"), serde_json::to_vec(&tokenizer).unwrap()).unwrap();
+    let run = |extra: &[&str]| {
+        let args = ["--model", d.to_str().unwrap(), "--prompt", "t1 t2 t3", "--sample-len", "2", "--f32-prefill", "--no-chat-template"];
+        let out = std::process::Command::new(example("mistral")).args(args).args(extra).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, err) = run(&[]);
+    assert!(ok, "the default chunk length on a 64-token context:\n{err}");
+    let (ok, err) = run(&["--chunk-len", "128"]);
+    assert!(!ok && err.contains("--chunk-len 128") && err.contains("context of 64"), "{err}");
+}

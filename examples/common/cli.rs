@@ -248,13 +248,17 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             NpuDevice::hexagon(config).context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?
         }
     };
-    let chunk_len = args.chunk_len.map_or(
-        match args.executor {
-            ExecutorKind::Hexagon if cfg!(target_arch = "x86_64") => 32,
-            _ => 256,
-        },
-        |c| c as usize,
-    );
+    // Unless given, the model's default (256, or its context where shorter), or 32 on the x86
+    // emulator; an error about it says whether the user gave it.
+    let chunk_len = args.chunk_len.map(|c| c as usize).or(match args.executor {
+        ExecutorKind::Hexagon if cfg!(target_arch = "x86_64") => Some(32),
+        _ => None,
+    });
+    let chunk_said = match (args.chunk_len, chunk_len) {
+        (Some(c), _) => format!("--chunk-len {c}"),
+        (None, Some(c)) => format!("the default chunk length {c} of --executor hexagon on x86: pass --chunk-len"),
+        (None, None) => "the default chunk length".into(),
+    };
     let path = match (&args.model, &args.model_id, args.which.or(default)) {
         (Some(p), _, _) => p.clone(),
         (None, Some(id), _) => candle_npu_models::hf::resolve_model_id(id, None)?,
@@ -303,12 +307,13 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             DecodeFormat::Q8_0 => DecodeWeights::Q8_0,
             DecodeFormat::Checkpoint => DecodeWeights::Checkpoint,
         },
-        chunk_len: Some(chunk_len),
+        chunk_len,
         sched: Some(sched),
         ..Default::default()
     };
     let t = Instant::now();
-    let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts).with_context(|| format!("loading {} (--chunk-len {chunk_len})", path.display()))?;
+    let mut p = Pipeline::load(&path, args.tokenizer.as_deref(), &device, opts).with_context(|| format!("loading {} ({chunk_said})", path.display()))?;
+    let chunk_len = p.model.chunk_len();
     if p.model.spec().family != family {
         bail!("{} is a {} model: use --example {}", path.display(), p.model.spec().family, p.model.spec().family);
     }

@@ -36,9 +36,14 @@ pub fn reference_ids(file: &str) -> Vec<u32> {
 
 /// The `llama` example binary cargo built beside the running test (for command-line cases).
 pub fn llama_example() -> std::path::PathBuf {
+    example("llama")
+}
+
+/// The example binary `name` cargo built beside the running test.
+pub fn example(name: &str) -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().and_then(std::path::Path::parent).expect("target/<profile>/deps");
-    let bin = dir.join("examples").join(format!("llama{}", std::env::consts::EXE_SUFFIX));
+    let bin = dir.join("examples").join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(bin.exists(), "{} missing: `cargo test` builds the examples", bin.display());
     bin
 }

@@ -100,7 +100,7 @@ fn npu_node(s: usize) -> usize {
 /// `chunk_len` when it is a chunk length this model can take: 1 row up to its context.
 pub(super) fn check_chunk_len(chunk_len: usize, context_len: usize) -> Result<usize> {
     if chunk_len == 0 || chunk_len > context_len {
-        return Err(Error::Input(format!("chunk length {chunk_len}: expected 1 to the model's context of {context_len} tokens (e.g. 256)")));
+        return Err(Error::Input(format!("chunk length {chunk_len}: expected 1 to the model's context of {context_len} tokens (e.g. {})", 256.min(context_len))));
     }
     Ok(chunk_len)
 }
