@@ -84,6 +84,11 @@ fn command_line_outputs_are_checked_before_the_model_loads() {
     let missing = dir.join("no/such/p.json");
     let err = refused_before_loading(&["--profile", missing.to_str().unwrap(), "--sample-len", "0"]);
     assert!(err.contains(&format!("folder {} does not exist", dir.join("no/such").display())), "{err}");
+    // --graph-cache naming a file: said so, not "File exists" from a write after the prefill.
+    let t = target.display().to_string();
+    let err = refused_before_loading(&["--executor", "hexagon", "--graph-cache", &t, "--sample-len", "0"]);
+    assert!(err.contains(&format!("--graph-cache {t}: not a folder")), "{err}");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

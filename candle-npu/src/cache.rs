@@ -175,7 +175,14 @@ impl GraphCache {
             let why = format!("{size} bytes and {} side-table entries: over the cache's limits ({ENTRY_LIMIT} bytes, {MAX_META} entries)", meta.len());
             return Err(Error::io(&path, std::io::Error::new(std::io::ErrorKind::FileTooLarge, why)));
         }
-        std::fs::create_dir_all(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+        std::fs::create_dir_all(&self.dir).map_err(|e| match std::fs::metadata(&self.dir) {
+            // "File exists" would not say which file, or why that is a problem.
+            Ok(m) if !m.is_dir() => {
+                let why = format!("the graph cache folder is {}, not a folder", crate::fs::kind(&m.file_type()));
+                Error::io(&self.dir, std::io::Error::new(std::io::ErrorKind::NotADirectory, why))
+            }
+            _ => Error::io(&self.dir, e),
+        })?;
         let mut header = Vec::with_capacity(52 + 4 * meta.len());
         header.extend_from_slice(MAGIC);
         header.extend_from_slice(&key.0);
@@ -590,7 +597,7 @@ mod tests {
         let file = tmp_dir("file");
         std::fs::write(&file, b"not a folder").unwrap();
         let err = GraphCache::new(&file).store("g", &CacheKey::new(&[0; 32], ""), &[], &[1]).unwrap_err();
-        assert!(err.to_string().contains(&file.display().to_string()), "{err}");
+        assert!(err.to_string().contains(&file.display().to_string()) && err.to_string().contains("a regular file, not a folder"), "{err}");
         std::fs::remove_file(file).unwrap();
     }
 }

@@ -223,7 +223,7 @@ pub(crate) fn not_replaceable(path: &Path) -> std::io::Result<Option<String>> {
 }
 
 /// "a folder", "a character device", ... for messages.
-fn kind(t: &std::fs::FileType) -> &'static str {
+pub(crate) fn kind(t: &std::fs::FileType) -> &'static str {
     #[cfg(unix)]
     {
         use std::os::unix::fs::FileTypeExt;

@@ -216,6 +216,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if let Some(trace) = &args.trace {
         candle_npu::fs::check_output_path(trace, "--trace")?;
     }
+    if let Some(dir) = &args.graph_cache {
+        if candle_npu::fs::exists(dir)? && !dir.is_dir() {
+            bail!("--graph-cache {}: not a folder (the prepared-graph cache is a folder of files)", dir.display());
+        }
+    }
     // A profile is read when it exists (a regular file, or a link to one), written when not.
     if let Some(p) = &args.profile {
         match candle_npu::fs::exists(p)? {
