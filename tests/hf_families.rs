@@ -389,6 +389,16 @@ fn bad_hf_folders_are_clear_errors() {
     let max_diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
     assert_eq!(max_diff(&output, embed), 0.0, "the output table is the embedding");
     assert!(max_diff(&output, head) > 0.1, "not lm_head");
+    // A header whose size for a tensor is not its dtype times its shape (its offsets still in the
+    // file): the error names the tensor.
+    let d = tmpdir("size-mismatch");
+    write_model(&d, base_config("llama"), false, 4);
+    let mut extra = b"{\"model.norm.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,32]}}".to_vec();
+    extra.resize(extra.len().next_multiple_of(8), b' ');
+    let file = [&(extra.len() as u64).to_le_bytes()[..], &extra, &[0u8; 32]].concat();
+    std::fs::write(d.join("model-extra.safetensors"), file).unwrap();
+    let e = load_err(&d);
+    assert!(e.contains("model-extra.safetensors") && e.contains("tensor 'model.norm.weight': F32 [4, 4] is 64 bytes, its data_offsets give 32"), "{e}");
     // The same tensor in two files, an integer tensor, a NaN in a norm and in the embedding.
     let d = tmpdir("dup-across-files");
     write_model(&d, base_config("llama"), false, 4);

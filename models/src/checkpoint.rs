@@ -333,7 +333,8 @@ impl SafetensorsCheckpoint {
             // candle's reader opens it blindly: a FIFO would block it forever.
             candle_npu::fs::open_regular(file, "safetensors checkpoint")?;
             // SAFETY: as below: read-only, not modified while mapped.
-            let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(file) }.map_err(|e| bad(format!("{}: {e}", file.display())))?;
+            let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(file) }
+                .map_err(|e| bad(format!("{}: {}", file.display(), inconsistent_tensor(file).unwrap_or_else(|| e.to_string()))))?;
             for (name, view) in st.tensors() {
                 if let Some(first) = seen.insert(name.clone(), file.clone()) {
                     return Err(bad(format!("tensor '{name}' is in both {} and {}", first.display(), file.display())));
@@ -451,4 +452,42 @@ mod tests {
             assert_eq!(first_non_finite(&QTensor::quantize(&t, dtype).unwrap()).unwrap(), Some(2), "{dtype:?}");
         }
     }
+}
+
+/// Which tensor of the safetensors file `path` its header gets wrong, when the `safetensors`
+/// crate refused the file without naming one: bytes that are not its dtype times its shape, or
+/// that lie beyond the data. `None` when the header cannot be read or names no such tensor.
+fn inconsistent_tensor(path: &Path) -> Option<String> {
+    use std::io::Read;
+    let (mut f, meta) = candle_npu::fs::open_regular(path, "safetensors checkpoint").ok()?;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).ok()?;
+    let n = u64::from_le_bytes(n);
+    // The format's own limit on the header (100 MB), and the file's size.
+    if n > 100_000_000 || 8 + n > meta.len() {
+        return None;
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).ok()?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).ok()?;
+    let data = meta.len() - 8 - n;
+    header.iter().filter(|(name, _)| *name != "__metadata__").find_map(|(name, t)| {
+        let dtype = t.get("dtype")?.as_str()?;
+        let shape: Option<Vec<u64>> = t.get("shape")?.as_array()?.iter().map(|d| d.as_u64()).collect();
+        let offsets: Option<Vec<u64>> = t.get("data_offsets")?.as_array()?.iter().map(|d| d.as_u64()).collect();
+        let (shape, offsets) = (shape?, offsets?);
+        let [begin, end] = offsets[..] else { return Some(format!("tensor '{name}': data_offsets {offsets:?} are not two numbers")) };
+        let bits: u64 = match dtype {
+            "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 8,
+            "F16" | "BF16" | "I16" | "U16" => 16,
+            "F32" | "I32" | "U32" => 32,
+            "F64" | "I64" | "U64" => 64,
+            _ => return Some(format!("tensor '{name}': dtype {dtype} is not one safetensors knows")),
+        };
+        let want = shape.iter().try_fold(bits / 8, |a, &d| a.checked_mul(d));
+        if end < begin || end > data {
+            return Some(format!("tensor '{name}': bytes {begin}..{end} are not within the file's {data} bytes of data"));
+        }
+        (want != Some(end - begin)).then(|| format!("tensor '{name}': {dtype} {shape:?} is {} bytes, its data_offsets give {}", want.map_or("too many".into(), |w| w.to_string()), end - begin))
+    })
 }
