@@ -44,6 +44,13 @@ fn main() -> anyhow::Result<()> {
     })?;
     run("cache entry bytes", n, props::edits(), |e, t| props::cache_case(&dir, &e, false, t))?;
     run("cache entry bytes, resealed", n, props::edits(), |e, t| props::cache_case(&dir, &e, true, t))?;
+    let json = props::tiny_tokenizer_json();
+    run("tokenizer.json bytes", n, props::edits(), |e, t| props::tokenizer_case(&dir, &props::mutate_text(&json, &e), t))?;
+    run("tokenizer.json values", n, props::any_json_edits(), |e, t| props::tokenizer_case(&dir, &props::edit_any_json(&json, &e), t))?;
+    let mut p = props::tiny_pipeline(&dir);
+    let (good, header) = props::saved_session(&mut p, &dir.join("good.kv"));
+    let p = std::cell::RefCell::new(p);
+    run("saved sessions, resealed", n, props::edits(), |e, t| props::session_case(&mut p.borrow_mut(), &dir, &good, header, &e, t))?;
     run("graphs", n, props::graph_edits(), |e, t| props::graph_case(&props::edited_graph(&e), t))?;
     std::fs::remove_dir_all(dir)?;
     Ok(())

@@ -61,6 +61,25 @@ fn mutated_cache_entries_are_invalid() {
 }
 
 #[test]
+fn mutated_tokenizer_files_load_or_fail_cleanly() {
+    let dir = props::scratch("tokenizer");
+    let json = props::tiny_tokenizer_json();
+    check("tokenizer.json bytes", props::edits(), |e, t| props::tokenizer_case(&dir, &props::mutate_text(&json, &e), t));
+    check("tokenizer.json values", props::any_json_edits(), |e, t| props::tokenizer_case(&dir, &props::edit_any_json(&json, &e), t));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn mutated_session_files_are_refused_or_restore_a_usable_state() {
+    let dir = props::scratch("session");
+    let mut p = props::tiny_pipeline(&dir);
+    let (good, header) = props::saved_session(&mut p, &dir.join("good.kv"));
+    let p = std::cell::RefCell::new(p);
+    check("saved sessions, resealed", props::edits(), |e, t| props::session_case(&mut p.borrow_mut(), &dir, &good, header, &e, t));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn random_graphs_validate_or_fail_cleanly() {
     check("graphs", props::graph_edits(), |e, t| props::graph_case(&props::edited_graph(&e), t));
 }

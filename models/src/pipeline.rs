@@ -319,31 +319,35 @@ impl Pipeline {
     }
 }
 
-/// The longest text (bytes) a pipeline encodes: what, normalized at the tokenizer's largest
-/// growth, still fits a context of its longest tokens. Checked before `tokenizers` sees the
-/// text, so its normalized copy is bounded before it is allocated (a normalizer that expands
-/// text once made a short prompt allocate gigabytes) and its split regex never runs on
-/// megabytes (Qwen2's ran out of backtracking on 12 MB of spaces).
+/// The most bytes of normalized text a prompt may become: far more than any context holds (a
+/// million tokens of 64 bytes), far less than a machine's memory.
+const NORMALIZED_LIMIT: f64 = (64u64 << 20) as f64;
+
+/// The longest text (bytes) a pipeline encodes: what a context of the tokenizer's longest tokens
+/// can hold, and what its normalizer, at its largest growth, keeps within [`NORMALIZED_LIMIT`].
+/// Checked before `tokenizers` sees the text, so its split regex never runs on megabytes
+/// (Qwen2's ran out of backtracking on 12 MB of spaces) and its normalized copy is bounded
+/// before it is allocated (a normalizer that expands text once made a short prompt allocate
+/// gigabytes). (A normalizer that deletes much of a text would fit more; none does.)
 fn prompt_limit(tok: &Tokenizer, context: usize) -> usize {
     let fits = context.saturating_mul(crate::tokenizer::max_token_bytes(tok));
-    (fits as f64 / crate::tokenizer::normalizer_growth(tok)).floor() as usize
+    fits.min((NORMALIZED_LIMIT / crate::tokenizer::normalizer_growth(tok)).floor() as usize)
 }
 
 impl Pipeline {
-    /// Refuses a text longer than [`prompt_limit`], saying why.
+    /// Refuses a text longer than [`prompt_limit`], saying which bound it passes.
     fn check_prompt(&self, text: &str) -> Result<()> {
         if text.len() <= self.prompt_limit {
             return Ok(());
         }
+        let (context, longest) = (self.model.config().context_len, crate::tokenizer::max_token_bytes(&self.tokenizer));
         let growth = crate::tokenizer::normalizer_growth(&self.tokenizer);
-        let normalized = if growth > 1.0 { format!(", once its normalizer grows it up to {growth}x") } else { String::new() };
-        Err(Error::Input(format!(
-            "a prompt of {} bytes: more than the model's context of {} tokens can take ({} bytes at most{normalized}; a token of this tokenizer holds at most {} bytes): shorten it",
-            text.len(),
-            self.model.config().context_len,
-            self.prompt_limit,
-            crate::tokenizer::max_token_bytes(&self.tokenizer)
-        )))
+        let why = if text.len() > context.saturating_mul(longest) {
+            format!("more than the model's context of {context} tokens can hold (a token of this tokenizer stands for {longest} bytes at most)")
+        } else {
+            format!("the tokenizer's normalizer may grow text {growth}x, beyond the {} MiB of normalized text taken", NORMALIZED_LIMIT as u64 >> 20)
+        };
+        Err(Error::Input(format!("a prompt of {} bytes: {why}; shorten it", text.len())))
     }
 }
 

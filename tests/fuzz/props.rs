@@ -8,6 +8,13 @@
 //! - Quant profile: a real profile's JSON, bytes or values mutated -> `QuantProfile::load`,
 //!   `Model::set_profile`, and a W8A8 prefill with finite logits if it is accepted.
 //! - Graph cache: an entry, bytes mutated -> `GraphCache::load` is a hit only with the original.
+//! - `tokenizer.json`: a small BPE tokenizer's JSON (normalizers, a split regex, a template
+//!   post-processor, a decoder sequence), bytes or values mutated -> `tokenizer::from_file`,
+//!   and encoding and decoding of a few texts if it loads (`tokenizers` panics on some files:
+//!   the loader must return errors).
+//! - Saved sessions: a tiny model's saved conversation, bytes mutated and the checksum resealed
+//!   -> `Pipeline::restore_session` refuses (the cache as it was) or restores a state that
+//!   decodes to finite logits.
 //! - `Graph::validate`: random graphs (ids, shapes, types, kinds, quantization) -> a graph it
 //!   accepts runs on the host executor without a panic.
 #![allow(dead_code)]
@@ -22,7 +29,7 @@ use candle_npu::cache::{CacheKey, GraphCache, Lookup};
 use candle_npu::graph::TensorKind;
 use candle_npu::{DType, Graph, NpuDevice, Op, Quant, QuantProfile, StaticData, TensorData, TensorId};
 use candle_npu_models::gguf::Gguf;
-use candle_npu_models::{families, DecodeWeights, LoadOptions, Model, Precision};
+use candle_npu_models::{families, DecodeWeights, GenerateOptions, LoadOptions, Model, Pipeline, Precision};
 use proptest::prelude::*;
 
 /// How the cases of a property ended: accepted (loaded, hit, valid) or refused with an error.
@@ -343,6 +350,144 @@ pub fn graph_case(g: &Graph, tally: &Tally) -> std::result::Result<(), TestCaseE
         let inputs: Vec<TensorData> = g.inputs.iter().map(|&i| TensorData::zeros(g.tensors[i.0].dtype, g.tensors[i.0].elem_count())).collect();
         let refs: Vec<&TensorData> = inputs.iter().collect();
         let _ = prepared.execute(&refs);
+    }
+    Ok(())
+}
+
+/// A small BPE `tokenizer.json` of the tiny model's vocabulary (ids below [`VOCAB`]): NFKC,
+/// lowercase and SentencePiece's space, a split regex, BOS by a template, a decoder sequence.
+pub fn tiny_tokenizer_json() -> Vec<u8> {
+    let mut vocab = serde_json::Map::new();
+    let merges = ["t h", "h e", "th e", "i n", "e r", "a n", "o n", "\u{2581} t", "\u{2581}t he", "o r", "e n"];
+    let pieces = ["<unk>", "<s>", "</s>", "\u{2581}", ".", ",", "!", "?"]
+        .into_iter()
+        .map(String::from)
+        .chain(('a'..='z').chain('0'..='9').map(String::from))
+        .chain(merges.iter().map(|m| m.replace(' ', "")));
+    for piece in pieces {
+        let id = vocab.len();
+        vocab.entry(piece).or_insert(serde_json::json!(id));
+    }
+    assert!(vocab.len() <= VOCAB && 2 * vocab.len() > VOCAB);
+    let special = |id: u32, content: &str| serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "Lowercase"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}]},
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\u{2581}?[a-z]+|[0-9]|[^a-z0-9\u{2581}]+|\u{2581}"}, "behavior": "Isolated", "invert": false},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merges},
+    });
+    serde_json::to_vec(&json).unwrap()
+}
+
+/// A JSON edit anywhere in a document: (which node, in tree order; the new value's kind; a number).
+pub fn any_json_edits() -> impl Strategy<Value = Vec<(prop::sample::Index, u8, f64)>> {
+    prop::collection::vec((any::<prop::sample::Index>(), 0..6u8, prop_oneof![any::<f64>(), -300.0..300.0f64]), 1..4)
+}
+
+/// `json` with `edits` applied: a node (object, array or scalar, in tree order) replaced by a
+/// number, an integer, a string, null, an empty object or a copy of another node.
+pub fn edit_any_json(json: &[u8], edits: &[(prop::sample::Index, u8, f64)]) -> Vec<u8> {
+    fn paths(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
+        out.push(at.clone());
+        match v {
+            serde_json::Value::Object(m) => m.iter().for_each(|(k, x)| paths(x, format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")), out)),
+            serde_json::Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| paths(x, format!("{at}/{i}"), out)),
+            _ => {}
+        }
+    }
+    let mut v: serde_json::Value = serde_json::from_slice(json).unwrap();
+    for (node, kind, x) in edits {
+        let mut all = vec![];
+        paths(&v, String::new(), &mut all);
+        let at = &all[node.index(all.len())];
+        let new = match kind {
+            0 => serde_json::json!(x),
+            1 => serde_json::json!(x.round() as i64),
+            2 => serde_json::json!(format!("{x}")),
+            3 => serde_json::Value::Null,
+            4 => serde_json::json!({}),
+            _ => v.pointer(&all[(node.index(all.len()) * 7 + 3) % all.len()]).cloned().unwrap_or_default(),
+        };
+        match v.pointer_mut(at) {
+            Some(slot) if !at.is_empty() => *slot = new,
+            _ => {}
+        }
+    }
+    serde_json::to_vec(&v).unwrap()
+}
+
+/// `tokenizer.json`: any mutation loads or is an error naming the file; a tokenizer that loads
+/// encodes and decodes a few texts without a panic (an error is allowed).
+pub fn tokenizer_case(dir: &Path, bytes: &[u8], tally: &Tally) -> std::result::Result<(), TestCaseError> {
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, bytes).unwrap();
+    let loaded = candle_npu_models::tokenizer::from_file(&path);
+    tally.count(loaded.is_ok());
+    match loaded {
+        Ok(tok) => {
+            for text in ["The thin tin, 42!", "", "  ", "\u{fb01}ne \u{2163}"] {
+                if let Ok(ids) = candle_npu_models::tokenizer::encode(&tok, text, true) {
+                    let _ = tok.decode(&ids, false);
+                }
+            }
+        }
+        Err(e) => prop_assert!(e.to_string().contains(&path.display().to_string()), "an error without the path: {e}"),
+    }
+    Ok(())
+}
+
+/// The tiny model with [`tiny_tokenizer_json`], on the host, F32.
+pub fn tiny_pipeline(dir: &Path) -> Pipeline {
+    let model = dir.join("m.gguf");
+    tiny_gguf(&model);
+    let tok = dir.join("tiny-tokenizer.json");
+    std::fs::write(&tok, tiny_tokenizer_json()).unwrap();
+    let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
+    Pipeline::load(&model, Some(&tok), &NpuDevice::host(), opts).unwrap()
+}
+
+/// A saved conversation of `p` (two turns); its bytes and the length of its header.
+pub fn saved_session(p: &mut Pipeline, path: &Path) -> (Vec<u8>, usize) {
+    let opts = GenerateOptions { sample_len: 3, ..Default::default() };
+    let mut s = p.session();
+    s.send("the thin tin", &opts, |_| {}).unwrap();
+    s.send("and then?", &opts, |_| {}).unwrap();
+    s.save(path).unwrap();
+    let bytes = std::fs::read(path).unwrap();
+    let header = 12 + u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+    (bytes, header)
+}
+
+/// Saved session: bytes mutated and the checksum resealed (as damage never could, so that the
+/// reader's own checks see it): refused with the cache as it was, or restored to a state whose
+/// next step has finite logits.
+pub fn session_case(p: &mut Pipeline, dir: &Path, good: &[u8], header: usize, edit: &(Vec<(f64, u8)>, Option<f64>), tally: &Tally) -> std::result::Result<(), TestCaseError> {
+    use sha2::Digest;
+    let path = dir.join("s.kv");
+    let mut bad = mutate(&good[..good.len() - 32], edit, header);
+    let sum = sha2::Sha256::digest(&bad);
+    bad.extend_from_slice(&sum);
+    std::fs::write(&path, &bad).unwrap();
+    p.model.clear();
+    p.model.prefill(&[1, 5, 6]).unwrap();
+    let restored = p.restore_session(&path).map(|s| s.tokens().len());
+    tally.count(restored.is_ok());
+    match restored {
+        Ok(n) => {
+            prop_assert_eq!(p.model.position(), n);
+            if n < p.model.config().context_len {
+                let logits: Vec<f32> = p.model.decode(3).unwrap().to_vec1().unwrap();
+                prop_assert!(logits.iter().all(|v| v.is_finite()), "a restored state gave non-finite logits");
+            }
+        }
+        Err(_) => prop_assert_eq!(p.model.position(), 3, "a refused restore changed the cache"),
     }
     Ok(())
 }
