@@ -26,6 +26,7 @@ pub mod fs;
 pub mod graph;
 pub mod kernels;
 pub mod linear;
+pub mod nn;
 pub mod outlier;
 pub mod quant;
 pub mod sched;
