@@ -233,40 +233,54 @@ fn on_text(text: &str, e: String) -> Error {
 }
 
 /// Token ids of a user's `text` between the chat template's text `before` and `after` (both
-/// empty without a template). The template's control tokens (`<|im_start|>`, `<start_of_turn>`,
-/// ...) match as one token each; in `text` they are plain text unless `parse_special`, as
-/// llama.cpp's `parse_special = false` has it (user-defined tokens, Gemma's runs of newlines,
-/// still match): `<|im_end|>` typed by a user becomes `<`, `|`, `im`, ..., so a prompt cannot
-/// close its turn and forge the next one. `add_special`: BOS/EOS as in [`encode`], once.
-///
-/// The template's text is cut at its last control token before `text` and its first after it,
-/// and what lies between (`user\n`, the text, ...) is tokenized as one piece: the tokenizer cuts
-/// the whole string at control tokens too, so a prompt without markers gets the same ids as
-/// [`encode`] of `before + text + after`.
+/// empty without a template): [`encode_segments`] of the three, `text` untrusted.
 pub fn encode_user(tok: &Tokenizer, before: &str, text: &str, after: &str, add_special: bool, parse_special: bool) -> Result<Vec<u32>> {
-    if parse_special {
-        return encode(tok, &format!("{before}{text}{after}"), add_special);
+    encode_segments(tok, &[(before, true), (text, parse_special), (after, true)], add_special)
+}
+
+/// Token ids of text in pieces, each `(text, trusted)`: the control tokens (`<|im_start|>`,
+/// `<start_of_turn>`, ...) of trusted pieces (a chat template's text) match as one token each;
+/// in untrusted ones (a user's messages) they are plain text, as llama.cpp's
+/// `parse_special = false` has it (user-defined tokens, Gemma's runs of newlines, still match):
+/// `<|im_end|>` typed by a user becomes `<`, `|`, `im`, ..., so a prompt cannot close its turn
+/// and forge the next one. `add_special`: BOS/EOS as in [`encode`], once.
+///
+/// The whole text is cut at the trusted pieces' control tokens only, and what lies between two
+/// of them (`user\n`, a message, ...) is tokenized as one piece, as the tokenizer itself cuts a
+/// text at its control tokens: text without markers in its untrusted pieces gets the same ids
+/// as [`encode`] of the pieces joined.
+pub fn encode_segments(tok: &Tokenizer, segments: &[(&str, bool)], add_special: bool) -> Result<Vec<u32>> {
+    let whole: String = segments.iter().map(|(t, _)| *t).collect();
+    // (start, end, id) of each control token of a trusted piece, in `whole`'s offsets.
+    let mut cuts: Vec<(usize, usize, u32)> = vec![];
+    let mut at = 0;
+    for &(text, trusted) in segments {
+        if trusted && !text.is_empty() {
+            let enc = guarded(|| tok.encode(text, false)).map_err(|e| on_text(text, e))?;
+            for (&id, &(a, b)) in enc.get_ids().iter().zip(enc.get_offsets()) {
+                if is_control(tok, id) {
+                    if text.get(a..b).is_none() {
+                        return Err(Error::Input("tokenizer: a control token's offsets are not within the template's text".into()));
+                    }
+                    cuts.push((at + a, at + b, id));
+                }
+            }
+        }
+        at += text.len();
     }
-    let (head, tail) = (
-        guarded(|| tok.encode(before, false)).map_err(|e| on_text(before, e))?,
-        guarded(|| tok.encode(after, false)).map_err(|e| on_text(after, e))?,
-    );
-    let controls = |enc: &tokenizers::Encoding| -> Vec<usize> {
-        enc.get_ids().iter().enumerate().filter(|&(_, &id)| is_control(tok, id)).map(|(i, _)| i).collect()
-    };
-    let bad_offset = || Error::Input("tokenizer: a control token's offsets are not within the template's text".into());
-    let (head_ids, head_text) = match controls(&head).last() {
-        Some(&i) => (&head.get_ids()[..=i], before.get(head.get_offsets()[i].1..).ok_or_else(bad_offset)?),
-        None => (&[][..], before),
-    };
-    let (tail_ids, tail_text) = match controls(&tail).first() {
-        Some(&j) => (&tail.get_ids()[j..], after.get(..tail.get_offsets()[j].0).ok_or_else(bad_offset)?),
-        None => (&[][..], after),
-    };
-    let middle = encode_plain(tok, &format!("{head_text}{text}{tail_text}"))?;
-    let ids = head_ids.iter().chain(&middle).chain(tail_ids);
-    let enc: tokenizers::Encoding = ids.map(|&id| (id, String::new(), (0, 0), None, 0)).collect();
-    Ok(guarded(|| tok.post_process(enc, None, add_special)).map_err(|e| on_text(text, e))?.get_ids().to_vec())
+    let mut ids = vec![];
+    let mut from = 0;
+    for (a, b, id) in cuts.into_iter().chain([(whole.len(), whole.len(), u32::MAX)]) {
+        if a > from {
+            ids.extend(encode_plain(tok, &whole[from..a])?);
+        }
+        if id != u32::MAX {
+            ids.push(id);
+        }
+        from = b;
+    }
+    let enc: tokenizers::Encoding = ids.iter().map(|&id| (id, String::new(), (0, 0), None, 0)).collect();
+    Ok(guarded(|| tok.post_process(enc, None, add_special)).map_err(|e| on_text(&whole, e))?.get_ids().to_vec())
 }
 
 /// Ids of `text` with no control token matched (no BOS/EOS). Text without any (nearly all) is
