@@ -1,8 +1,13 @@
 //! Chat templates. GGUF files (`tokenizer.chat_template`) and Hugging Face folders
-//! (`tokenizer_config.json`'s `chat_template`) carry a Jinja template; the families here use one of
-//! four well-known turn formats, which are recognized from marker strings in the template text
-//! rather than by running Jinja: a single user turn needs no more, and no Jinja engine has to be
-//! trusted with a file's code.
+//! (`tokenizer_config.json`'s `chat_template`) carry a Jinja template, which [`JinjaTemplate`]
+//! renders over a conversation of [`Message`]s as transformers does (minijinja, in its sandbox:
+//! a template can compute but not reach files or the network). Where a template does not compile
+//! or render, the four well-known turn formats of [`ChatTemplate`], recognized from marker strings
+//! in the template text, are the fallback, and a warning says so.
+//!
+//! Either way a conversation is rendered in pieces ([`JinjaTemplate::segments`],
+//! [`ChatTemplate::segments`]): the template's own text, whose markers become control tokens,
+//! and each message's content, whose markers stay text (`crate::tokenizer::encode_segments`).
 //!
 //! The text [`ChatTemplate::apply`] returns never contains BOS: the tokenizer adds it when asked
 //! for special tokens (`crate::tokenizer::encode(tok, text, true)`), as the file's
@@ -15,6 +20,145 @@ use std::path::Path;
 use candle_npu::{Error, Result};
 
 use crate::gguf::Gguf;
+
+/// One message of a conversation: `role` is `system`, `user` or `assistant` (or another role
+/// the model's template knows, e.g. `tool`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Message {
+    /// Who speaks.
+    pub role: String,
+    /// What is said: text, whose control-token spellings stay text.
+    pub content: String,
+}
+
+impl Message {
+    /// A message of `role`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Message { role: role.into(), content: content.into() }
+    }
+    /// The system prompt: goes first.
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+    /// A user turn.
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+    /// An answer of the model's.
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+}
+
+/// A rendered conversation in pieces, each `(text, trusted)`: the template's text is trusted
+/// (its markers are control tokens), the messages' contents are not.
+pub type Segments = Vec<(String, bool)>;
+
+/// Stands for message `i`'s content while a template renders, so that the contents can be told
+/// from the template's text afterwards (Unicode private-use characters: no template writes them).
+const OPEN: char = '\u{F8F0}';
+const CLOSE: char = '\u{F8F1}';
+
+/// A model's own Jinja chat template, rendered with minijinja as transformers renders it:
+/// `trim_blocks` and `lstrip_blocks`, `raise_exception`, Python's string methods, and the
+/// variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`.
+pub struct JinjaTemplate {
+    env: minijinja::Environment<'static>,
+    bos: String,
+    eos: String,
+}
+
+impl std::fmt::Debug for JinjaTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JinjaTemplate(bos {:?}, eos {:?})", self.bos, self.eos)
+    }
+}
+
+impl JinjaTemplate {
+    /// Compiles `source`; the error says why it does not compile.
+    pub fn new(source: &str, bos: &str, eos: &str) -> std::result::Result<Self, String> {
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template_owned("chat", source.to_string()).map_err(|e| e.to_string())?;
+        Ok(JinjaTemplate { env, bos: bos.into(), eos: eos.into() })
+    }
+
+    /// `bos_token` as the template gets it.
+    pub fn bos(&self) -> &str {
+        &self.bos
+    }
+
+    /// The conversation as the template writes it; with `add_generation_prompt`, ending where
+    /// the assistant's answer starts.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        Ok(self.segments(messages, add_generation_prompt)?.into_iter().map(|(t, _)| t).collect())
+    }
+
+    /// [`JinjaTemplate::render`] in pieces (see [`Segments`]).
+    ///
+    /// The template renders twice: with each content replaced by a stand-in, which shows where
+    /// the template's own text is, and as it is, which shows what it made of each content
+    /// (templates trim them: `.strip()`, `| trim`). A template that changes a content otherwise
+    /// is an error: its markers could not be told from the content's.
+    pub fn segments(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Segments> {
+        let bad = |why: &str| Error::Input(format!("chat template: {why}"));
+        let render = |messages: &[Message]| {
+            let ctx = minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos,
+                eos_token => &self.eos,
+            };
+            self.env.get_template("chat").and_then(|t| t.render(ctx)).map_err(|e| Error::Input(format!("chat template: {e}")))
+        };
+        let stand_ins: Vec<Message> = messages.iter().enumerate().map(|(i, m)| Message::new(&m.role, format!("{OPEN}{i}{CLOSE}"))).collect();
+        let marked = render(&stand_ins)?;
+        let text = render(messages)?;
+        // `marked` as the template's pieces and the indices of the contents between them.
+        let (mut pieces, mut contents) = (vec![], vec![]);
+        let mut rest = marked.as_str();
+        while let Some(open) = rest.find(OPEN) {
+            pieces.push(&rest[..open]);
+            let after = &rest[open + OPEN.len_utf8()..];
+            let close = after.find(CLOSE).ok_or_else(|| bad("it cuts a message's content apart"))?;
+            let i: usize = after[..close].parse().map_err(|_| bad("it changes a message's content"))?;
+            contents.push(messages.get(i).ok_or_else(|| bad("it changes a message's content"))?.content.as_str());
+            rest = &after[close + CLOSE.len_utf8()..];
+        }
+        if rest.contains(CLOSE) {
+            return Err(bad("it cuts a message's content apart"));
+        }
+        pieces.push(rest);
+        // Walk `text`: each piece, then the content as the template wrote it.
+        let mut out: Segments = vec![];
+        let mut at = 0;
+        for (i, piece) in pieces.iter().enumerate() {
+            if !text[at..].starts_with(piece) {
+                return Err(bad("it renders differently around a message's content"));
+            }
+            out.push((piece.to_string(), true));
+            at += piece.len();
+            let Some(content) = contents.get(i) else { break };
+            let next = pieces[i + 1];
+            let written = [*content, content.trim(), content.trim_start(), content.trim_end()]
+                .into_iter()
+                .find(|c| text[at..].starts_with(c) && text[at + c.len()..].starts_with(next))
+                .ok_or_else(|| bad("it changes a message's content (beyond trimming it)"))?;
+            out.push((written.to_string(), false));
+            at += written.len();
+        }
+        if at != text.len() {
+            return Err(bad("it renders differently around a message's content"));
+        }
+        out.retain(|(t, _)| !t.is_empty());
+        Ok(out)
+    }
+}
 
 /// How to wrap a user prompt for an instruct model.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,23 +209,10 @@ impl ChatTemplate {
     /// or a list of `{name, template}` of which the one named "default" is used. A file without
     /// one gives [`ChatTemplate::None`]; an unreadable file or malformed field is an error.
     pub fn from_tokenizer_config(path: &Path) -> Result<Self> {
-        let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason };
-        // Gemma 3's, listing its 6K+ added tokens, is 1.2 MB; 64 MiB is ample for any template.
-        const TOKENIZER_CONFIG_LIMIT: u64 = 64 * candle_npu::fs::MIB;
-        let bytes = candle_npu::fs::read_bounded(path, TOKENIZER_CONFIG_LIMIT, "tokenizer_config.json")?;
-        let v = candle_npu::fs::parse_json(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
-        let text = match v.get("chat_template") {
-            None | Some(serde_json::Value::Null) => return Ok(ChatTemplate::None),
-            Some(serde_json::Value::String(s)) => s.as_str(),
-            Some(serde_json::Value::Array(named)) => named
-                .iter()
-                .find(|n| n.get("name").and_then(|x| x.as_str()) == Some("default"))
-                .and_then(|n| n.get("template").and_then(|x| x.as_str()))
-                .ok_or_else(|| bad("chat_template: a list without a template named \"default\"".into()))?,
-            Some(_) => return Err(bad("chat_template: expected a string or a list of {name, template}".into())),
-        };
-        Ok(Self::from_template_text(text))
+        Ok(template_source(path)?.map_or(ChatTemplate::None, |s| Self::from_template_text(&s.text)))
     }
+
+
 
     /// The prompt as one user turn, ending where the model's answer starts.
     pub fn apply(&self, prompt: &str) -> String {
@@ -127,6 +258,90 @@ impl ChatTemplate {
         (format!("{close}{before}"), after)
     }
 
+    /// A conversation in this format, in pieces (see [`Segments`]); with
+    /// `add_generation_prompt`, ending where the assistant's answer starts. A system message
+    /// goes where the format has one (ChatML: its own turn, replacing the template's default;
+    /// the others: before the first user message, as their templates do).
+    pub fn segments(&self, messages: &[Message], add_generation_prompt: bool) -> Segments {
+        let mut out: Segments = vec![];
+        let mut push = |t: &str, trusted: bool| out.push((t.to_string(), trusted));
+        let (system, turns): (Option<&Message>, &[Message]) = match messages.first() {
+            Some(m) if m.role == "system" => (Some(m), &messages[1..]),
+            _ => (None, messages),
+        };
+        match self {
+            ChatTemplate::ChatMl { system: default } => {
+                match (system, default) {
+                    (Some(m), _) => {
+                        push("<|im_start|>system\n", true);
+                        push(&m.content, false);
+                        push("<|im_end|>\n", true);
+                    }
+                    (None, Some(d)) => push(&format!("<|im_start|>system\n{d}<|im_end|>\n"), true),
+                    (None, None) => {}
+                }
+                for m in turns {
+                    push(&format!("<|im_start|>{}\n", m.role), true);
+                    push(&m.content, false);
+                    push("<|im_end|>\n", true);
+                }
+                if add_generation_prompt {
+                    push("<|im_start|>assistant\n", true);
+                }
+            }
+            ChatTemplate::Gemma | ChatTemplate::Phi3 => {
+                let (open, close, model) = match self {
+                    ChatTemplate::Gemma => ("<start_of_turn>", "<end_of_turn>\n", "model"),
+                    _ => ("<|", "<|end|>\n", "assistant"),
+                };
+                let head = |role: &str| match self {
+                    ChatTemplate::Gemma => format!("{open}{role}\n"),
+                    _ => format!("{open}{role}|>\n"),
+                };
+                for (i, m) in turns.iter().enumerate() {
+                    let role = if m.role == "assistant" { model } else { m.role.as_str() };
+                    push(&head(role), true);
+                    if let (0, Some(s)) = (i, system) {
+                        push(&s.content, false);
+                        push("\n\n", true);
+                    }
+                    push(&m.content, false);
+                    push(close, true);
+                }
+                if add_generation_prompt {
+                    push(&head(model), true);
+                }
+            }
+            ChatTemplate::Mistral => {
+                for (i, m) in turns.iter().enumerate() {
+                    if m.role == "assistant" {
+                        push(" ", true);
+                        push(&m.content, false);
+                        push("</s>", true);
+                        continue;
+                    }
+                    push("[INST] ", true);
+                    if let (0, Some(s)) = (i, system) {
+                        push(&s.content, false);
+                        push("\n\n", true);
+                    }
+                    push(&m.content, false);
+                    push(" [/INST]", true);
+                }
+            }
+            ChatTemplate::None => {
+                for (i, m) in messages.iter().enumerate() {
+                    if i > 0 {
+                        push("\n\n", true);
+                    }
+                    push(&m.content, false);
+                }
+            }
+        }
+        out.retain(|(t, _)| !t.is_empty());
+        out
+    }
+
     /// Tokens that end the assistant's turn, besides the model's EOS.
     pub fn stop_strings(&self) -> &'static [&'static str] {
         match self {
@@ -136,6 +351,45 @@ impl ChatTemplate {
             ChatTemplate::Mistral | ChatTemplate::None => &[],
         }
     }
+}
+
+/// A chat template's Jinja text and the BOS and EOS token strings it is rendered with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateSource {
+    /// The Jinja text.
+    pub text: String,
+    /// `bos_token`.
+    pub bos: String,
+    /// `eos_token`.
+    pub eos: String,
+}
+
+/// The chat template of a Hugging Face `tokenizer_config.json` (see
+/// [`ChatTemplate::from_tokenizer_config`]), with its `bos_token` and `eos_token`; `None` when
+/// the file has none.
+pub fn template_source(path: &Path) -> Result<Option<TemplateSource>> {
+    let bad = |reason: String| Error::Model { path: path.to_path_buf(), reason };
+    // Gemma 3's, listing its 6K+ added tokens, is 1.2 MB; 64 MiB is ample for any template.
+    const TOKENIZER_CONFIG_LIMIT: u64 = 64 * candle_npu::fs::MIB;
+    let bytes = candle_npu::fs::read_bounded(path, TOKENIZER_CONFIG_LIMIT, "tokenizer_config.json")?;
+    let v = candle_npu::fs::parse_json(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let text = match v.get("chat_template") {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::String(s)) => s.as_str(),
+        Some(serde_json::Value::Array(named)) => named
+            .iter()
+            .find(|n| n.get("name").and_then(|x| x.as_str()) == Some("default"))
+            .and_then(|n| n.get("template").and_then(|x| x.as_str()))
+            .ok_or_else(|| bad("chat_template: a list without a template named \"default\"".into()))?,
+        Some(_) => return Err(bad("chat_template: expected a string or a list of {name, template}".into())),
+    };
+    // bos_token / eos_token: a string, or an added token's {content, ...}.
+    let token = |key: &str| match v.get(key) {
+        Some(serde_json::Value::String(t)) => t.clone(),
+        Some(o) => o.get("content").and_then(|c| c.as_str()).unwrap_or_default().to_string(),
+        None => String::new(),
+    };
+    Ok(Some(TemplateSource { text: text.to_string(), bos: token("bos_token"), eos: token("eos_token") }))
 }
 
 /// The system text a ChatML template inserts when the conversation has none (SmolLM2: "You are a

@@ -33,6 +33,7 @@ pub mod tokenizer;
 pub mod transformer;
 
 pub use candle_npu::{DecodeWeights, WeightQuant};
+pub use chat::{JinjaTemplate, Message};
 pub use generate::{GenerateOptions, GenerateStats, StopReason};
 pub use session::Session;
 pub use pipeline::{CalibrationSet, CalibrationSource, Pipeline, TextStream};

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use candle_npu::{ClipMethod, Error, NpuDevice, QuantProfile, Result};
 use tokenizers::Tokenizer;
 
-use crate::chat::ChatTemplate;
+use crate::chat::{ChatTemplate, JinjaTemplate, Message, TemplateSource};
 use crate::gguf::Gguf;
 use crate::transformer::{LoadOptions, Model, Precision};
 
@@ -18,7 +18,12 @@ pub struct Pipeline {
     pub model: Model,
     /// From the GGUF's metadata or the folder's `tokenizer.json` (or the file given at load).
     pub tokenizer: Tokenizer,
-    /// How prompts are wrapped; [`ChatTemplate::None`] uses them as they are.
+    /// The model's own chat template (its Jinja text), rendered over a conversation's
+    /// [`Message`]s; `None` when the model has none, or one that does not compile (then
+    /// [`Pipeline::template`] renders, and a warning said so).
+    pub jinja: Option<JinjaTemplate>,
+    /// The well-known turn format the template text has ([`ChatTemplate::None`]: prompts as they
+    /// are): the fallback of [`Pipeline::jinja`], and the end-of-turn stop tokens.
     pub template: ChatTemplate,
     /// Token ids that end generation (EOS and the template's end-of-turn).
     pub stop_tokens: Vec<u32>,
@@ -128,6 +133,9 @@ impl Pipeline {
             None => crate::tokenizer::from_gguf(&g)?,
         };
         let template = ChatTemplate::from_gguf(&g);
+        let token = |key: &str| g.u32(key).ok().and_then(|id| tok.id_to_token(id)).unwrap_or_default();
+        let source = g.string("tokenizer.chat_template").ok().map(|text| TemplateSource { text, bos: token("tokenizer.ggml.bos_token_id"), eos: token("tokenizer.ggml.eos_token_id") });
+        let jinja = compile_template(source, &template, path);
         let mut stop_tokens: Vec<u32> = g.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
         let model = crate::families::load_gguf(g, device, opts)?;
         for s in template.stop_strings() {
@@ -135,7 +143,7 @@ impl Pipeline {
         }
         let textless = check_tokenizer(&tok, &model, &stop_tokens, path)?;
         let prompt_limit = prompt_limit(&tok, model.config().context_len);
-        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: path.to_path_buf(), textless, prompt_limit })
+        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: path.to_path_buf(), textless, prompt_limit })
     }
 
     /// An HF folder: `config.json`, `*.safetensors`, `tokenizer.json` (or `tokenizer`), and the
@@ -144,14 +152,16 @@ impl Pipeline {
         let model = crate::hf::load(dir, device, opts)?;
         let tok = crate::tokenizer::from_file(tokenizer.unwrap_or(&dir.join("tokenizer.json")))?;
         let tc = dir.join("tokenizer_config.json");
-        let template = if candle_npu::fs::exists(&tc)? { ChatTemplate::from_tokenizer_config(&tc)? } else { ChatTemplate::None };
+        let source = if candle_npu::fs::exists(&tc)? { crate::chat::template_source(&tc)? } else { None };
+        let template = source.as_ref().map_or(ChatTemplate::None, |s| ChatTemplate::from_template_text(&s.text));
+        let jinja = compile_template(source, &template, &tc);
         let mut stop_tokens = crate::hf::HfConfig::open(dir)?.eos_token_ids()?;
         for s in template.stop_strings() {
             stop_tokens.extend(tok.token_to_id(s));
         }
         let textless = check_tokenizer(&tok, &model, &stop_tokens, dir)?;
         let prompt_limit = prompt_limit(&tok, model.config().context_len);
-        Ok(Pipeline { model, tokenizer: tok, template, stop_tokens, model_path: dir.to_path_buf(), textless, prompt_limit })
+        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: dir.to_path_buf(), textless, prompt_limit })
     }
 
     /// Token ids of a prompt, with the special tokens the tokenizer adds (Gemma's BOS), wrapped
@@ -165,9 +175,29 @@ impl Pipeline {
     /// those tokens (llama.cpp's `parse_special`): for text the caller trusts as much as the
     /// template, since it can close the user's turn and write the assistant's.
     pub fn encode_with(&self, text: &str, chat: bool, parse_special: bool) -> Result<Vec<u32>> {
+        if chat {
+            return self.encode_chat(&[Message::user(text)], true, parse_special);
+        }
         self.check_prompt(text)?;
-        let (before, after) = if chat { self.template.around() } else { Default::default() };
-        crate::tokenizer::encode_user(&self.tokenizer, &before, text, &after, true, parse_special)
+        crate::tokenizer::encode_user(&self.tokenizer, "", text, "", true, parse_special)
+    }
+
+    /// Token ids of a conversation in the model's chat template (its own Jinja template, else
+    /// the well-known format its text has): with `add_generation_prompt`, ending where the
+    /// assistant's answer starts. The template's markers are control tokens; those spelled in
+    /// the messages are text unless `parse_special`. BOS as the tokenizer adds it, unless the
+    /// template writes it itself.
+    pub fn encode_chat(&self, messages: &[Message], add_generation_prompt: bool, parse_special: bool) -> Result<Vec<u32>> {
+        for m in messages {
+            self.check_prompt(&m.content)?;
+        }
+        let (segments, bos) = match &self.jinja {
+            Some(j) => (j.segments(messages, add_generation_prompt)?, j.bos()),
+            None => (self.template.segments(messages, add_generation_prompt), ""),
+        };
+        let writes_bos = !bos.is_empty() && segments.first().is_some_and(|(t, trusted)| *trusted && t.starts_with(bos));
+        let pieces: Vec<(&str, bool)> = segments.iter().map(|(t, trusted)| (t.as_str(), *trusted || parse_special)).collect();
+        crate::tokenizer::encode_segments(&self.tokenizer, &pieces, !writes_bos)
     }
 
     /// Token ids of a later turn of a conversation ([`ChatTemplate::follow_up`]), no BOS; the
@@ -317,6 +347,19 @@ impl Pipeline {
         ids.truncate(n);
         Ok(ids)
     }
+}
+
+/// The model's Jinja template from `source`, or `None`, saying why once: the model has no
+/// template (a base model: prompts go to it as they are), or it does not compile (the
+/// hand-written `fallback` format renders instead). `from` names the file in the log.
+fn compile_template(source: Option<TemplateSource>, fallback: &ChatTemplate, from: &Path) -> Option<JinjaTemplate> {
+    let Some(s) = source else {
+        tracing::warn!(model = %from.display(), "the model has no chat template (a base model?): prompts go to it as they are");
+        return None;
+    };
+    JinjaTemplate::new(&s.text, &s.bos, &s.eos)
+        .inspect_err(|e| tracing::warn!(file = %from.display(), error = %e, fallback = ?fallback, "the chat template does not compile: the well-known format its text has renders instead"))
+        .ok()
 }
 
 /// The most bytes of normalized text a prompt may become: far more than any context holds (a

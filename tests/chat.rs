@@ -1,0 +1,75 @@
+//! Chat templates: the real models' own Jinja templates rendered by `JinjaTemplate` (minijinja)
+//! as jinja2 renders them for transformers (`tests/data/chat_reference.json`, from
+//! `scripts/chat_reference.py`), and the token ids of a conversation as the tokenizer gives them
+//! for that text, with control tokens typed in a message kept as text.
+
+use candle_npu::NpuDevice;
+use candle_npu_models::{assets, LoadOptions, Message, Pipeline, Precision};
+
+fn reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/chat_reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn load(file: &str) -> Pipeline {
+    let opts = LoadOptions { precision: Precision::F32, ..Default::default() };
+    Pipeline::load(&assets::dir().join(file), None, &NpuDevice::host(), opts).unwrap()
+}
+
+fn messages(v: &serde_json::Value) -> Vec<Message> {
+    v.as_array().unwrap().iter().map(|m| Message::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap())).collect()
+}
+
+#[test]
+fn the_models_own_templates_render_as_jinja2_does() {
+    let r = reference();
+    let conversations = r["conversations"].as_object().unwrap();
+    for file in ["SmolLM2-135M-Instruct.Q4_1.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "gemma-3-270m-q4_k_m.gguf"] {
+        let p = load(file);
+        if r[file].is_null() {
+            // A base model: no template, said at load, and prompts go as they are.
+            assert!(p.jinja.is_none(), "{file}");
+            continue;
+        }
+        let jinja = p.jinja.as_ref().unwrap_or_else(|| panic!("{file}: its template compiles"));
+        for (name, conv) in conversations {
+            let msgs = messages(conv);
+            for gen in [true, false] {
+                let want = r[file][name][gen.to_string()].as_str().unwrap();
+                assert_eq!(jinja.render(&msgs, gen).unwrap(), want, "{file}, {name}, generation prompt {gen}");
+                // The well-known format the template's text has (the fallback) writes the same.
+                let fallback: String = p.template.segments(&msgs, gen).into_iter().map(|(t, _)| t).collect();
+                assert_eq!(fallback, want, "{file}, {name}: the hand-written fallback");
+                // Ids: those of the text with its markers as control tokens, when no message
+                // spells one; a message's spelled markers stay text.
+                let ids = p.encode_chat(&msgs, gen, false).unwrap();
+                let whole = candle_npu_models::tokenizer::encode(&p.tokenizer, want, true).unwrap();
+                if name.contains("markers") {
+                    // ChatML: the template's own <|im_start|> and <|im_end|> (system, user and
+                    // the generation prompt's), not the one the user typed.
+                    let markers = ["<|im_start|>", "<|im_end|>"].map(|t| p.tokenizer.token_to_id(t).unwrap());
+                    let control = |ids: &[u32]| ids.iter().filter(|i| markers.contains(i)).count();
+                    assert_eq!(control(&ids), if gen { 5 } else { 4 }, "{file}: typed markers stay text");
+                    assert_eq!(control(&whole), control(&ids) + 1, "{file}: the whole text has the typed one too");
+                } else {
+                    assert_eq!(ids, whole, "{file}, {name}, generation prompt {gen}");
+                }
+            }
+        }
+    }
+}
+
+/// A role order the template refuses (its `raise_exception`) is an error saying so.
+#[test]
+fn a_template_that_refuses_a_conversation_is_an_error() {
+    let t = candle_npu_models::JinjaTemplate::new(
+        "{% for m in messages %}{% if m.role == 'user' and loop.index0 % 2 == 1 %}{{ raise_exception('Conversation roles must alternate') }}{% endif %}{{ m.content.strip() }}{% endfor %}",
+        "<s>",
+        "</s>",
+    )
+    .unwrap();
+    assert_eq!(t.render(&[Message::user(" hi ")], true).unwrap(), "hi");
+    let e = t.render(&[Message::user("a"), Message::user("b")], true).unwrap_err().to_string();
+    assert!(e.contains("Conversation roles must alternate"), "{e}");
+    assert!(candle_npu_models::JinjaTemplate::new("{% for %}", "", "").is_err());
+}
