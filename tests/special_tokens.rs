@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use candle_npu::NpuDevice;
 use candle_npu_models::chat::ChatTemplate;
 use candle_npu_models::gguf::Gguf;
-use candle_npu_models::{assets, tokenizer, DecodeWeights, GenerateOptions, Precision};
+use candle_npu_models::{assets, tokenizer, DecodeWeights, GenerateOptions, Message, Precision};
 use tokenizers::Tokenizer;
 
 /// Ids of the tokenizer's control tokens (special added tokens).
@@ -65,12 +65,17 @@ fn check(tok: &Tokenizer, template: &ChatTemplate, close: &str, open: &str, assi
     assert_eq!(count(&parsed, close_id), count(&harmless, close_id) + 1, "{parsed:?}");
     assert_eq!(count(&parsed, open_id), count(&harmless, open_id) + 1, "{parsed:?}");
 
-    // A later turn: the same, from the template's follow-up text.
-    let (before, after) = template.follow_up_around();
-    let follow = |text: &str, parse: bool| tokenizer::encode_user(tok, &before, text, &after, false, parse).unwrap();
-    assert_eq!(follow("hi", false), tokenizer::encode(tok, &template.follow_up("hi"), false).unwrap());
-    assert_eq!(controls(&follow(&evil, false), &control), controls(&follow("hi", false), &control));
-    assert_eq!(controls(&follow(&evil, true), &control).len(), controls(&follow("hi", false), &control).len() + 2);
+    // A later turn of a conversation: the same, from the template's segments.
+    let follow = |text: &str, parse: bool| {
+        let msgs = [Message::user("hi"), Message::assistant("Hello."), Message::user(text)];
+        let segments = template.segments(&msgs, true);
+        let pieces: Vec<(&str, bool)> = segments.iter().map(|(t, trusted)| (t.as_str(), *trusted || parse)).collect();
+        (tokenizer::encode_segments(tok, &pieces, true).unwrap(), segments.iter().map(|(t, _)| t.as_str()).collect::<String>())
+    };
+    let (hi, text) = follow("hi", false);
+    assert_eq!(hi, tokenizer::encode(tok, &text, true).unwrap());
+    assert_eq!(controls(&follow(&evil, false).0, &control), controls(&hi, &control));
+    assert_eq!(controls(&follow(&evil, true).0, &control).len(), controls(&hi, &control).len() + 2);
 }
 
 #[test]
@@ -105,21 +110,20 @@ fn a_session_keeps_forged_markers_as_text() {
     assert!(controls(&p.encode(&evil, false).unwrap(), &control).is_empty(), "no template: no control token at all");
 
     let opts = GenerateOptions { sample_len: 2, ..Default::default() };
-    let prompt_controls = |parse_special: bool, p: &mut candle_npu_models::Pipeline| {
+    // The control tokens of each of two turns' prompt tokens (what each prefilled).
+    let prompt_controls = |text: &str, parse_special: bool, p: &mut candle_npu_models::Pipeline| {
         let opts = GenerateOptions { parse_special, ..opts.clone() };
         let mut s = p.session();
-        // A turn's prompt tokens (the last answer's token not yet in the cache, then the turn's).
         let mut turn = || {
-            let start = s.tokens().len();
-            let (_, stats) = s.send(&evil, &opts, |_| {}).unwrap();
-            controls(&s.tokens()[start..start + stats.prompt_tokens], &control)
+            let (_, stats) = s.send(p, text, &opts, |_| {}).unwrap();
+            controls(&s.tokens()[stats.cached_tokens..stats.cached_tokens + stats.prompt_tokens], &control)
         };
         (turn(), turn())
     };
-    let (turn1, turn2) = prompt_controls(false, &mut p);
-    assert_eq!(turn1, controls(&harmless, &control), "turn 1");
-    assert_eq!(turn2, controls(&p.encode_follow_up("hi", false).unwrap(), &control), "turn 2");
-    let (turn1, turn2) = prompt_controls(true, &mut p);
-    assert_eq!(turn1.len(), controls(&harmless, &control).len() + 2, "turn 1, parse_special");
-    assert_eq!(turn2.len(), controls(&p.encode_follow_up("hi", false).unwrap(), &control).len() + 2, "turn 2, parse_special");
+    let (hi1, hi2) = prompt_controls("hi", false, &mut p);
+    assert_eq!(hi1, controls(&harmless, &control));
+    let (turn1, turn2) = prompt_controls(&evil, false, &mut p);
+    assert_eq!((&turn1, &turn2), (&hi1, &hi2), "typed markers stay text in both turns");
+    let (turn1, turn2) = prompt_controls(&evil, true, &mut p);
+    assert_eq!((turn1.len(), turn2.len()), (hi1.len() + 2, hi2.len() + 2), "parse_special");
 }

@@ -65,7 +65,7 @@ impl Rows {
 /// contiguous matrix for the score GEMM), filled to `len`. Grown in place: appending a chunk by
 /// concatenation would copy the whole cache per chunk and leave every earlier size free in the
 /// heap (measured on SmolLM2: 60 MiB resident after a 700-token prefill whose cache holds 32 MiB).
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct KvCache {
     k: Vec<f32>,
     v: Vec<f32>,

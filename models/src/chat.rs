@@ -212,50 +212,19 @@ impl ChatTemplate {
         Ok(template_source(path)?.map_or(ChatTemplate::None, |s| Self::from_template_text(&s.text)))
     }
 
-
-
     /// The prompt as one user turn, ending where the model's answer starts.
     pub fn apply(&self, prompt: &str) -> String {
         let (before, after) = self.around();
         format!("{before}{prompt}{after}")
     }
 
-    /// The template's text before and after the prompt in [`ChatTemplate::apply`]: apart, so that
-    /// only the template's markers become control tokens, never the prompt's text
-    /// (`crate::tokenizer::encode_user`).
+    /// The template's text before and after the prompt in [`ChatTemplate::apply`] (one user turn
+    /// of [`ChatTemplate::segments`]).
     pub fn around(&self) -> (String, String) {
-        let (before, after) = match self {
-            ChatTemplate::ChatMl { system } => {
-                let sys = system.as_ref().map(|s| format!("<|im_start|>system\n{s}<|im_end|>\n")).unwrap_or_default();
-                return (format!("{sys}<|im_start|>user\n"), "<|im_end|>\n<|im_start|>assistant\n".into());
-            }
-            ChatTemplate::Gemma => ("<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),
-            ChatTemplate::Phi3 => ("<|user|>\n", "<|end|>\n<|assistant|>\n"),
-            ChatTemplate::Mistral => ("[INST] ", " [/INST]"),
-            ChatTemplate::None => ("", ""),
-        };
-        (before.into(), after.into())
-    }
-
-    /// A later user turn of a conversation, ending where the model's answer starts: it first
-    /// closes the previous answer, whose end-of-turn token was sampled but never went into the
-    /// KV cache (generation stops there), then opens the turn without the system text.
-    pub fn follow_up(&self, prompt: &str) -> String {
-        let (before, after) = self.follow_up_around();
-        format!("{before}{prompt}{after}")
-    }
-
-    /// The template's text before and after the prompt in [`ChatTemplate::follow_up`] (see
-    /// [`ChatTemplate::around`]).
-    pub fn follow_up_around(&self) -> (String, String) {
-        let (close, (before, after)) = match self {
-            ChatTemplate::ChatMl { .. } => ("<|im_end|>\n", ChatTemplate::ChatMl { system: None }.around()),
-            ChatTemplate::Gemma => ("<end_of_turn>\n", self.around()),
-            ChatTemplate::Phi3 => ("<|end|>\n", self.around()),
-            ChatTemplate::Mistral => ("</s>", self.around()),
-            ChatTemplate::None => ("\n\n", self.around()),
-        };
-        (format!("{close}{before}"), after)
+        let segments = self.segments(&[Message::user("x")], true);
+        let at = segments.iter().position(|(_, trusted)| !trusted).expect("the user's content is a piece");
+        let join = |s: &[(String, bool)]| s.iter().map(|(t, _)| t.as_str()).collect::<String>();
+        (join(&segments[..at]), join(&segments[at + 1..]))
     }
 
     /// A conversation in this format, in pieces (see [`Segments`]); with

@@ -129,7 +129,7 @@ impl Pipeline {
     /// `LogitsProcessor`, until a stop token, `sample_len` tokens or the end of the context.
     /// `on_text` gets the text as it comes, never a split character. Returns the answer.
     pub fn generate(&mut self, prompt: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
-        self.session().send(prompt, opts, on_text)
+        self.session().send(self, prompt, opts, on_text)
     }
 
 }

@@ -200,14 +200,6 @@ impl Pipeline {
         crate::tokenizer::encode_segments(&self.tokenizer, &pieces, !writes_bos)
     }
 
-    /// Token ids of a later turn of a conversation ([`ChatTemplate::follow_up`]), no BOS; the
-    /// control tokens in `text` are plain text unless `parse_special`.
-    pub fn encode_follow_up(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
-        self.check_prompt(text)?;
-        let (before, after) = self.template.follow_up_around();
-        crate::tokenizer::encode_user(&self.tokenizer, &before, text, &after, false, parse_special)
-    }
-
     /// Token ids of `text` alone: no BOS/EOS (a piece of a longer text), control tokens spelled
     /// in it as plain text (to match them: `crate::tokenizer::encode(&p.tokenizer, text, false)`).
     pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>> {

@@ -1,13 +1,20 @@
-//! A conversation on a [`Pipeline`] ([`Session`]): the KV cache keeps every earlier turn, so a
-//! turn prefills only its own tokens; and a prompt's KV state saved to a file and restored
-//! ([`Session::save`], [`Pipeline::restore_session`]), so that a long system prompt or document
-//! is prefilled once.
+//! Conversations on a [`Pipeline`] ([`Session`]): each owns its messages and its KV cache, so
+//! a turn prefills only what its conversation does not hold yet, and several conversations share
+//! one loaded model (its weights, device and NPU graphs): a turn lends its cache to the model.
+//! A conversation's state saved to a file and restored ([`Session::save`],
+//! [`Pipeline::restore_session`]), so that a long system prompt or document is prefilled once.
+//!
+//! A turn renders the whole conversation in the model's chat template
+//! ([`Pipeline::encode_chat`]) and prefills what follows the longest prefix the cache already
+//! holds (as llama.cpp's server reuses its prompt cache): the answer's end-of-turn marker, the
+//! new messages, and any token of an earlier turn the template writes otherwise than it was
+//! generated.
 //!
 //! The file: 8 magic bytes, a little-endian u32 header length and the header (JSON: format,
-//! model id, quant profile digest, precision, layers, KV heads, head size, tokens, pending
-//! token), then each layer's keys and values ([`KvCache::write_to`]), then the SHA-256 of all
-//! that. Written atomically ([`candle_npu::cache::write_atomic`]); read only up to the size its
-//! header gives; refused, with the reason, for another model, profile or precision.
+//! model id, what decides the rows' values, layers, KV heads, head size, tokens, messages), then
+//! each layer's keys and values ([`KvCache::write_to`]), then the SHA-256 of all that. Written
+//! atomically ([`candle_npu::cache::write_atomic`]); read only up to the size its header gives;
+//! refused, with the reason in one line, for another model, profile or precision.
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -18,177 +25,199 @@ use candle_transformers::generation::LogitsProcessor;
 use sha2::{Digest, Sha256};
 
 use crate::attention::KvCache;
+use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
 use crate::transformer::Model;
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
-const FORMAT: u32 = 1;
+/// 2: a conversation's messages (1 held tokens and a pending token only).
+const FORMAT: u32 = 2;
 /// The largest key or value magnitude a restored state may hold: f16's largest finite value.
 const KV_LIMIT: f32 = 65504.0;
 
 impl Pipeline {
-    /// A conversation on this pipeline, from an empty KV cache.
-    pub fn session(&mut self) -> Session<'_> {
-        self.model.clear();
-        let epoch = self.model.kv_epoch();
-        Session { p: self, tokens: vec![], pending: None, epoch }
+    /// A new conversation (nothing is prefilled until its first turn). Any number of them can
+    /// share this pipeline; each owns its KV cache.
+    pub fn session(&self) -> Session {
+        Session { messages: vec![], tokens: vec![], kv: vec![], arithmetic: self.model.arithmetic() }
     }
 
-    /// The conversation saved at `path` ([`Session::save`]), its KV cache restored: the next
-    /// turn prefills only its own tokens. Refused (and this pipeline's cache left as it was) for
-    /// a file of other weights, another quant profile or precision, or a damaged one.
-    pub fn restore_session(&mut self, path: &Path) -> Result<Session<'_>> {
-        let (caches, tokens, pending) = read_state(&self.model, path)?;
-        self.model.set_kv_caches(caches);
-        let epoch = self.model.kv_epoch();
-        Ok(Session { p: self, tokens, pending, epoch })
+    /// The conversation saved at `path` ([`Session::save`]), its KV cache restored: its next
+    /// turn prefills only its own tokens. Refused, saying which setting differs, for a file of
+    /// other weights, another quant profile or precision, or a damaged one.
+    pub fn restore_session(&self, path: &Path) -> Result<Session> {
+        let (kv, tokens, messages) = read_state(&self.model, path)?;
+        Ok(Session { messages, tokens, kv, arithmetic: self.model.arithmetic() })
     }
 }
 
-/// A conversation: the KV cache keeps every earlier turn, so [`Session::send`] prefills only the
-/// new turn's tokens (through the same chunked NPU plan) before answering.
-pub struct Session<'p> {
-    p: &'p mut Pipeline,
-    /// The conversation's tokens, as the KV cache holds them.
+/// A conversation: its messages, and the KV cache of the tokens it has run through the model
+/// (see the module documentation). Turns take the pipeline they run on. A clone is a fork: the
+/// same conversation, to go on another way (its cache copied).
+#[derive(Clone)]
+pub struct Session {
+    messages: Vec<Message>,
+    /// The tokens the cache holds.
     tokens: Vec<u32>,
-    /// The last answer's last token when it was sampled but not decoded (an answer cut at
-    /// `sample_len`): it goes into the cache before the next turn.
-    pending: Option<u32>,
-    /// The model's [`Model::kv_epoch`] after this session's last change to the cache.
-    epoch: u64,
+    /// Per layer; empty before the first turn.
+    kv: Vec<KvCache>,
+    /// What decided the cached rows' values (`Model::arithmetic`): a model given another
+    /// profile since would compute others.
+    arithmetic: String,
 }
 
-impl Session<'_> {
-    /// Refuses to go on when something other than this session changed the model's KV cache
-    /// (through [`Session::pipeline`]): the cache no longer holds this conversation, and a turn
-    /// or a save would go on as if it did.
-    fn check_in_step(&self) -> Result<()> {
-        let m = &self.p.model;
-        if m.kv_epoch() != self.epoch {
-            return Err(Error::Input(format!(
-                "this session's model was changed outside it (its KV cache now holds {} tokens, the conversation {}; or its profile or shadow layers changed): start a new session or restore a saved one",
-                m.position(),
-                self.tokens.len()
-            )));
-        }
-        Ok(())
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Session({} messages, {} tokens cached)", self.messages.len(), self.tokens.len())
     }
+}
 
+impl Session {
     /// The tokens the KV cache holds.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
 
-    /// The pipeline the conversation runs on. What changes its model's KV cache or what its rows
-    /// mean (a prefill, `clear`, `extend`, a profile) takes the cache away from the conversation:
-    /// [`Session::send`] and [`Session::save`] then refuse, and a new session starts over.
-    pub fn pipeline(&mut self) -> &mut Pipeline {
-        self.p
+    /// The conversation so far, the model's answers included.
+    pub fn messages(&self) -> &[Message] {
+        &self.messages
     }
 
-    /// The user's next turn: its tokens (the chat template's, closing the previous answer) are
-    /// prefilled after the conversation, then the answer is generated as
-    /// [`Pipeline::generate`] does. Control tokens spelled in `text` stay text unless
-    /// [`GenerateOptions::parse_special`].
-    pub fn send(&mut self, text: &str, opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
+    /// The user's next turn: [`Session::chat`] of one user message.
+    pub fn send(&mut self, p: &mut Pipeline, text: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
+        self.chat(p, &[Message::user(text)], opts, on_text)
+    }
+
+    /// Adds `messages` (a system prompt first, user turns, ...) to the conversation and answers
+    /// them as [`Pipeline::generate`] does: the conversation is rendered in the model's chat
+    /// template and only what the KV cache does not hold yet is prefilled. The answer joins the
+    /// conversation. Control tokens spelled in the messages stay text unless
+    /// [`GenerateOptions::parse_special`]. On an error the conversation is as it was.
+    pub fn chat(&mut self, p: &mut Pipeline, messages: &[Message], opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         opts.validate()?;
-        self.check_in_step()?;
-        // Every change the turn makes is this session's, failed ones too (a failed prefill or
-        // decode takes the cache back to the tokens the session holds).
-        let r = self.turn(text, opts, &mut on_text);
-        self.epoch = self.p.model.kv_epoch();
-        r
-    }
-
-    fn turn(&mut self, text: &str, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<(String, GenerateStats)> {
-        let p = &mut *self.p;
-        let mut new: Vec<u32> = self.pending.into_iter().collect();
-        if self.tokens.is_empty() {
-            new.extend(p.encode_with(text, true, opts.parse_special)?);
-        } else {
-            new.extend(p.encode_follow_up(text, opts.parse_special)?);
+        let now = p.model.arithmetic();
+        if now != self.arithmetic {
+            return Err(Error::Input(format!("this conversation's cache was computed otherwise ({}): start a new session", differs(&self.arithmetic, &now))));
         }
-        if new.is_empty() {
-            return Err(Error::Input("an empty prompt: nothing to answer".into()));
+        let mut all = self.messages.clone();
+        all.extend_from_slice(messages);
+        let ids = p.encode_chat(&all, true, opts.parse_special)?;
+        let keep = self.tokens.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len().saturating_sub(1));
+        let new = &ids[keep..];
+        // The cache goes to the model for the turn, and comes back whatever happens.
+        let mut kv = std::mem::take(&mut self.kv);
+        kv.iter_mut().for_each(|c| c.truncate(keep));
+        match kv.is_empty() {
+            true => p.model.clear(),
+            false => p.model.set_kv_caches(kv),
         }
-        let context = p.model.config().context_len;
-        let cached = self.tokens.len();
-        let t = Instant::now();
-        let mut logits = p.model.extend(&new)?;
-        let prefill = t.elapsed();
-        self.tokens.extend(&new);
-        self.pending = None;
-
-        let mut sampler = LogitsProcessor::from_sampling(opts.seed, opts.sampling());
-        let mut stream = TextStream::new();
-        let (mut answer, mut ids) = (String::new(), Vec::new());
-        let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
-        let t = Instant::now();
-        while ids.len() < opts.sample_len {
-            let next = sampler.sample(&penalized(&logits, &self.tokens, &p.textless, opts)?)?;
-            if ids.is_empty() {
-                ttft = prefill + t.elapsed();
+        let r = answer(p, &ids, keep, opts, &mut on_text);
+        self.kv = p.model.take_kv_caches();
+        let (answer, stats, tokens) = match r {
+            Ok(done) => done,
+            Err(e) => {
+                // The cache holds what it held up to `keep` (a failed step takes back its rows).
+                self.tokens.truncate(keep.min(self.kv.first().map_or(0, KvCache::len)));
+                self.kv.iter_mut().for_each(|c| c.truncate(self.tokens.len()));
+                return Err(e);
             }
-            if p.stop_tokens.contains(&next) {
-                stop = StopReason::StopToken;
-                break;
-            }
-            ids.push(next);
-            // Given out but not yet in the cache: the next turn starts with it unless decoded.
-            self.pending = Some(next);
-            if let Some(text) = stream.next(&p.tokenizer, next)? {
-                on_text(&text);
-                answer += &text;
-            }
-            if ids.len() == opts.sample_len {
-                break;
-            }
-            if self.tokens.len() >= context {
-                stop = StopReason::ContextFull;
-                break;
-            }
-            logits = p.model.decode(next)?;
-            self.tokens.push(next);
-            self.pending = None;
-        }
-        if let Some(text) = stream.finish(&p.tokenizer)? {
-            on_text(&text);
-            answer += &text;
-        }
-        let decode = t.elapsed().saturating_sub(ttft.saturating_sub(prefill));
-        let stats = GenerateStats { prompt_tokens: new.len(), cached_tokens: cached, prefill, ttft, generated_tokens: ids.len(), decode, stop };
+        };
+        debug_assert!(new.len() == stats.prompt_tokens);
+        self.tokens = tokens;
+        self.messages = all;
+        self.messages.push(Message::assistant(answer.clone()));
         Ok((answer, stats))
     }
 
-    /// Saves the conversation's KV state to `path` (see the module documentation).
-    pub fn save(&self, path: &Path) -> Result<()> {
-        self.check_in_step()?;
-        let model = &self.p.model;
-        let caches = model.kv_caches();
+    /// Saves the conversation and its KV state to `path`, for `p`'s model (see the module
+    /// documentation).
+    pub fn save(&self, p: &Pipeline, path: &Path) -> Result<()> {
+        let model = &p.model;
         let cfg = model.config();
         let header = Header {
             format: FORMAT,
             model_id: model.model_id().to_string(),
-            arithmetic: model.arithmetic(),
-            layers: caches.len(),
+            arithmetic: self.arithmetic.clone(),
+            layers: cfg.n_layer,
             kv_heads: cfg.n_kv_head,
             head_dim: cfg.head_dim,
             tokens: self.tokens.clone(),
-            pending: self.pending,
+            messages: self.messages.clone(),
         };
         let json = serde_json::to_vec(&header).map_err(|e| Error::KvState { path: path.to_path_buf(), reason: e.to_string() })?;
+        let empty = KvCache::default();
         candle_npu::cache::write_atomic(path, |f| {
             let mut h = HashingWriter { inner: f, hash: Sha256::new() };
             h.write_all(MAGIC)?;
             h.write_all(&(json.len() as u32).to_le_bytes())?;
             h.write_all(&json)?;
-            for c in &caches {
-                c.write_to(&mut h)?;
+            for l in 0..cfg.n_layer {
+                self.kv.get(l).unwrap_or(&empty).write_to(&mut h)?;
             }
             let digest = h.hash.finalize();
             h.inner.write_all(&digest)
         })
+    }
+}
+
+/// A turn on the model holding the conversation's cache of `ids[..keep]`: prefill the rest of
+/// `ids`, then sample the answer. Its text, stats, and the tokens the cache then holds.
+fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<(String, GenerateStats, Vec<u32>)> {
+    let context = p.model.config().context_len;
+    let new = &ids[keep..];
+    let t = Instant::now();
+    let mut logits = p.model.extend(new)?;
+    let prefill = t.elapsed();
+    let mut tokens = ids.to_vec();
+    let mut sampler = LogitsProcessor::from_sampling(opts.seed, opts.sampling());
+    let mut stream = TextStream::new();
+    let (mut text, mut generated) = (String::new(), 0);
+    let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
+    let t = Instant::now();
+    while generated < opts.sample_len {
+        let next = sampler.sample(&penalized(&logits, &tokens, &p.textless, opts)?)?;
+        if generated == 0 {
+            ttft = prefill + t.elapsed();
+        }
+        if p.stop_tokens.contains(&next) {
+            stop = StopReason::StopToken;
+            break;
+        }
+        generated += 1;
+        if let Some(piece) = stream.next(&p.tokenizer, next)? {
+            on_text(&piece);
+            text += &piece;
+        }
+        // The last token is not decoded: the next turn's render holds it as text.
+        if generated == opts.sample_len {
+            break;
+        }
+        if tokens.len() >= context {
+            stop = StopReason::ContextFull;
+            break;
+        }
+        logits = p.model.decode(next)?;
+        tokens.push(next);
+    }
+    if let Some(piece) = stream.finish(&p.tokenizer)? {
+        on_text(&piece);
+        text += &piece;
+    }
+    let decode = t.elapsed().saturating_sub(ttft.saturating_sub(prefill));
+    let stats = GenerateStats { prompt_tokens: new.len(), cached_tokens: keep, prefill, ttft, generated_tokens: generated, decode, stop };
+    Ok((text, stats, tokens))
+}
+
+/// Which parts of two `Model::arithmetic` descriptions differ, in one line: e.g. "profile
+/// 3fa2... then, 9b1c... now".
+fn differs(then: &str, now: &str) -> String {
+    let (a, b): (Vec<&str>, Vec<&str>) = (then.split(", ").collect(), now.split(", ").collect());
+    let short = |s: &str| if s.len() > 40 { format!("{}...", &s[..s.floor_char_boundary(40)]) } else { s.to_string() };
+    let diffs: Vec<String> = a.iter().zip(&b).filter(|(x, y)| x != y).map(|(x, y)| format!("{} then, {} now", short(x), short(y))).collect();
+    match diffs.is_empty() || a.len() != b.len() {
+        true => format!("{} then, {} now", short(then), short(now)),
+        false => diffs.join("; "),
     }
 }
 
@@ -203,7 +232,7 @@ struct Header {
     kv_heads: usize,
     head_dim: usize,
     tokens: Vec<u32>,
-    pending: Option<u32>,
+    messages: Vec<Message>,
 }
 
 /// Hashes what it writes.
@@ -223,8 +252,8 @@ impl<W: Write> Write for HashingWriter<W> {
     }
 }
 
-/// The KV caches, tokens and pending token of the state at `path`, checked against `model`.
-fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Option<u32>)> {
+/// The KV caches, tokens and messages of the state at `path`, checked against `model`.
+fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Vec<Message>)> {
     let bad = |reason: String| Error::KvState { path: path.to_path_buf(), reason };
     let io = |e: std::io::Error| Error::Io { path: path.to_path_buf(), source: e };
     // Before opening it too: opening a FIFO blocks until a writer comes.
@@ -244,21 +273,22 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Opt
     let json_len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
     // Bounded before any allocation: the header of a model's context of tokens is far smaller.
     let cfg = model.config();
-    if json_len > 64 + 12 * cfg.context_len + 1024 {
+    // Messages' text is tokens' text: a few bytes a token, 16 at most with JSON's escapes.
+    if json_len > 64 + 28 * cfg.context_len + 1024 {
         return Err(bad(format!("a header of {json_len} bytes")));
     }
     let mut json = vec![0u8; json_len];
     f.read_exact(&mut json).map_err(|_| bad("shorter than its header".into()))?;
     let h: Header = serde_json::from_slice(&json).map_err(|e| bad(format!("header: {e}")))?;
     if h.format != FORMAT {
-        return Err(bad(format!("format {} (this build reads {FORMAT})", h.format)));
+        return Err(bad(format!("format {} (this build reads {FORMAT}): prefill the conversation again", h.format)));
     }
     if h.model_id != model.model_id() {
         return Err(bad(format!("saved for model {}, not this model ({})", h.model_id, model.model_id())));
     }
     let arithmetic = model.arithmetic();
     if h.arithmetic != arithmetic {
-        return Err(bad(format!("saved with {}; this model runs {arithmetic}: prefill the prompt again", h.arithmetic)));
+        return Err(bad(format!("saved with another setting ({}): prefill the conversation again", differs(&h.arithmetic, &arithmetic))));
     }
     let len = h.tokens.len();
     if h.layers != cfg.n_layer || h.kv_heads != cfg.n_kv_head || h.head_dim != cfg.head_dim || len > cfg.context_len {
@@ -267,8 +297,7 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Opt
             h.layers, h.kv_heads, h.head_dim, cfg.n_layer, cfg.n_kv_head, cfg.head_dim, cfg.context_len
         )));
     }
-    let ids: Vec<u32> = h.tokens.iter().chain(&h.pending).copied().collect();
-    model.check_tokens(&ids).map_err(|e| bad(e.to_string()))?;
+    model.check_tokens(&h.tokens).map_err(|e| bad(e.to_string()))?;
     let layer_bytes = 2 * h.kv_heads * len * h.head_dim * 4;
     let want = 12 + json_len as u64 + (h.layers * layer_bytes) as u64 + 32;
     if meta.len() != want {
@@ -296,5 +325,5 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Opt
     if hash.finalize()[..] != digest {
         return Err(bad("checksum mismatch: the file is damaged".into()));
     }
-    Ok((caches, h.tokens, h.pending))
+    Ok((caches, h.tokens, h.messages))
 }

@@ -242,8 +242,6 @@ pub struct Model {
     graphs: HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
     kv: Vec<Mutex<KvCache>>,
     pos: usize,
-    /// Bumped by every change to the KV cache or to what its rows mean ([`Model::kv_epoch`]).
-    kv_epoch: u64,
     sched: SchedOptions,
     /// Rows of the NPU graphs a prompt is cut into ([`LoadOptions::chunk_len`]).
     chunk_len: usize,
@@ -369,7 +367,6 @@ impl Model {
             npu_pool: None,
             last_run: None,
             pos: 0,
-            kv_epoch: 0,
             progress: None,
         })
     }
@@ -428,13 +425,6 @@ impl Model {
         self.pos
     }
 
-    /// Changes with every change to the KV cache (a prefill, decode, `clear`, a restore) and to
-    /// what its rows mean (a profile, the shadow layers): a holder of a conversation (a
-    /// [`crate::Session`]) notes it after its own changes and so sees any other.
-    pub fn kv_epoch(&self) -> u64 {
-        self.kv_epoch
-    }
-
     /// The quant profile in use, once one is set ([`Model::set_profile`]): clip ranges, hot
     /// channels, layer importance.
     pub fn profile(&self) -> Option<&QuantProfile> {
@@ -446,24 +436,24 @@ impl Model {
         self.layers.iter().flat_map(Layer::linears)
     }
 
-    /// The KV caches, one per layer, each holding [`Model::position`] tokens.
-    pub(crate) fn kv_caches(&self) -> Vec<std::sync::MutexGuard<'_, KvCache>> {
-        self.kv.iter().map(|kv| kv.lock().unwrap_or_else(|e| e.into_inner())).collect()
-    }
-
     /// Replaces the KV caches (one per layer, each of `(kv_heads, head_dim)` and one length,
     /// checked by the caller) and the position with theirs.
     pub(crate) fn set_kv_caches(&mut self, caches: Vec<KvCache>) {
         self.pos = caches.first().map_or(0, KvCache::len);
         self.kv = caches.into_iter().map(Mutex::new).collect();
-        self.kv_epoch += 1;
+    }
+
+    /// The KV caches, taken out (a [`crate::Session`]'s, back from a turn): the model is left
+    /// with empty ones, at position 0.
+    pub(crate) fn take_kv_caches(&mut self) -> Vec<KvCache> {
+        self.pos = 0;
+        self.kv.iter_mut().map(|kv| std::mem::take(kv.get_mut().unwrap_or_else(|e| e.into_inner()))).collect()
     }
 
     /// Forget the KV cache.
     pub fn clear(&mut self) {
         self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).clear());
         self.pos = 0;
-        self.kv_epoch += 1;
     }
 
     /// Decode one token at the current position; returns its logits, `[vocab]`.
@@ -513,7 +503,6 @@ impl Model {
         }
         let x = x.finish()?;
         self.pos += n;
-        self.kv_epoch += 1;
         Ok(x)
     }
 
@@ -537,7 +526,6 @@ impl Model {
     fn truncate_kv(&mut self, n: usize) {
         self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).truncate(n));
         self.pos = self.pos.min(n);
-        self.kv_epoch += 1;
     }
 
     /// Embeddings of `tokens`, `[n, hidden]` (scaled as the family says).

@@ -57,8 +57,6 @@ impl Model {
         for (layer, &on) in self.layers.iter_mut().zip(on) {
             layer.stages.iter_mut().flatten().for_each(|lin| lin.set_shadow(on));
         }
-        // Rows cached from here on are computed otherwise (a profile change comes through here).
-        self.kv_epoch += 1;
         let Some(profile) = &self.profile else {
             self.shadow_on = on.to_vec();
             return Ok(());

@@ -364,7 +364,6 @@ impl Model {
         drop(runner);
         self.last_run = Some((dag, schedule));
         self.pos += tokens.len();
-        self.kv_epoch += 1;
         let rows: Vec<Tensor> = out_rows.into_iter().filter(|r| r.dim(0).is_ok_and(|n| n > 0)).collect();
         self.logits(&Tensor::cat(&rows, 0)?)
     }
