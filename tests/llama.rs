@@ -251,3 +251,40 @@ fn profile_of_another_model_is_an_error() {
     let e = p.ensure_profile(Some(&path), CalibrationSet::default(), |_, _| {}).unwrap_err().to_string();
     assert!(e.contains("missing-point.w8a8.json") && e.contains("blk.3.ffn_down_in") && e.contains("delete it to recalibrate"), "{e}");
 }
+
+/// The command line's conversation: `--save-session` after a turn, then `--load-session` goes on
+/// from it (the turn prefills only its own tokens) with `--interactive` turns from stdin, a
+/// system prompt and sampling options.
+#[test]
+fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
+    use std::io::Write;
+    let state = tmp("cli-turn1.kv");
+    let _ = std::fs::remove_file(&state);
+    let run = |args: &[&str], stdin: &str| {
+        let mut child = std::process::Command::new(llama_example())
+            .args(["--sample-len", "8"])
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+        assert!(out.status.success(), "{args:?}:\n{stdout}\n{stderr}");
+        (stdout, stderr)
+    };
+    let s = state.to_str().unwrap();
+    let (first, err) = run(&["--prompt", "What is the capital of France?", "--system", "Answer briefly.", "--save-session", s], "");
+    assert!(first.contains("Paris") && err.contains("saved to"), "{first}\n{err}");
+    let (next, err) = run(&["--load-session", s, "--prompt", "And of Germany?", "--interactive", "--repeat-penalty", "1.1", "--temperature", "0.5", "--top-k", "20"], "And of Italy?\n\n");
+    let line = next.lines().find(|l| l.contains("prompt tokens processed")).unwrap_or_else(|| panic!("{next}"));
+    let new: usize = line.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(new < 25, "the loaded turn prefilled only its own tokens: {line}");
+    assert!(err.contains("new tokens after") && err.contains("kept"), "the interactive turn: {err}");
+    // Options the parser refuses, before anything loads.
+    let out = std::process::Command::new(llama_example()).args(["--repeat-penalty", "0", "--system", "x"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not a repeat penalty"));
+    std::fs::remove_file(&state).unwrap();
+}

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
 use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail};
-use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Pipeline, Precision, SchedOptions, StopReason};
+use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Message, Pipeline, Precision, SchedOptions, StopReason};
 use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -121,6 +121,29 @@ struct Args {
     /// Nucleus sampling: the smallest set of tokens holding this probability, in (0, 1].
     #[arg(long, value_parser = top_p, requires = "temperature")]
     top_p: Option<f64>,
+    /// Sample among the k most likely tokens only.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), requires = "temperature")]
+    top_k: Option<u32>,
+    /// Penalty on the logits of the last `--repeat-last-n` tokens (1: none), in [0.01, 100].
+    #[arg(long, default_value_t = 1.0, value_parser = repeat_penalty)]
+    repeat_penalty: f32,
+    /// How many of the conversation's last tokens the repeat penalty looks at.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    /// A system prompt, before the prompt (in the model's chat template).
+    #[arg(long, conflicts_with_all = ["no_chat_template", "load_session"])]
+    system: Option<String>,
+    /// After the answer, read further turns from stdin, one a line (an empty line or end of
+    /// input ends the conversation); each prefills only its own tokens.
+    #[arg(long)]
+    interactive: bool,
+    /// Go on from a conversation saved with `--save-session` (its KV cache restored: the
+    /// prompt prefills only its own tokens).
+    #[arg(long)]
+    load_session: Option<PathBuf>,
+    /// Save the conversation and its KV cache at the end (for `--load-session`).
+    #[arg(long)]
+    save_session: Option<PathBuf>,
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
     /// Rows of the static NPU graphs; the prompt is cut into chunks of this length. Default:
@@ -193,6 +216,13 @@ fn temperature(s: &str) -> std::result::Result<f64, String> {
     }
 }
 
+fn repeat_penalty(s: &str) -> std::result::Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(r) if (0.01..=100.0).contains(&r) => Ok(r),
+        _ => Err(format!("'{s}' is not a repeat penalty: a number in [0.01, 100] (1: none)")),
+    }
+}
+
 fn top_p(s: &str) -> std::result::Result<f64, String> {
     match s.parse::<f64>() {
         // candle's sampler compares in f32: a top-p that rounds to 0 there would keep no token.
@@ -215,6 +245,9 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     // regular file or nothing there (never a folder, link or device), in an existing folder.
     if let Some(trace) = &args.trace {
         candle_npu::fs::check_output_path(trace, "--trace")?;
+    }
+    if let Some(out) = &args.save_session {
+        candle_npu::fs::check_output_path(out, "--save-session")?;
     }
     if let Some(dir) = &args.graph_cache {
         if candle_npu::fs::exists(dir)? && !dir.is_dir() {
@@ -287,6 +320,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         });
         let inputs: Vec<&std::path::Path> = [Some(path.as_path()), Some(profile.as_path()), args.tokenizer.as_deref()].into_iter().flatten().collect();
         candle_npu::fs::check_not_an_input(trace, "--trace", &inputs)?;
+    }
+    if let Some(out) = &args.save_session {
+        let inputs: Vec<&std::path::Path> = [Some(path.as_path()), args.tokenizer.as_deref(), args.profile.as_deref(), args.trace.as_deref()].into_iter().flatten().collect();
+        candle_npu::fs::check_not_an_input(out, "--save-session", &inputs)?;
     }
     let mut sched = SchedOptions::for_device(&device);
     if let Some(policy) = args.policy {
@@ -374,6 +411,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         })));
     }
     if args.no_chat_template {
+        p.jinja = None;
         p.template = candle_npu_models::chat::ChatTemplate::None;
         print!("{}", args.prompt);
     } else {
@@ -383,16 +421,41 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         sample_len: args.sample_len,
         temperature: args.temperature,
         top_p: args.top_p,
+        top_k: args.top_k.map(|k| k as usize),
+        repeat_penalty: args.repeat_penalty,
+        repeat_last_n: args.repeat_last_n,
         seed: args.seed,
         parse_special: args.parse_special,
-        ..Default::default()
     };
-    let before = device.stats();
-    let (_, stats) = p.generate(&args.prompt, &gen, |text| {
+    let mut session = match &args.load_session {
+        Some(path) => p.restore_session(path)?,
+        None => p.session(),
+    };
+    let first: Vec<Message> = args.system.iter().map(Message::system).chain([Message::user(&args.prompt)]).collect();
+    let print = |text: &str| {
         print!("{text}");
         let _ = std::io::stdout().flush();
-    })?;
+    };
+    let before = device.stats();
+    let (_, stats) = session.chat(&mut p, &first, &gen, print)?;
     println!();
+    if args.interactive {
+        let mut line = String::new();
+        loop {
+            eprint!("> ");
+            line.clear();
+            if std::io::stdin().read_line(&mut line)? == 0 || line.trim().is_empty() {
+                break;
+            }
+            let (_, s) = session.send(&mut p, line.trim_end_matches(['\r', '\n']), &gen, print)?;
+            println!();
+            eprintln!("({} new tokens after {} kept; first token after {:.2}s)", s.prompt_tokens, s.cached_tokens, s.ttft.as_secs_f64());
+        }
+    }
+    if let Some(out) = &args.save_session {
+        session.save(&p, out)?;
+        eprintln!("conversation of {} tokens saved to {}", session.tokens().len(), out.display());
+    }
     if stats.stop == StopReason::ContextFull {
         eprintln!("(stopped: the model's context of {context} tokens is full)");
     }
@@ -407,7 +470,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             100.0 * schedule.bubble_rate(Processor::Cpu)
         );
     }
-    let plan = p.model.plan(tokens.len())?;
+    let plan = p.model.plan(stats.prompt_tokens)?;
     let policy = match p.model.policy_set_aside(plan.chunks.len()) {
         true => format!("{}, chunks in order: the host executor shares the cores", p.model.sched().policy.name()),
         false => p.model.sched().policy.name().to_string(),
@@ -415,7 +478,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let sizes: Vec<String> = plan.npu_sizes().iter().rev().map(|&s| format!("{} x {s}", plan.chunks.iter().filter(|c| !c.margin && c.padded_len == s).count())).collect();
     println!(
         "\n{} prompt tokens processed: {:.2} token/s, first token after {:.2}s (NPU chunks: {}; {} margin rows on the CPU, {} padded rows; {}; {} graphs prepared, {} executed)",
-        tokens.len(),
+        stats.prompt_tokens,
         stats.prefill_tokens_per_sec(),
         stats.ttft.as_secs_f64(),
         if sizes.is_empty() { "none".to_string() } else { sizes.join(" + ") },
