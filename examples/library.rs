@@ -14,7 +14,8 @@ fn main() -> anyhow::Result<()> {
     // README: start
     let device = NpuDevice::host(); // or NpuDevice::hexagon(HtpConfig::default())?
     let mut p = Pipeline::load(&path, None, &device, LoadOptions::default())?;
-    p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?; // calibrates once, saves next to the model
+    // The first run calibrates (a minute or so), saves the profile next to the model, and reuses it.
+    p.ensure_profile(None, CalibrationSet::default(), |done, total| eprint!("\rcalibrating {done}/{total}"))?;
 
     let opts = GenerateOptions { sample_len: 64, ..Default::default() }; // greedy; temperature, top_p, top_k, seed
     let print = |text: &str| {

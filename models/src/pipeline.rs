@@ -271,6 +271,17 @@ impl Pipeline {
         let passes = if n_imp > 0 { self.model.config().n_layer + 1 } else { 0 };
         let count_pass = if set.hot_coverage < 1.0 { seqs.len() } else { 0 };
         let total = seqs.len() + count_pass + passes;
+        // Said through `tracing` too, every tenth of the way: a first run without a progress
+        // closure (the caller's) is otherwise silent for a minute or more.
+        let (started, mut said) = (std::time::Instant::now(), 0);
+        tracing::info!(sequences = seqs.len(), passes = total, "calibrating the model's activation ranges (once: the profile is saved and reused)");
+        let mut progress = |done: usize, total: usize| {
+            progress(done, total);
+            if done * 10 / total.max(1) > said {
+                said = done * 10 / total.max(1);
+                tracing::info!("calibration {}% ({done} of {total} passes, {:.0}s)", 10 * said, started.elapsed().as_secs_f64());
+            }
+        };
         let cal = self.model.calibrate(seqs, |i| progress(i, total))?;
         let mut profile = cal.finish(self.model.model_id().to_string(), set.clip);
         self.model.set_profile(profile.clone())?;
