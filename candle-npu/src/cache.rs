@@ -549,7 +549,17 @@ mod tests {
         }
         let dir = tmp_dir("fsize");
         std::fs::create_dir_all(&dir).unwrap();
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+        // Under qemu-user (scripts/aarch64.sh sets QEMU_CPU) the child runs through it too: an
+        // aarch64 binary cannot be executed directly on the x86_64 host.
+        let exe = std::env::current_exe().unwrap();
+        let mut child = match std::env::var_os("QEMU_CPU") {
+            Some(_) if cfg!(target_arch = "aarch64") => {
+                let mut c = std::process::Command::new("qemu-aarch64-static");
+                c.arg(&exe);
+                c
+            }
+            _ => std::process::Command::new(&exe),
+        };
         child.args(["--exact", "cache::tests::a_file_size_limit_is_an_error_naming_the_file", "--nocapture"]).env(CHILD, &dir);
         // SAFETY: setrlimit is async-signal-safe; the limit is this child's alone.
         unsafe {

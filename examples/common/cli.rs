@@ -286,16 +286,12 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             NpuDevice::hexagon(config).context("starting the Hexagon executor (run scripts/setup.sh, or set CANDLE_NPU_QNN_LIB_DIR)")?
         }
     };
-    // Unless given, the model's default (256, or its context where shorter), or 32 on the x86
-    // emulator; an error about it says whether the user gave it.
-    let chunk_len = args.chunk_len.map(|c| c as usize).or(match args.executor {
-        ExecutorKind::Hexagon if cfg!(target_arch = "x86_64") => Some(32),
-        _ => None,
-    });
-    let chunk_said = match (args.chunk_len, chunk_len) {
-        (Some(c), _) => format!("--chunk-len {c}"),
-        (None, Some(c)) => format!("the default chunk length {c} of --executor hexagon on x86: pass --chunk-len"),
-        (None, None) => "the default chunk length".into(),
+    // Unless given, the model's default for the device (`default_chunk_len`); an error about it
+    // says whether the user gave it.
+    let chunk_len = args.chunk_len.map(|c| c as usize);
+    let chunk_said = match chunk_len {
+        Some(c) => format!("--chunk-len {c}"),
+        None => format!("the default chunk length {}", candle_npu_models::transformer::default_chunk_len(&device)),
     };
     let path = match (&args.model, &args.model_id, args.which.or(default)) {
         (Some(p), _, _) => p.clone(),

@@ -73,6 +73,16 @@ pub enum Precision {
     W8A16,
 }
 
+/// The chunk length a model takes on `device` when none is given (the library's and the
+/// command line's): 256, the paper's; 32 on the HTP library's x86 emulator, whose 0.3-1 GMAC/s
+/// takes minutes over a 256-row chunk of even SmolLM2 (about 12 s over 32 rows).
+pub fn default_chunk_len(device: &NpuDevice) -> usize {
+    match !device.on_host() && cfg!(target_arch = "x86_64") {
+        true => 32,
+        false => 256,
+    }
+}
+
 /// How to load a model, set once: everything here is checked against the model as it loads.
 /// The executor is the [`NpuDevice`] the model is loaded onto.
 #[derive(Debug, Clone)]
@@ -84,8 +94,8 @@ pub struct LoadOptions {
     /// How the NPU's INT8 weights are scaled (per output channel by default).
     pub weights: WeightQuant,
     /// Rows of the NPU graphs a prompt is cut into (the chunk-sharing length), 1 up to the
-    /// model's context: checked at load. `None`: 256, or the model's context where that is
-    /// shorter. A smaller length pads less on short prompts, a larger one pays the NPU's
+    /// model's context: checked at load. `None`: [`default_chunk_len`] of the device, or the
+    /// model's context where that is shorter. A smaller length pads less on short prompts, a larger one pays the NPU's
     /// per-graph cost less often.
     pub chunk_len: Option<usize>,
     /// How prefill is scheduled. `None`: [`SchedOptions::for_device`] of the device loaded onto.
@@ -271,7 +281,7 @@ impl Model {
     ) -> Result<Self> {
         check_spec(&cfg, &spec, ckpt)?;
         // Before the weights are read and quantized, not after.
-        let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or(256.min(cfg.context_len)), cfg.context_len)?;
+        let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or_else(|| default_chunk_len(&device).min(cfg.context_len)), cfg.context_len)?;
         let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device));
         sched.validate(cfg.context_len)?;
         let vector = |name: String| ckpt.vector(&names(&name).name);
