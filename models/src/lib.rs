@@ -44,3 +44,14 @@ pub use transformer::{prefill_dag, LoadOptions, Model, Precision, SchedOptions};
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
+
+/// The guides' examples (`docs/guides/`), compiled as doctests too.
+#[cfg(doctest)]
+mod guides {
+    #[doc = include_str!("../../docs/guides/chat-app.md")]
+    struct ChatApp;
+    #[doc = include_str!("../../docs/guides/own-model.md")]
+    struct OwnModel;
+    #[doc = include_str!("../../docs/guides/hexagon.md")]
+    struct Hexagon;
+}
