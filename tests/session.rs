@@ -125,6 +125,11 @@ fn generation_stops_and_checks_its_options() {
     ] {
         assert!(p.generate("hi", &bad, |_| {}).is_err(), "{bad:?}");
     }
+    // Without a template an empty prompt has no token: refused, not a failed prefill.
+    let (jinja, template) = (p.jinja.take(), std::mem::replace(&mut p.template, candle_npu_models::chat::ChatTemplate::None));
+    let e = p.session().send(&mut p, "", &opts, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("empty prompt"), "{e}");
+    (p.jinja, p.template) = (jinja, template);
     // Sampled generation is reproducible from its seed.
     let sampled = GenerateOptions { sample_len: 8, temperature: Some(0.9), top_k: Some(40), top_p: Some(0.95), ..opts };
     let a = p.generate("Write about the sea.", &sampled, |_| {}).unwrap().0;

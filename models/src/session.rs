@@ -103,6 +103,9 @@ impl Session {
         let mut all = self.messages.clone();
         all.extend_from_slice(messages);
         let ids = p.encode_chat(&all, true, opts.parse_special)?;
+        if ids.is_empty() {
+            return Err(Error::Input("an empty prompt: nothing to answer".into()));
+        }
         let keep = self.tokens.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len().saturating_sub(1));
         let new = &ids[keep..];
         // The cache goes to the model for the turn, and comes back whatever happens.
