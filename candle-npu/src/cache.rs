@@ -311,18 +311,20 @@ fn is_entry_temp_name(name: &str) -> bool {
 
 /// Sets SIGXFSZ to be ignored, once per process: a write past a file-size limit then fails with
 /// EFBIG ("File too large"), which [`write_atomic`] reports with the path, instead of ending the
-/// process without a word and leaving its temporary file. Only a default disposition is
-/// changed: a handler the program installed is kept.
+/// process without a word and leaving its temporary file. Only the default disposition is
+/// changed (a handler the program installed is never touched); like any ignored signal, it
+/// stays ignored in child processes the program starts later.
 fn ignore_sigxfsz() {
     #[cfg(unix)]
     {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
-            // SAFETY: signal(2) with a valid signal number and SIG_IGN / the handler it returned.
+            // SAFETY: sigaction(2) reads the disposition into a zeroed struct of its own type;
+            // signal(2) sets SIG_IGN for a valid signal number.
             unsafe {
-                let previous = libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-                if previous != libc::SIG_DFL && previous != libc::SIG_ERR {
-                    libc::signal(libc::SIGXFSZ, previous);
+                let mut now: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(libc::SIGXFSZ, std::ptr::null(), &mut now) == 0 && now.sa_sigaction == libc::SIG_DFL {
+                    libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
                 }
             }
         });

@@ -115,8 +115,13 @@ impl Npu {
         if let Some(l) = layers.iter().zip(&states).find(|(_, s)| s.seen.tokens_seen == 0).map(|(l, _)| l) {
             return Err(Error::Input(format!("NPU layer {}: observed no input before freeze: run the model on sample inputs first", l.name)));
         }
-        for (l, s) in layers.iter().zip(states.iter_mut()) {
-            let profile = s.seen.finish(l.name.clone(), clip);
+        // Every layer's ranges checked before any layer changes (an infinite sample value under
+        // MinMax would give an infinite range: every output NaN).
+        let profiles: Vec<_> = layers.iter().zip(&states).map(|(l, s)| s.seen.finish(l.name.clone(), clip)).collect();
+        for (l, p) in layers.iter().zip(&profiles) {
+            p.validate().map_err(|why| Error::Input(format!("NPU layer {}: what it observed gives no usable range: {why}", l.name)))?;
+        }
+        for ((l, s), profile) in layers.iter().zip(states.iter_mut()).zip(&profiles) {
             let p = profile.point(&l.name)?;
             s.lin.set_hot(&p.hot)?;
             tracing::debug!(layer = %l.name, lo = p.lo, hi = p.hi, hot = p.hot.len(), rows = s.seen.tokens_seen, "NPU layer frozen");

@@ -112,7 +112,16 @@ fn misuse_is_an_error_naming_the_layer() {
     assert!(e.contains("fc1") && e.contains("last dimension of 64"), "{e}");
     let e = npu.linear(D, H, vb.pp("absent")).unwrap_err().to_string();
     assert!(e.contains("absent"), "{e}");
-    drop(fc2);
+    // An infinite input observed under MinMax: no usable range, and no layer frozen.
+    let fc3 = npu.linear(D, H, vb.pp("fc1")).unwrap();
+    fc2.forward(&input(&[4, H], 1)).unwrap();
+    let mut inf = input(&[4, D], 2).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    inf[7] = f32::INFINITY;
+    fc3.forward(&candle_core::Tensor::from_vec(inf, (4, D), &candle_core::Device::Cpu).unwrap()).unwrap();
+    let e = npu.freeze(ClipMethod::MinMax).unwrap_err().to_string();
+    assert!(e.contains("no usable range"), "{e}");
+    assert!(!fc1.is_frozen() && !fc3.is_frozen());
+    drop((fc2, fc3));
     // A dropped layer is not waited for.
     npu.freeze(ClipMethod::Budget { fraction: 1e-2 }).unwrap();
     assert!(fc1.is_frozen());

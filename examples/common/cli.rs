@@ -443,9 +443,18 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             if std::io::stdin().read_line(&mut line)? == 0 || line.trim().is_empty() {
                 break;
             }
-            let (_, s) = session.send(&mut p, line.trim_end_matches(['\r', '\n']), &gen, print)?;
-            println!();
-            eprintln!("({} new tokens after {} kept; first token after {:.2}s)", s.prompt_tokens, s.cached_tokens, s.ttft.as_secs_f64());
+            // A turn that fails (the context is full, say) ends the conversation, which is still
+            // saved below.
+            match session.send(&mut p, line.trim_end_matches(['\r', '\n']), &gen, print) {
+                Ok((_, s)) => {
+                    println!();
+                    eprintln!("({} new tokens after {} kept; first token after {:.2}s)", s.prompt_tokens, s.cached_tokens, s.ttft.as_secs_f64());
+                }
+                Err(e) => {
+                    eprintln!("\nerror: {e}");
+                    break;
+                }
+            }
         }
     }
     if let Some(out) = &args.save_session {

@@ -1,9 +1,10 @@
 //! Chat templates. GGUF files (`tokenizer.chat_template`) and Hugging Face folders
 //! (`tokenizer_config.json`'s `chat_template`) carry a Jinja template, which [`JinjaTemplate`]
 //! renders over a conversation of [`Message`]s as transformers does (minijinja, in its sandbox:
-//! a template can compute but not reach files or the network). Where a template does not compile
-//! or render, the four well-known turn formats of [`ChatTemplate`], recognized from marker strings
-//! in the template text, are the fallback, and a warning says so.
+//! a template can compute but not reach files or the network). Where a template does not
+//! compile, the four well-known turn formats of [`ChatTemplate`], recognized from marker strings
+//! in the template text, are the fallback, and a warning says so. A conversation the template
+//! refuses (its `raise_exception`: roles out of order, say) is an error with its message.
 //!
 //! Either way a conversation is rendered in pieces ([`JinjaTemplate::segments`],
 //! [`ChatTemplate::segments`]): the template's own text, whose markers become control tokens,
@@ -47,6 +48,17 @@ impl Message {
     /// An answer of the model's.
     pub fn assistant(content: impl Into<String>) -> Self {
         Self::new("assistant", content)
+    }
+}
+
+/// Why a role of `messages` cannot be one, if one cannot: a role is the template's to write, so
+/// it is a word, never markup (a role of `user<|im_end|>...` would forge turns in the template's
+/// own, trusted text).
+pub fn check_roles(messages: &[Message]) -> std::result::Result<(), String> {
+    let word = |r: &str| !r.is_empty() && r.len() <= 32 && r.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    match messages.iter().find(|m| !word(&m.role)) {
+        Some(m) => Err(format!("a message's role {:?}: a role is a word (system, user, assistant, tool, ...)", m.role)),
+        None => Ok(()),
     }
 }
 

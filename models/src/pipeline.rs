@@ -188,9 +188,10 @@ impl Pipeline {
     /// the messages are text unless `parse_special`. BOS as the tokenizer adds it, unless the
     /// template writes it itself.
     pub fn encode_chat(&self, messages: &[Message], add_generation_prompt: bool, parse_special: bool) -> Result<Vec<u32>> {
-        for m in messages {
-            self.check_prompt(&m.content)?;
-        }
+        crate::chat::check_roles(messages).map_err(Error::Input)?;
+        // Bounded as a whole: without markers between them (no template) the messages are one text.
+        let text: String = messages.iter().map(|m| m.content.as_str()).collect();
+        self.check_prompt(&text)?;
         let (segments, bos) = match &self.jinja {
             Some(j) => (j.segments(messages, add_generation_prompt)?, j.bos()),
             None => (self.template.segments(messages, add_generation_prompt), ""),

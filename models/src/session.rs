@@ -35,12 +35,15 @@ const MAGIC: &[u8; 8] = b"CNPU-KV\0";
 const FORMAT: u32 = 2;
 /// The largest key or value magnitude a restored state may hold: f16's largest finite value.
 const KV_LIMIT: f32 = 65504.0;
+/// The largest header (JSON: the conversation's tokens and messages) saved or read: 256 MiB, far
+/// beyond any context's text, bounding what a damaged length field makes a reader allocate.
+const HEADER_LIMIT: usize = 256 << 20;
 
 impl Pipeline {
     /// A new conversation (nothing is prefilled until its first turn). Any number of them can
     /// share this pipeline; each owns its KV cache.
     pub fn session(&self) -> Session {
-        Session { messages: vec![], tokens: vec![], kv: vec![], arithmetic: self.model.arithmetic() }
+        Session { messages: vec![], tokens: vec![], kv: vec![], model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() }
     }
 
     /// The conversation saved at `path` ([`Session::save`]), its KV cache restored: its next
@@ -48,7 +51,7 @@ impl Pipeline {
     /// other weights, another quant profile or precision, or a damaged one.
     pub fn restore_session(&self, path: &Path) -> Result<Session> {
         let (kv, tokens, messages) = read_state(&self.model, path)?;
-        Ok(Session { messages, tokens, kv, arithmetic: self.model.arithmetic() })
+        Ok(Session { messages, tokens, kv, model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() })
     }
 }
 
@@ -62,9 +65,29 @@ pub struct Session {
     tokens: Vec<u32>,
     /// Per layer; empty before the first turn.
     kv: Vec<KvCache>,
+    /// The model the cache belongs to (`Model::model_id`: its weights' digest).
+    model_id: String,
     /// What decided the cached rows' values (`Model::arithmetic`): a model given another
     /// profile since would compute others.
     arithmetic: String,
+}
+
+impl Session {
+    /// Refuses `p` unless its model is the one this conversation's cache was computed by, with
+    /// the same arithmetic (a conversation with nothing cached takes the model as it is now).
+    fn check_model(&self, p: &Pipeline) -> Result<()> {
+        let (id, now) = (p.model.model_id(), p.model.arithmetic());
+        if self.tokens.is_empty() {
+            return Ok(());
+        }
+        if id != self.model_id {
+            return Err(Error::Input(format!("this conversation belongs to model {}, not to this one ({id}): start a new session", self.model_id)));
+        }
+        if now != self.arithmetic {
+            return Err(Error::Input(format!("this conversation's cache was computed otherwise ({}): start a new session", differs(&self.arithmetic, &now))));
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for Session {
@@ -96,17 +119,20 @@ impl Session {
     /// [`GenerateOptions::parse_special`]. On an error the conversation is as it was.
     pub fn chat(&mut self, p: &mut Pipeline, messages: &[Message], opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         opts.validate()?;
-        let now = p.model.arithmetic();
-        if now != self.arithmetic {
-            return Err(Error::Input(format!("this conversation's cache was computed otherwise ({}): start a new session", differs(&self.arithmetic, &now))));
-        }
+        self.check_model(p)?;
+        (self.model_id, self.arithmetic) = (p.model.model_id().to_string(), p.model.arithmetic());
         let mut all = self.messages.clone();
         all.extend_from_slice(messages);
         let ids = p.encode_chat(&all, true, opts.parse_special)?;
         if ids.is_empty() {
             return Err(Error::Input("an empty prompt: nothing to answer".into()));
         }
-        let keep = self.tokens.iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len().saturating_sub(1));
+        // What the cache holds (all of `tokens`, unless a turn unwound mid-way and lost it).
+        let cached = match self.kv.first() {
+            Some(c) if c.len() == self.tokens.len() => self.tokens.len(),
+            _ => 0,
+        };
+        let keep = self.tokens[..cached].iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
         let new = &ids[keep..];
         // The cache goes to the model for the turn, and comes back whatever happens.
         let mut kv = std::mem::take(&mut self.kv);
@@ -136,12 +162,13 @@ impl Session {
     /// Saves the conversation and its KV state to `path`, for `p`'s model (see the module
     /// documentation).
     pub fn save(&self, p: &Pipeline, path: &Path) -> Result<()> {
+        self.check_model(p)?;
         let model = &p.model;
         let cfg = model.config();
         let header = Header {
             format: FORMAT,
             model_id: model.model_id().to_string(),
-            arithmetic: self.arithmetic.clone(),
+            arithmetic: model.arithmetic(),
             layers: cfg.n_layer,
             kv_heads: cfg.n_kv_head,
             head_dim: cfg.head_dim,
@@ -149,6 +176,9 @@ impl Session {
             messages: self.messages.clone(),
         };
         let json = serde_json::to_vec(&header).map_err(|e| Error::KvState { path: path.to_path_buf(), reason: e.to_string() })?;
+        if json.len() > HEADER_LIMIT {
+            return Err(Error::KvState { path: path.to_path_buf(), reason: format!("not saved: a conversation of {} bytes, over the {HEADER_LIMIT} a saved one may hold", json.len()) });
+        }
         let empty = KvCache::default();
         candle_npu::cache::write_atomic(path, |f| {
             let mut h = HashingWriter { inner: f, hash: Sha256::new() };
@@ -276,9 +306,8 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Vec
     let json_len = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
     // Bounded before any allocation: the header of a model's context of tokens is far smaller.
     let cfg = model.config();
-    // Messages' text is tokens' text: a few bytes a token, 16 at most with JSON's escapes.
-    if json_len > 64 + 28 * cfg.context_len + 1024 {
-        return Err(bad(format!("a header of {json_len} bytes")));
+    if json_len > HEADER_LIMIT || json_len as u64 + 12 + 32 > meta.len() {
+        return Err(bad(format!("a header of {json_len} bytes, in a file of {}", meta.len())));
     }
     let mut json = vec![0u8; json_len];
     f.read_exact(&mut json).map_err(|_| bad("shorter than its header".into()))?;
@@ -301,6 +330,7 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Vec
         )));
     }
     model.check_tokens(&h.tokens).map_err(|e| bad(e.to_string()))?;
+    crate::chat::check_roles(&h.messages).map_err(bad)?;
     let layer_bytes = 2 * h.kv_heads * len * h.head_dim * 4;
     let want = 12 + json_len as u64 + (h.layers * layer_bytes) as u64 + 32;
     if meta.len() != want {
@@ -311,15 +341,14 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Vec
     hash.update(&json);
     let mut caches = Vec::with_capacity(h.layers);
     let mut buf = vec![0u8; layer_bytes];
+    // The first value no attention produces, said once the checksum holds (a damaged file is
+    // said to be damaged).
+    let mut out_of_range = None;
     for layer in 0..h.layers {
         f.read_exact(&mut buf).map_err(io)?;
         hash.update(&buf);
-        // The checksum proves the file is what was written, not that a model wrote it: a state
-        // edited and hashed again would be restored and answered from. No model's keys or values
-        // leave f16's range (llama.cpp and candle keep KV caches in f16), so anything outside it,
-        // or not finite, did not come from attention.
-        if let Some(x) = buf.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).find(|x| !(x.abs() <= KV_LIMIT)) {
-            return Err(bad(format!("layer {layer} holds a key or value of {x:e}: not finite or beyond the ±{KV_LIMIT} any model's attention keeps")));
+        if out_of_range.is_none() {
+            out_of_range = buf.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).find(|x| !(x.abs() <= KV_LIMIT)).map(|x| (layer, x));
         }
         caches.push(KvCache::from_bytes(&buf, h.kv_heads, h.head_dim, len).ok_or_else(|| bad("a layer of the wrong size".into()))?);
     }
@@ -327,6 +356,13 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Vec
     f.read_exact(&mut digest).map_err(io)?;
     if hash.finalize()[..] != digest {
         return Err(bad("checksum mismatch: the file is damaged".into()));
+    }
+    // The checksum proves the file is what was written, not that a model wrote it: a state
+    // edited and hashed again would be restored and answered from. No model's keys or values
+    // leave f16's range (llama.cpp and candle keep KV caches in f16), so anything outside it, or
+    // not finite, did not come from attention.
+    if let Some((layer, x)) = out_of_range {
+        return Err(bad(format!("layer {layer} holds a key or value of {x:e}: not finite or beyond the ±{KV_LIMIT} any model's attention keeps")));
     }
     Ok((caches, h.tokens, h.messages))
 }

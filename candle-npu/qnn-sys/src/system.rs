@@ -10,15 +10,16 @@
 //! - `QnnSystemInterface_t`: `backendId` u32, `providerName`, `systemApiVersion`
 //!   (`Qnn_Version_t`), then the function table; its first entries are `systemContextCreate`,
 //!   `systemContextGetBinaryInfo`, `systemContextGetMetadata`, `systemContextFree`.
-//! - `QnnSystemContext_BinaryInfo_t` is a version tag then a union. The public header's V1 and
-//!   V2 hold `numGraphs` / `graphs` at union offsets 112 / 120. The library here fills version
-//!   3, which holds them at 88 / 96.
-//! - `QnnSystemContext_GraphInfo_t` is a version tag then a union: V1 is `graphName`,
-//!   `numGraphInputs`, `graphInputs`, `numGraphOutputs`, `graphOutputs` (48 bytes with the tag);
-//!   the library's version 3 starts the same and is 88 bytes. Tensors are [`Qnn_Tensor_t`]
-//!   (144 bytes), whose V1 and V2 both start with `id` and `name`.
+//! - `QnnSystemContext_BinaryInfo_t` is a version tag then a union; the library here fills
+//!   version 3, which holds `numGraphs` / `graphs` at union offsets 88 / 96.
+//! - `QnnSystemContext_GraphInfo_t` is a version tag then a union whose members start with
+//!   `graphName`, `numGraphInputs`, `graphInputs`, `numGraphOutputs`, `graphOutputs`; the array's
+//!   stride is the union's size in the library's build, 88 bytes with version 3 (the tag does not
+//!   tell it: a library that knows version 3 may still fill version 1). Tensors are
+//!   [`Qnn_Tensor_t`] (144 bytes), whose V1 and V2 both start with `id` and `name`.
 //!
-//! Other versions are reported as [`GraphIoError::Unknown`], never guessed at.
+//! Anything but that verified combination is reported as [`GraphIoError::Unknown`], never
+//! guessed at.
 
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
@@ -228,9 +229,9 @@ unsafe fn read_binary_info(info: *const u8) -> Result<Vec<GraphIo>, GraphIoError
     if info.is_null() {
         return Err(GraphIoError::Refused(0));
     }
-    let version = read::<u32>(info, 0);
-    let (n_at, graphs_at) = match version {
-        1 | 2 => (8 + 112, 8 + 120),
+    // Only the layout verified on the library: the graph array's stride is the size of the
+    // library's own `QnnSystemContext_GraphInfo_t` union, which its version tags do not give.
+    let (n_at, graphs_at) = match read::<u32>(info, 0) {
         3 => (8 + 88, 8 + 96),
         v => return Err(GraphIoError::Unknown(format!("binary info version {v}"))),
     };
@@ -253,10 +254,10 @@ unsafe fn read_binary_info(info: *const u8) -> Result<Vec<GraphIo>, GraphIoError
         .collect()
 }
 
-/// The size of one `QnnSystemContext_GraphInfo_t` of `version` (the array's stride).
+/// The size of one `QnnSystemContext_GraphInfo_t` (the array's stride) in the library whose
+/// binary info is version 3 (verified): 88 bytes, its graph infos version 3.
 fn graph_info_stride(version: u32) -> Result<usize, GraphIoError> {
     match version {
-        1 => Ok(48),
         3 => Ok(88),
         v => Err(GraphIoError::Unknown(format!("graph info version {v}"))),
     }
