@@ -75,10 +75,11 @@ pub struct Session {
 impl Session {
     /// Refuses `p` unless its model is the one this conversation's cache was computed by, with
     /// the same arithmetic (a conversation with nothing cached takes the model as it is now).
-    fn check_model(&self, p: &Pipeline) -> Result<()> {
+    /// Returns the model's arithmetic (`Model::arithmetic`, a digest of its profile: computed once).
+    fn check_model(&self, p: &Pipeline) -> Result<String> {
         let (id, now) = (p.model.model_id(), p.model.arithmetic());
         if self.tokens.is_empty() {
-            return Ok(());
+            return Ok(now);
         }
         if id != self.model_id {
             return Err(Error::Input(format!("this conversation belongs to model {}, not to this one ({id}): start a new session", self.model_id)));
@@ -86,7 +87,7 @@ impl Session {
         if now != self.arithmetic {
             return Err(Error::Input(format!("this conversation's cache was computed otherwise ({}): start a new session", differs(&self.arithmetic, &now))));
         }
-        Ok(())
+        Ok(now)
     }
 }
 
@@ -119,8 +120,8 @@ impl Session {
     /// [`GenerateOptions::parse_special`]. On an error the conversation is as it was.
     pub fn chat(&mut self, p: &mut Pipeline, messages: &[Message], opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         opts.validate()?;
-        self.check_model(p)?;
-        (self.model_id, self.arithmetic) = (p.model.model_id().to_string(), p.model.arithmetic());
+        let arithmetic = self.check_model(p)?;
+        (self.model_id, self.arithmetic) = (p.model.model_id().to_string(), arithmetic);
         let mut all = self.messages.clone();
         all.extend_from_slice(messages);
         let ids = p.encode_chat(&all, true, opts.parse_special)?;
@@ -162,13 +163,13 @@ impl Session {
     /// Saves the conversation and its KV state to `path`, for `p`'s model (see the module
     /// documentation).
     pub fn save(&self, p: &Pipeline, path: &Path) -> Result<()> {
-        self.check_model(p)?;
+        let arithmetic = self.check_model(p)?;
         let model = &p.model;
         let cfg = model.config();
         let header = Header {
             format: FORMAT,
             model_id: model.model_id().to_string(),
-            arithmetic: model.arithmetic(),
+            arithmetic,
             layers: cfg.n_layer,
             kv_heads: cfg.n_kv_head,
             head_dim: cfg.head_dim,
