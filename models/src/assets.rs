@@ -1,13 +1,15 @@
 //! Where `scripts/setup.sh` puts the fetched models and texts: `$CANDLE_NPU_ASSETS`, or
-//! `assets/` at the workspace root.
+//! `assets/` in the current folder.
 
 use std::path::{Path, PathBuf};
 
 use candle_npu::{Error, Result};
 
-/// The assets directory: `$CANDLE_NPU_ASSETS` when set and not empty, else `assets/` at the
-/// workspace root (found from this crate's manifest directory at compile time). An empty value
-/// counts as unset, as shells mean `CANDLE_NPU_ASSETS=`, not the current folder.
+/// The assets directory: `$CANDLE_NPU_ASSETS` when set and not empty, else `assets` in the
+/// current folder (where `scripts/setup.sh` puts them when run from the checkout's root). No path
+/// is fixed at build time; the workspace's `.cargo/config.toml` sets the variable to the
+/// checkout's `assets/` for every `cargo run` and `cargo test` in it, whatever their folder. An
+/// empty value counts as unset, as shells mean `CANDLE_NPU_ASSETS=`, not the current folder.
 pub fn dir() -> PathBuf {
     dir_from(std::env::var_os("CANDLE_NPU_ASSETS"))
 }
@@ -15,7 +17,7 @@ pub fn dir() -> PathBuf {
 fn dir_from(var: Option<std::ffi::OsString>) -> PathBuf {
     match var.filter(|d| !d.is_empty()) {
         Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("assets"),
+        None => PathBuf::from("assets"),
     }
 }
 
@@ -24,7 +26,7 @@ mod tests {
     #[test]
     fn an_empty_assets_variable_is_unset_not_the_current_folder() {
         let default = super::dir_from(None);
-        assert!(default.ends_with("assets"), "{}", default.display());
+        assert_eq!(default, std::path::PathBuf::from("assets"));
         assert_eq!(super::dir_from(Some("".into())), default);
         assert_eq!(super::dir_from(Some("/x".into())), std::path::PathBuf::from("/x"));
     }
@@ -54,7 +56,7 @@ fn fetched(name: &str) -> Result<PathBuf> {
     }
     Err(Error::Model {
         path,
-        reason: "not found: run scripts/setup.sh (it fetches the models into $CANDLE_NPU_ASSETS, default assets/)".to_string(),
+        reason: "not found: run scripts/setup.sh (it fetches the models into $CANDLE_NPU_ASSETS, default assets/ in the checkout), and set CANDLE_NPU_ASSETS to that folder when running outside cargo".to_string(),
     })
 }
 

@@ -185,10 +185,18 @@ mod tests {
     }
 
     #[test]
-    fn default_lib_dir_ends_in_wheel_folder() {
-        // Only checks the shape when no override is set (env vars are process-global).
-        if std::env::var_os(ENV_QNN_LIB_DIR).is_none() {
-            assert!(default_lib_dir().ends_with("qnn/onnxruntime_qnn"));
+    fn the_library_is_looked_for_where_the_variables_say_then_beside_the_program() {
+        use std::path::PathBuf;
+        // Env vars are process-global: only what holds whatever they are set to.
+        let dirs = lib_dir_candidates();
+        let exe = std::env::current_exe().unwrap();
+        assert!(dirs.iter().any(|d| d == exe.parent().unwrap()), "{dirs:?}");
+        match std::env::var_os(ENV_QNN_LIB_DIR).filter(|v| !v.is_empty()) {
+            Some(dir) => assert_eq!(default_lib_dir(), PathBuf::from(dir)),
+            None => assert!(dirs.contains(&default_lib_dir()), "{dirs:?}"),
+        }
+        if let Some(assets) = std::env::var_os(ENV_ASSETS).filter(|v| !v.is_empty()) {
+            assert!(dirs.contains(&PathBuf::from(assets).join("qnn/onnxruntime_qnn")), "{dirs:?}");
         }
     }
 }

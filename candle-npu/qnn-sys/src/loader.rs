@@ -14,31 +14,41 @@ use crate::types::*;
 
 /// Environment variable naming the folder that holds `libQnnHtp.so` (highest priority).
 pub const ENV_QNN_LIB_DIR: &str = "CANDLE_NPU_QNN_LIB_DIR";
-/// Environment variable naming the project's assets folder (default `<workspace>/assets`).
+/// Environment variable naming the project's assets folder, where `scripts/setup.sh` unpacks
+/// the QNN library (under `qnn/onnxruntime_qnn`). The workspace's `.cargo/config.toml` sets it
+/// to the checkout's `assets/` for every `cargo run` / `cargo test` there.
 pub const ENV_ASSETS: &str = "CANDLE_NPU_ASSETS";
 
-/// The folder expected to hold `libQnnHtp.so`:
-/// `$CANDLE_NPU_QNN_LIB_DIR` if set, else `$CANDLE_NPU_ASSETS/qnn/onnxruntime_qnn`, else
-/// `<workspace root>/assets/qnn/onnxruntime_qnn` (where `scripts/setup.sh` unpacks the
-/// `onnxruntime-qnn` wheel; its sibling `onnxruntime_qnn.libs` must stay next to it for RPATH).
+/// The folders searched for `libQnnHtp.so`, in order:
+/// 1. `$CANDLE_NPU_QNN_LIB_DIR`;
+/// 2. `$CANDLE_NPU_ASSETS/qnn/onnxruntime_qnn` (where `scripts/setup.sh` unpacks the
+///    `onnxruntime-qnn` wheel; its sibling `onnxruntime_qnn.libs` must stay next to it, for RPATH);
+/// 3. the running program's own folder (an app shipped with its QNN libraries beside it);
+/// 4. each folder of `LD_LIBRARY_PATH` (as a QNN SDK's `envsetup.sh`, or an Android shell, sets it).
 ///
-/// The workspace root is this crate's source location at build time, which is right for the
-/// project's own tests, examples and benches; deployed binaries should set one of the variables.
-pub fn default_lib_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os(ENV_QNN_LIB_DIR).filter(|v| !v.is_empty()) {
-        return PathBuf::from(dir);
+/// Nothing is fixed at build time: a program finds the library the same way wherever it was
+/// built. Empty variables count as unset.
+pub fn lib_dir_candidates() -> Vec<PathBuf> {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    let mut dirs = vec![];
+    dirs.extend(var(ENV_QNN_LIB_DIR).map(PathBuf::from));
+    dirs.extend(var(ENV_ASSETS).map(|a| PathBuf::from(a).join("qnn").join("onnxruntime_qnn")));
+    dirs.extend(std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)));
+    if let Some(paths) = var("LD_LIBRARY_PATH") {
+        dirs.extend(std::env::split_paths(&paths).filter(|p| !p.as_os_str().is_empty()));
     }
-    let assets = match std::env::var_os(ENV_ASSETS).filter(|v| !v.is_empty()) {
-        Some(dir) => PathBuf::from(dir),
-        None => {
-            // <workspace>/candle-npu/qnn-sys -> <workspace>
-            let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-            let root = manifest.parent().and_then(Path::parent);
-            root.map_or_else(|| manifest.join("../.."), Path::to_path_buf)
-                .join("assets")
-        }
-    };
-    assets.join("qnn").join("onnxruntime_qnn")
+    dirs
+}
+
+/// The folder `libQnnHtp.so` is loaded from by default: `$CANDLE_NPU_QNN_LIB_DIR` when set
+/// (taken as given), else the first of [`lib_dir_candidates`] holding the library, else the first
+/// candidate (so that the error names a path: `$CANDLE_NPU_ASSETS`'s, or the program's folder).
+pub fn default_lib_dir() -> PathBuf {
+    let dirs = lib_dir_candidates();
+    if std::env::var_os(ENV_QNN_LIB_DIR).is_some_and(|v| !v.is_empty()) {
+        return dirs[0].clone();
+    }
+    dirs.iter().find(|d| d.join(QNN_HTP_LIBRARY_NAME).is_file()).or(dirs.first()).cloned().unwrap_or_default()
 }
 
 /// `default_lib_dir()/libQnnHtp.so`.
@@ -51,7 +61,9 @@ pub fn default_htp_library_path() -> PathBuf {
 #[non_exhaustive]
 pub enum LoadError {
     #[error(
-        "QNN library {path} does not exist (run scripts/setup.sh, or set {ENV_QNN_LIB_DIR} to the \
+        "QNN library {path} does not exist (it is looked for in ${ENV_QNN_LIB_DIR}, \
+         ${ENV_ASSETS}/qnn/onnxruntime_qnn, the program's folder and LD_LIBRARY_PATH: run \
+         scripts/setup.sh and set {ENV_ASSETS} to its folder, or set {ENV_QNN_LIB_DIR} to the \
          folder holding {QNN_HTP_LIBRARY_NAME})"
     )]
     NotFound { path: PathBuf },
