@@ -52,7 +52,7 @@ fn check_prefill(name: &str, load: impl Fn(&NpuDevice) -> candle_npu_models::Pip
     assert_eq!(model, logits(&mut m, &prompt, true), "{name}: the model's margin rows are its NPU rows, bit for bit");
     drop(m);
 
-    let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
     let mut x = load(&htp);
     x.model.set_profile(profile).unwrap();
     let got = logits(&mut x, &prompt, false);
@@ -208,7 +208,7 @@ fn second_run_loads_the_models_contexts_from_the_cache() {
     }
     // Any profile will do: the cache does not care what the scales are, only that they are fixed.
     // Calibration is the host's job even on a Hexagon model: it must not touch the HTP.
-    let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
     let mut h = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     let set = CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() };
     let profile = h.calibrate(set, |_, _| {}).unwrap();
@@ -296,7 +296,7 @@ fn graphs_in_shared_contexts_compute_as_alone() {
         assert_eq!(htp.stats().fallbacks, 0);
         (out, htp.stats(), bytes, prepared[0].graphs_in_unit())
     };
-    let alone = run(HtpConfig { contexts: Some(Contexts::PerGraph), ..Default::default() });
+    let alone = run(HtpConfig { contexts: Some(Contexts::PerGraph), cache_dir: None, ..Default::default() });
     assert_eq!(alone.3, 1);
     let dir = std::env::temp_dir().join(format!("candle-npu-one-context-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -345,8 +345,8 @@ fn graphs_in_shared_contexts_compute_as_alone() {
         assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), written, "{} kept", file.display());
         std::fs::remove_dir_all(&dir).unwrap();
     }
-    let one = run(HtpConfig { contexts: Some(Contexts::PerModel), ..Default::default() });
-    let shared = run(HtpConfig { weight_sharing: true, ..Default::default() });
+    let one = run(HtpConfig { contexts: Some(Contexts::PerModel), cache_dir: None, ..Default::default() });
+    let shared = run(HtpConfig { weight_sharing: true, cache_dir: None, ..Default::default() });
     assert_eq!(shared.3, 8, "weight sharing: one context for the model");
     eprintln!("layer 0 at 64 + 32 rows: context binaries {} bytes alone, {} in one context, {} with weight sharing", alone.2, one.2, shared.2);
     assert!(shared.0 == alone.0, "the context that shares the weights of both sizes computes as a context per graph");

@@ -241,7 +241,7 @@ fn phi3_and_mistral_prefills_run_on_the_htp_library() {
             m.prefill_all_logits(&prompt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
         };
         let want = run(&NpuDevice::host_with(Numerics::Htp));
-        let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+        let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
         let got = run(&htp);
         let s = htp.stats();
         let graphs = (LAYERS * candle_npu_models::transformer::N_STAGES) as u64;

@@ -13,8 +13,16 @@
 //! a context of one graph or more, a hash of their fingerprints in order) and the executor's
 //! `salt` (for QNN: the library's build id and API versions, the SoC model, the graph configs,
 //! and this crate's version). The file name carries the key, so a changed model, profile, chunk
-//! length, SoC or library simply misses; old files are left in place (delete the folder to
-//! reclaim the space).
+//! length, SoC or library simply misses.
+//!
+//! # Size
+//!
+//! The entries of a folder are kept within a size limit ([`DEFAULT_SIZE_LIMIT`], or
+//! [`GraphCache::with_limit`]'s), least recently used first out, as ccache does: opening the
+//! cache and every store delete the oldest entries beyond it, and an entry the executor loads
+//! is marked used ([`GraphCache::mark_used`], its modification time). A deleted entry is a miss
+//! for whoever wants it next (a process that has it open reads on). Only files named as entries
+//! are counted or deleted.
 //!
 //! # File format (little endian)
 //!
@@ -69,6 +77,34 @@ pub const ENTRY_LIMIT: u64 = 4 << 30;
 /// context binary, at most [`ENTRY_LIMIT`], from memory to a local disk: seconds, a minute on a
 /// slow card; its file's modification time moves with every write, so an hour-old one is dead.
 pub const STALE_TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+/// The bytes of entries a cache folder keeps by default: 16 GiB. The default folder is the
+/// user's, shared by every model run: this holds the contexts of several (a 3B model's INT8
+/// weights at two graph sizes, without the HTP's weight sharing, are about 6 GB) and keeps a
+/// disk from filling with the contexts of profiles and builds long replaced.
+pub const DEFAULT_SIZE_LIMIT: u64 = 16 << 30;
+
+/// Environment variable naming the prepared-graph cache's folder: see [`default_dir`].
+pub const ENV_CACHE_DIR: &str = "CANDLE_NPU_CACHE_DIR";
+
+/// The folder the Hexagon executor caches prepared graphs in unless told otherwise
+/// ([`HtpConfig::cache_dir`](crate::HtpConfig::cache_dir)): `$CANDLE_NPU_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/candle-npu/graphs`, else `$HOME/.cache/candle-npu/graphs` (the XDG base
+/// directory convention, which hf-hub's `~/.cache/huggingface` follows too). Empty values count
+/// as unset, and only absolute paths are taken (the XDG rule: a relative one would follow the
+/// current folder). `None` when none is set (an Android app has no `HOME`: it passes its
+/// `getCacheDir()`), and then graphs are prepared in every process.
+pub fn default_dir() -> Option<PathBuf> {
+    default_dir_from(|name| std::env::var_os(name))
+}
+
+fn default_dir_from(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
+    let abs = |name: &str| var(name).map(PathBuf::from).filter(|p| p.is_absolute());
+    if let Some(dir) = abs(ENV_CACHE_DIR) {
+        return Some(dir);
+    }
+    let base = abs("XDG_CACHE_HOME").or_else(|| abs("HOME").map(|h| h.join(".cache")))?;
+    Some(base.join("candle-npu").join("graphs"))
+}
 
 /// Identifies one compiled graph: see the [module documentation](self).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -120,6 +156,8 @@ pub enum Lookup {
 #[derive(Debug, Clone)]
 pub struct GraphCache {
     dir: PathBuf,
+    /// Bytes of entries kept (see the module's "Size").
+    limit: u64,
 }
 
 static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -128,9 +166,59 @@ impl GraphCache {
     /// A cache in `dir`; the folder is created by the first [`store`](Self::store). Temporary
     /// files that killed writers left in it are deleted (see the module's failure policy).
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        let cache = GraphCache { dir: dir.into() };
+        Self::with_limit(dir, DEFAULT_SIZE_LIMIT)
+    }
+
+    /// A cache in `dir` keeping at most `limit` bytes of entries, the least recently used
+    /// deleted first (see the module's "Size").
+    pub fn with_limit(dir: impl Into<PathBuf>, limit: u64) -> Self {
+        let cache = GraphCache { dir: dir.into(), limit };
         cache.remove_stale_temporaries();
+        cache.trim();
         cache
+    }
+
+    /// Deletes the least recently used entries until those left hold at most the limit. Never
+    /// fails: what cannot be listed or deleted is a warning at most.
+    fn trim(&self) {
+        let Ok(read) = std::fs::read_dir(&self.dir) else { return };
+        // Not followed: only regular files named as entries count.
+        let mut entries: Vec<(std::time::SystemTime, u64, PathBuf)> = read
+            .flatten()
+            .filter(|e| e.file_name().to_str().is_some_and(is_entry_name))
+            .filter_map(|e| e.metadata().ok().filter(|m| m.is_file()).map(|m| (m.modified().unwrap_or(std::time::UNIX_EPOCH), m.len(), e.path())))
+            .collect();
+        let mut total: u64 = entries.iter().map(|e| e.1).sum();
+        if total <= self.limit {
+            return;
+        }
+        entries.sort();
+        let (mut files, mut bytes) = (0u64, 0u64);
+        for (_, len, path) in entries {
+            if total <= self.limit {
+                break;
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => (files, bytes) = (files + 1, bytes + len),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), "graph cache: cannot delete an entry beyond the size limit: {e}");
+                    continue;
+                }
+            }
+            total -= len; // deleted here or by another process
+        }
+        tracing::info!(dir = %self.dir.display(), files, bytes, limit = self.limit, "graph cache: deleted the least recently used entries beyond the size limit");
+    }
+
+    /// Marks the entry of graph `name` under `key` used now (its modification time), so the
+    /// size limit deletes it after entries used longer ago. Best effort: a read-only cache is
+    /// still a cache.
+    pub fn mark_used(&self, name: &str, key: &CacheKey) {
+        let path = self.path(name, key);
+        if let Err(e) = std::fs::File::options().append(true).open(&path).and_then(|f| f.set_modified(std::time::SystemTime::now())) {
+            tracing::debug!(path = %path.display(), "graph cache: entry not marked used: {e}");
+        }
     }
 
     /// Deletes the temporary files of interrupted writes of entries ([`is_entry_temp_name`]).
@@ -195,6 +283,7 @@ impl GraphCache {
             f.write_all(payload)?;
             f.write_all(&sum)
         })?;
+        self.trim();
         Ok(path)
     }
 }
@@ -305,6 +394,13 @@ fn temp_target(name: &str) -> Option<&str> {
 
 /// Whether `name` is that of a temporary file [`temp_path`] makes for a cache entry:
 /// `.<name>.bin.tmp.<pid>.<seq>.<nanos>`.
+/// Whether `name` is an entry's file name: `<name>-<24 hex digits>.bin` ([`GraphCache::path`]).
+fn is_entry_name(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".bin") else { return false };
+    let Some((graph, key)) = stem.rsplit_once('-') else { return false };
+    !graph.is_empty() && !name.starts_with('.') && key.len() == 24 && key.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 fn is_entry_temp_name(name: &str) -> bool {
     temp_target(name).and_then(|t| t.strip_suffix(".bin")).is_some_and(|entry| !entry.is_empty())
 }
@@ -512,6 +608,40 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// Beyond the size limit the least recently used entries go, a loaded one counting as used;
+    /// other files stay, whatever their size.
+    #[test]
+    fn entries_beyond_the_size_limit_go_least_recently_used_first() {
+        let dir = tmp_dir("lru");
+        let cache = GraphCache::new(&dir);
+        let key = |i: u8| CacheKey::new(&[i; 32], "salt");
+        let at = |name: &str, i: u8, secs: u64| {
+            let f = std::fs::File::options().append(true).open(cache.path(name, &key(i))).unwrap();
+            f.set_modified(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs)).unwrap();
+        };
+        let path_a = cache.store("a", &key(1), &[], &[0; 1000]).unwrap();
+        let path_b = cache.store("b", &key(2), &[], &[0; 1000]).unwrap();
+        at("a", 1, 1_000);
+        at("b", 2, 2_000);
+        std::fs::write(dir.join("notes.txt"), vec![b'x'; 5000]).unwrap();
+        let size = std::fs::metadata(&path_a).unwrap().len();
+        // Room for two entries: a, the older, is marked used, so the third store deletes b.
+        let cache = GraphCache::with_limit(&dir, 2 * size);
+        cache.mark_used("a", &key(1));
+        let path_c = cache.store("c", &key(3), &[], &[0; 1000]).unwrap();
+        assert!(path_a.is_file() && path_c.is_file() && !path_b.exists());
+        assert!(dir.join("notes.txt").is_file(), "not an entry: never deleted");
+        assert!(matches!(cache.load("b", &key(2)), Lookup::Miss));
+        // Opening with a smaller limit trims at once: c is the most recently used.
+        let _ = GraphCache::with_limit(&dir, size);
+        assert!(!path_a.exists() && path_c.is_file());
+        assert!(is_entry_name("layer0.m32_7-0123456789abcdef01234567.bin"));
+        for name in ["notes.txt", ".a-0123456789abcdef01234567.bin", "a-0123.bin", "-0123456789abcdef01234567.bin"] {
+            assert!(!is_entry_name(name), "{name}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn an_atomic_write_deletes_the_stale_temporary_files_of_its_file() {
         let dir = tmp_dir("stale-atomic");
@@ -533,6 +663,18 @@ mod tests {
         assert!(kept.iter().all(|p| p.exists()), "a live writer's, another file's and a near miss kept");
         assert_eq!(std::fs::read(dir.join("turn.kv")).unwrap(), b"state");
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn the_default_folder_follows_the_variables_and_the_xdg_convention() {
+        let env = |vars: &'static [(&'static str, &'static str)]| move |name: &str| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.into());
+        assert_eq!(default_dir_from(env(&[("HOME", "/home/u")])), Some("/home/u/.cache/candle-npu/graphs".into()));
+        assert_eq!(default_dir_from(env(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/c")])), Some("/c/candle-npu/graphs".into()));
+        assert_eq!(default_dir_from(env(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/c"), (ENV_CACHE_DIR, "/g")])), Some("/g".into()));
+        // Empty or relative values are not folders to write in.
+        let unset = &[("HOME", "/home/u"), ("XDG_CACHE_HOME", ""), (ENV_CACHE_DIR, "rel")];
+        assert_eq!(default_dir_from(env(unset)), Some("/home/u/.cache/candle-npu/graphs".into()));
+        assert_eq!(default_dir_from(env(&[("HOME", "")])), None);
     }
 
     /// Under a file-size limit (`ulimit -f`), a write is an error naming the file and leaves no

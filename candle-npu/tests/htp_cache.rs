@@ -138,7 +138,7 @@ fn detailed_profiling_reports_per_op_events() {
     if !library_present() {
         return;
     }
-    let cfg = HtpConfig { profiling: Some(ProfilingLevel::Detailed), ..Default::default() };
+    let cfg = HtpConfig { profiling: Some(ProfilingLevel::Detailed), cache_dir: None, ..Default::default() };
     let (_, _, d) = prepare_and_run(&cfg, &graph(4));
     let [p] = d.graph_profiles().try_into().unwrap();
     let names: Vec<&str> = p.events.iter().map(|e| e.name.as_str()).collect();

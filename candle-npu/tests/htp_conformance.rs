@@ -33,7 +33,7 @@ fn htp() -> Option<&'static HtpExecutor> {
     static EX: OnceLock<Option<HtpExecutor>> = OnceLock::new();
     let path = HtpConfig::default().library_path();
     let ex = EX
-        .get_or_init(|| path.is_file().then(|| HtpExecutor::new(HtpConfig::default()).unwrap_or_else(|e| panic!("{e}"))))
+        .get_or_init(|| path.is_file().then(|| HtpExecutor::new(HtpConfig { cache_dir: None, ..Default::default() }).unwrap_or_else(|e| panic!("{e}"))))
         .as_ref();
     if ex.is_none() {
         eprintln!("skipping: QNN HTP library {} is absent (run scripts/setup.sh or set CANDLE_NPU_QNN_LIB_DIR)", path.display());
@@ -464,7 +464,7 @@ fn rejected_graph_names_op_and_shapes() {
     }
 
     // Through an NpuDevice the graph falls back to the host (logged) and still runs.
-    let dev = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let dev = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
     let prepared = dev.prepare(&g).unwrap();
     assert_eq!(dev.stats().fallbacks, 1);
     let input = TensorData::F32(vec![0.5; 32 * 576]);
@@ -480,7 +480,7 @@ fn rejected_graph_names_op_and_shapes() {
         s.mark_output(y);
         s
     };
-    let dev = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let dev = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
     let batch = dev.prepare_all(&[sigmoid("first"), g.clone(), sigmoid("last")]).unwrap();
     assert_eq!(batch.iter().map(|p| p.name()).collect::<Vec<_>>(), ["first", "rejected", "last"]);
     assert_eq!(batch.iter().map(|p| p.graphs_in_unit()).collect::<Vec<_>>(), [2, 1, 2]);
@@ -562,7 +562,7 @@ fn graphs_outlive_their_executor_and_configs_apply() {
     if htp().is_none() {
         return;
     }
-    let cfg = HtpConfig { optimization_level: Some(1), vtcm_mb: Some(8), soc_model: 43, ..Default::default() };
+    let cfg = HtpConfig { optimization_level: Some(1), vtcm_mb: Some(8), soc_model: 43, cache_dir: None, ..Default::default() };
     let ex = HtpExecutor::new(cfg).unwrap();
     assert_eq!(ex.api_version().coreApiVersion.major, 2);
     let g = fc_graph(DType::U8, DType::U8, true, 8, 128, 64);
@@ -579,7 +579,7 @@ fn device_runs_engine_graphs_on_htp_from_several_threads() {
     if htp().is_none() {
         return;
     }
-    let dev = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+    let dev = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
     assert_eq!(dev.executor_name(), "htp");
     let g = fc_graph(DType::U8, DType::F32, true, 16, 128, 64);
     let prepared = dev.prepare(&g).unwrap();

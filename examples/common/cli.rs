@@ -174,7 +174,8 @@ struct Args {
     /// 87 = SM8850. Must match the phone; on x86 it selects what the emulator emulates.
     #[arg(long, default_value_t = 57)]
     soc: u32,
-    /// Folder of the prepared-graph cache (QNN context binaries); default: <assets>/graph-cache.
+    /// Folder of the prepared-graph cache (QNN context binaries); default: the library's,
+    /// $CANDLE_NPU_CACHE_DIR or ~/.cache/candle-npu/graphs.
     #[arg(long)]
     graph_cache: Option<PathBuf>,
     /// Finalize every NPU graph, without reading or writing the prepared-graph cache.
@@ -266,8 +267,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         ExecutorKind::Host => NpuDevice::host(),
         ExecutorKind::HtpModel => NpuDevice::host_with(candle_npu::Numerics::Htp),
         ExecutorKind::Hexagon => {
-            let cache =
-                (!args.no_graph_cache).then(|| args.graph_cache.clone().unwrap_or_else(|| candle_npu_models::assets::dir().join("graph-cache")));
+            let cache = match (args.no_graph_cache, &args.graph_cache) {
+                (true, _) => None,
+                (false, Some(dir)) => Some(dir.clone()),
+                (false, None) => candle_npu::cache::default_dir(),
+            };
             let config = HtpConfig {
                 soc_model: args.soc,
                 cache_dir: cache,

@@ -129,8 +129,9 @@ pub struct HtpConfig {
     pub optimization_level: Option<u32>,
     /// VTCM size in MB each graph may use (0 = maximum). `None`: the library's default.
     pub vtcm_mb: Option<u32>,
-    /// Folder of the prepared-graph cache (context binaries, see [`crate::cache`]). `None`: every
-    /// graph is finalized in every process.
+    /// Folder of the prepared-graph cache (context binaries, see [`crate::cache`]). Default:
+    /// [`crate::cache::default_dir`] (`$CANDLE_NPU_CACHE_DIR`, else the user's cache folder,
+    /// `~/.cache/candle-npu/graphs`). `None`: every graph is finalized in every process.
     pub cache_dir: Option<PathBuf>,
     /// QNN profiling of every finalize, load and execute, read back with
     /// [`Executor::profiles`]. `None`: off (profiling costs a little on every call).
@@ -160,7 +161,7 @@ impl Default for HtpConfig {
             soc_model: QNN_SOC_MODEL_SM8650,
             optimization_level: None,
             vtcm_mb: None,
-            cache_dir: None,
+            cache_dir: crate::cache::default_dir(),
             profiling: None,
             contexts: None,
             weight_sharing: !cfg!(target_arch = "x86_64"),
@@ -385,6 +386,10 @@ impl HtpExecutor {
             c.vtcm_mb,
         );
         let cache = c.cache_dir.clone().map(GraphCache::new);
+        match &cache {
+            Some(cache) => tracing::info!(dir = %cache.dir().display(), "prepared-graph cache"),
+            None => tracing::info!("no prepared-graph cache: every graph is finalized in this process"),
+        }
         let system = cache.as_ref().and_then(|_| {
             let path = c.library_path().with_file_name(QNN_SYSTEM_LIBRARY_NAME);
             QnnSystemLibrary::load(&path)
@@ -479,6 +484,7 @@ impl HtpExecutor {
             match load_all(&self.rt, self.system.as_ref(), graphs, &entry, self.profiles.clone()) {
                 Ok(g) => {
                     tracing::debug!(graphs = %name, bytes = entry.payload.len(), ?read, load = ?(t.elapsed() - read), "context loaded from the cache");
+                    cache.mark_used(&name, &key);
                     return Ok(g);
                 }
                 Err(e @ Error::Prepare { code, .. })
