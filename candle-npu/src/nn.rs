@@ -15,6 +15,11 @@
 //!    in float on the CPU (the shadow outliers of [`ShadowLinear`]), so what calibration did not
 //!    foresee is still computed.
 //!
+//! Layers that read the same input (a transformer block's q, k and v projections; its MLP's
+//! gate and up) are made together with [`Npu::linears`]: one graph computes them all from one
+//! quantized input, so the input is observed, quantized and sent once, and its outliers are
+//! found once for all of them.
+//!
 //! Any row count: rows are cut into chunks of the graph sizes (powers of two from 32 up to the
 //! chunk length), the last one padded; a graph is prepared on the first chunk of its size.
 //!
@@ -93,15 +98,37 @@ impl Npu {
     /// `name` is said in its errors and logs.
     pub fn linear_from(&self, name: impl Into<String>, weight: &Tensor, bias: Option<&Tensor>) -> Result<Linear> {
         let name = name.into();
-        let (n, k) = weight.dims2().map_err(|e| Error::Input(format!("{name}: weight: {e}")))?;
-        let bias = bias.map(|b| b.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()).transpose()?;
-        let w = weight.to_dtype(candle_core::DType::F32)?.to_device(&Device::Cpu)?;
-        let source = Arc::new(InMemoryWeight::from_tensor(name.clone(), &w)?);
-        // F32 decode weights: observing computes exactly what candle's float linear does.
-        let lin = ShadowLinear::new(name.clone(), source, bias, WeightQuant::PerChannel, DecodeWeights::F32)?;
-        let inner = Arc::new(Inner { name, n, k, shared: self.shared.clone(), state: Mutex::new(State { lin, seen: Calibrator::default(), frozen: None }) });
+        let lin = shadow_linear(&name, weight, bias)?;
+        Ok(Linear { inner: self.group(name, vec![lin])? })
+    }
+
+    /// Linears that read the same input, computed by one graph (see the [module](self)): for
+    /// each `(name, out_dim)`, `candle_nn::linear`'s layer at `vb.pp(name)` (with a bias when
+    /// `bias`), as `[q, k, v] = ["q_proj", "k_proj", "v_proj"]` of a block.
+    pub fn linears(&self, in_dim: usize, outs: &[(&str, usize)], bias: bool, vb: candle_nn::VarBuilder) -> Result<Linears> {
+        let lins = outs
+            .iter()
+            .map(|&(name, out_dim)| {
+                let vb = vb.pp(name);
+                let w = vb.get((out_dim, in_dim), "weight")?;
+                let b = bias.then(|| vb.get(out_dim, "bias")).transpose()?;
+                shadow_linear(&vb.prefix(), &w, b.as_ref())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let name = format!("{}.[{}]", vb.prefix(), outs.iter().map(|o| o.0).collect::<Vec<_>>().join(","));
+        Ok(Linears { inner: self.group(name, lins)? })
+    }
+
+    /// Several linears of one input as one layer of this `Npu`.
+    fn group(&self, name: String, lins: Vec<ShadowLinear>) -> Result<Arc<Inner>> {
+        let k = lins.first().map(|l| l.dims().1).ok_or_else(|| Error::Input(format!("NPU layers {name}: none given")))?;
+        if let Some(l) = lins.iter().find(|l| l.dims().1 != k) {
+            return Err(Error::Input(format!("NPU layers {name}: {} takes {} inputs, the first {k}: one input feeds them all", l.name(), l.dims().1)));
+        }
+        let n = lins.iter().map(|l| l.dims().0).collect();
+        let inner = Arc::new(Inner { name, n, k, shared: self.shared.clone(), state: Mutex::new(State { lins, seen: Calibrator::default(), frozen: None }) });
         self.shared.layers.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&inner));
-        Ok(Linear { inner })
+        Ok(inner)
     }
 
     /// Ends calibration: each layer made through this `Npu` (and still alive) takes the clip
@@ -123,7 +150,9 @@ impl Npu {
         }
         for ((l, s), profile) in layers.iter().zip(states.iter_mut()).zip(&profiles) {
             let p = profile.point(&l.name)?;
-            s.lin.set_hot(&p.hot)?;
+            for lin in &mut s.lins {
+                lin.set_hot(&p.hot)?;
+            }
             tracing::debug!(layer = %l.name, lo = p.lo, hi = p.hi, hot = p.hot.len(), rows = s.seen.tokens_seen, "NPU layer frozen");
             s.frozen = Some(Frozen { point: InputPoint::new(l.name.clone(), p.lo, p.hi, l.k, &p.hot), graphs: HashMap::new() });
         }
@@ -140,16 +169,58 @@ pub struct Linear {
     inner: Arc<Inner>,
 }
 
+/// Linears that read the same input, made by [`Npu::linears`]: one graph computes them all.
+/// [`Linears::forward`] gives their outputs in the order they were given.
+#[derive(Clone)]
+pub struct Linears {
+    inner: Arc<Inner>,
+}
+
+impl Linears {
+    /// `x @ w_i^T + b_i` for each linear, over the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        self.inner.run(x)
+    }
+
+    /// Whether they run on the NPU (their `Npu` was frozen), rather than observing.
+    pub fn is_frozen(&self) -> bool {
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.is_some()
+    }
+
+    /// What their shared input point has seen on the NPU.
+    pub fn stats(&self) -> Option<crate::PointStats> {
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.as_ref().map(|f| f.point.stats())
+    }
+}
+
+impl std::fmt::Debug for Linears {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "nn::Linears({} {:?} x {})", self.inner.name, self.inner.n, self.inner.k)
+    }
+}
+
+/// A layer's linear: its float weight (observing computes exactly what candle's float linear
+/// does: F32 decode weights) and its INT8 copy for the NPU.
+fn shadow_linear(name: &str, weight: &Tensor, bias: Option<&Tensor>) -> Result<ShadowLinear> {
+    weight.dims2().map_err(|e| Error::Input(format!("{name}: weight: {e}")))?;
+    let bias = bias.map(|b| b.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()).transpose()?;
+    let w = weight.to_dtype(candle_core::DType::F32)?.to_device(&Device::Cpu)?;
+    let source = Arc::new(InMemoryWeight::from_tensor(name.to_string(), &w)?);
+    ShadowLinear::new(name.to_string(), source, bias, WeightQuant::PerChannel, DecodeWeights::F32)
+}
+
+/// One layer of an `Npu`: one input point, one linear or several reading it.
 struct Inner {
     name: String,
-    n: usize,
+    /// Each linear's outputs.
+    n: Vec<usize>,
     k: usize,
     shared: Arc<Shared>,
     state: Mutex<State>,
 }
 
 struct State {
-    lin: ShadowLinear,
+    lins: Vec<ShadowLinear>,
     /// What came in while observing (one point, this layer's name); `tokens_seen` counts rows.
     seen: Calibrator,
     frozen: Option<Frozen>,
@@ -163,7 +234,7 @@ struct Frozen {
 
 impl std::fmt::Debug for Linear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "nn::Linear({} [{}, {}])", self.inner.name, self.inner.n, self.inner.k)
+        write!(f, "nn::Linear({} [{}, {}])", self.inner.name, self.inner.n[0], self.inner.k)
     }
 }
 
@@ -183,8 +254,12 @@ impl Linear {
         self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.as_ref().map(|f| f.point.stats())
     }
 
-    fn run(&self, x: &Tensor) -> Result<Tensor> {
-        let Inner { name, n, k, shared, state } = &*self.inner;
+}
+
+impl Inner {
+    /// Each linear's output for `x`: observing (float, CPU) or on the NPU.
+    fn run(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let Inner { name, n, k, shared, state } = self;
         let dims = x.dims().to_vec();
         if dims.last() != Some(k) {
             return Err(Error::Input(format!("NPU layer {name}: input of shape {dims:?}, expected a last dimension of {k}")));
@@ -192,58 +267,78 @@ impl Linear {
         let rows = x.elem_count() / k;
         let x2 = x.to_device(&Device::Cpu)?.to_dtype(candle_core::DType::F32)?.reshape((rows, *k))?;
         let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
-        let y = match &mut s.frozen {
+        let ys: Vec<Tensor> = match &mut s.frozen {
             None => {
                 let values = x2.flatten_all()?.to_vec1::<f32>()?;
                 s.seen.observe(name, &values, *k);
                 s.seen.tokens_seen += rows;
-                s.lin.forward(&x2)?
+                s.lins.iter().map(|l| l.forward(&x2)).collect::<Result<_>>()?
             }
             Some(_) => {
                 let values = x2.flatten_all()?.to_vec1::<f32>()?;
-                let mut out = Vec::with_capacity(rows * n);
+                let mut outs: Vec<Vec<f32>> = n.iter().map(|n| Vec::with_capacity(rows * n)).collect();
                 for chunk in values.chunks(shared.chunk_len * k) {
-                    out.extend(npu_chunk(&mut s, name, *k, *n, shared, chunk)?);
+                    for (out, y) in outs.iter_mut().zip(npu_chunk(&mut s, name, *k, n, shared, chunk)?) {
+                        out.extend(y);
+                    }
                 }
-                Tensor::from_vec(out, (rows, *n), &Device::Cpu)?
+                outs.into_iter().zip(n).map(|(o, &n)| Tensor::from_vec(o, (rows, n), &Device::Cpu)).collect::<candle_core::Result<_>>()?
             }
         };
-        let mut out_dims = dims;
-        *out_dims.last_mut().expect("checked above") = *n;
-        Ok(y.reshape(out_dims)?.to_dtype(x.dtype())?.to_device(x.device())?)
+        ys.into_iter()
+            .zip(n)
+            .map(|(y, &n)| {
+                let mut out_dims = dims.clone();
+                *out_dims.last_mut().expect("checked above") = n;
+                Ok(y.reshape(out_dims)?.to_dtype(x.dtype())?.to_device(x.device())?)
+            })
+            .collect()
     }
 }
 
 /// One chunk (`x`: `rows x k`, rows <= the chunk length) through the layer's graph of the
-/// smallest size that holds it, padded; the outliers added back. Its `rows x n` outputs.
-fn npu_chunk(s: &mut State, name: &str, k: usize, n: usize, shared: &Shared, x: &[f32]) -> Result<Vec<f32>> {
+/// smallest size that holds it, padded; the outliers added back. Each linear's `rows x n_i`
+/// outputs.
+fn npu_chunk(s: &mut State, name: &str, k: usize, n: &[usize], shared: &Shared, x: &[f32]) -> Result<Vec<Vec<f32>>> {
     let rows = x.len() / k;
     let size = rows.next_power_of_two().clamp(MIN_GRAPH_ROWS.min(shared.chunk_len), shared.chunk_len.max(rows));
-    let State { lin, frozen, .. } = s;
+    let State { lins, frozen, .. } = s;
     let f = frozen.as_mut().expect("frozen");
     if !f.graphs.contains_key(&size) {
         let mut g = Graph::new(format!("{name}.m{size}"));
         let xi = g.input("x", &[size, k], DType::U8, Some(f.point.quant));
-        let y = lin.add_to_graph(&mut g, "", xi)?;
-        g.mark_output(y);
+        for lin in lins.iter() {
+            let y = lin.add_to_graph(&mut g, "", xi)?;
+            g.mark_output(y);
+        }
         let prepared = shared.device.prepare(&g)?;
-        lin.attach_packed(&prepared);
+        lins.iter().for_each(|l| l.attach_packed(&prepared));
         f.graphs.insert(size, prepared);
     }
     let mut padded = x.to_vec();
     padded.resize(size * k, 0.0);
     let (q, outliers) = f.point.quantize(&padded, rows);
-    let out = f.graphs[&size].execute(&[&TensorData::U8(q)])?;
-    let Some(TensorData::F32(mut y)) = out.into_iter().next() else {
-        return Err(Error::Internal(format!("NPU layer {name}: its graph gave no F32 output")));
-    };
-    lin.finish(&outliers, &mut y)?;
-    y.truncate(rows * n);
-    Ok(y)
+    let outs = f.graphs[&size].execute(&[&TensorData::U8(q)])?;
+    if outs.len() != lins.len() {
+        return Err(Error::Internal(format!("NPU layer {name}: its graph gave {} outputs for {} linears", outs.len(), lins.len())));
+    }
+    outs.into_iter()
+        .zip(lins.iter())
+        .zip(n)
+        .map(|((out, lin), &n)| {
+            let TensorData::F32(mut y) = out else {
+                return Err(Error::Internal(format!("NPU layer {name}: its graph gave no F32 output for {}", lin.name())));
+            };
+            lin.finish(&outliers, &mut y)?;
+            y.truncate(rows * n);
+            Ok(y)
+        })
+        .collect()
 }
 
 impl candle_core::Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.run(x).map_err(candle_core::Error::wrap)
+        let mut ys = self.inner.run(x).map_err(candle_core::Error::wrap)?;
+        Ok(ys.remove(0))
     }
 }
