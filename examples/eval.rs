@@ -64,9 +64,14 @@ struct Args {
     coverages: Vec<f64>,
     /// Parts to run: rows (the table), curve (pruning), hot (hot-set coverages), decode (the
     /// decode weight formats: candle CPU perplexity and decode speed), htp (shadow W8A8 on the
-    /// HTP library's numerics, padded and with the default plan's CPU margin, beside the host's).
+    /// HTP library's numerics, padded and with the default plan's CPU margin, beside the host's),
+    /// calibration (accuracy and time of the default calibration against its size).
     #[arg(long, value_delimiter = ',', default_value = "rows,curve,hot")]
     sections: Vec<String>,
+    /// Calibration sizes of the calibration section, in sequences of `CalibrationSet`'s default
+    /// length (256 tokens).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    calibration_sizes: Vec<usize>,
     /// Print everything as one JSON object on stdout instead of the tables.
     #[arg(long)]
     json: bool,
@@ -430,8 +435,12 @@ fn main() -> Result<()> {
     let mut args = Args::parse();
     let on = |s: &str| args.sections.iter().any(|x| x == s);
     let (do_rows, do_curve, do_hot, do_decode, do_htp) = (on("rows"), on("curve"), on("hot"), on("decode"), on("htp"));
-    if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot", "decode", "htp"].contains(&s.as_str())) {
-        bail!("unknown section '{bad}' (rows, curve, hot, decode, htp)");
+    let do_calibration = on("calibration");
+    if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot", "decode", "htp", "calibration"].contains(&s.as_str())) {
+        bail!("unknown section '{bad}' (rows, curve, hot, decode, htp, calibration)");
+    }
+    if do_calibration && args.calibration_sizes.iter().any(|&n| n == 0) {
+        bail!("--calibration-sizes are numbers of sequences, at least 1");
     }
     if args.windows == 0 || args.rates.iter().chain(&args.coverages).any(|r| !(0.0..=1.0).contains(r)) {
         bail!("--windows must be at least 1, --rates and --coverages within 0..=1");
@@ -475,6 +484,34 @@ fn main() -> Result<()> {
                 );
             } else {
                 print_decode(&model_path, &decode, &rows[0].ppl);
+            }
+            return Ok(());
+        }
+    }
+
+    // The default calibration (`Pipeline::calibrate_on`, the `CalibrationSet` defaults but for
+    // the text and the number of sequences) against its size: accuracy and time.
+    let mut calibration = vec![];
+    if do_calibration {
+        let mut c = load(&model_path, &dev, Precision::W8A8, WeightQuant::PerChannel)?;
+        let most = args.calibration_sizes.iter().copied().max().unwrap_or(1);
+        let set = CalibrationSet { source: args.calibration.into(), sequences: most, ..CalibrationSet::default() };
+        let seqs = c.calibration_sequences(set)?;
+        for &n in &args.calibration_sizes {
+            let n = n.min(seqs.len());
+            let t = Instant::now();
+            c.calibrate_on(&seqs[..n], set, |_, _| {})?;
+            let secs = t.elapsed().as_secs_f64();
+            let row = suite.row(&format!("calibrated on {n} x {} tokens ({secs:.1} s)", set.seq_len), &mut c, Path::Npu)?;
+            calibration.push(json!({ "sequences": n, "seq_len": set.seq_len, "calibration_secs": secs, "ppl": row.ppl, "agreement": row.agreement }));
+        }
+        if !(do_rows || do_curve || do_hot || do_htp) {
+            suite.bar.finish_and_clear();
+            let f32_ppl = &rows[0].ppl;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&json!({ "model": model_path.display().to_string(), "f32_ppl": f32_ppl, "calibration": calibration }))?);
+            } else {
+                print_calibration(&model_path, set.source, &calibration, f32_ppl);
             }
             return Ok(());
         }
@@ -602,6 +639,7 @@ fn main() -> Result<()> {
             "calibration": { "sequences": set.sequences, "seq_len": set.seq_len, "clip": format!("{:?}", set.clip), "importance_sequences": n_imp },
             "domains": DOMAINS, "rows": rows, "htp_rows": htp_rows, "pruning_curve": curve, "importance": shadow.importance,
             "hot_channels_by_kind": hot_summary(&shadow), "hot_coverage": hot, "decode_weights": decode,
+            "calibration_size": calibration,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -681,8 +719,30 @@ fn main() -> Result<()> {
     if do_decode {
         print_decode(&model_path, &decode, &f32_ppl);
     }
+    if do_calibration {
+        print_calibration(&model_path, args.calibration.into(), &calibration, &f32_ppl);
+    }
     println!("\nhot channels per point kind (clip budget, every channel with a calibration outlier): {}", hot_summary(&shadow));
     Ok(())
+}
+
+/// The calibration section's table.
+fn print_calibration(model: &std::path::Path, source: CalibrationSource, rows: &[serde_json::Value], f32_ppl: &[f64]) {
+    println!(
+        "\nCalibration size, {} ({source:?} text; ppl x F32 per domain: Wikipedia / SOTU / Moby Dick; F32 {:.2} / {:.2} / {:.2}):\n",
+        model.display(),
+        f32_ppl[0],
+        f32_ppl[1],
+        f32_ppl[2]
+    );
+    println!("| sequences x tokens | calibration s | ppl x F32 | top-1 agreement with F32 |");
+    println!("|---|---|---|---|");
+    let num = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    for c in rows {
+        let ppl = c["ppl"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let ratio: Vec<String> = ppl.iter().zip(f32_ppl).map(|(a, b)| format!("{:.4}", num(a) / b)).collect();
+        println!("| {} x {} | {:.1} | {} | {:.3} |", c["sequences"], c["seq_len"], num(&c["calibration_secs"]), ratio.join(" / "), num(&c["agreement"]));
+    }
 }
 
 /// Hot channels per point kind and the float columns they keep.
