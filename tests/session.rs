@@ -225,3 +225,28 @@ fn chunk_length_is_checked_where_it_is_set() {
     p.model.set_chunk_len(32).unwrap();
     assert_eq!(p.model.plan(100).unwrap().chunk_len, 32);
 }
+
+/// A conversation saved by the run that calibrated (and saved) the profile goes on in a later
+/// run that loads that profile: the two runs' models have the same arithmetic. (serde_json's
+/// default float parsing read some clip statistics back 1 ulp off: the profile's hash changed
+/// and the conversation was refused. The default calibration set, as the CLI uses it: its
+/// profile held such values.)
+#[test]
+fn a_session_saved_while_calibrating_restores_with_the_saved_profile() {
+    let dir = std::env::temp_dir().join(format!("candle-npu-session-cal-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (profile, state) = (dir.join("p.w8a8.json"), dir.join("s.kv"));
+    let set = CalibrationSet::default();
+    let gen = GenerateOptions { sample_len: 2, ..Default::default() };
+    let mut first = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    first.ensure_profile(Some(&profile), set, |_, _| {}).unwrap();
+    let mut s = first.session();
+    s.send(&mut first, "Hello", &gen, |_| {}).unwrap();
+    s.save(&first, &state).unwrap();
+    drop(first);
+    let mut later = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    later.ensure_profile(Some(&profile), set, |_, _| {}).unwrap();
+    let restored = later.restore_session(&state);
+    assert!(restored.is_ok(), "{:#}", restored.err().unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
