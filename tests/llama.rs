@@ -276,6 +276,12 @@ fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
         (stdout, stderr)
     };
     let s = state.to_str().unwrap();
+    // Its own profile: the model's default one may be written meanwhile by another test's process
+    // calibrating with other settings, and a saved conversation goes on only with the profile it
+    // was made with (as it must: that refusal is tested in tests/session.rs).
+    let profile = tmp("cli-turn1.w8a8.json");
+    let _ = std::fs::remove_file(&profile);
+    let run = |args: &[&str], stdin: &str| run(&[&["--profile", profile.to_str().unwrap()], args].concat(), stdin);
     // (What a 135M model answers under a system prompt depends on its calibration: not asserted.)
     let (first, err) = run(&["--prompt", "What is the capital of France?", "--system", "Answer briefly.", "--save-session", s], "");
     assert!(first.contains("prompt tokens processed") && err.contains("saved to"), "{first}\n{err}");
@@ -288,4 +294,5 @@ fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
     let out = std::process::Command::new(llama_example()).args(["--repeat-penalty", "0", "--system", "x"]).output().unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not a repeat penalty"));
     std::fs::remove_file(&state).unwrap();
+    std::fs::remove_file(&profile).unwrap();
 }
