@@ -276,9 +276,8 @@ fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
         (stdout, stderr)
     };
     let s = state.to_str().unwrap();
-    // Its own profile: the model's default one may be written meanwhile by another test's process
-    // calibrating with other settings, and a saved conversation goes on only with the profile it
-    // was made with (as it must: that refusal is tested in tests/session.rs).
+    // Its own profile, calibrated by the first run (as a first-time user's run calibrates) and
+    // loaded by the second, whatever other tests left at the model's default path.
     let profile = tmp("cli-turn1.w8a8.json");
     let _ = std::fs::remove_file(&profile);
     let run = |args: &[&str], stdin: &str| run(&[&["--profile", profile.to_str().unwrap()], args].concat(), stdin);
