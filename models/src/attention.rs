@@ -55,6 +55,14 @@ impl Rows {
         self
     }
 
+    /// Marks every row as a decode step of its own (a speculative verifier's rows): each row's
+    /// attention is what [`Rows::decode_step`] gives that row decoded alone, bit for bit, so
+    /// verifying k tokens in one pass computes the logits k decode steps would.
+    pub fn decode_rows(mut self) -> Self {
+        self.decode = true;
+        self
+    }
+
     fn tables(&self, base: f32) -> (&[f32], &[f32]) {
         let (_, c, s) = self.rope.iter().find(|(b, _, _)| *b == base).expect("a table for every layer's base (Rows::new)");
         (c, s)
@@ -228,6 +236,14 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
     let pos = |r: usize| (rows.start + r).min(t - 1);
     let span = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w))..pos(r) + 1;
     let blocks = m.div_ceil(ROW_BLOCK);
+    if rows.decode && m > 1 {
+        // Each row as its own decode step: its span, its tiles, the one-position kernel.
+        let w = nh * cache.head_dim;
+        for (r, out) in out.chunks_exact_mut(w).enumerate() {
+            split_keys(&q[r * w..(r + 1) * w], cache, 1, nh, &|_| span(r), scale, true, out);
+        }
+        return out;
+    }
     if rows.decode || nkv * blocks < 2 * rayon::current_num_threads() {
         split_keys(q, cache, m, nh, &span, scale, rows.decode, &mut out);
         return out;

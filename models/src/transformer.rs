@@ -471,6 +471,26 @@ impl Model {
         Ok(self.forward_cpu(&[token])?.squeeze(0)?)
     }
 
+    /// Several decode steps in one pass over the weights: the logits of `tokens` (`[n, vocab]`)
+    /// from the current position, each row bit for bit what [`Model::decode`] of that token
+    /// would give after the ones before it (the same kernels per row; each chunk of weights read
+    /// once for every row: decode is memory-bound). A speculative verifier's pass: after it,
+    /// [`Model::rewind`] drops the rows not accepted.
+    pub fn decode_rows(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let x = self.run_cpu_rows(tokens, None, true)?;
+        self.logits(&x)
+    }
+
+    /// Back to the first `position` tokens (at most the current position): the KV cache rows
+    /// after it are dropped, exactly (a rejected speculation leaves no trace).
+    pub fn rewind(&mut self, position: usize) -> Result<()> {
+        if position > self.pos {
+            return Err(Error::Input(format!("rewind to position {position}: the model is at {}", self.pos)));
+        }
+        self.truncate_kv(position);
+        Ok(())
+    }
+
     /// Run `tokens` from the current position on the CPU (candle matmuls with the decode
     /// weights, no NPU graphs) and return the logits of every row, `[n, vocab]`. Decode is this
     /// with one token; a whole prompt this way is candle's own CPU prefill, the baseline the NPU
@@ -483,13 +503,18 @@ impl Model {
     /// The layers on the CPU from the current position; returns the last layer's rows. With
     /// `cal`, every stage's input is observed (calibration).
     fn run_cpu(&mut self, tokens: &[u32], cal: Option<&mut Calibrator>) -> Result<Tensor> {
+        self.run_cpu_rows(tokens, cal, false)
+    }
+
+    /// [`Model::run_cpu`]; `decode_rows`: each row's attention as its own decode step's.
+    fn run_cpu_rows(&mut self, tokens: &[u32], cal: Option<&mut Calibrator>, decode_rows: bool) -> Result<Tensor> {
         self.check_tokens(tokens)?;
         let n = tokens.len();
         if n == 0 || self.pos + n > self.cfg.context_len {
             return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
         }
         let base = self.pos;
-        let r = self.run_layers_cpu(tokens, cal);
+        let r = self.run_layers_cpu(tokens, cal, decode_rows);
         if r.is_err() {
             // Layers before the failing one appended: the cache holds the first `base` again.
             self.truncate_kv(base);
@@ -497,10 +522,11 @@ impl Model {
         r
     }
 
-    fn run_layers_cpu(&mut self, tokens: &[u32], mut cal: Option<&mut Calibrator>) -> Result<Tensor> {
+    fn run_layers_cpu(&mut self, tokens: &[u32], mut cal: Option<&mut Calibrator>, decode_rows: bool) -> Result<Tensor> {
         let n = tokens.len();
         let mut x = Residual::new(self.embed_rows(tokens)?);
-        let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?.decode_step();
+        let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?;
+        let rows = if decode_rows { rows.decode_rows() } else { rows.decode_step() };
         let Model { cfg, spec, layers, kv, .. } = self;
         for (l, layer) in layers.iter().enumerate() {
             let mut run = |s: usize, h: &Tensor| {

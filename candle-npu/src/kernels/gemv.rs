@@ -1124,8 +1124,13 @@ impl BlockMatrix {
     /// [`Self::forward`] of `x` with each of `ws` (a stage's linears that share their input: Q, K
     /// and V, or gate and up): each row of `x` is quantized once and the matrices' rows are one
     /// parallel loop, where a call per matrix quantized it three times and woke the helpers three
-    /// times per layer. Several rows (a verifier's, a calibration window's) are one such loop
-    /// each: every row reads the weights again, as candle's quantized matmul does.
+    /// times per layer.
+    ///
+    /// Several rows (a speculative verifier's few, a calibration window's) share the loop: each
+    /// chunk of weight rows is read from memory once and multiplied with every input row while
+    /// it is in cache, by the same kernel as one row's (so each output row has the bits a call
+    /// with that row alone gives). Decode is memory-bound: rows beyond the first cost the
+    /// kernel's arithmetic, not the weights' bytes again.
     pub fn forward_all(ws: &[&BlockMatrix], x: &candle_core::Tensor) -> crate::Result<Vec<candle_core::Tensor>> {
         use candle_core::{DType, Device, Tensor};
         let Some(&k) = x.dims().last() else {
@@ -1138,10 +1143,12 @@ impl BlockMatrix {
         let xs = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.reshape((m, k))?;
         let total: usize = ws.iter().map(|w| w.n).sum();
         let mut y = vec![0f32; m * total];
-        let mut xq = Q8Activation::default();
-        for (r, out) in y.chunks_exact_mut(total.max(1)).enumerate().take(m) {
-            crate::kernels::rows::with_f32(&xs.narrow(0, r, 1)?, |v| xq.quantize_into(v))?;
-            Self::product(ws, &xq, out);
+        let xq: Vec<Q8Activation> = crate::kernels::rows::with_f32(&xs, |v| v.chunks_exact(k.max(1)).take(m).map(Q8Activation::quantize).collect())?;
+        // Rows a chunk of weights is kept in cache for: beyond that, the next group of rows reads
+        // the weights again (a prompt on the CPU path is many rows; a verifier's are a few).
+        const ROWS_PER_READ: usize = 16;
+        for (group, out) in xq.chunks(ROWS_PER_READ).zip(y.chunks_mut(ROWS_PER_READ * total.max(1))) {
+            Self::product(ws, group, out);
         }
         // Matrix j's columns of each row.
         let mut at = 0;
@@ -1156,33 +1163,38 @@ impl BlockMatrix {
             .collect()
     }
 
-    /// One quantized row `xq` times each of `ws`, their outputs one after another in `y`.
-    fn product(ws: &[&BlockMatrix], xq: &Q8Activation, y: &mut [f32]) {
-        // Row offsets of each matrix in the one output.
+    /// Quantized rows `xq` times each of `ws`: row `r`'s outputs, the matrices' one after
+    /// another, at `y[r * total..]` (`total` the matrices' rows together).
+    fn product(ws: &[&BlockMatrix], xq: &[Q8Activation], y: &mut [f32]) {
+        // Row offsets of each matrix in one row's output.
         let starts: Vec<usize> = ws.iter().scan(0, |at, w| Some(std::mem::replace(at, *at + w.n))).collect();
-        let total = y.len();
-        let k = xq.q.len();
+        let total = y.len() / xq.len().max(1);
+        let Some(k) = xq.first().map(|x| x.q.len()) else { return };
         let out = OutPtr(y.as_mut_ptr());
         // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB in Q8_0, ~23 KB in Q4_1:
         // microseconds, enough to amortize claiming one, small enough that a late helper leaves
-        // little to wait for). Products under 2M weights (2 MB, ~50 us on one core) stay on the
+        // little to wait for, and in L2 for every input row of a group). Products under 2M
+        // weights (2 MB, ~50 us on one core) stay on the
         // caller: one core reads most of the machine's bandwidth (38 of 46 GB/s here), and a
         // helper joins a few microseconds late. SmolLM2's decode, whose products are all smaller
         // but the output matrix, against llama.cpp in the same runs (`bench_decode`, 2 runs of 3
         // rounds each, context 64): 1.18-1.21x with this limit, 1.10-1.15x with helpers for
         // every product of 64K weights or more (and 0.84-0.91x of that beside a busy process,
         // against 0.93-1.02x), 1.00-1.12x from 1M.
-        let helpers = if total * k >= 1 << 21 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
+        let helpers = if total * k * xq.len() >= 1 << 21 { rayon::current_num_threads().saturating_sub(1) } else { 0 };
         super::claim::for_each_chunk(total, 64, helpers, &|rows| {
-            // The chunk's rows, matrix by matrix (a chunk may cross from one matrix to the next).
+            // The chunk's rows, matrix by matrix (a chunk may cross from one matrix to the next),
+            // each with every input row while its weights are in cache.
             for (w, &s) in ws.iter().zip(&starts) {
                 let (a, b) = (rows.start.max(s), rows.end.min(s + w.n));
                 if a < b {
-                    // SAFETY: `a..b` is within `rows`, which is within 0..total and goes to
-                    // exactly one call (`for_each_chunk`), so the slices are disjoint; `y`
-                    // outlives the loop.
-                    let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(a), b - a) };
-                    gemv(w.format, w.data(), k, xq, a - s..b - s, out);
+                    for (r, x) in xq.iter().enumerate() {
+                        // SAFETY: `a..b` is within `rows`, which is within 0..total and goes to
+                        // exactly one call (`for_each_chunk`), so the slices (of input row r's
+                        // outputs) are disjoint; `y` outlives the loop.
+                        let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(r * total + a), b - a) };
+                        gemv(w.format, w.data(), k, x, a - s..b - s, out);
+                    }
                 }
             }
         });
