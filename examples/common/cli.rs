@@ -130,6 +130,11 @@ struct Args {
     /// How many of the conversation's last tokens the repeat penalty looks at.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
+    /// Speculative decoding by prompt lookup: tokens that followed an earlier occurrence of the
+    /// last few are verified several per pass (the same output, faster where the answer copies
+    /// the prompt).
+    #[arg(long)]
+    lookup: bool,
     /// A system prompt, before the prompt (in the model's chat template).
     #[arg(long, conflicts_with_all = ["no_chat_template", "load_session"])]
     system: Option<String>,
@@ -424,6 +429,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         top_k: args.top_k.map(|k| k as usize),
         repeat_penalty: args.repeat_penalty,
         repeat_last_n: args.repeat_last_n,
+        speculative: if args.lookup { candle_npu_models::Speculative::lookup() } else { candle_npu_models::Speculative::Off },
         seed: args.seed,
         parse_special: args.parse_special,
     };
@@ -498,6 +504,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         prefill_stats.executions - before.executions
     );
     println!("{} tokens generated: {:.2} token/s", stats.generated_tokens, stats.decode_tokens_per_sec());
+    if args.lookup {
+        let s = stats.speculation;
+        println!("prompt lookup: {} of {} proposed tokens accepted in {} verification passes", s.accepted, s.proposed, s.passes);
+    }
     println!("memory: {}; {}", candle_npu_models::memory::describe(), p.model.weight_bytes());
     print_qnn_profile(&device);
     Ok(())

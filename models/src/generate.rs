@@ -9,6 +9,7 @@ use candle_npu::{Error, Result};
 use candle_transformers::generation::Sampling;
 
 use crate::pipeline::Pipeline;
+use crate::speculative::{SpeculationStats, Speculative};
 
 /// How [`Pipeline::generate`] and [`crate::Session::send`] sample, as candle's examples do.
 #[derive(Debug, Clone)]
@@ -32,6 +33,9 @@ pub struct GenerateOptions {
     /// tokens, as llama.cpp's `parse_special`. Off by default: a prompt is the user's text, and
     /// with it on a prompt can close its turn and write the assistant's.
     pub parse_special: bool,
+    /// Tokens proposed and verified several per pass ([`crate::speculative`]); the output is
+    /// the same, token for token, greedy or sampled. Off by default.
+    pub speculative: Speculative,
 }
 
 impl Default for GenerateOptions {
@@ -45,6 +49,7 @@ impl Default for GenerateOptions {
             repeat_penalty: 1.0,
             repeat_last_n: 64,
             parse_special: false,
+            speculative: Speculative::Off,
         }
     }
 }
@@ -68,7 +73,7 @@ impl GenerateOptions {
         if !(REPEAT_PENALTY.contains(&self.repeat_penalty)) {
             return bad(format!("repeat penalty {}: expected {} to {}", self.repeat_penalty, REPEAT_PENALTY.start(), REPEAT_PENALTY.end()));
         }
-        Ok(())
+        self.speculative.validate()
     }
 
     pub(crate) fn sampling(&self) -> Sampling {
@@ -110,6 +115,8 @@ pub struct GenerateStats {
     pub decode: Duration,
     /// Why generation stopped.
     pub stop: StopReason,
+    /// Speculative decoding's passes, proposed and accepted tokens (zeros when off).
+    pub speculation: SpeculationStats,
 }
 
 impl GenerateStats {

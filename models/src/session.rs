@@ -16,10 +16,12 @@
 //! atomically ([`candle_npu::cache::write_atomic`]); read only up to the size its header gives;
 //! refused, with the reason in one line, for another model, profile or precision.
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Instant;
 
+use candle_core::Tensor;
 use candle_npu::{Error, Result};
 use candle_transformers::generation::LogitsProcessor;
 use sha2::{Digest, Sha256};
@@ -28,6 +30,7 @@ use crate::attention::KvCache;
 use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
+use crate::speculative::{Lookup, SpeculationStats};
 use crate::transformer::Model;
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
@@ -208,6 +211,11 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
     let mut stream = TextStream::new();
     let (mut text, mut generated) = (String::new(), 0);
     let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
+    // Speculation (`crate::speculative`): tokens proposed after the last sampled one, each with
+    // the logits that follow it, computed in one verification pass and already in the KV cache.
+    let mut lookup = Lookup::new(opts.speculative);
+    let mut pending: VecDeque<(u32, Tensor)> = VecDeque::new();
+    let (mut spec, mut in_pass) = (SpeculationStats::default(), (0, 0));
     let t = Instant::now();
     while generated < opts.sample_len {
         let next = sampler.sample(&penalized(&logits, &tokens, &p.textless, opts)?)?;
@@ -231,15 +239,49 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
             stop = StopReason::ContextFull;
             break;
         }
-        logits = p.model.decode(next)?;
+        // A proposal that guessed `next`: its row is in the cache, the logits after it known.
+        match pending.pop_front() {
+            Some((proposed, after)) if proposed == next => {
+                tokens.push(next);
+                logits = after;
+                spec.accepted += 1;
+                in_pass.1 += 1;
+                if let Some(l) = lookup.as_mut().filter(|_| pending.is_empty()) {
+                    l.update(in_pass.0, in_pass.1);
+                }
+                continue;
+            }
+            Some(_) => {
+                if let Some(l) = lookup.as_mut() {
+                    l.update(in_pass.0, in_pass.1);
+                }
+                pending.clear();
+                p.model.rewind(tokens.len())?;
+            }
+            None => {}
+        }
         tokens.push(next);
+        // The room the context leaves after `next`.
+        let proposal = lookup.as_ref().map(|l| l.propose(&tokens, context - tokens.len())).unwrap_or_default();
+        if proposal.is_empty() {
+            logits = p.model.decode(next)?;
+            continue;
+        }
+        let rows = p.model.decode_rows(&[&[next], proposal.as_slice()].concat())?;
+        logits = rows.get(0)?;
+        pending = proposal.iter().enumerate().map(|(i, &d)| Ok((d, rows.get(i + 1)?))).collect::<Result<_>>()?;
+        (spec.passes, spec.proposed, in_pass) = (spec.passes + 1, spec.proposed + proposal.len(), (proposal.len(), 0));
+    }
+    // Rows of proposals not reached (a stop, the length) leave the cache: it holds `tokens`.
+    if !pending.is_empty() {
+        p.model.rewind(tokens.len())?;
     }
     if let Some(piece) = stream.finish(&p.tokenizer)? {
         on_text(&piece);
         text += &piece;
     }
     let decode = t.elapsed().saturating_sub(ttft.saturating_sub(prefill));
-    let stats = GenerateStats { prompt_tokens: new.len(), cached_tokens: keep, prefill, ttft, generated_tokens: generated, decode, stop };
+    let stats = GenerateStats { prompt_tokens: new.len(), cached_tokens: keep, prefill, ttft, generated_tokens: generated, decode, stop, speculation: spec };
     Ok((text, stats, tokens))
 }
 
