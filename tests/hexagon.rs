@@ -379,7 +379,7 @@ fn every_stage_graph_of_the_real_models_follows_the_htp_numerics_model() {
         let set = CalibrationSet { sequences: 1, seq_len: 32, importance_sequences: 0, ..Default::default() };
         let profile = p.calibrate(set, |_, _| {}).unwrap();
         p.model.set_profile(profile).unwrap();
-        let htp = NpuDevice::hexagon(HtpConfig::default()).unwrap();
+        let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
         let (mut same, mut near, mut total, mut worst) = (0usize, 0usize, 0usize, 0f32);
         for l in 0..p.model.config().n_layer {
             let graphs: Vec<Graph> = p.model.layer_graphs(l, 32, Precision::W8A8).unwrap();
