@@ -1,0 +1,180 @@
+//! Speculative decoding by prompt lookup against plain decode, side by side in interleaved
+//! rounds, on three kinds of task per real model: rewriting code (the answer copies most of the
+//! prompt), quoting a ~600-token document, and free chat (little to copy: the proposer must
+//! back off). Greedy, 128 tokens, the default configuration (W8A8 prefill on the host executor,
+//! decode on the CPU from the model file's own blocks). With `--llama-lookup`, llama.cpp's
+//! `llama-lookup` (its n-gram cache speculation) on the same file and the same rendered prompt
+//! in each round, and llama.cpp's plain decode (`llama-bench`, tg at the prompt's context).
+//!
+//! ```text
+//! cargo run --release --example bench_speculative -- [--llama-lookup PATH] [--llama-bench PATH]
+//! ```
+//!
+//! Decode tokens/s is over the tokens after the first (the prefill excluded), for us and for
+//! llama.cpp (its "decoded N tokens in S seconds" line). The outputs are the same for our two
+//! rows, token for token (`tests/speculative.rs`); llama.cpp's arithmetic differs, so its answer
+//! and what it accepts may too.
+#[path = "common/llama_bench.rs"]
+mod llama_bench;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use candle_npu::NpuDevice;
+use candle_npu_models::{assets, CalibrationSet, GenerateOptions, LoadOptions, Message, Pipeline, Speculative};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// llama.cpp's `llama-lookup` (default: `$LLAMA_LOOKUP`; none: our rows only).
+    #[arg(long)]
+    llama_lookup: Option<PathBuf>,
+    /// `llama-bench`, for llama.cpp's plain decode (default: `$LLAMA_BENCH`).
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+    /// Models: smollm2, qwen, gemma.
+    #[arg(long, value_delimiter = ',', default_value = "smollm2,qwen,gemma")]
+    models: Vec<String>,
+    /// Tasks: code, quote, chat.
+    #[arg(long, value_delimiter = ',', default_value = "code,quote,chat")]
+    tasks: Vec<String>,
+    /// Tokens generated per run.
+    #[arg(long, default_value_t = 128)]
+    tokens: usize,
+    /// Interleaved rounds; each figure is the median over them.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// llama.cpp's threads (ours: the engine's pool, every core unless `RAYON_NUM_THREADS` says).
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+const CODE: &str = r#"Rewrite this Python function with type hints and a docstring, keeping its logic and names:
+
+def merge_intervals(intervals):
+    if not intervals:
+        return []
+    intervals = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(intervals[0])]
+    for start, end in intervals[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(pair) for pair in merged]
+"#;
+
+const CHAT: &str = "Write a short story about a lighthouse keeper who finds a message in a bottle.";
+
+/// The task's user message: the code rewrite, a question that quotes a document (~600 tokens of
+/// held-out Wikipedia), or free chat.
+fn task_prompt(p: &Pipeline, task: &str) -> Result<String> {
+    Ok(match task {
+        "code" => CODE.to_string(),
+        "quote" => {
+            let doc = p.decode_text(&p.heldout_tokens(600)?)?;
+            format!("Here is a document:\n\n{doc}\n\nQuote its first two paragraphs exactly, word for word.")
+        }
+        "chat" => CHAT.to_string(),
+        other => bail!("unknown task '{other}' (code, quote, chat)"),
+    })
+}
+
+/// Decode tokens/s and the speculation stats of one greedy answer to `prompt`.
+fn ours(p: &mut Pipeline, prompt: &str, tokens: usize, speculative: Speculative) -> Result<(f64, candle_npu_models::SpeculationStats, usize)> {
+    let opts = GenerateOptions { sample_len: tokens, speculative, ..Default::default() };
+    let (_, stats) = p.session().chat(p, &[Message::user(prompt)], &opts, |_| {})?;
+    Ok((stats.decode_tokens_per_sec(), stats.speculation, stats.generated_tokens))
+}
+
+/// llama-lookup's decode tokens/s and acceptance on the rendered prompt `text`.
+fn llama_lookup(bin: &Path, model: &Path, text: &str, tokens: usize, threads: usize) -> Result<(f64, usize, usize)> {
+    let out = Command::new(bin)
+        .args(["-m"])
+        .arg(model)
+        .args(["-p", text, "-n", &tokens.to_string(), "-t", &threads.to_string(), "--temp", "0", "-c", "4096"])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    let log = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("{} failed: {}", bin.display(), log.lines().rev().take(5).collect::<Vec<_>>().join(" | "));
+    }
+    let field = |key: &str| log.lines().find_map(|l| l.trim().strip_prefix(key)).map(|s| s.trim_start_matches([' ', '=']).split_whitespace().next().unwrap_or("").to_string());
+    let speed = log
+        .lines()
+        .find_map(|l| l.split("decoded").nth(1).and_then(|s| s.split("speed:").nth(1)).and_then(|s| s.split_whitespace().next()).and_then(|s| s.parse::<f64>().ok()))
+        .context("no 'decoded ... speed' line in llama-lookup's output")?;
+    let num = |key: &str| field(key).and_then(|v| v.parse::<usize>().ok()).unwrap_or(0);
+    Ok((speed, num("n_drafted"), num("n_accept")))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.rounds == 0 || args.tokens < 2 {
+        bail!("--rounds must be at least 1 and --tokens at least 2");
+    }
+    let lookup_bin = args.llama_lookup.clone().or_else(|| std::env::var_os("LLAMA_LOOKUP").map(PathBuf::from));
+    let bench_bin = llama_bench::binary(args.llama_bench.as_deref());
+    println!(
+        "Prompt lookup vs plain decode, greedy, {} tokens, {} threads, median of {} interleaved rounds{}\n",
+        args.tokens,
+        args.threads,
+        args.rounds,
+        if lookup_bin.is_some() { "; llama.cpp: llama-lookup and llama-bench on the same file" } else { " (no --llama-lookup: our rows only)" }
+    );
+    println!("| model | task | plain tok/s | lookup tok/s | x plain | accepted / proposed (passes) | llama.cpp plain tok/s | llama-lookup tok/s (accepted / drafted) | x llama-lookup |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for name in &args.models {
+        let path = match name.as_str() {
+            "smollm2" => assets::smollm2(),
+            "qwen" => assets::qwen25_coder_05b()?,
+            "gemma" => assets::gemma3_270m()?,
+            other => bail!("unknown model '{other}' (smollm2, qwen, gemma)"),
+        };
+        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
+        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        for task in &args.tasks {
+            let prompt = task_prompt(&p, task)?;
+            let rendered = p.decode_text(&p.encode_chat(&[Message::user(&prompt)], true, false)?)?;
+            let (mut plain, mut spec, mut ll, mut lp) = (vec![], vec![], vec![], vec![]);
+            let (mut stats, mut ll_acc) = (Default::default(), (0, 0));
+            for _ in 0..args.rounds {
+                plain.push(ours(&mut p, &prompt, args.tokens, Speculative::Off)?.0);
+                let (tps, s, _) = ours(&mut p, &prompt, args.tokens, Speculative::lookup())?;
+                spec.push(tps);
+                stats = s;
+                if let Some(bin) = &lookup_bin {
+                    let (tps, drafted, accepted) = llama_lookup(bin, &path, &rendered, args.tokens, args.threads)?;
+                    ll.push(tps);
+                    ll_acc = (accepted, drafted);
+                }
+                if let Some(bin) = &bench_bin {
+                    let context = p.encode_chat(&[Message::user(&prompt)], true, false)?.len();
+                    lp.push(llama_bench::avg_ts(bin, &path, &["-p", "0", "-n", &args.tokens.to_string(), "-d", &context.to_string()], args.threads)?);
+                }
+            }
+            let (plain, spec) = (median(plain), median(spec));
+            let opt = |v: Vec<f64>| if v.is_empty() { None } else { Some(median(v)) };
+            let (ll, lp) = (opt(ll), opt(lp));
+            let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+            println!(
+                "| {name} | {task} | {plain:.1} | {spec:.1} | {:.2} | {} / {} ({}) | {} | {} | {} |",
+                spec / plain,
+                stats.accepted,
+                stats.proposed,
+                stats.passes,
+                f(lp),
+                ll.map_or("-".into(), |v| format!("{v:.1} ({} / {})", ll_acc.0, ll_acc.1)),
+                ll.map_or("-".into(), |v| format!("{:.2}", spec / v)),
+            );
+        }
+    }
+    Ok(())
+}
