@@ -101,7 +101,10 @@ fn llama_lookup(bin: &Path, model: &Path, text: &str, tokens: usize, threads: us
     if !out.status.success() {
         bail!("{} failed: {}", bin.display(), log.lines().rev().take(5).collect::<Vec<_>>().join(" | "));
     }
-    let field = |key: &str| log.lines().find_map(|l| l.trim().strip_prefix(key)).map(|s| s.trim_start_matches([' ', '=']).split_whitespace().next().unwrap_or("").to_string());
+    // Lines like "0.00.329.211 I n_drafted    = 15" (a timestamp and level first).
+    let field = |key: &str| {
+        log.lines().find_map(|l| l.split_once(&format!(" {key} ")).and_then(|(_, v)| v.trim_start().strip_prefix('=')).map(|v| v.trim().to_string()))
+    };
     let speed = log
         .lines()
         .find_map(|l| l.split("decoded").nth(1).and_then(|s| s.split("speed:").nth(1)).and_then(|s| s.split_whitespace().next()).and_then(|s| s.parse::<f64>().ok()))
@@ -129,8 +132,8 @@ fn main() -> Result<()> {
         args.rounds,
         if lookup_bin.is_some() { "; llama.cpp: llama-lookup and llama-bench on the same file" } else { " (no --llama-lookup: our rows only)" }
     );
-    println!("| model | task | plain tok/s | lookup tok/s | x plain | accepted / proposed (passes) | llama.cpp plain tok/s | llama-lookup tok/s (accepted / drafted) | x llama-lookup |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| model | task | tokens | plain tok/s | lookup tok/s | x plain | accepted / proposed (passes) | llama.cpp plain tok/s | llama-lookup tok/s (accepted / drafted) | x llama-lookup |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for name in &args.models {
         let path = match name.as_str() {
             "smollm2" => assets::smollm2(),
@@ -144,9 +147,11 @@ fn main() -> Result<()> {
             let prompt = task_prompt(&p, task)?;
             let rendered = p.decode_text(&p.encode_chat(&[Message::user(&prompt)], true, false)?)?;
             let (mut plain, mut spec, mut ll, mut lp) = (vec![], vec![], vec![], vec![]);
-            let (mut stats, mut ll_acc) = (Default::default(), (0, 0));
+            let (mut stats, mut ll_acc, mut generated) = (Default::default(), (0, 0), 0);
             for _ in 0..args.rounds {
-                plain.push(ours(&mut p, &prompt, args.tokens, Speculative::Off)?.0);
+                let (tps, _, n) = ours(&mut p, &prompt, args.tokens, Speculative::Off)?;
+                plain.push(tps);
+                generated = n;
                 let (tps, s, _) = ours(&mut p, &prompt, args.tokens, Speculative::lookup())?;
                 spec.push(tps);
                 stats = s;
@@ -165,7 +170,7 @@ fn main() -> Result<()> {
             let (ll, lp) = (opt(ll), opt(lp));
             let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
             println!(
-                "| {name} | {task} | {plain:.1} | {spec:.1} | {:.2} | {} / {} ({}) | {} | {} | {} |",
+                "| {name} | {task} | {generated} | {plain:.1} | {spec:.1} | {:.2} | {} / {} ({}) | {} | {} | {} |",
                 spec / plain,
                 stats.accepted,
                 stats.proposed,

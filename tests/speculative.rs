@@ -36,8 +36,9 @@ fn check(name: &str, path: &std::path::Path) {
         eprintln!("{name} {how}: {:?}\n{}", spec.2, spec.0);
         assert_eq!((&plain.0, &plain.1), (&spec.0, &spec.1), "{name} {how}: speculation changed the output");
         assert_eq!(plain.2, Default::default(), "no speculation when off");
-        // The proposals were used (else this test would check nothing speculative).
-        assert!(spec.2.accepted > 0 && spec.2.passes > 0, "{name} {how}: {:?}", spec.2);
+        // Proposals were verified (passes, each rewound past its first wrong token), and greedy
+        // copying accepted some (else this test would check nothing speculative).
+        assert!(spec.2.passes > 0 && (how == "sampled" || spec.2.accepted > 0), "{name} {how}: {:?}", spec.2);
     }
 }
 

@@ -30,7 +30,7 @@ use crate::attention::KvCache;
 use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
-use crate::speculative::{Lookup, SpeculationStats};
+use crate::speculative::{Lookup, SpeculationStats, MAX_DRAFT};
 use crate::transformer::Model;
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
@@ -240,6 +240,9 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
             break;
         }
         // A proposal that guessed `next`: its row is in the cache, the logits after it known.
+        if let Some(l) = lookup.as_mut() {
+            l.sampled(next);
+        }
         match pending.pop_front() {
             Some((proposed, after)) if proposed == next => {
                 tokens.push(next);
@@ -247,13 +250,13 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
                 spec.accepted += 1;
                 in_pass.1 += 1;
                 if let Some(l) = lookup.as_mut().filter(|_| pending.is_empty()) {
-                    l.update(in_pass.0, in_pass.1);
+                    l.judged(in_pass.0, in_pass.1);
                 }
                 continue;
             }
             Some(_) => {
                 if let Some(l) = lookup.as_mut() {
-                    l.update(in_pass.0, in_pass.1);
+                    l.judged(in_pass.0, in_pass.1);
                 }
                 pending.clear();
                 p.model.rewind(tokens.len())?;
@@ -261,13 +264,31 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
             None => {}
         }
         tokens.push(next);
-        // The room the context leaves after `next`.
-        let proposal = lookup.as_ref().map(|l| l.propose(&tokens, context - tokens.len())).unwrap_or_default();
+        // As many proposed tokens as pay (`Lookup::draft_len`), within the context's room; a
+        // proposal not worth a pass is kept to be judged against what is sampled.
+        let room = context - tokens.len();
+        let proposal = match lookup.as_mut() {
+            Some(l) => match l.draft_len().min(room) {
+                0 => {
+                    l.shadow(l.propose(&tokens, room.min(MAX_DRAFT)));
+                    vec![]
+                }
+                want => l.propose(&tokens, want),
+            },
+            None => vec![],
+        };
+        let step = Instant::now();
         if proposal.is_empty() {
             logits = p.model.decode(next)?;
+            if let Some(l) = lookup.as_mut() {
+                l.timed_step(step.elapsed().as_secs_f64());
+            }
             continue;
         }
         let rows = p.model.decode_rows(&[&[next], proposal.as_slice()].concat())?;
+        if let Some(l) = lookup.as_mut() {
+            l.timed_pass(proposal.len() + 1, step.elapsed().as_secs_f64());
+        }
         logits = rows.get(0)?;
         pending = proposal.iter().enumerate().map(|(i, &d)| Ok((d, rows.get(i + 1)?))).collect::<Result<_>>()?;
         (spec.passes, spec.proposed, in_pass) = (spec.passes + 1, spec.proposed + proposal.len(), (proposal.len(), 0));

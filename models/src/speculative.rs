@@ -84,28 +84,89 @@ pub struct SpeculationStats {
     pub accepted: usize,
 }
 
-/// Prompt lookup's state over one generation: the number of tokens to propose next, which grows
-/// while proposals are accepted and shrinks when they are not.
+/// Prompt lookup's state over one generation: how often proposals are right, and what a pass's
+/// extra rows cost, both measured as it goes; from them, how many tokens to propose.
+///
+/// A pass of `1 + k` rows yields `1 + a + a^2 + ... + a^k` tokens on average (`a`: the chance a
+/// proposed token is right when the ones before it were) and costs `1 + c k` decode steps (`c`:
+/// an extra row's cost, relative to a step's); `k` is chosen to make the ratio largest, and 0
+/// (plain decode) when no `k` beats 1. So a task with nothing to copy, or a CPU on which rows
+/// cost nearly a step each, decodes as without speculation. While not speculating, the proposal
+/// is still made and checked against the tokens sampled (free), so `a` stays measured.
 pub(crate) struct Lookup {
     ngram_max: usize,
     ngram_min: usize,
     max_draft: usize,
-    /// Tokens to propose at the next match.
-    draft: usize,
+    /// Proposed tokens right, and proposed tokens judged, both decaying (recent passes count more).
+    right: f64,
+    judged: f64,
+    /// Seconds of a decode step, and of a pass per extra row beyond the step, measured.
+    step: Option<f64>,
+    row: Option<f64>,
+    /// A proposal not verified (not worth a pass), checked against the tokens sampled.
+    shadow: std::collections::VecDeque<u32>,
+    shadow_right: usize,
 }
+
+/// Weight of the past in the acceptance and cost estimates, per pass or proposal judged.
+const DECAY: f64 = 0.9;
+/// An extra row's cost relative to a step until one is measured: what a memory-bound decode
+/// would cost if the row's arithmetic were a fifth of a step's.
+const ROW_COST_PRIOR: f64 = 0.2;
 
 impl Lookup {
     pub(crate) fn new(spec: Speculative) -> Option<Self> {
         match spec {
             Speculative::Off => None,
-            Speculative::Lookup { ngram_max, ngram_min, max_draft } => Some(Lookup { ngram_max, ngram_min, max_draft, draft: max_draft.min(4) }),
+            Speculative::Lookup { ngram_max, ngram_min, max_draft } => Some(Lookup {
+                ngram_max,
+                ngram_min,
+                max_draft,
+                // A prior of 0.7 right, worth two proposals: a copying answer starts speculating.
+                right: 1.4,
+                judged: 2.0,
+                step: None,
+                row: None,
+                shadow: Default::default(),
+                shadow_right: 0,
+            }),
         }
     }
 
-    /// Up to the current draft length of tokens that followed the latest earlier occurrence of
-    /// `tokens`' last n-gram (largest n first), at most `room`; none without a match.
-    pub(crate) fn propose(&self, tokens: &[u32], room: usize) -> Vec<u32> {
-        let want = self.draft.min(room);
+    /// The chance a proposed token is right (when the ones before it were).
+    fn accept(&self) -> f64 {
+        self.right / self.judged.max(1e-9)
+    }
+
+    /// An extra row's cost relative to a decode step.
+    fn row_cost(&self) -> f64 {
+        match (self.row, self.step) {
+            (Some(r), Some(s)) if s > 0.0 => (r / s).max(0.0),
+            _ => ROW_COST_PRIOR,
+        }
+    }
+
+    /// Tokens worth proposing now: the `k` in `0..=max_draft` with the most tokens per step.
+    pub(crate) fn draft_len(&self) -> usize {
+        if self.step.is_none() {
+            return 0; // a plain step first, to measure what rows cost against
+        }
+        let (a, c) = (self.accept(), self.row_cost());
+        let (mut best, mut best_k, mut expected, mut power) = (1.0, 0, 1.0, 1.0);
+        for k in 1..=self.max_draft {
+            power *= a;
+            expected += power;
+            let rate = expected / (1.0 + c * k as f64);
+            if rate > best * 1.01 {
+                (best, best_k) = (rate, k);
+            }
+        }
+        best_k
+    }
+
+    /// Up to `want` tokens that followed the latest earlier occurrence of `tokens`' last n-gram
+    /// (largest n first); none without a match.
+    pub(crate) fn propose(&self, tokens: &[u32], want: usize) -> Vec<u32> {
         if want == 0 {
             return vec![];
         }
@@ -117,14 +178,44 @@ impl Lookup {
         vec![]
     }
 
-    /// After a pass that proposed `proposed` tokens of which the first `accepted` were right:
-    /// all right, propose more next time (up to the maximum); else as many as were right, and
-    /// at least one.
-    pub(crate) fn update(&mut self, proposed: usize, accepted: usize) {
-        self.draft = match accepted == proposed {
-            true => (self.draft * 2).min(self.max_draft),
-            false => accepted.max(1),
-        };
+    /// A verification pass proposed `proposed` tokens, of which the first `accepted` were right.
+    pub(crate) fn judged(&mut self, proposed: usize, accepted: usize) {
+        let missed = (accepted < proposed) as usize;
+        self.right = self.right * DECAY + accepted as f64;
+        self.judged = self.judged * DECAY + (accepted + missed) as f64;
+    }
+
+    /// A decode step of one row took `secs`.
+    pub(crate) fn timed_step(&mut self, secs: f64) {
+        self.step = Some(self.step.map_or(secs, |s| s * DECAY + secs * (1.0 - DECAY)));
+    }
+
+    /// A pass of `rows` rows took `secs`.
+    pub(crate) fn timed_pass(&mut self, rows: usize, secs: f64) {
+        if let (Some(step), true) = (self.step, rows > 1) {
+            let per_row = (secs - step).max(0.0) / (rows - 1) as f64;
+            self.row = Some(self.row.map_or(per_row, |r| r * DECAY + per_row * (1.0 - DECAY)));
+        }
+    }
+
+    /// Keeps `proposal` (not verified) to check against the tokens sampled next.
+    pub(crate) fn shadow(&mut self, proposal: Vec<u32>) {
+        self.shadow = proposal.into();
+        self.shadow_right = 0;
+    }
+
+    /// `token` was sampled: judges the shadow proposal's next token, if one is pending.
+    pub(crate) fn sampled(&mut self, token: u32) {
+        let Some(guess) = self.shadow.pop_front() else { return };
+        if guess == token {
+            self.shadow_right += 1;
+            if self.shadow.is_empty() {
+                self.judged(self.shadow_right, self.shadow_right);
+            }
+        } else {
+            self.judged(self.shadow_right + 1, self.shadow_right);
+            self.shadow.clear();
+        }
     }
 }
 
@@ -146,34 +237,56 @@ fn find_latest(tokens: &[u32], n: usize) -> Option<usize> {
 mod tests {
     use super::*;
 
+    fn lookup(ngram_min: usize) -> Lookup {
+        let Speculative::Lookup { ngram_max, max_draft, .. } = Speculative::lookup() else { unreachable!() };
+        Lookup::new(Speculative::Lookup { ngram_max, ngram_min, max_draft }).unwrap()
+    }
+
     #[test]
     fn lookup_proposes_what_followed_the_latest_match_of_the_longest_ngram() {
-        let l = Lookup { ngram_max: 3, ngram_min: 1, max_draft: 8, draft: 4 };
+        let l = lookup(1);
         // "1 2 3 9 9 | 1 2 3 7 7 7 | 5 1 2 3": the latest "1 2 3" was followed by 7 7 7 5.
         let t = [1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 7, 5, 1, 2, 3];
-        assert_eq!(l.propose(&t, 8), [7, 7, 7, 5]);
-        assert_eq!(l.propose(&t, 2), [7, 7], "bounded by the room left");
+        assert_eq!(l.propose(&t, 4), [7, 7, 7, 5]);
+        assert_eq!(l.propose(&t, 2), [7, 7], "as many as wanted");
         // No trigram match: the bigram "4 2" follows; no match at all: nothing.
         assert_eq!(l.propose(&[4, 2, 6, 8, 4, 2], 8), [6, 8, 4, 2]);
         assert!(l.propose(&[1, 2, 3, 4], 8).is_empty());
-        let bigrams = Lookup { ngram_min: 2, ..l };
-        assert!(bigrams.propose(&[5, 1, 6, 1], 8).is_empty(), "a single token's match is not taken");
+        assert!(lookup(2).propose(&[5, 1, 6, 1], 8).is_empty(), "a single token's match is not taken");
         // The suffix overlapping its own match (a repeated token) still proposes what follows.
         assert_eq!(l.propose(&[7, 7, 7], 8), [7]);
     }
 
+    /// The draft length follows what proposals earn: long while they are right and rows are
+    /// cheap, none when they are wrong or rows cost nearly a step; the shadow proposals keep
+    /// the acceptance measured without passes.
     #[test]
-    fn the_draft_grows_while_accepted_and_shrinks_to_what_was() {
-        let mut l = Lookup::new(Speculative::lookup()).unwrap();
-        assert_eq!(l.draft, 4);
-        l.update(4, 4);
-        assert_eq!(l.draft, 8);
-        l.update(8, 8);
-        assert_eq!(l.draft, 8, "at most max_draft");
-        l.update(8, 3);
-        assert_eq!(l.draft, 3);
-        l.update(3, 0);
-        assert_eq!(l.draft, 1);
+    fn the_draft_is_as_long_as_it_pays() {
+        let mut l = lookup(2);
+        assert_eq!(l.draft_len(), 0, "a plain step first");
+        l.timed_step(0.010);
+        assert!(l.draft_len() >= 2, "the prior speculates: {}", l.draft_len());
+        for _ in 0..20 {
+            l.judged(8, 8);
+        }
+        assert_eq!(l.draft_len(), 8, "always right, rows cheap: the most");
+        l.timed_pass(9, 0.010 + 8.0 * 0.011);
+        assert_eq!(l.draft_len(), 0, "rows dearer than a step: plain decode, even all right");
+        for _ in 0..40 {
+            l.timed_pass(9, 0.010 + 8.0 * 0.0005);
+        }
+        assert_eq!(l.draft_len(), 8, "cheap rows again");
+        // (The past decays by 0.9 a pass: after 80 wrong ones it weighs nothing.)
+        for _ in 0..80 {
+            l.judged(4, 0);
+        }
+        assert_eq!(l.draft_len(), 0, "never right: plain decode");
+        // Shadow proposals, all right, bring it back without a pass.
+        for _ in 0..30 {
+            l.shadow(vec![1, 2, 3]);
+            [1, 2, 3].into_iter().for_each(|t| l.sampled(t));
+        }
+        assert!(l.draft_len() >= 4, "{}", l.draft_len());
     }
 
     #[test]
