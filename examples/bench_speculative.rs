@@ -113,6 +113,25 @@ fn llama_lookup(bin: &Path, model: &Path, text: &str, tokens: usize, threads: us
     Ok((speed, num("n_drafted"), num("n_accept")))
 }
 
+/// Milliseconds of a verification pass of `k` rows (`Model::decode_rows`) after a short
+/// prompt (the chat task's), median of 9, each rewound: what its extra rows cost against one step.
+fn pass_ms(p: &mut Pipeline, k: usize) -> Result<f64> {
+    p.model.clear();
+    let prompt = p.encode_piece(CHAT)?;
+    p.model.forward_cpu(&prompt)?;
+    let base = p.model.position();
+    let rows: Vec<u32> = prompt.iter().cycle().take(k).copied().collect();
+    let mut ms = vec![];
+    for _ in 0..9 {
+        let t = std::time::Instant::now();
+        p.model.decode_rows(&rows)?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+        p.model.rewind(base)?;
+    }
+    p.model.clear();
+    Ok(median(ms))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -134,6 +153,7 @@ fn main() -> Result<()> {
     );
     println!("| model | task | tokens | plain tok/s | lookup tok/s | x plain | accepted / proposed (passes) | llama.cpp plain tok/s | llama-lookup tok/s (accepted / drafted) | x llama-lookup |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
+    let mut costs = vec![];
     for name in &args.models {
         let path = match name.as_str() {
             "smollm2" => assets::smollm2(),
@@ -143,6 +163,12 @@ fn main() -> Result<()> {
         };
         let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
         p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        let one = pass_ms(&mut p, 1)?;
+        let mut row = format!("| {name} | {one:.2}");
+        for k in [2, 4, 8, 16] {
+            row += &format!(" | {:.2}", (pass_ms(&mut p, k)? / one - 1.0) / (k - 1) as f64);
+        }
+        costs.push(row + " |");
         for task in &args.tasks {
             let prompt = task_prompt(&p, task)?;
             let rendered = p.decode_text(&p.encode_chat(&[Message::user(&prompt)], true, false)?)?;
@@ -181,5 +207,9 @@ fn main() -> Result<()> {
             );
         }
     }
+    println!("\nA verification pass's extra rows: ms of one decode step after the chat prompt, and each extra row's cost as a share of it, for passes of k rows (median of 9)\n");
+    println!("| model | step ms | k = 2 | k = 4 | k = 8 | k = 16 |");
+    println!("|---|---|---|---|---|---|");
+    costs.iter().for_each(|r| println!("{r}"));
     Ok(())
 }

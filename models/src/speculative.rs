@@ -43,20 +43,23 @@ pub enum Speculative {
         ngram_min: usize,
         /// Most tokens verified in one pass besides the sampled one (8 by default).
         max_draft: usize,
+        /// Propose as many tokens as pay, from the measured acceptance and cost of rows (the
+        /// default); off, `max_draft` at every match (to measure, or to test without timing).
+        adaptive: bool,
     },
 }
 
 impl Speculative {
     /// Prompt lookup with the default sizes.
     pub fn lookup() -> Self {
-        Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 8 }
+        Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 8, adaptive: true }
     }
 
     /// Checks the sizes, before any work.
     pub fn validate(&self) -> Result<()> {
         match *self {
             Speculative::Off => Ok(()),
-            Speculative::Lookup { ngram_max, ngram_min, max_draft } => {
+            Speculative::Lookup { ngram_max, ngram_min, max_draft, .. } => {
                 if ngram_min == 0 || ngram_min > ngram_max {
                     return Err(Error::Input(format!("prompt lookup n-grams {ngram_min}..={ngram_max}: expected 1 <= min <= max")));
                 }
@@ -97,6 +100,7 @@ pub(crate) struct Lookup {
     ngram_max: usize,
     ngram_min: usize,
     max_draft: usize,
+    adaptive: bool,
     /// Proposed tokens right, and proposed tokens judged, both decaying (recent passes count more).
     right: f64,
     judged: f64,
@@ -118,13 +122,16 @@ impl Lookup {
     pub(crate) fn new(spec: Speculative) -> Option<Self> {
         match spec {
             Speculative::Off => None,
-            Speculative::Lookup { ngram_max, ngram_min, max_draft } => Some(Lookup {
+            Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive } => Some(Lookup {
                 ngram_max,
                 ngram_min,
                 max_draft,
-                // A prior of 0.7 right, worth two proposals: a copying answer starts speculating.
-                right: 1.4,
-                judged: 2.0,
+                adaptive,
+                // No prior: nothing is verified until proposals judged against what was sampled
+                // (free: see `shadow`) show they are right, so a task with nothing to copy
+                // never pays for a pass.
+                right: 0.0,
+                judged: 1.0,
                 step: None,
                 row: None,
                 shadow: Default::default(),
@@ -148,6 +155,9 @@ impl Lookup {
 
     /// Tokens worth proposing now: the `k` in `0..=max_draft` with the most tokens per step.
     pub(crate) fn draft_len(&self) -> usize {
+        if !self.adaptive {
+            return self.max_draft;
+        }
         if self.step.is_none() {
             return 0; // a plain step first, to measure what rows cost against
         }
@@ -198,10 +208,13 @@ impl Lookup {
         }
     }
 
-    /// Keeps `proposal` (not verified) to check against the tokens sampled next.
+    /// Keeps `proposal` (not verified) to check against the tokens sampled next, unless one is
+    /// still being checked (each proposal is judged whole, as a pass would have been).
     pub(crate) fn shadow(&mut self, proposal: Vec<u32>) {
-        self.shadow = proposal.into();
-        self.shadow_right = 0;
+        if self.shadow.is_empty() {
+            self.shadow = proposal.into();
+            self.shadow_right = 0;
+        }
     }
 
     /// `token` was sampled: judges the shadow proposal's next token, if one is pending.
@@ -239,7 +252,7 @@ mod tests {
 
     fn lookup(ngram_min: usize) -> Lookup {
         let Speculative::Lookup { ngram_max, max_draft, .. } = Speculative::lookup() else { unreachable!() };
-        Lookup::new(Speculative::Lookup { ngram_max, ngram_min, max_draft }).unwrap()
+        Lookup::new(Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive: true }).unwrap()
     }
 
     #[test]
@@ -264,8 +277,13 @@ mod tests {
     fn the_draft_is_as_long_as_it_pays() {
         let mut l = lookup(2);
         assert_eq!(l.draft_len(), 0, "a plain step first");
+        let fixed = Lookup::new(Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 5, adaptive: false }).unwrap();
+        assert_eq!(fixed.draft_len(), 5, "not adaptive: always the most");
         l.timed_step(0.010);
-        assert!(l.draft_len() >= 2, "the prior speculates: {}", l.draft_len());
+        assert_eq!(l.draft_len(), 0, "no pass before a proposal was right");
+        l.shadow(vec![1, 2, 3]);
+        [1, 2, 3].into_iter().for_each(|t| l.sampled(t));
+        assert!(l.draft_len() >= 2, "a shadow proposal that was right: {}", l.draft_len());
         for _ in 0..20 {
             l.judged(8, 8);
         }
@@ -281,6 +299,11 @@ mod tests {
             l.judged(4, 0);
         }
         assert_eq!(l.draft_len(), 0, "never right: plain decode");
+        // A shadow proposal is judged whole: a second one while it is checked is not taken.
+        l.shadow(vec![5, 6]);
+        l.shadow(vec![9, 9]);
+        l.sampled(5);
+        assert_eq!(l.shadow, [6]);
         // Shadow proposals, all right, bring it back without a pass.
         for _ in 0..30 {
             l.shadow(vec![1, 2, 3]);
@@ -293,10 +316,10 @@ mod tests {
     fn sizes_are_checked() {
         assert!(Speculative::lookup().validate().is_ok());
         for bad in [
-            Speculative::Lookup { ngram_max: 3, ngram_min: 0, max_draft: 8 },
-            Speculative::Lookup { ngram_max: 1, ngram_min: 2, max_draft: 8 },
-            Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: 0 },
-            Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: MAX_DRAFT + 1 },
+            Speculative::Lookup { ngram_max: 3, ngram_min: 0, max_draft: 8, adaptive: true },
+            Speculative::Lookup { ngram_max: 1, ngram_min: 2, max_draft: 8, adaptive: true },
+            Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: 0, adaptive: true },
+            Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: MAX_DRAFT + 1, adaptive: false },
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
