@@ -392,8 +392,6 @@ fn temp_target(name: &str) -> Option<&str> {
     parts.next()?.strip_prefix('.')?.strip_suffix(".tmp").filter(|t| !t.is_empty())
 }
 
-/// Whether `name` is that of a temporary file [`temp_path`] makes for a cache entry:
-/// `.<name>.bin.tmp.<pid>.<seq>.<nanos>`.
 /// Whether `name` is an entry's file name: `<name>-<24 hex digits>.bin` ([`GraphCache::path`]).
 fn is_entry_name(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".bin") else { return false };
@@ -401,6 +399,8 @@ fn is_entry_name(name: &str) -> bool {
     !graph.is_empty() && !name.starts_with('.') && key.len() == 24 && key.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
+/// Whether `name` is that of a temporary file [`temp_path`] makes for a cache entry:
+/// `.<name>.bin.tmp.<pid>.<seq>.<nanos>`.
 fn is_entry_temp_name(name: &str) -> bool {
     temp_target(name).and_then(|t| t.strip_suffix(".bin")).is_some_and(|entry| !entry.is_empty())
 }

@@ -184,12 +184,12 @@ impl Linears {
 
     /// Whether they run on the NPU (their `Npu` was frozen), rather than observing.
     pub fn is_frozen(&self) -> bool {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.is_some()
+        self.inner.is_frozen()
     }
 
     /// What their shared input point has seen on the NPU.
     pub fn stats(&self) -> Option<crate::PointStats> {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.as_ref().map(|f| f.point.stats())
+        self.inner.stats()
     }
 }
 
@@ -246,17 +246,24 @@ impl Linear {
 
     /// Whether it runs on the NPU (its `Npu` was frozen), rather than observing.
     pub fn is_frozen(&self) -> bool {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.is_some()
+        self.inner.is_frozen()
     }
 
     /// What its input point has seen on the NPU: values, and those beyond the clip range.
     pub fn stats(&self) -> Option<crate::PointStats> {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.as_ref().map(|f| f.point.stats())
+        self.inner.stats()
     }
-
 }
 
 impl Inner {
+    fn is_frozen(&self) -> bool {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.is_some()
+    }
+
+    fn stats(&self) -> Option<crate::PointStats> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.as_ref().map(|f| f.point.stats())
+    }
+
     /// Each linear's output for `x`: observing (float, CPU) or on the NPU.
     fn run(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         let Inner { name, n, k, shared, state } = self;
