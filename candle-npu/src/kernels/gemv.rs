@@ -1188,12 +1188,19 @@ impl BlockMatrix {
             for (w, &s) in ws.iter().zip(&starts) {
                 let (a, b) = (rows.start.max(s), rows.end.min(s + w.n));
                 if a < b {
-                    for (r, x) in xq.iter().enumerate() {
-                        // SAFETY: `a..b` is within `rows`, which is within 0..total and goes to
-                        // exactly one call (`for_each_chunk`), so the slices (of input row r's
-                        // outputs) are disjoint; `y` outlives the loop.
-                        let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(r * total + a), b - a) };
-                        gemv(w.format, w.data(), k, x, a - s..b - s, out);
+                    // Several input rows take the weights 64 rows at a time, so that each piece is
+                    // still in cache for the next input row (without helpers `rows` is the whole
+                    // product); one input row takes them in one call.
+                    let piece = if xq.len() > 1 { 64 } else { b - a };
+                    for p0 in (a..b).step_by(piece) {
+                        let p1 = (p0 + piece).min(b);
+                        for (r, x) in xq.iter().enumerate() {
+                            // SAFETY: `p0..p1` is within `rows`, which is within 0..total and goes
+                            // to exactly one call (`for_each_chunk`), so the slices (of input row
+                            // r's outputs) are disjoint; `y` outlives the loop.
+                            let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(r * total + p0), p1 - p0) };
+                            gemv(w.format, w.data(), k, x, p0 - s..p1 - s, out);
+                        }
                     }
                 }
             }
