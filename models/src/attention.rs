@@ -236,7 +236,7 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
     let pos = |r: usize| (rows.start + r).min(t - 1);
     let span = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w))..pos(r) + 1;
     let blocks = m.div_ceil(ROW_BLOCK);
-    if rows.decode && m > 1 {
+    if rows.decode {
         // Each row as its own decode step: its span, its tiles, the one-position kernel.
         let w = nh * cache.head_dim;
         for (r, out) in out.chunks_exact_mut(w).enumerate() {
@@ -244,8 +244,8 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
         }
         return out;
     }
-    if rows.decode || nkv * blocks < 2 * rayon::current_num_threads() {
-        split_keys(q, cache, m, nh, &span, scale, rows.decode, &mut out);
+    if nkv * blocks < 2 * rayon::current_num_threads() {
+        split_keys(q, cache, m, nh, &span, scale, false, &mut out);
         return out;
     }
     let groups = nh / nkv;

@@ -215,7 +215,8 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
     // the logits that follow it, computed in one verification pass and already in the KV cache.
     let mut lookup = Lookup::new(opts.speculative);
     let mut pending: VecDeque<(u32, Tensor)> = VecDeque::new();
-    let (mut spec, mut in_pass) = (SpeculationStats::default(), (0, 0));
+    // Tokens the current pass proposed (those it still holds are `pending`).
+    let (mut spec, mut in_pass) = (SpeculationStats::default(), 0);
     let t = Instant::now();
     while generated < opts.sample_len {
         let next = sampler.sample(&penalized(&logits, &tokens, &p.textless, opts)?)?;
@@ -248,15 +249,15 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
                 tokens.push(next);
                 logits = after;
                 spec.accepted += 1;
-                in_pass.1 += 1;
                 if let Some(l) = lookup.as_mut().filter(|_| pending.is_empty()) {
-                    l.judged(in_pass.0, in_pass.1);
+                    l.judged(in_pass, in_pass);
                 }
                 continue;
             }
             Some(_) => {
+                // The miss was popped: the ones before it were right.
                 if let Some(l) = lookup.as_mut() {
-                    l.judged(in_pass.0, in_pass.1);
+                    l.judged(in_pass, in_pass - pending.len() - 1);
                 }
                 pending.clear();
                 p.model.rewind(tokens.len())?;
@@ -291,7 +292,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
         }
         logits = rows.get(0)?;
         pending = proposal.iter().enumerate().map(|(i, &d)| Ok((d, rows.get(i + 1)?))).collect::<Result<_>>()?;
-        (spec.passes, spec.proposed, in_pass) = (spec.passes + 1, spec.proposed + proposal.len(), (proposal.len(), 0));
+        (spec.passes, spec.proposed, in_pass) = (spec.passes + 1, spec.proposed + proposal.len(), proposal.len());
     }
     // Rows of proposals not reached (a stop, the length) leave the cache: it holds `tokens`.
     if !pending.is_empty() {
