@@ -213,11 +213,10 @@ fn main() -> Result<()> {
     let llama = llama_bench::binary(args.llama_bench.as_deref());
     let mut rows = Vec::new();
     for name in &args.models {
-        let path = match name.as_str() {
-            "smollm2" => assets::smollm2(),
-            "gemma" => assets::gemma3_270m()?,
-            "qwen" => assets::qwen25_coder_05b()?,
-            other => {
+        let path = match assets::real_model(name) {
+            Some(path) => path?,
+            None => {
+                let other = name;
                 let shape = synthetic::Shape::by_name(other).with_context(|| format!("unknown model {other}"))?;
                 let t = Instant::now();
                 let path = synthetic::model(shape, |i, n| eprint!("\r{other}: writing tensor {i}/{n}   "))?;

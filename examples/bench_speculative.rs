@@ -155,12 +155,7 @@ fn main() -> Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut costs = vec![];
     for name in &args.models {
-        let path = match name.as_str() {
-            "smollm2" => assets::smollm2(),
-            "qwen" => assets::qwen25_coder_05b()?,
-            "gemma" => assets::gemma3_270m()?,
-            other => bail!("unknown model '{other}' (smollm2, qwen, gemma)"),
-        };
+        let path = assets::real_model(name).with_context(|| format!("unknown model '{name}' (smollm2, qwen, gemma)"))??;
         let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
         p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
         let one = pass_ms(&mut p, 1)?;

@@ -107,12 +107,7 @@ fn main() -> Result<()> {
     println!("| model | way | graphs | contexts | weights in graphs MiB | context binaries MiB | prepare s | load s | of which QNN s | first chunk s |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for name in &args.models {
-        let path = match name.as_str() {
-            "smollm2" => assets::smollm2(),
-            "gemma" => assets::gemma3_270m()?,
-            "qwen" => assets::qwen25_coder_05b()?,
-            other => bail!("unknown model {other}: smollm2, gemma or qwen"),
-        };
+        let path = assets::real_model(name).with_context(|| format!("unknown model {name}: smollm2, gemma or qwen"))??;
         measure(&args, name, &path)?;
     }
     Ok(())

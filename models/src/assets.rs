@@ -47,6 +47,17 @@ pub fn qwen25_coder_05b() -> Result<PathBuf> {
     fetched("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 }
 
+/// The real models by the short names the examples' `--models` take (`smollm2`, `qwen`,
+/// `gemma`); `None` for another name.
+pub fn real_model(name: &str) -> Option<Result<PathBuf>> {
+    match name {
+        "smollm2" => Some(Ok(smollm2())),
+        "qwen" => Some(qwen25_coder_05b()),
+        "gemma" => Some(gemma3_270m()),
+        _ => None,
+    }
+}
+
 /// `name` in the assets directory, or an error that says how to get it: these files are never
 /// committed, so a missing one almost always means the set-up script has not been run.
 fn fetched(name: &str) -> Result<PathBuf> {
