@@ -5,8 +5,8 @@
 
 mod common;
 
-use candle_npu::NpuDevice;
-use candle_npu_models::{assets, DecodeWeights, GenerateOptions, LoadOptions, Pipeline, Precision, Speculative};
+use candle_npu::{NpuDevice, Numerics};
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Pipeline, Precision, Speculative, Verify};
 
 /// A prompt whose answer copies it: where prompt lookup proposes.
 const PROMPT: &str = "Rewrite this function with the same names, adding a comment line above it:\n\
@@ -34,7 +34,7 @@ fn check(name: &str, path: &std::path::Path) {
         let plain = two_turns(&mut p, &base);
         assert_eq!(plain.2, Default::default(), "no speculation when off");
         // A fixed draft (no timing in it: the same passes on any machine), and the default.
-        let fixed = Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 4, adaptive: false };
+        let fixed = Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 4, adaptive: false, verify: Verify::Cpu };
         for speculative in [fixed, Speculative::lookup()] {
             let spec = two_turns(&mut p, &GenerateOptions { speculative, ..base.clone() });
             eprintln!("{name} {how} {speculative:?}: {:?}\n{}", spec.2, spec.0);
@@ -81,4 +81,70 @@ fn verification_rows_are_decode_steps_bit_for_bit() {
         assert_eq!(p.model.decode(next[3]).unwrap().to_vec1::<f32>().unwrap(), one[3], "{dw:?}");
         assert!(p.model.rewind(p.model.position() + 1).is_err(), "no rewinding forward");
     }
+}
+
+/// SmolLM2 in the configuration users run on the NPU (W8A8 with shadow outliers, chunks of 32
+/// rows), on the host with the HTP's numerics (`executor::htp_numerics`, proven against the
+/// library in `tests/hexagon.rs`), calibrated on a small set.
+fn smollm2_npu() -> Pipeline {
+    let mut p = common::smollm2(&NpuDevice::host_with(Numerics::Htp), Precision::W8A8, DecodeWeights::Checkpoint);
+    p.model.set_chunk_len(32).unwrap();
+    let set = CalibrationSet { sequences: 4, seq_len: 128, importance_sequences: 0, ..Default::default() };
+    let profile = p.calibrate(set, |_, _| {}).unwrap();
+    p.model.set_profile(profile).unwrap();
+    p
+}
+
+/// An NPU verifier's pass (`Model::extend_rows`, one padded chunk) gives each row what the NPU's
+/// prefill gives that token alone after the ones before it, and the rows it leaves in the KV
+/// cache are those of the NPU's prefill: so the tokens sampled from a pass are the NPU's own.
+#[test]
+fn npu_verification_rows_are_the_npus_prefill_of_each_token() {
+    let mut p = smollm2_npu();
+    let prompt = p.encode(PROMPT, true).unwrap();
+    let next = [1010u32, 2020, 3030, 40, 50, 60, 70];
+    p.model.extend(&prompt).unwrap();
+    let alone: Vec<Vec<f32>> = next.iter().map(|&t| p.model.extend(&[t]).unwrap().to_vec1().unwrap()).collect();
+    let after_alone = p.model.decode(9).unwrap().to_vec1::<f32>().unwrap();
+    p.model.rewind(prompt.len()).unwrap();
+    let pass: Vec<Vec<f32>> = p.model.extend_rows(&next).unwrap().to_vec2().unwrap();
+    let vocab = pass[0].len();
+    let max_diff = alone.iter().flatten().zip(pass.iter().flatten()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let top = |rows: &[Vec<f32>]| rows.iter().map(|r| candle_npu_models::transformer::argmax(&candle_core::Tensor::new(r.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap()).collect::<Vec<_>>();
+    eprintln!("NPU pass of {} rows against {} one-token NPU extends: max |logit diff| {max_diff}, vocab {vocab}", next.len(), next.len());
+    assert_eq!(top(&pass), top(&alone), "a pass's rows pick other tokens than the NPU's prefill of each");
+    assert!(alone == pass, "a pass's rows differ from one-token NPU extends by up to {max_diff}");
+    // The cache it leaves is the prefill's: the next step decodes as after the one-token extends.
+    assert_eq!(p.model.decode(9).unwrap().to_vec1::<f32>().unwrap(), after_alone);
+    // A rejected tail goes exactly: rewound past three, the fourth row is computed again.
+    p.model.rewind(prompt.len() + 3).unwrap();
+    assert_eq!(p.model.extend_rows(&next[3..4]).unwrap().to_vec2::<f32>().unwrap()[0], alone[3]);
+}
+
+/// Prompt lookup verified on the NPU: passes happen, greedy copying accepts proposals, and the
+/// answer is what the NPU's prefill of the whole conversation picks at every position where the
+/// answer took a pass's row.
+#[test]
+fn prompt_lookup_verified_on_the_npu_takes_the_npus_tokens() {
+    let mut p = smollm2_npu();
+    let speculative = Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 8, adaptive: false, verify: Verify::Npu };
+    let opts = GenerateOptions { sample_len: 40, speculative, ..Default::default() };
+    let mut s = p.session();
+    let (answer, stats) = s.send(&mut p, PROMPT, &opts, |_| {}).unwrap();
+    eprintln!("NPU-verified: {:?}\n{answer}", stats.speculation);
+    assert!(stats.speculation.passes > 0 && stats.speculation.accepted > 0, "{:?}", stats.speculation);
+    // The NPU's prefill of the whole conversation (every row a padded chunk's) against the
+    // answer's tokens. They differ only through the rows the CPU decoded (steps without a
+    // proposal) that the conversation's later rows attend to.
+    let tokens = s.tokens().to_vec();
+    let n_prompt = stats.prompt_tokens;
+    let mut r = smollm2_npu();
+    let rows = r.model.extend_rows(&tokens).unwrap();
+    let picked: Vec<u32> = (n_prompt..tokens.len()).map(|i| candle_npu_models::transformer::argmax(&rows.get(i - 1).unwrap()).unwrap()).collect();
+    let same = picked.iter().zip(&tokens[n_prompt..]).filter(|(a, b)| a == b).count();
+    eprintln!("NPU prefill of the conversation picks the answer's token at {same} of {} positions", picked.len());
+    assert_eq!(same, picked.len(), "the NPU's prefill picks other tokens: {picked:?} against {:?}", &tokens[n_prompt..]);
+    // A second turn runs on the cache the first left (every rejected row rewound).
+    let (second, _) = s.send(&mut p, "Now the same with a discount parameter.", &opts, |_| {}).unwrap();
+    assert!(!second.is_empty());
 }

@@ -135,6 +135,11 @@ struct Args {
     /// the prompt).
     #[arg(long)]
     lookup: bool,
+    /// Where `--lookup`'s verification passes run: `cpu` (the decode kernels: the same output as
+    /// plain decoding) or `npu` (the NPU's stage graphs, one padded chunk per pass: the NPU's
+    /// W8A8 rows, nearly free on a phone's NPU; slow on the x86 emulator).
+    #[arg(long, default_value = "cpu", requires = "lookup", value_parser = ["cpu", "npu"])]
+    verify: String,
     /// A system prompt, before the prompt (in the model's chat template).
     #[arg(long, conflicts_with_all = ["no_chat_template", "load_session"])]
     system: Option<String>,
@@ -429,7 +434,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         top_k: args.top_k.map(|k| k as usize),
         repeat_penalty: args.repeat_penalty,
         repeat_last_n: args.repeat_last_n,
-        speculative: if args.lookup { candle_npu_models::Speculative::lookup() } else { candle_npu_models::Speculative::Off },
+        speculative: match (args.lookup, args.verify.as_str()) {
+            (false, _) => candle_npu_models::Speculative::Off,
+            (true, "npu") => candle_npu_models::Speculative::lookup().verified_on(candle_npu_models::Verify::Npu),
+            (true, _) => candle_npu_models::Speculative::lookup(),
+        },
         seed: args.seed,
         parse_special: args.parse_special,
     };

@@ -37,7 +37,7 @@ pub use candle_npu::{DecodeWeights, WeightQuant};
 pub use chat::{JinjaTemplate, Message};
 pub use generate::{GenerateOptions, GenerateStats, StopReason};
 pub use session::Session;
-pub use speculative::{SpeculationStats, Speculative};
+pub use speculative::{SpeculationStats, Speculative, Verify};
 pub use pipeline::{CalibrationSet, CalibrationSource, Pipeline, TextStream};
 pub use spec::{Config, FamilySpec};
 pub use transformer::{prefill_dag, LoadOptions, Model, Precision, SchedOptions};

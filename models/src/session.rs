@@ -30,7 +30,7 @@ use crate::attention::KvCache;
 use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
-use crate::speculative::{Lookup, SpeculationStats, MAX_DRAFT};
+use crate::speculative::{Lookup, SpeculationStats, Verify, MAX_DRAFT};
 use crate::transformer::Model;
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
@@ -286,7 +286,11 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
             }
             continue;
         }
-        let rows = p.model.decode_rows(&[&[next], proposal.as_slice()].concat())?;
+        let pass = [&[next], proposal.as_slice()].concat();
+        let rows = match opts.speculative.verify() {
+            Verify::Cpu => p.model.decode_rows(&pass)?,
+            Verify::Npu => p.model.extend_rows(&pass)?,
+        };
         if let Some(l) = lookup.as_mut() {
             l.timed_pass(proposal.len() + 1, step.elapsed().as_secs_f64());
         }

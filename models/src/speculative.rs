@@ -23,6 +23,16 @@
 //! to the smallest n-gram size) are looked for earlier in the conversation, latest match first,
 //! and the tokens that followed are proposed: free, and right where an answer copies its input
 //! (quoting a document, rewriting code). The number proposed adapts to how many were accepted.
+//!
+//! # Verifiers
+//!
+//! [`Verify::Cpu`] (the default) runs a pass as decode steps ([`crate::Model::decode_rows`]): the
+//! output is plain decoding's, as above. [`Verify::Npu`] runs it through the NPU's stage graphs
+//! as one padded chunk ([`crate::Model::extend_rows`]): a chunk costs the same whatever rows it
+//! holds, so on a phone a pass of 16 rows costs what a pass of one does. Its rows are the
+//! NPU's W8A8 arithmetic, not the CPU decode's, so the tokens sampled from them are what the
+//! NPU's own prefill of the conversation would give (within W8A8's 1% of the float model), not
+//! plain decoding's token for token. `docs/speculative.md` predicts what it earns on a phone.
 
 use candle_npu::{Error, Result};
 
@@ -46,13 +56,42 @@ pub enum Speculative {
         /// Propose as many tokens as pay, from the measured acceptance and cost of rows (the
         /// default); off, `max_draft` at every match (to measure, or to test without timing).
         adaptive: bool,
+        /// Where a pass runs (the CPU's decode kernels by default; see [`Verify`]).
+        verify: Verify,
     },
+}
+
+/// Where a verification pass runs (see the [module](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Verify {
+    /// The CPU's decode kernels, one pass over the weights for every row: the output is plain
+    /// decoding's, token for token.
+    #[default]
+    Cpu,
+    /// The NPU's stage graphs, the rows in one padded chunk: what the NPU's prefill gives.
+    Npu,
 }
 
 impl Speculative {
     /// Prompt lookup with the default sizes.
     pub fn lookup() -> Self {
-        Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 8, adaptive: true }
+        Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 8, adaptive: true, verify: Verify::Cpu }
+    }
+
+    /// The same proposer with its passes run on `verify` (no change when off).
+    pub fn verified_on(self, verify: Verify) -> Self {
+        match self {
+            Speculative::Off => Speculative::Off,
+            Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, .. } => Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, verify },
+        }
+    }
+
+    /// Where its passes run (`Cpu` when off).
+    pub fn verify(&self) -> Verify {
+        match *self {
+            Speculative::Off => Verify::Cpu,
+            Speculative::Lookup { verify, .. } => verify,
+        }
     }
 
     /// Checks the sizes, before any work.
@@ -122,7 +161,7 @@ impl Lookup {
     pub(crate) fn new(spec: Speculative) -> Option<Self> {
         match spec {
             Speculative::Off => None,
-            Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive } => Some(Lookup {
+            Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, .. } => Some(Lookup {
                 ngram_max,
                 ngram_min,
                 max_draft,
@@ -252,7 +291,7 @@ mod tests {
 
     fn lookup(ngram_min: usize) -> Lookup {
         let Speculative::Lookup { ngram_max, max_draft, .. } = Speculative::lookup() else { unreachable!() };
-        Lookup::new(Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive: true }).unwrap()
+        Lookup::new(Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive: true, verify: Verify::Cpu }).unwrap()
     }
 
     #[test]
@@ -277,7 +316,7 @@ mod tests {
     fn the_draft_is_as_long_as_it_pays() {
         let mut l = lookup(2);
         assert_eq!(l.draft_len(), 0, "a plain step first");
-        let fixed = Lookup::new(Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 5, adaptive: false }).unwrap();
+        let fixed = Lookup::new(Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 5, adaptive: false, verify: Verify::Cpu }).unwrap();
         assert_eq!(fixed.draft_len(), 5, "not adaptive: always the most");
         l.timed_step(0.010);
         assert_eq!(l.draft_len(), 0, "no pass before a proposal was right");
@@ -316,10 +355,10 @@ mod tests {
     fn sizes_are_checked() {
         assert!(Speculative::lookup().validate().is_ok());
         for bad in [
-            Speculative::Lookup { ngram_max: 3, ngram_min: 0, max_draft: 8, adaptive: true },
-            Speculative::Lookup { ngram_max: 1, ngram_min: 2, max_draft: 8, adaptive: true },
-            Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: 0, adaptive: true },
-            Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: MAX_DRAFT + 1, adaptive: false },
+            Speculative::Lookup { ngram_max: 3, ngram_min: 0, max_draft: 8, adaptive: true, verify: Verify::Cpu },
+            Speculative::Lookup { ngram_max: 1, ngram_min: 2, max_draft: 8, adaptive: true, verify: Verify::Cpu },
+            Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: 0, adaptive: true, verify: Verify::Cpu },
+            Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: MAX_DRAFT + 1, adaptive: false, verify: Verify::Cpu },
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }

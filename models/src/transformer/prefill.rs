@@ -186,6 +186,17 @@ impl Model {
         Ok(logits.squeeze(0)?)
     }
 
+    /// The logits of every one of `tokens` after the tokens the KV cache holds, `[n, vocab]`,
+    /// every row through the NPU's stage graphs: one chunk of [`Model::chunk_len`] rows per
+    /// `chunk_len` tokens, the last padded, no CPU margin. A speculative verifier's pass on the
+    /// NPU ([`crate::Verify::Npu`]): a chunk costs the same whatever rows it holds, and each row
+    /// is what the NPU's prefill gives that token after the ones before it. Afterwards
+    /// [`Model::rewind`] drops the rows not accepted; on an error the cache is left as it was.
+    pub fn extend_rows(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let plan = self.npu_only_plan(tokens.len(), self.chunk_len)?;
+        self.run_prefill(tokens, &plan, self.precision, true)
+    }
+
     /// Prefill and return the logits of every prompt position, `[len, vocab]` (for perplexity).
     pub fn prefill_all_logits(&mut self, tokens: &[u32]) -> Result<Tensor> {
         self.prefill_all_logits_chunked(tokens, self.chunk_len)
