@@ -226,13 +226,25 @@ const ROW_BLOCK: usize = 64;
 /// turn), spread their tiles of keys over the cores instead, merged in order afterwards
 /// (flash-decoding); a decode step takes the one-position kernel. Returns `[m, n_head * head_dim]`.
 fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usize>, scale: f32) -> Vec<f32> {
-    let (nkv, hd, m, t) = (cache.heads, cache.head_dim, rows.m, cache.len);
-    let mut out = vec![0f32; m * nh * hd];
-    if t == 0 {
+    let hd = cache.head_dim;
+    let mut out = vec![0f32; rows.m * nh * hd];
+    // Only the rows that are tokens attend: a padding row's output is never used (each row's
+    // values depend on its own inputs only, through static quantization), so it stays zero. A
+    // verification pass of a few rows in a padded 32-row chunk pays for its own rows only.
+    let m = rows.n_valid;
+    if cache.len == 0 || m == 0 {
         return out;
     }
-    // Keys visible from row `r`. Padding rows past the prompt see what its last token sees
-    // (never nothing, which would make their softmax 0 / 0; their outputs are unused).
+    let (q, out_valid) = (&q[..m * nh * hd], &mut out[..m * nh * hd]);
+    causal_rows(q, cache, rows, m, nh, window, scale, out_valid);
+    out
+}
+
+/// [`causal`] of the first `m` rows into `out` (`[m, n_head * head_dim]`).
+#[allow(clippy::too_many_arguments)]
+fn causal_rows(q: &[f32], cache: &KvCache, rows: &Rows, m: usize, nh: usize, window: Option<usize>, scale: f32, out: &mut [f32]) {
+    let (nkv, hd, t) = (cache.heads, cache.head_dim, cache.len);
+    // Keys visible from row `r`.
     let pos = |r: usize| (rows.start + r).min(t - 1);
     let span = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w))..pos(r) + 1;
     let blocks = m.div_ceil(ROW_BLOCK);
@@ -242,11 +254,11 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
         for (r, out) in out.chunks_exact_mut(w).enumerate() {
             split_keys(&q[r * w..(r + 1) * w], cache, 1, nh, &|_| span(r), scale, true, out);
         }
-        return out;
+        return;
     }
     if nkv * blocks < 2 * rayon::current_num_threads() {
-        split_keys(q, cache, m, nh, &span, scale, false, &mut out);
-        return out;
+        split_keys(q, cache, m, nh, &span, scale, false, out);
+        return;
     }
     let groups = nh / nkv;
     // Rows s0..s1 of KV head h (a `Part`).
@@ -297,7 +309,6 @@ fn causal(q: &[f32], cache: &KvCache, rows: &Rows, nh: usize, window: Option<usi
             }
         }
     });
-    out
 }
 
 /// Attention of the pass's `m` rows (few: a decode step, a short turn) with every KV head's tiles
