@@ -133,17 +133,23 @@ pub struct SpeculationStats {
 /// proposed token is right when the ones before it were) and costs `1 + c k` decode steps (`c`:
 /// an extra row's cost, relative to a step's); `k` is chosen to make the ratio largest, and 0
 /// (plain decode) when no `k` beats 1. So a task with nothing to copy, or a CPU on which rows
-/// cost nearly a step each, decodes as without speculation. While not speculating, the proposal
+/// cost nearly a step each, decodes as without speculation. On the NPU ([`Verify::Npu`]) a pass
+/// is one padded chunk whatever its rows: it costs `1 + c` steps for any `k`, `c` measured per
+/// pass instead of per row. While not speculating, the proposal
 /// is still made and checked against the tokens sampled (free), so `a` stays measured.
 pub(crate) struct Lookup {
     ngram_max: usize,
     ngram_min: usize,
     max_draft: usize,
     adaptive: bool,
+    /// A pass costs the same whatever its rows (the NPU's padded chunk): `row` is then a pass's
+    /// extra cost, not a row's.
+    flat: bool,
     /// Proposed tokens right, and proposed tokens judged, both decaying (recent passes count more).
     right: f64,
     judged: f64,
-    /// Seconds of a decode step, and of a pass per extra row beyond the step, measured.
+    /// Seconds of a decode step, and of a pass per extra row beyond the step (per pass when
+    /// `flat`), measured.
     step: Option<f64>,
     row: Option<f64>,
     /// A proposal not verified (not worth a pass), checked against the tokens sampled.
@@ -161,11 +167,12 @@ impl Lookup {
     pub(crate) fn new(spec: Speculative) -> Option<Self> {
         match spec {
             Speculative::Off => None,
-            Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, .. } => Some(Lookup {
+            Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, verify } => Some(Lookup {
                 ngram_max,
                 ngram_min,
                 max_draft,
                 adaptive,
+                flat: verify == Verify::Npu,
                 // No prior: nothing is verified until proposals judged against what was sampled
                 // (free: see `shadow`) show they are right, so a task with nothing to copy
                 // never pays for a pass.
@@ -184,7 +191,7 @@ impl Lookup {
         self.right / self.judged.max(1e-9)
     }
 
-    /// An extra row's cost relative to a decode step.
+    /// An extra row's cost (a pass's extra cost when `flat`) relative to a decode step.
     fn row_cost(&self) -> f64 {
         match (self.row, self.step) {
             (Some(r), Some(s)) if s > 0.0 => (r / s).max(0.0),
@@ -205,7 +212,7 @@ impl Lookup {
         for k in 1..=self.max_draft {
             power *= a;
             expected += power;
-            let rate = expected / (1.0 + c * k as f64);
+            let rate = expected / (1.0 + c * if self.flat { 1.0 } else { k as f64 });
             if rate > best * 1.01 {
                 (best, best_k) = (rate, k);
             }
@@ -242,7 +249,7 @@ impl Lookup {
     /// A pass of `rows` rows took `secs`.
     pub(crate) fn timed_pass(&mut self, rows: usize, secs: f64) {
         if let (Some(step), true) = (self.step, rows > 1) {
-            let per_row = (secs - step).max(0.0) / (rows - 1) as f64;
+            let per_row = (secs - step).max(0.0) / if self.flat { 1.0 } else { (rows - 1) as f64 };
             self.row = Some(self.row.map_or(per_row, |r| r * DECAY + per_row * (1.0 - DECAY)));
         }
     }
@@ -349,6 +356,31 @@ mod tests {
             [1, 2, 3].into_iter().for_each(|t| l.sampled(t));
         }
         assert!(l.draft_len() >= 4, "{}", l.draft_len());
+    }
+
+    /// On the NPU a pass costs the same for any rows: the draft is all or nothing, as the
+    /// acceptance makes a whole pass pay or not.
+    #[test]
+    fn a_pass_of_flat_cost_takes_the_most_rows_or_none() {
+        let mut l = Lookup::new(Speculative::lookup().verified_on(Verify::Npu)).unwrap();
+        l.timed_step(0.010);
+        for _ in 0..40 {
+            l.timed_pass(9, 0.030); // a pass: three steps, whatever its rows
+            l.judged(8, 7); // acceptance 0.875: 8 tokens a pass on average
+        }
+        assert_eq!(l.draft_len(), 8, "right often: the most rows, at no extra cost");
+        // The same costs charged per row would have made long drafts dear: fewer rows.
+        let mut per_row = lookup(2);
+        per_row.timed_step(0.010);
+        for _ in 0..40 {
+            per_row.timed_pass(9, 0.030);
+            per_row.judged(8, 7);
+        }
+        assert!(per_row.draft_len() < 8, "{}", per_row.draft_len());
+        for _ in 0..80 {
+            l.judged(4, 1); // one right, then a miss: 0.5, about 2 tokens a pass for 3 steps
+        }
+        assert_eq!(l.draft_len(), 0, "rarely right: plain decode");
     }
 
     #[test]
