@@ -10,6 +10,10 @@
 //! cargo run --release --example bench_speculative -- [--llama-lookup PATH] [--llama-bench PATH]
 //! ```
 //!
+//! With `--phone`, no timing: each task's greedy answer with a fixed draft of 15 tokens (the
+//! plain answer, token for token) is priced on the phone model, for plain decode, CPU
+//! verification and NPU verification (see [`phone`]).
+//!
 //! Decode tokens/s is over the tokens after the first (the prefill excluded), for us and for
 //! llama.cpp (its "decoded N tokens in S seconds" line). The outputs are the same for our two
 //! rows, token for token (`tests/speculative.rs`); llama.cpp's arithmetic differs, so its answer
@@ -21,8 +25,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use candle_npu::NpuDevice;
-use candle_npu_models::{assets, CalibrationSet, GenerateOptions, LoadOptions, Message, Pipeline, Speculative};
+use candle_npu::sched::{AnalyticCosts, CostModel, Node, Processor, Rates};
+use candle_npu::{ChunkPlan, NpuDevice, Tail};
+use candle_npu_models::{assets, prefill_dag, CalibrationSet, GenerateOptions, LoadOptions, Message, Pipeline, SpeculationStats, Speculative, Verify};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -48,6 +53,9 @@ struct Args {
     /// llama.cpp's threads (ours: the engine's pool, every core unless `RAYON_NUM_THREADS` says).
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Price each task's passes on the phone model instead of timing them here (see [`phone`]).
+    #[arg(long)]
+    phone: bool,
 }
 
 const CODE: &str = r#"Rewrite this Python function with type hints and a docstring, keeping its logic and names:
@@ -132,6 +140,97 @@ fn pass_ms(p: &mut Pipeline, k: usize) -> Result<f64> {
     Ok(median(ms))
 }
 
+/// Bytes per second one processor of a Snapdragon 8 Gen 3 reads in decode: HeteroLLM measures 40
+/// to 45 GB/s for any one of CPU, GPU and NPU; docs/aarch64.md's 55-60% of LPDDR5X's 77 GB/s is
+/// 42.4-46.2. The middle of the latter.
+const PHONE_BYTES_PER_SEC: f64 = 44.3e9;
+
+/// Seconds, on the phone model, of a CPU decode step and of an NPU verification pass at
+/// `position`, and the pass's stage graphs (for a per-graph handoff cost).
+///
+/// - The step reads the decode weights (the file's blocks), the output table and the KV cache
+///   once: memory-bound ([`PHONE_BYTES_PER_SEC`]).
+/// - The pass is one 32-row chunk through the prefill DAG, priced by [`AnalyticCosts`] with
+///   [`Rates::SNAPDRAGON_8_GEN_3_KERNELS`] at `position` (its attention over the cache). One chunk
+///   has nothing to overlap, so its NPU and CPU nodes add up; attention is `rows` rows' (padding
+///   rows do not attend: `attention::causal`). The NPU's share is at least its
+///   INT8 weights read at the same bandwidth. Then the CPU computes the rows' logits, which
+///   reads the output table once.
+fn phone_costs(p: &Pipeline, position: usize, rows: usize) -> Result<(f64, f64, usize)> {
+    let (m, cfg) = (&p.model, p.model.config());
+    let kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4 * position;
+    let output = m.output().bytes() as f64 / PHONE_BYTES_PER_SEC;
+    let step = (m.linears().map(|l| l.decode().bytes()).sum::<usize>() + kv_bytes) as f64 / PHONE_BYTES_PER_SEC + output;
+    let shape = m.layer_shape();
+    let costs = AnalyticCosts { shape, rates: Rates::SNAPDRAGON_8_GEN_3_KERNELS };
+    let dag = prefill_dag(&ChunkPlan::new(32, 32, usize::MAX, Tail::Pad)?, cfg.n_layer)?;
+    let (mut npu, mut cpu, mut graphs) = (0.0, 0.0, 0);
+    for n in dag.nodes() {
+        let rows = if n.stage_name == "attn" { rows } else { n.rows };
+        let c = costs.cost(&Node { start: position, rows, ..n.clone() });
+        match n.processor {
+            Processor::Npu => (npu, graphs) = (npu + c, graphs + 1),
+            Processor::Cpu => cpu += c,
+        }
+    }
+    let int8: usize = ["qkv", "o", "gate_up", "down"].iter().filter_map(|s| shape.linear_macs(s)).sum::<usize>() * cfg.n_layer;
+    Ok((step, npu.max(int8 as f64 / PHONE_BYTES_PER_SEC) + cpu + output, graphs))
+}
+
+/// The `--phone` table: each task's answer (greedy; prompt lookup with a fixed draft of 15, a
+/// pass at every match, and with the default adaptive draft as this machine's costs decide it)
+/// priced on the phone model ([`phone_costs`], at the middle of the
+/// answer). A token comes from the prefill, a plain step, a pass's first row or an accepted
+/// proposal, so the answer took `generated - 1 - passes - accepted` plain steps besides its passes.
+/// - plain: every token a step;
+/// - CPU verification: a pass is a step and `c` of a step per proposed token, `c` this machine's
+///   measured extra-row cost at 16 rows (the phone's own is not measured);
+/// - NPU verification: a pass is [`phone_costs`]' pass, whatever its rows; without and with a
+///   handoff of 100 µs per stage graph (assumed: HeteroLLM polls because `usleep`'s 80-100 µs
+///   granularity is too coarse for its NPU-GPU hand-offs).
+fn phone(args: &Args) -> Result<()> {
+    println!("Prompt lookup priced on the phone model (model estimate): Snapdragon 8 Gen 3, {:.1} GB/s per processor, NPU and CPU rates of Rates::SNAPDRAGON_8_GEN_3_KERNELS; greedy answers of {} tokens computed here, with a fixed draft of 15 and with the adaptive default\n", PHONE_BYTES_PER_SEC / 1e9, args.tokens);
+    println!("| model | task | draft | tokens | passes | accepted / proposed | step ms | NPU pass ms | plain tok/s | CPU verification tok/s (c), x plain | NPU verification tok/s, x plain | with 100 µs per graph |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for name in &args.models {
+        let path = assets::real_model(name).with_context(|| format!("unknown model '{name}' (smollm2, qwen, gemma)"))??;
+        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
+        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        let c = (pass_ms(&mut p, 16)? / pass_ms(&mut p, 1)? - 1.0) / 15.0;
+        for task in &args.tasks {
+            let prompt = task_prompt(&p, task)?;
+            let fixed = Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 15, adaptive: false, verify: Verify::Cpu };
+            for (draft, speculative) in [("15", fixed), ("adaptive", Speculative::lookup())] {
+                let opts = GenerateOptions { sample_len: args.tokens, speculative, ..Default::default() };
+                let (_, stats) = p.session().chat(&mut p, &[Message::user(&prompt)], &opts, |_| {})?;
+                let (n, SpeculationStats { passes, proposed, accepted }) = (stats.generated_tokens, stats.speculation);
+                if n < 2 {
+                    println!("| {name} | {task} | {draft} | {n} | - | - | - | - | - | - | - | - |");
+                    continue;
+                }
+                let (step, pass, graphs) = phone_costs(&p, stats.prompt_tokens + n / 2, 1 + proposed / passes.max(1))?;
+                let plain_steps = n.saturating_sub(1 + passes + accepted) as f64;
+                let tps = |secs: f64| (n - 1) as f64 / secs;
+                let plain = tps((n - 1) as f64 * step);
+                let cpu = tps(plain_steps * step + passes as f64 * step + proposed as f64 * c * step);
+                let npu = |handoff: f64| tps(plain_steps * step + passes as f64 * (pass + handoff * graphs as f64));
+                println!(
+                    "| {name} | {task} | {draft} | {n} | {passes} | {accepted} / {proposed} | {:.2} | {:.2} | {plain:.0} | {:.0} ({c:.2}), {:.2}x | {:.0}, {:.2}x | {:.0}, {:.2}x |",
+                    step * 1e3,
+                    pass * 1e3,
+                    cpu,
+                    cpu / plain,
+                    npu(0.0),
+                    npu(0.0) / plain,
+                    npu(100e-6),
+                    npu(100e-6) / plain,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -141,6 +240,9 @@ fn main() -> Result<()> {
     let args = Args::parse();
     if args.rounds == 0 || args.tokens < 2 {
         bail!("--rounds must be at least 1 and --tokens at least 2");
+    }
+    if args.phone {
+        return phone(&args);
     }
     let lookup_bin = args.llama_lookup.clone().or_else(|| std::env::var_os("LLAMA_LOOKUP").map(PathBuf::from));
     let bench_bin = llama_bench::binary(args.llama_bench.as_deref());
