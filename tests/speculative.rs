@@ -148,3 +148,58 @@ fn prompt_lookup_verified_on_the_npu_takes_the_npus_tokens() {
     let (second, _) = s.send(&mut p, "Now the same with a discount parameter.", &opts, |_| {}).unwrap();
     assert!(!second.is_empty());
 }
+
+/// A draft for SmolLM2, on the CPU only: the model itself (its first `layers`, or all).
+fn smollm2_draft(layers: Option<usize>) -> Pipeline {
+    Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, layers, ..Default::default() }).unwrap()
+}
+
+/// Proposals of a draft model give the plain decode's output too, greedy and sampled, over two
+/// turns (the draft's own cache follows the conversation); a draft as good as the model is
+/// accepted nearly always under greedy decoding.
+#[test]
+fn a_draft_model_decodes_what_plain_decoding_does() {
+    let mut p = load(&assets::smollm2());
+    for (how, base) in [
+        ("greedy", GenerateOptions { sample_len: 48, ..Default::default() }),
+        ("sampled", GenerateOptions { sample_len: 48, temperature: Some(0.7), top_k: Some(40), repeat_penalty: 1.1, ..Default::default() }),
+    ] {
+        let plain = two_turns(&mut p, &base);
+        for layers in [None, Some(10)] {
+            p.set_draft(smollm2_draft(layers)).unwrap();
+            assert_eq!(p.draft().unwrap().config().n_layer, layers.unwrap_or(30));
+            let fixed = Speculative::Draft { max_draft: 4, adaptive: false, verify: Verify::Cpu };
+            for speculative in [fixed, Speculative::draft()] {
+                let spec = two_turns(&mut p, &GenerateOptions { speculative, ..base.clone() });
+                eprintln!("draft of {layers:?} layers, {how} {speculative:?}: {:?}", spec.2);
+                assert_eq!((&plain.0, &plain.1), (&spec.0, &spec.1), "draft of {layers:?} layers, {how} {speculative:?}: speculation changed the output");
+                if speculative == fixed {
+                    assert!(spec.2.passes > 0, "{:?}", spec.2);
+                }
+                if (speculative, how, layers) == (fixed, "greedy", None) {
+                    // The draft is the model on the CPU path: its greedy tokens are the model's
+                    // but where the F32 prefill's rows and the draft's own differ in rounding.
+                    assert!(spec.2.accepted * 10 >= spec.2.proposed * 9, "{:?}", spec.2);
+                }
+            }
+        }
+    }
+}
+
+/// A draft of another tokenizer, a draft asked for with none set, and layers the model does not
+/// have are errors, before any work.
+#[test]
+fn bad_drafts_are_errors() {
+    let mut p = load(&assets::smollm2());
+    let opts = GenerateOptions { sample_len: 4, speculative: Speculative::draft(), ..Default::default() };
+    let e = p.generate("Hello", &opts, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("draft model") && e.contains("set_draft"), "{e}");
+    let gemma = Pipeline::load(&assets::gemma3_270m().unwrap(), None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, ..Default::default() }).unwrap();
+    let e = p.set_draft(gemma).unwrap_err().to_string();
+    assert!(e.contains("does not share the tokenizer") && e.contains("gemma"), "{e}");
+    assert!(p.draft().is_none());
+    for layers in [0, 31] {
+        let e = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, layers: Some(layers), ..Default::default() }).err().unwrap().to_string();
+        assert!(e.contains(&format!("first {layers} layers")) && e.contains("1 to 30"), "{e}");
+    }
+}

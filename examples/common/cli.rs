@@ -138,8 +138,15 @@ struct Args {
     /// Where `--lookup`'s verification passes run: `cpu` (the decode kernels: the same output as
     /// plain decoding) or `npu` (the NPU's stage graphs, one padded chunk per pass: the NPU's
     /// W8A8 rows, nearly free on a phone's NPU; slow on the x86 emulator).
-    #[arg(long, default_value = "cpu", requires = "lookup", value_parser = ["cpu", "npu"])]
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "npu"])]
     verify: String,
+    /// Speculative decoding with a draft model: a smaller model of the same tokenizer (a GGUF
+    /// file or an HF folder) proposes its greedy tokens, run on the CPU (the same output).
+    #[arg(long, conflicts_with = "lookup")]
+    draft_model: Option<PathBuf>,
+    /// The draft is the model's own first N layers (of `--draft-model`, else of the model).
+    #[arg(long, conflicts_with = "lookup", value_parser = clap::value_parser!(u32).range(1..))]
+    draft_layers: Option<u32>,
     /// A system prompt, before the prompt (in the model's chat template).
     #[arg(long, conflicts_with_all = ["no_chat_template", "load_session"])]
     system: Option<String>,
@@ -353,6 +360,9 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if let Some(n) = args.npu_threads {
         sched.npu_threads = Some(n as usize);
     }
+    if args.verify == "npu" && !args.lookup && args.draft_model.is_none() && args.draft_layers.is_none() {
+        bail!("--verify npu verifies speculative proposals: give --lookup, --draft-model or --draft-layers with it");
+    }
     let opts = LoadOptions {
         precision: if args.f32_prefill { Precision::F32 } else { Precision::W8A8 },
         decode_weights: match args.decode_weights {
@@ -395,6 +405,17 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     bar.finish_and_clear();
     eprintln!("profile ready ({})", candle_npu_models::memory::describe());
 
+    // The draft runs on the CPU only: F32 "prefill" (its CPU path), no profile, no graphs.
+    let drafting = args.draft_model.is_some() || args.draft_layers.is_some();
+    if drafting {
+        let t = Instant::now();
+        let draft_path = args.draft_model.clone().unwrap_or_else(|| path.clone());
+        let opts = LoadOptions { precision: Precision::F32, layers: args.draft_layers.map(|n| n as usize), ..Default::default() };
+        let draft = Pipeline::load(&draft_path, None, &NpuDevice::host(), opts).with_context(|| format!("loading the draft {}", draft_path.display()))?;
+        p.set_draft(draft)?;
+        eprintln!("draft {} ({} layers) loaded in {:.1}s ({})", draft_path.display(), p.draft().map_or(0, |d| d.config().n_layer), t.elapsed().as_secs_f32(), candle_npu_models::memory::describe());
+    }
+
 
     let t = Instant::now();
     p.model.prepare()?;
@@ -434,10 +455,13 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         top_k: args.top_k.map(|k| k as usize),
         repeat_penalty: args.repeat_penalty,
         repeat_last_n: args.repeat_last_n,
-        speculative: match (args.lookup, args.verify.as_str()) {
-            (false, _) => candle_npu_models::Speculative::Off,
-            (true, "npu") => candle_npu_models::Speculative::lookup().verified_on(candle_npu_models::Verify::Npu),
-            (true, _) => candle_npu_models::Speculative::lookup(),
+        speculative: {
+            let verify = if args.verify == "npu" { candle_npu_models::Verify::Npu } else { candle_npu_models::Verify::Cpu };
+            match (args.lookup, drafting) {
+                (true, _) => candle_npu_models::Speculative::lookup().verified_on(verify),
+                (false, true) => candle_npu_models::Speculative::draft().verified_on(verify),
+                (false, false) => candle_npu_models::Speculative::Off,
+            }
         },
         seed: args.seed,
         parse_special: args.parse_special,
@@ -513,9 +537,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         prefill_stats.executions - before.executions
     );
     println!("{} tokens generated: {:.2} token/s", stats.generated_tokens, stats.decode_tokens_per_sec());
-    if args.lookup {
+    if args.lookup || drafting {
         let s = stats.speculation;
-        println!("prompt lookup: {} of {} proposed tokens accepted in {} verification passes", s.accepted, s.proposed, s.passes);
+        let by = if args.lookup { "prompt lookup" } else { "draft model" };
+        println!("{by}: {} of {} proposed tokens accepted in {} verification passes", s.accepted, s.proposed, s.passes);
     }
     println!("memory: {}; {}", candle_npu_models::memory::describe(), p.model.weight_bytes());
     print_qnn_profile(&device);

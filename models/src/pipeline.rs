@@ -8,6 +8,7 @@ use tokenizers::Tokenizer;
 
 use crate::chat::{ChatTemplate, JinjaTemplate, Message, TemplateSource};
 use crate::gguf::Gguf;
+use crate::speculative::Draft;
 use crate::transformer::{LoadOptions, Model, Precision};
 
 /// A loaded model with what a program needs around it: its tokenizer, chat template and stop
@@ -34,6 +35,8 @@ pub struct Pipeline {
     pub(crate) textless: Vec<u32>,
     /// The longest prompt (bytes) taken ([`Pipeline::check_prompt`]).
     prompt_limit: usize,
+    /// The draft model of [`crate::Speculative::Draft`] ([`Pipeline::set_draft`]).
+    pub(crate) draft: Option<Draft>,
 }
 
 /// Which text calibration reads (user texts: [`Pipeline::calibrate_on`]).
@@ -144,7 +147,7 @@ impl Pipeline {
         }
         let textless = check_tokenizer(&tok, &model, &stop_tokens, path)?;
         let prompt_limit = prompt_limit(&tok, model.config().context_len);
-        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: path.to_path_buf(), textless, prompt_limit })
+        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: path.to_path_buf(), textless, prompt_limit, draft: None })
     }
 
     /// An HF folder: `config.json`, `*.safetensors`, `tokenizer.json` (or `tokenizer`), and the
@@ -162,7 +165,38 @@ impl Pipeline {
         }
         let textless = check_tokenizer(&tok, &model, &stop_tokens, dir)?;
         let prompt_limit = prompt_limit(&tok, model.config().context_len);
-        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: dir.to_path_buf(), textless, prompt_limit })
+        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: dir.to_path_buf(), textless, prompt_limit, draft: None })
+    }
+
+    /// Sets the draft model that [`crate::Speculative::Draft`] proposes with: a smaller model of
+    /// the same tokenizer (SmolLM2-135M for a larger SmolLM2), or this model's own first layers
+    /// ([`LoadOptions::layers`]). It runs on the CPU only (its decode path: no profile, no NPU
+    /// graphs), so load it with `Precision::F32` on the host. A draft whose tokenizer reads text
+    /// otherwise, or whose vocabulary differs, is an error naming both files.
+    pub fn set_draft(&mut self, draft: Pipeline) -> Result<()> {
+        // The same vocabulary, and the same tokens for a text with words, digits, punctuation,
+        // whitespace runs and non-ASCII letters.
+        const PROBE: &str = "Draft check: the quick brown fox, 1234 fn main() {  }\n\tnaïve Zürich 東京 ✓";
+        let (ours, theirs) = (self.encode_piece(PROBE)?, draft.encode_piece(PROBE)?);
+        let (v, dv) = (self.model.config().vocab, draft.model.config().vocab);
+        if v != dv || ours != theirs {
+            return Err(Error::Input(format!(
+                "the draft {} does not share the tokenizer of {} (vocabularies of {dv} and {v}; a probe text gives {} and {} tokens{})",
+                draft.model_path.display(),
+                self.model_path.display(),
+                theirs.len(),
+                ours.len(),
+                if theirs.len() == ours.len() { ", other ids" } else { "" }
+            )));
+        }
+        tracing::info!("draft model for speculative decoding: {} ({} layers)", draft.model_path.display(), draft.model.config().n_layer);
+        self.draft = Some(Draft::new(draft.model));
+        Ok(())
+    }
+
+    /// The draft model set by [`Pipeline::set_draft`], if any.
+    pub fn draft(&self) -> Option<&Model> {
+        self.draft.as_ref().map(|d| &d.model)
     }
 
     /// Token ids of a prompt, with the special tokens the tokenizer adds (Gemma's BOS), wrapped

@@ -30,7 +30,7 @@ use crate::attention::KvCache;
 use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
-use crate::speculative::{Lookup, SpeculationStats, Verify, MAX_DRAFT};
+use crate::speculative::{Proposer, SpeculationStats, Speculative, Verify};
 use crate::transformer::Model;
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
@@ -123,6 +123,9 @@ impl Session {
     /// [`GenerateOptions::parse_special`]. On an error the conversation is as it was.
     pub fn chat(&mut self, p: &mut Pipeline, messages: &[Message], opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         opts.validate()?;
+        if matches!(opts.speculative, Speculative::Draft { .. }) && p.draft.is_none() {
+            return Err(Error::Input("speculative decoding with a draft model, but the pipeline has none: Pipeline::set_draft".into()));
+        }
         let arithmetic = self.check_model(p)?;
         (self.model_id, self.arithmetic) = (p.model.model_id().to_string(), arithmetic);
         let mut all = self.messages.clone();
@@ -213,7 +216,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
     let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
     // Speculation (`crate::speculative`): tokens proposed after the last sampled one, each with
     // the logits that follow it, computed in one verification pass and already in the KV cache.
-    let mut lookup = Lookup::new(opts.speculative);
+    let mut lookup = Proposer::new(opts.speculative);
     let mut pending: VecDeque<(u32, Tensor)> = VecDeque::new();
     // Tokens the current pass proposed (those it still holds are `pending`).
     let (mut spec, mut in_pass) = (SpeculationStats::default(), 0);
@@ -265,16 +268,17 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
             None => {}
         }
         tokens.push(next);
-        // As many proposed tokens as pay (`Lookup::draft_len`), within the context's room; a
+        // As many proposed tokens as pay (`Proposer::draft_len`), within the context's room; a
         // proposal not worth a pass is kept to be judged against what is sampled.
         let room = context - tokens.len();
         let proposal = match lookup.as_mut() {
             Some(l) => match l.draft_len().min(room) {
                 0 => {
-                    l.shadow(l.propose(&tokens, room.min(MAX_DRAFT)));
+                    let shadow = l.propose(&tokens, l.shadow_len().min(room), p.draft.as_mut())?;
+                    l.shadow(shadow);
                     vec![]
                 }
-                want => l.propose(&tokens, want),
+                want => l.propose(&tokens, want, p.draft.as_mut())?,
             },
             None => vec![],
         };

@@ -24,6 +24,13 @@
 //! and the tokens that followed are proposed: free, and right where an answer copies its input
 //! (quoting a document, rewriting code). The number proposed adapts to how many were accepted.
 //!
+//! [`Speculative::Draft`]: a draft model ([`crate::Pipeline::set_draft`]), a smaller model of
+//! the same tokenizer or the model's own first layers ([`crate::LoadOptions::layers`]), decodes
+//! greedily on the CPU from the conversation so far and proposes its tokens. It has a KV cache of
+//! its own, kept to the conversation's longest common prefix with what it holds. Its proposals
+//! cost its steps, so they are not made for nothing: while the draft is not worth a pass, a probe
+//! of a few tokens every [`PROBE_EVERY`] keeps its acceptance measured.
+//!
 //! # Verifiers
 //!
 //! [`Verify::Cpu`] (the default) runs a pass as decode steps ([`crate::Model::decode_rows`]): the
@@ -35,6 +42,9 @@
 //! plain decoding's token for token. `docs/speculative.md` predicts what it earns on a phone.
 
 use candle_npu::{Error, Result};
+
+use crate::generate::argmax;
+use crate::transformer::Model;
 
 /// How [`crate::GenerateOptions`] proposes tokens to verify.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -59,6 +69,17 @@ pub enum Speculative {
         /// Where a pass runs (the CPU's decode kernels by default; see [`Verify`]).
         verify: Verify,
     },
+    /// The draft model set on the pipeline ([`crate::Pipeline::set_draft`]) proposes its greedy
+    /// tokens, at most `max_draft` per pass.
+    Draft {
+        /// Most tokens proposed per pass (4 by default).
+        max_draft: usize,
+        /// Propose as many as pay, from the measured acceptance and the measured costs of the
+        /// draft's steps and of the pass's rows; off, `max_draft` every step.
+        adaptive: bool,
+        /// Where a pass runs.
+        verify: Verify,
+    },
 }
 
 /// Where a verification pass runs (see the [module](self)).
@@ -78,11 +99,17 @@ impl Speculative {
         Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 8, adaptive: true, verify: Verify::Cpu }
     }
 
+    /// The draft model's proposals with the default sizes.
+    pub fn draft() -> Self {
+        Speculative::Draft { max_draft: 4, adaptive: true, verify: Verify::Cpu }
+    }
+
     /// The same proposer with its passes run on `verify` (no change when off).
     pub fn verified_on(self, verify: Verify) -> Self {
         match self {
             Speculative::Off => Speculative::Off,
             Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, .. } => Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, verify },
+            Speculative::Draft { max_draft, adaptive, .. } => Speculative::Draft { max_draft, adaptive, verify },
         }
     }
 
@@ -90,7 +117,7 @@ impl Speculative {
     pub fn verify(&self) -> Verify {
         match *self {
             Speculative::Off => Verify::Cpu,
-            Speculative::Lookup { verify, .. } => verify,
+            Speculative::Lookup { verify, .. } | Speculative::Draft { verify, .. } => verify,
         }
     }
 
@@ -107,6 +134,10 @@ impl Speculative {
                 }
                 Ok(())
             }
+            Speculative::Draft { max_draft, .. } => match max_draft == 0 || max_draft > MAX_DRAFT {
+                true => Err(Error::Input(format!("a draft of {max_draft} tokens per pass: expected 1 to {MAX_DRAFT}"))),
+                false => Ok(()),
+            },
         }
     }
 }
@@ -126,20 +157,23 @@ pub struct SpeculationStats {
     pub accepted: usize,
 }
 
-/// Prompt lookup's state over one generation: how often proposals are right, and what a pass's
-/// extra rows cost, both measured as it goes; from them, how many tokens to propose.
+/// A proposer's state over one generation: how often proposals are right, and what a pass's
+/// extra rows and the draft's steps cost, all measured as it goes; from them, how many tokens to
+/// propose.
 ///
 /// A pass of `1 + k` rows yields `1 + a + a^2 + ... + a^k` tokens on average (`a`: the chance a
-/// proposed token is right when the ones before it were) and costs `1 + c k` decode steps (`c`:
-/// an extra row's cost, relative to a step's); `k` is chosen to make the ratio largest, and 0
-/// (plain decode) when no `k` beats 1. So a task with nothing to copy, or a CPU on which rows
-/// cost nearly a step each, decodes as without speculation. On the NPU ([`Verify::Npu`]) a pass
-/// is one padded chunk whatever its rows: it costs `1 + c` steps for any `k`, `c` measured per
-/// pass instead of per row. While not speculating, the proposal
-/// is still made and checked against the tokens sampled (free), so `a` stays measured.
-pub(crate) struct Lookup {
-    ngram_max: usize,
-    ngram_min: usize,
+/// proposed token is right when the ones before it were) and costs `1 + c k + d k` decode steps
+/// (`c`: an extra row's cost, `d`: a drafted token's, 0 for prompt lookup, both relative to a
+/// step's); `k` is chosen to make the ratio largest, and 0 (plain decode) when no `k` beats 1.
+/// So a task with nothing to copy, a draft that guesses badly, or a CPU on which rows cost nearly
+/// a step each, decodes as without speculation. On the NPU ([`Verify::Npu`]) a pass is one
+/// padded chunk whatever its rows: it costs `1 + c + d k` steps for any `k`, `c` measured per
+/// pass instead of per row. While not speculating, proposals are still judged against the tokens
+/// sampled, so `a` stays measured: prompt lookup's at every step (free), a draft's in a probe
+/// every [`PROBE_EVERY`] tokens.
+pub(crate) struct Proposer {
+    /// Prompt lookup's n-gram sizes (largest, smallest); `None`: the draft model proposes.
+    ngrams: Option<(usize, usize)>,
     max_draft: usize,
     adaptive: bool,
     /// A pass costs the same whatever its rows (the NPU's padded chunk): `row` is then a pass's
@@ -148,13 +182,16 @@ pub(crate) struct Lookup {
     /// Proposed tokens right, and proposed tokens judged, both decaying (recent passes count more).
     right: f64,
     judged: f64,
-    /// Seconds of a decode step, and of a pass per extra row beyond the step (per pass when
-    /// `flat`), measured.
+    /// Seconds of a decode step, of a pass per extra row beyond the step (per pass when `flat`),
+    /// and of the draft per token it proposes, measured.
     step: Option<f64>,
     row: Option<f64>,
+    drafted: Option<f64>,
     /// A proposal not verified (not worth a pass), checked against the tokens sampled.
     shadow: std::collections::VecDeque<u32>,
     shadow_right: usize,
+    /// Tokens since the draft's last probe.
+    since_probe: usize,
 }
 
 /// Weight of the past in the acceptance and cost estimates, per pass or proposal judged.
@@ -162,28 +199,34 @@ const DECAY: f64 = 0.9;
 /// An extra row's cost relative to a step until one is measured: what a memory-bound decode
 /// would cost if the row's arithmetic were a fifth of a step's.
 const ROW_COST_PRIOR: f64 = 0.2;
+/// While a draft model is not worth a pass, it proposes [`PROBE_LEN`] tokens once every this many,
+/// to keep its acceptance measured: at a draft step of a quarter of the model's, 3% of the time.
+pub const PROBE_EVERY: usize = 32;
+const PROBE_LEN: usize = 4;
 
-impl Lookup {
+impl Proposer {
     pub(crate) fn new(spec: Speculative) -> Option<Self> {
-        match spec {
-            Speculative::Off => None,
-            Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, verify } => Some(Lookup {
-                ngram_max,
-                ngram_min,
-                max_draft,
-                adaptive,
-                flat: verify == Verify::Npu,
-                // No prior: nothing is verified until proposals judged against what was sampled
-                // (free: see `shadow`) show they are right, so a task with nothing to copy
-                // never pays for a pass.
-                right: 0.0,
-                judged: 1.0,
-                step: None,
-                row: None,
-                shadow: Default::default(),
-                shadow_right: 0,
-            }),
-        }
+        let (ngrams, max_draft, adaptive, verify) = match spec {
+            Speculative::Off => return None,
+            Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive, verify } => (Some((ngram_max, ngram_min)), max_draft, adaptive, verify),
+            Speculative::Draft { max_draft, adaptive, verify } => (None, max_draft, adaptive, verify),
+        };
+        Some(Proposer {
+            ngrams,
+            max_draft,
+            adaptive,
+            flat: verify == Verify::Npu,
+            // No prior: nothing is verified until proposals judged against what was sampled
+            // show they are right, so a task with nothing to copy never pays for a pass.
+            right: 0.0,
+            judged: 1.0,
+            step: None,
+            row: None,
+            drafted: None,
+            shadow: Default::default(),
+            shadow_right: 0,
+            since_probe: PROBE_EVERY,
+        })
     }
 
     /// The chance a proposed token is right (when the ones before it were).
@@ -208,11 +251,15 @@ impl Lookup {
             return 0; // a plain step first, to measure what rows cost against
         }
         let (a, c) = (self.accept(), self.row_cost());
+        let d = match (self.drafted, self.step) {
+            (Some(t), Some(s)) if s > 0.0 => t / s,
+            _ => 0.0,
+        };
         let (mut best, mut best_k, mut expected, mut power) = (1.0, 0, 1.0, 1.0);
         for k in 1..=self.max_draft {
             power *= a;
             expected += power;
-            let rate = expected / (1.0 + c * if self.flat { 1.0 } else { k as f64 });
+            let rate = expected / (1.0 + c * if self.flat { 1.0 } else { k as f64 } + d * k as f64);
             if rate > best * 1.01 {
                 (best, best_k) = (rate, k);
             }
@@ -220,18 +267,44 @@ impl Lookup {
         best_k
     }
 
-    /// Up to `want` tokens that followed the latest earlier occurrence of `tokens`' last n-gram
-    /// (largest n first); none without a match.
-    pub(crate) fn propose(&self, tokens: &[u32], want: usize) -> Vec<u32> {
+    /// Up to `want` tokens to follow `tokens`: prompt lookup's (those that followed the latest
+    /// earlier occurrence of `tokens`' last n-gram, largest n first; none without a match), or
+    /// the draft model's (then `draft` is needed; its time per token is measured).
+    pub(crate) fn propose(&mut self, tokens: &[u32], want: usize, draft: Option<&mut Draft>) -> Result<Vec<u32>> {
         if want == 0 {
-            return vec![];
+            return Ok(vec![]);
         }
-        for n in (self.ngram_min..=self.ngram_max).rev() {
+        let Some((ngram_max, ngram_min)) = self.ngrams else {
+            let draft = draft.ok_or_else(|| Error::Input("speculative decoding with a draft model, but the pipeline has none: Pipeline::set_draft".into()))?;
+            let t = std::time::Instant::now();
+            let (proposal, fed) = draft.propose(tokens, want)?;
+            // A catch-up with a new prompt is a prefill, paid once a turn: not a proposal's cost.
+            if fed <= MAX_DRAFT + 1 && !proposal.is_empty() {
+                let per = t.elapsed().as_secs_f64() / proposal.len() as f64;
+                self.drafted = Some(self.drafted.map_or(per, |d| d * DECAY + per * (1.0 - DECAY)));
+            }
+            return Ok(proposal);
+        };
+        for n in (ngram_min..=ngram_max).rev() {
             if let Some(follow) = find_latest(tokens, n) {
-                return tokens[follow..(follow + want).min(tokens.len())].to_vec();
+                return Ok(tokens[follow..(follow + want).min(tokens.len())].to_vec());
             }
         }
-        vec![]
+        Ok(vec![])
+    }
+
+    /// How many tokens to propose for judging only, now that no pass is worth it: prompt
+    /// lookup's are free, a draft's cost its steps (a probe now and then). None while one is
+    /// being judged.
+    pub(crate) fn shadow_len(&self) -> usize {
+        match (self.shadow.is_empty(), self.ngrams) {
+            (false, _) => 0,
+            (true, Some(_)) => MAX_DRAFT,
+            (true, None) => match self.since_probe >= PROBE_EVERY {
+                true => PROBE_LEN,
+                false => 0,
+            },
+        }
     }
 
     /// A verification pass proposed `proposed` tokens, of which the first `accepted` were right.
@@ -257,14 +330,16 @@ impl Lookup {
     /// Keeps `proposal` (not verified) to check against the tokens sampled next, unless one is
     /// still being checked (each proposal is judged whole, as a pass would have been).
     pub(crate) fn shadow(&mut self, proposal: Vec<u32>) {
-        if self.shadow.is_empty() {
+        if self.shadow.is_empty() && !proposal.is_empty() {
             self.shadow = proposal.into();
             self.shadow_right = 0;
+            self.since_probe = 0;
         }
     }
 
     /// `token` was sampled: judges the shadow proposal's next token, if one is pending.
     pub(crate) fn sampled(&mut self, token: u32) {
+        self.since_probe += 1;
         let Some(guess) = self.shadow.pop_front() else { return };
         if guess == token {
             self.shadow_right += 1;
@@ -274,6 +349,58 @@ impl Lookup {
         } else {
             self.judged(self.shadow_right + 1, self.shadow_right);
             self.shadow.clear();
+        }
+    }
+}
+
+/// A draft model and the tokens its KV cache holds ([`crate::Pipeline::set_draft`]).
+pub(crate) struct Draft {
+    pub(crate) model: Model,
+    /// The tokens in the draft's cache (its position).
+    held: Vec<u32>,
+}
+
+impl Draft {
+    pub(crate) fn new(mut model: Model) -> Self {
+        model.clear();
+        Draft { model, held: vec![] }
+    }
+
+    /// The draft's greedy continuation of `tokens`, `want` tokens (none where its context would
+    /// end), and how many tokens it fed first to catch up with `tokens`. On an error its cache
+    /// is emptied (the next proposal catches up from the start).
+    fn propose(&mut self, tokens: &[u32], want: usize) -> Result<(Vec<u32>, usize)> {
+        if tokens.is_empty() || tokens.len() + want > self.model.config().context_len {
+            return Ok((vec![], 0));
+        }
+        let r = self.continue_greedily(tokens, want);
+        if r.is_err() {
+            self.model.clear();
+            self.held.clear();
+        }
+        r
+    }
+
+    fn continue_greedily(&mut self, tokens: &[u32], want: usize) -> Result<(Vec<u32>, usize)> {
+        // The longest prefix it holds stays; at least the last token is fed again, for its logits.
+        let common = self.held.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(tokens.len() - 1);
+        self.model.rewind(common)?;
+        self.held.truncate(common);
+        let fed = &tokens[common..];
+        let mut logits = match fed {
+            [t] => self.model.decode(*t)?,
+            _ => self.model.extend_cpu(fed)?,
+        };
+        self.held.extend_from_slice(fed);
+        let mut out = Vec::with_capacity(want);
+        loop {
+            let d = argmax(&logits)?;
+            out.push(d);
+            if out.len() == want {
+                return Ok((out, fed.len()));
+            }
+            logits = self.model.decode(d)?;
+            self.held.push(d);
         }
     }
 }
@@ -296,24 +423,24 @@ fn find_latest(tokens: &[u32], n: usize) -> Option<usize> {
 mod tests {
     use super::*;
 
-    fn lookup(ngram_min: usize) -> Lookup {
+    fn lookup(ngram_min: usize) -> Proposer {
         let Speculative::Lookup { ngram_max, max_draft, .. } = Speculative::lookup() else { unreachable!() };
-        Lookup::new(Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive: true, verify: Verify::Cpu }).unwrap()
+        Proposer::new(Speculative::Lookup { ngram_max, ngram_min, max_draft, adaptive: true, verify: Verify::Cpu }).unwrap()
     }
 
     #[test]
     fn lookup_proposes_what_followed_the_latest_match_of_the_longest_ngram() {
-        let l = lookup(1);
+        let mut l = lookup(1);
         // "1 2 3 9 9 | 1 2 3 7 7 7 | 5 1 2 3": the latest "1 2 3" was followed by 7 7 7 5.
         let t = [1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 7, 5, 1, 2, 3];
-        assert_eq!(l.propose(&t, 4), [7, 7, 7, 5]);
-        assert_eq!(l.propose(&t, 2), [7, 7], "as many as wanted");
+        assert_eq!(l.propose(&t, 4, None).unwrap(), [7, 7, 7, 5]);
+        assert_eq!(l.propose(&t, 2, None).unwrap(), [7, 7], "as many as wanted");
         // No trigram match: the bigram "4 2" follows; no match at all: nothing.
-        assert_eq!(l.propose(&[4, 2, 6, 8, 4, 2], 8), [6, 8, 4, 2]);
-        assert!(l.propose(&[1, 2, 3, 4], 8).is_empty());
-        assert!(lookup(2).propose(&[5, 1, 6, 1], 8).is_empty(), "a single token's match is not taken");
+        assert_eq!(l.propose(&[4, 2, 6, 8, 4, 2], 8, None).unwrap(), [6, 8, 4, 2]);
+        assert!(l.propose(&[1, 2, 3, 4], 8, None).unwrap().is_empty());
+        assert!(lookup(2).propose(&[5, 1, 6, 1], 8, None).unwrap().is_empty(), "a single token's match is not taken");
         // The suffix overlapping its own match (a repeated token) still proposes what follows.
-        assert_eq!(l.propose(&[7, 7, 7], 8), [7]);
+        assert_eq!(l.propose(&[7, 7, 7], 8, None).unwrap(), [7]);
     }
 
     /// The draft length follows what proposals earn: long while they are right and rows are
@@ -323,7 +450,7 @@ mod tests {
     fn the_draft_is_as_long_as_it_pays() {
         let mut l = lookup(2);
         assert_eq!(l.draft_len(), 0, "a plain step first");
-        let fixed = Lookup::new(Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 5, adaptive: false, verify: Verify::Cpu }).unwrap();
+        let fixed = Proposer::new(Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 5, adaptive: false, verify: Verify::Cpu }).unwrap();
         assert_eq!(fixed.draft_len(), 5, "not adaptive: always the most");
         l.timed_step(0.010);
         assert_eq!(l.draft_len(), 0, "no pass before a proposal was right");
@@ -362,7 +489,7 @@ mod tests {
     /// acceptance makes a whole pass pay or not.
     #[test]
     fn a_pass_of_flat_cost_takes_the_most_rows_or_none() {
-        let mut l = Lookup::new(Speculative::lookup().verified_on(Verify::Npu)).unwrap();
+        let mut l = Proposer::new(Speculative::lookup().verified_on(Verify::Npu)).unwrap();
         l.timed_step(0.010);
         for _ in 0..40 {
             l.timed_pass(9, 0.030); // a pass: three steps, whatever its rows
@@ -383,6 +510,35 @@ mod tests {
         assert_eq!(l.draft_len(), 0, "rarely right: plain decode");
     }
 
+    /// A draft's proposals cost its steps: none are made for nothing but a probe every
+    /// `PROBE_EVERY` tokens, and the draft is as long as its acceptance pays for its steps too.
+    #[test]
+    fn a_draft_probes_now_and_then_and_pays_for_its_steps() {
+        let mut l = Proposer::new(Speculative::Draft { max_draft: 8, adaptive: true, verify: Verify::Cpu }).unwrap();
+        assert_eq!(l.shadow_len(), PROBE_LEN, "a probe at once");
+        l.shadow(vec![1, 2, 3, 4]);
+        assert_eq!(l.shadow_len(), 0, "none while one is judged");
+        [1, 2, 3, 4].into_iter().for_each(|t| l.sampled(t));
+        assert_eq!(l.shadow_len(), 0, "the next probe waits");
+        (4..PROBE_EVERY).for_each(|t| l.sampled(t as u32));
+        assert_eq!(l.shadow_len(), PROBE_LEN);
+        l.shadow(vec![]);
+        assert_eq!(l.shadow_len(), PROBE_LEN, "no proposal (the context's end) is no probe");
+        // Right 7 of 8, rows cheap: the draft's cost decides the length.
+        l.timed_step(0.010);
+        for _ in 0..40 {
+            l.timed_pass(9, 0.010 + 8.0 * 0.001);
+            l.judged(8, 7);
+        }
+        let at = |l: &mut Proposer, drafted: f64| {
+            l.drafted = Some(drafted);
+            l.draft_len()
+        };
+        let (cheap, dear) = (at(&mut l, 0.0005), at(&mut l, 0.004));
+        assert!(cheap >= 4 && dear < cheap, "a draft step of 5% of a step: {cheap}; of 40%: {dear}");
+        assert_eq!(at(&mut l, 0.010), 0, "a draft step as dear as the model's: plain decode");
+    }
+
     #[test]
     fn sizes_are_checked() {
         assert!(Speculative::lookup().validate().is_ok());
@@ -391,6 +547,8 @@ mod tests {
             Speculative::Lookup { ngram_max: 1, ngram_min: 2, max_draft: 8, adaptive: true, verify: Verify::Cpu },
             Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: 0, adaptive: true, verify: Verify::Cpu },
             Speculative::Lookup { ngram_max: 3, ngram_min: 1, max_draft: MAX_DRAFT + 1, adaptive: false, verify: Verify::Cpu },
+            Speculative::Draft { max_draft: 0, adaptive: true, verify: Verify::Cpu },
+            Speculative::Draft { max_draft: MAX_DRAFT + 1, adaptive: true, verify: Verify::Npu },
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }

@@ -100,11 +100,14 @@ pub struct LoadOptions {
     pub chunk_len: Option<usize>,
     /// How prefill is scheduled. `None`: [`SchedOptions::for_device`] of the device loaded onto.
     pub sched: Option<SchedOptions>,
+    /// Only the first `n` layers (1 up to the model's), then the final norm and the output: the
+    /// model's own draft for speculative decoding ([`crate::Pipeline::set_draft`]). `None`: all.
+    pub layers: Option<usize>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, chunk_len: None, sched: None }
+        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, chunk_len: None, sched: None, layers: None }
     }
 }
 
@@ -271,15 +274,24 @@ pub type Progress = Box<dyn FnMut(usize, usize) + Send + Sync>;
 impl Model {
     /// Build a model from `ckpt`, whose tensors `names` maps from the engine's (GGUF) names.
     pub fn load(
-        cfg: Config,
-        spec: FamilySpec,
+        mut cfg: Config,
+        mut spec: FamilySpec,
         ckpt: &dyn Checkpoint,
         names: &NameMap,
-        model_id: String,
+        mut model_id: String,
         device: NpuDevice,
         opts: LoadOptions,
     ) -> Result<Self> {
         check_spec(&cfg, &spec, ckpt)?;
+        let all_layers = cfg.n_layer;
+        if let Some(n) = opts.layers {
+            if n == 0 || n > all_layers {
+                return Err(Error::Input(format!("the first {n} layers of {}: expected 1 to {all_layers}", ckpt.path().display())));
+            }
+            // Another model: its own id, so that no profile or graph of the whole one is taken.
+            (cfg.n_layer, model_id) = (n, format!("{model_id}-first-{n}-layers"));
+            spec.layers.truncate(n);
+        }
         // Before the weights are read and quantized, not after.
         let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or_else(|| default_chunk_len(&device).min(cfg.context_len)), cfg.context_len)?;
         let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device));
@@ -346,7 +358,7 @@ impl Model {
         // The config against the checkpoint the other way: a layer past the last one the config
         // names (a config that drops layers would run a truncated model without a word).
         let next = names(&format!("blk.{}.attn_norm.weight", cfg.n_layer)).name;
-        if ckpt.contains(&next) {
+        if cfg.n_layer == all_layers && ckpt.contains(&next) {
             return Err(Error::Model {
                 path: ckpt.path().to_path_buf(),
                 reason: format!("the checkpoint has more layers than the config's {} ('{next}' exists)", cfg.n_layer),
@@ -479,6 +491,14 @@ impl Model {
     pub fn decode_rows(&mut self, tokens: &[u32]) -> Result<Tensor> {
         let x = self.run_cpu_rows(tokens, None, true)?;
         self.logits(&x)
+    }
+
+    /// Run `tokens` from the current position on the CPU, as [`Model::forward_cpu`] does, and
+    /// return the logits of the last one only, `[vocab]`: a draft model catching up with a
+    /// conversation (no NPU graphs, no profile).
+    pub fn extend_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let x = self.run_cpu(tokens, None)?;
+        Ok(self.logits(&x.narrow(0, tokens.len() - 1, 1)?)?.squeeze(0)?)
     }
 
     /// Back to the first `position` tokens (at most the current position): the KV cache rows
