@@ -10,7 +10,8 @@
 //! cargo run --release --example bench_speculative -- [--llama-lookup PATH] [--llama-bench PATH]
 //! ```
 //!
-//! With `--phone`, no timing: each task's greedy answer with a fixed draft of 15 tokens (the
+//! With `--draft-layers 10,20`, draft models of each model's own first layers instead of
+//! prompt lookup (see [`drafts`]). With `--phone`, no timing: each task's greedy answer with a fixed draft of 15 tokens (the
 //! plain answer, token for token) is priced on the phone model, for plain decode, CPU
 //! verification and NPU verification (see [`phone`]).
 //!
@@ -56,6 +57,10 @@ struct Args {
     /// Price each task's passes on the phone model instead of timing them here (see [`phone`]).
     #[arg(long)]
     phone: bool,
+    /// Instead of prompt lookup, draft models made of each model's own first N layers, for each
+    /// N given (see [`drafts`]).
+    #[arg(long, value_delimiter = ',')]
+    draft_layers: Vec<usize>,
 }
 
 const CODE: &str = r#"Rewrite this Python function with type hints and a docstring, keeping its logic and names:
@@ -231,6 +236,54 @@ fn phone(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// The `--draft-layers` table: per model and task, plain decode against a draft of the model's
+/// own first N layers (on the CPU, F32 prefill of the draft's catch-up), with a fixed draft of 4
+/// tokens a pass and with the adaptive default, in interleaved rounds.
+fn drafts(args: &Args) -> Result<()> {
+    println!("A draft of the model's own first N layers vs plain decode, greedy, {} tokens, median of {} interleaved rounds\n", args.tokens, args.rounds);
+    println!("| model | task | draft layers | plain tok/s | fixed draft of 4: tok/s, accepted / proposed | adaptive: tok/s, x plain, accepted / proposed (passes) |");
+    println!("|---|---|---|---|---|---|");
+    for name in &args.models {
+        let path = assets::real_model(name).with_context(|| format!("unknown model '{name}' (smollm2, qwen, gemma)"))??;
+        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
+        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        for &n in &args.draft_layers {
+            let opts = LoadOptions { precision: candle_npu_models::Precision::F32, layers: Some(n), ..Default::default() };
+            p.set_draft(Pipeline::load(&path, None, &NpuDevice::host(), opts)?)?;
+            for task in &args.tasks {
+                let prompt = task_prompt(&p, task)?;
+                let fixed = Speculative::Draft { max_draft: 4, adaptive: false, verify: Verify::Cpu };
+                let (mut plain, mut fx, mut ad) = (vec![], vec![], vec![]);
+                let (mut fs, mut ads) = (SpeculationStats::default(), SpeculationStats::default());
+                for round in 0..args.rounds {
+                    let order: [usize; 3] = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
+                    for which in order {
+                        let spec = [Speculative::Off, fixed, Speculative::draft()][which];
+                        let (tps, s, _) = ours(&mut p, &prompt, args.tokens, spec)?;
+                        match which {
+                            0 => plain.push(tps),
+                            1 => (fx, fs) = ([fx, vec![tps]].concat(), s),
+                            _ => (ad, ads) = ([ad, vec![tps]].concat(), s),
+                        }
+                    }
+                }
+                let (plain, fx, ad) = (median(plain), median(fx), median(ad));
+                println!(
+                    "| {name} | {task} | {n} of {} | {plain:.1} | {fx:.1}, {} / {} | {ad:.1}, {:.2}x, {} / {} ({}) |",
+                    p.model.config().n_layer,
+                    fs.accepted,
+                    fs.proposed,
+                    ad / plain,
+                    ads.accepted,
+                    ads.proposed,
+                    ads.passes
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -243,6 +296,9 @@ fn main() -> Result<()> {
     }
     if args.phone {
         return phone(&args);
+    }
+    if !args.draft_layers.is_empty() {
+        return drafts(&args);
     }
     let lookup_bin = args.llama_lookup.clone().or_else(|| std::env::var_os("LLAMA_LOOKUP").map(PathBuf::from));
     let bench_bin = llama_bench::binary(args.llama_bench.as_deref());

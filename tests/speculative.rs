@@ -203,3 +203,31 @@ fn bad_drafts_are_errors() {
         assert!(e.contains(&format!("first {layers} layers")) && e.contains("1 to 30"), "{e}");
     }
 }
+
+/// The command line's `--lookup` and `--draft-layers` answer as without them and say what was
+/// accepted; `--verify npu` alone and two proposers at once are refused before anything loads.
+#[test]
+fn the_command_line_speculates_with_the_same_answer() {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(common::llama_example())
+            .args(["--sample-len", "24", "--prompt", "Repeat exactly: the quick brown fox jumps over the lazy dog."])
+            .args(args)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    // The answer: what is printed before the prompt's statistics.
+    let answer = |stdout: &str| stdout.split("prompt tokens processed").next().unwrap().to_string();
+    let (ok, plain, err) = run(&[]);
+    assert!(ok, "{plain}\n{err}");
+    for (args, says) in [(&["--lookup"][..], "prompt lookup: "), (&["--draft-layers", "30"][..], "draft model: ")] {
+        let (ok, out, err) = run(args);
+        assert!(ok, "{args:?}: {out}\n{err}");
+        assert_eq!(answer(&out), answer(&plain), "{args:?}");
+        assert!(out.contains(says) && out.contains("proposed tokens accepted"), "{args:?}: {out}");
+    }
+    let (ok, _, err) = run(&["--verify", "npu"]);
+    assert!(!ok && err.contains("--verify npu") && err.contains("--lookup"), "{err}");
+    let (ok, _, err) = run(&["--lookup", "--draft-layers", "10"]);
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
+}

@@ -29,7 +29,8 @@
 //! greedily on the CPU from the conversation so far and proposes its tokens. It has a KV cache of
 //! its own, kept to the conversation's longest common prefix with what it holds. Its proposals
 //! cost its steps, so they are not made for nothing: while the draft is not worth a pass, a probe
-//! of a few tokens every [`PROBE_EVERY`] keeps its acceptance measured.
+//! of a few tokens now and then keeps its acceptance measured: after [`PROBE_EVERY`] tokens, and
+//! twice as long after each probe that leaves it not worth a pass (up to [`PROBE_MAX`]).
 //!
 //! # Verifiers
 //!
@@ -170,7 +171,7 @@ pub struct SpeculationStats {
 /// padded chunk whatever its rows: it costs `1 + c + d k` steps for any `k`, `c` measured per
 /// pass instead of per row. While not speculating, proposals are still judged against the tokens
 /// sampled, so `a` stays measured: prompt lookup's at every step (free), a draft's in a probe
-/// every [`PROBE_EVERY`] tokens.
+/// now and then (see [`PROBE_EVERY`]).
 pub(crate) struct Proposer {
     /// Prompt lookup's n-gram sizes (largest, smallest); `None`: the draft model proposes.
     ngrams: Option<(usize, usize)>,
@@ -190,8 +191,9 @@ pub(crate) struct Proposer {
     /// A proposal not verified (not worth a pass), checked against the tokens sampled.
     shadow: std::collections::VecDeque<u32>,
     shadow_right: usize,
-    /// Tokens since the draft's last probe.
+    /// Tokens since the draft's last probe, and how many the next waits for.
     since_probe: usize,
+    probe_every: usize,
 }
 
 /// Weight of the past in the acceptance and cost estimates, per pass or proposal judged.
@@ -199,9 +201,13 @@ const DECAY: f64 = 0.9;
 /// An extra row's cost relative to a step until one is measured: what a memory-bound decode
 /// would cost if the row's arithmetic were a fifth of a step's.
 const ROW_COST_PRIOR: f64 = 0.2;
-/// While a draft model is not worth a pass, it proposes [`PROBE_LEN`] tokens once every this many,
-/// to keep its acceptance measured: at a draft step of a quarter of the model's, 3% of the time.
+/// While a draft model is not worth a pass, it proposes [`PROBE_LEN`] tokens after this many, to
+/// keep its acceptance measured; each probe that leaves it not worth a pass doubles the wait, up
+/// to [`PROBE_MAX`]. A probe costs its draft steps and the draft's catch-up with the tokens since
+/// the last one (a short prefill): a draft that never pays costs a few percent of a long answer.
 pub const PROBE_EVERY: usize = 32;
+/// The longest wait between a draft's probes.
+pub const PROBE_MAX: usize = 512;
 const PROBE_LEN: usize = 4;
 
 impl Proposer {
@@ -226,6 +232,7 @@ impl Proposer {
             shadow: Default::default(),
             shadow_right: 0,
             since_probe: PROBE_EVERY,
+            probe_every: PROBE_EVERY,
         })
     }
 
@@ -300,7 +307,7 @@ impl Proposer {
         match (self.shadow.is_empty(), self.ngrams) {
             (false, _) => 0,
             (true, Some(_)) => MAX_DRAFT,
-            (true, None) => match self.since_probe >= PROBE_EVERY {
+            (true, None) => match self.since_probe >= self.probe_every {
                 true => PROBE_LEN,
                 false => 0,
             },
@@ -312,6 +319,12 @@ impl Proposer {
         let missed = (accepted < proposed) as usize;
         self.right = self.right * DECAY + accepted as f64;
         self.judged = self.judged * DECAY + (accepted + missed) as f64;
+        if self.ngrams.is_none() {
+            self.probe_every = match self.draft_len() {
+                0 => (self.probe_every * 2).min(PROBE_MAX),
+                _ => PROBE_EVERY,
+            };
+        }
     }
 
     /// A decode step of one row took `secs`.
@@ -518,9 +531,12 @@ mod tests {
         assert_eq!(l.shadow_len(), PROBE_LEN, "a probe at once");
         l.shadow(vec![1, 2, 3, 4]);
         assert_eq!(l.shadow_len(), 0, "none while one is judged");
-        [1, 2, 3, 4].into_iter().for_each(|t| l.sampled(t));
+        [1, 2, 5].into_iter().for_each(|t| l.sampled(t)); // two right, then a miss
         assert_eq!(l.shadow_len(), 0, "the next probe waits");
-        (4..PROBE_EVERY).for_each(|t| l.sampled(t as u32));
+        (3..PROBE_EVERY).for_each(|t| l.sampled(t as u32));
+        // (No step measured yet: no pass is worth it, so the wait doubled.)
+        assert_eq!(l.shadow_len(), 0, "the wait doubled after a probe that did not pay");
+        (0..PROBE_EVERY).for_each(|t| l.sampled(t as u32));
         assert_eq!(l.shadow_len(), PROBE_LEN);
         l.shadow(vec![]);
         assert_eq!(l.shadow_len(), PROBE_LEN, "no proposal (the context's end) is no probe");
@@ -537,6 +553,9 @@ mod tests {
         let (cheap, dear) = (at(&mut l, 0.0005), at(&mut l, 0.004));
         assert!(cheap >= 4 && dear < cheap, "a draft step of 5% of a step: {cheap}; of 40%: {dear}");
         assert_eq!(at(&mut l, 0.010), 0, "a draft step as dear as the model's: plain decode");
+        assert_eq!(l.probe_every, PROBE_EVERY, "the passes that paid brought the wait back");
+        (0..10).for_each(|_| l.judged(4, 0));
+        assert_eq!(l.probe_every, PROBE_MAX, "probes that never pay: the longest wait");
     }
 
     #[test]
