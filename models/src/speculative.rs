@@ -204,7 +204,8 @@ const ROW_COST_PRIOR: f64 = 0.2;
 /// While a draft model is not worth a pass, it proposes [`PROBE_LEN`] tokens after this many, to
 /// keep its acceptance measured; each probe that leaves it not worth a pass doubles the wait, up
 /// to [`PROBE_MAX`]. A probe costs its draft steps and the draft's catch-up with the tokens since
-/// the last one (a short prefill): a draft that never pays costs a few percent of a long answer.
+/// the last one; the first prefills the conversation on the CPU. A draft that never paid cost
+/// 10-20% of a 128-token answer (docs/speculative.md), less of a longer one.
 pub const PROBE_EVERY: usize = 32;
 /// The longest wait between a draft's probes.
 pub const PROBE_MAX: usize = 512;
