@@ -33,8 +33,9 @@ pub struct GenerateOptions {
     /// tokens, as llama.cpp's `parse_special`. Off by default: a prompt is the user's text, and
     /// with it on a prompt can close its turn and write the assistant's.
     pub parse_special: bool,
-    /// Tokens proposed and verified several per pass ([`crate::speculative`]); the output is
-    /// the same, token for token, greedy or sampled. Off by default.
+    /// Tokens proposed and verified several per pass ([`crate::speculative`]); verified on the
+    /// CPU (the default), the output is the same, token for token, greedy or sampled. Off by
+    /// default.
     pub speculative: Speculative,
 }
 

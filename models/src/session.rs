@@ -216,7 +216,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
     let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
     // Speculation (`crate::speculative`): tokens proposed after the last sampled one, each with
     // the logits that follow it, computed in one verification pass and already in the KV cache.
-    let mut lookup = Proposer::new(opts.speculative);
+    let mut proposer = Proposer::new(opts.speculative);
     let mut pending: VecDeque<(u32, Tensor)> = VecDeque::new();
     // Tokens the current pass proposed (those it still holds are `pending`).
     let (mut spec, mut in_pass) = (SpeculationStats::default(), 0);
@@ -244,7 +244,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
             break;
         }
         // A proposal that guessed `next`: its row is in the cache, the logits after it known.
-        if let Some(l) = lookup.as_mut() {
+        if let Some(l) = proposer.as_mut() {
             l.sampled(next);
         }
         match pending.pop_front() {
@@ -252,14 +252,14 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
                 tokens.push(next);
                 logits = after;
                 spec.accepted += 1;
-                if let Some(l) = lookup.as_mut().filter(|_| pending.is_empty()) {
+                if let Some(l) = proposer.as_mut().filter(|_| pending.is_empty()) {
                     l.judged(in_pass, in_pass);
                 }
                 continue;
             }
             Some(_) => {
                 // The miss was popped: the ones before it were right.
-                if let Some(l) = lookup.as_mut() {
+                if let Some(l) = proposer.as_mut() {
                     l.judged(in_pass, in_pass - pending.len() - 1);
                 }
                 pending.clear();
@@ -271,7 +271,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
         // As many proposed tokens as pay (`Proposer::draft_len`), within the context's room; a
         // proposal not worth a pass is kept to be judged against what is sampled.
         let room = context - tokens.len();
-        let proposal = match lookup.as_mut() {
+        let proposal = match proposer.as_mut() {
             Some(l) => match l.draft_len().min(room) {
                 0 => {
                     let shadow = l.propose(&tokens, l.shadow_len().min(room), p.draft.as_mut())?;
@@ -285,7 +285,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
         let step = Instant::now();
         if proposal.is_empty() {
             logits = p.model.decode(next)?;
-            if let Some(l) = lookup.as_mut() {
+            if let Some(l) = proposer.as_mut() {
                 l.timed_step(step.elapsed().as_secs_f64());
             }
             continue;
@@ -295,7 +295,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
             Verify::Cpu => p.model.decode_rows(&pass)?,
             Verify::Npu => p.model.extend_rows(&pass)?,
         };
-        if let Some(l) = lookup.as_mut() {
+        if let Some(l) = proposer.as_mut() {
             l.timed_pass(proposal.len() + 1, step.elapsed().as_secs_f64());
         }
         logits = rows.get(0)?;
