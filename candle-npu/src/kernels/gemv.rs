@@ -131,6 +131,12 @@ pub enum GemvPath {
     /// x86_64 with AVX2, FMA and F16C (every AVX2 CPU has F16C: Intel since Ivy Bridge, AMD
     /// since Piledriver, so asking for it loses no machine and spares a path without it).
     Avx2,
+    /// aarch64 with FEAT_I8MM besides FEAT_DotProd (Cortex-A510/A710 and later: Snapdragon 8
+    /// Gen 1 on): Q8_0 takes two input rows and two weight rows at a time by `smmla` (a 2 x 2
+    /// block of 8-byte dot products per instruction), one input row paired with itself, so a
+    /// verifier's second row costs what the first does ([`gemv_q8_0_pair`]); the other formats
+    /// run the Dotprod kernels.
+    I8mm,
     /// aarch64 with FEAT_DotProd (`sdot`: Cortex-A55/A76 and later, every Snapdragon since the
     /// 855): 16 byte products summed into 4 i32 lanes per instruction.
     Dotprod,
@@ -147,7 +153,7 @@ impl GemvPath {
         static PATH: OnceLock<GemvPath> = OnceLock::new();
         *PATH.get_or_init(|| {
             // Fastest first: at most one of the x86 and Arm paths runs on any CPU.
-            [GemvPath::Avx512, GemvPath::Avx2, GemvPath::Dotprod, GemvPath::Neon].into_iter().find(|p| p.runs_here()).unwrap_or(GemvPath::Portable)
+            [GemvPath::Avx512, GemvPath::Avx2, GemvPath::I8mm, GemvPath::Dotprod, GemvPath::Neon].into_iter().find(|p| p.runs_here()).unwrap_or(GemvPath::Portable)
         })
     }
 
@@ -171,11 +177,13 @@ impl GemvPath {
             #[cfg(not(target_arch = "x86_64"))]
             GemvPath::Avx2 | GemvPath::Avx512 => false,
             #[cfg(target_arch = "aarch64")]
+            GemvPath::I8mm => super::arm::has_dotprod() && super::arm::has_i8mm(),
+            #[cfg(target_arch = "aarch64")]
             GemvPath::Dotprod => super::arm::has_dotprod(),
             #[cfg(target_arch = "aarch64")]
             GemvPath::Neon => true,
             #[cfg(not(target_arch = "aarch64"))]
-            GemvPath::Dotprod | GemvPath::Neon => false,
+            GemvPath::I8mm | GemvPath::Dotprod | GemvPath::Neon => false,
             GemvPath::Portable => true,
         }
     }
@@ -186,7 +194,7 @@ impl GemvPath {
     fn takes_minus_128(self) -> bool {
         match self {
             GemvPath::Avx2 | GemvPath::Avx512 | GemvPath::Neon => false,
-            GemvPath::Dotprod | GemvPath::Portable => true,
+            GemvPath::I8mm | GemvPath::Dotprod | GemvPath::Portable => true,
         }
     }
 }
@@ -226,12 +234,51 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         // blocks and the activation has `nb` blocks (`checked_rows`).
         GemvPath::Dotprod => unsafe { aarch64::gemv_q8_0_dotprod(w, nb, x, out) },
         #[cfg(target_arch = "aarch64")]
+        // SAFETY: the CPU has i8mm (asserted above); as for Dotprod. One input row is paired
+        // with itself: its outputs are what it gets beside any other row.
+        GemvPath::I8mm => unsafe { aarch64::gemv_q8_0_i8mm(w, nb, [x, x], out, None) },
+        #[cfg(target_arch = "aarch64")]
         // SAFETY: as for Dotprod, NEON being in the aarch64 baseline, and no -128 in the
         // activation (asserted above).
         GemvPath::Neon => unsafe { aarch64::gemv_q8_0_neon(w, nb, x, out) },
         #[cfg(not(target_arch = "aarch64"))]
-        GemvPath::Dotprod | GemvPath::Neon => unreachable!("GemvPath::{path:?} never runs off aarch64 (asserted above)"),
+        GemvPath::I8mm | GemvPath::Dotprod | GemvPath::Neon => unreachable!("GemvPath::{path:?} never runs off aarch64 (asserted above)"),
         GemvPath::Portable => gemv_portable(w, nb, x, out),
+    }
+}
+
+/// [`gemv_q8_0`] of two input rows at once: `out0` for `x0`, `out1` for `x1`, each with the
+/// bits [`gemv_q8_0`] gives that row alone. On [`GemvPath::I8mm`] the two share every
+/// instruction (`smmla` takes two input rows by two weight rows), so a speculative verifier's
+/// second row is free; on the other paths it is two calls.
+pub fn gemv_q8_0_pair(w: &[u8], k: usize, x0: &Q8Activation, x1: &Q8Activation, rows: Range<usize>, out0: &mut [f32], out1: &mut [f32]) {
+    gemv_q8_0_pair_on(GemvPath::detect(), w, k, x0, x1, rows, out0, out1)
+}
+
+/// [`gemv_q8_0_pair`] on `path`; panics if the CPU lacks the path's features.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_q8_0_pair_on(path: GemvPath, w: &[u8], k: usize, x0: &Q8Activation, x1: &Q8Activation, rows: Range<usize>, out0: &mut [f32], out1: &mut [f32]) {
+    if path != GemvPath::I8mm {
+        gemv_q8_0_on(path, w, k, x0, rows.clone(), out0);
+        return gemv_q8_0_on(path, w, k, x1, rows, out1);
+    }
+    assert_eq!(x1.q.len(), x0.q.len(), "gemv_q8_0_pair: rows of {} and {} values", x0.q.len(), x1.q.len());
+    assert_eq!(out1.len(), out0.len(), "gemv_q8_0_pair: outputs of {} and {} values", out0.len(), out1.len());
+    let Some((w, nb)) = checked_rows("gemv_q8_0_pair", BLOCK_BYTES, QK, w, k, x0, &rows, out0) else {
+        return out1.fill(0.0);
+    };
+    assert_eq!(x1.scales.len(), nb, "gemv_q8_0_pair: the second row has {} scales for {nb} blocks", x1.scales.len());
+    assert!(path.runs_here(), "gemv_q8_0_pair: this CPU cannot run {path:?}");
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: the CPU has i8mm (asserted); `w` is `out0.len()` whole rows of `nb` blocks, both
+    // activations have `nb` blocks, and `out1` is as long as `out0` (asserted).
+    unsafe {
+        aarch64::gemv_q8_0_i8mm(w, nb, [x0, x1], out0, Some(out1))
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    {
+        let _ = (w, nb);
+        unreachable!("GemvPath::I8mm never runs off aarch64 (asserted above)")
     }
 }
 
@@ -266,12 +313,12 @@ pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         // SAFETY: the CPU has dotprod (asserted above); `w` is `out.len()` whole rows of `nb`
         // blocks and the activation has `nb` blocks (`checked_rows`) and `nb` sums (asserted
         // above).
-        GemvPath::Dotprod => unsafe { aarch64::gemv_q4_1_dotprod(w, nb, x, out) },
+        GemvPath::I8mm | GemvPath::Dotprod => unsafe { aarch64::gemv_q4_1_dotprod(w, nb, x, out) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: as for Dotprod, NEON being in the aarch64 baseline.
         GemvPath::Neon => unsafe { aarch64::gemv_q4_1_neon(w, nb, x, out) },
         #[cfg(not(target_arch = "aarch64"))]
-        GemvPath::Dotprod | GemvPath::Neon => unreachable!("GemvPath::{path:?} never runs off aarch64 (asserted above)"),
+        GemvPath::I8mm | GemvPath::Dotprod | GemvPath::Neon => unreachable!("GemvPath::{path:?} never runs off aarch64 (asserted above)"),
         GemvPath::Portable => gemv_q4_1_portable(w, nb, x, out),
     }
 }
@@ -777,7 +824,7 @@ mod x86 {
 mod aarch64 {
     use std::arch::aarch64::*;
 
-    use super::super::arm::{hsum4, sdot};
+    use super::super::arm::{hsum4, sdot, smmla};
     use super::{Q8Activation, BLOCK_BYTES, Q4_1_BLOCK_BYTES, QK};
 
     /// A block's dot product with `sdot`: `a` and `b` are each a block's two 16-byte halves; the
@@ -871,6 +918,66 @@ mod aarch64 {
             // SAFETY: `row` is `nb` blocks, the activation `nb` blocks and sums (a nibble pair
             // never overflows `dot_neon`'s i16).
             *o = unsafe { row_q4_1(row.as_ptr(), nb, x, dot_neon) };
+        }
+    }
+
+    /// Q8_0 rows by `smmla`, two weight rows and two input rows at a time: `out0` for `x[0]`,
+    /// `out1` (when given) for `x[1]`. Per block and weight-row pair: the two rows' halves are
+    /// interleaved 8 bytes at a time (`zip1`/`zip2` on 64-bit lanes: `[wa 0..8, wb 0..8]`, ...), and
+    /// four `smmla` against the input rows interleaved the same way (once per call) give the
+    /// block's four dot products `[x0.wa, x0.wb, x1.wa, x1.wb]`, exact in i32. Those are
+    /// converted (`scvtf`, exact: below 2^24) and added in one `fmla` by `[dwa dx0, dwb dx0,
+    /// dwa dx1, dwb dx1]` onto one accumulator per lane, block after block. Every lane's
+    /// arithmetic is its own: an input row's outputs are the same bits whatever row it is
+    /// paired with (itself, for one row). A last odd weight row pairs with itself.
+    ///
+    /// # Safety
+    /// The CPU has i8mm and dotprod; `w` is `out0.len()` whole rows of `nb` blocks; both
+    /// activations have `nb` blocks; `out1`, when given, is as long as `out0`.
+    #[target_feature(enable = "i8mm,dotprod")]
+    pub(super) unsafe fn gemv_q8_0_i8mm(w: &[u8], nb: usize, x: [&Q8Activation; 2], out0: &mut [f32], mut out1: Option<&mut [f32]>) {
+        // SAFETY: every read is of blocks below `nb` of the rows in `w` and of the activations
+        // (the caller's contract); the CPU has i8mm.
+        unsafe {
+            // The input rows, 8 bytes of each in turn, and their block scales [dx0, dx0, dx1, dx1].
+            let zip = |p: int8x16_t, q: int8x16_t| {
+                let (p, q) = (vreinterpretq_s64_s8(p), vreinterpretq_s64_s8(q));
+                [vreinterpretq_s8_s64(vzip1q_s64(p, q)), vreinterpretq_s8_s64(vzip2q_s64(p, q))]
+            };
+            let (q0, q1) = (x[0].q.as_ptr(), x[1].q.as_ptr());
+            let mut xs: Vec<[int8x16_t; 4]> = Vec::with_capacity(nb);
+            let mut dx: Vec<float32x4_t> = Vec::with_capacity(nb);
+            for b in 0..nb {
+                let (a, c) = (q0.add(QK * b), q1.add(QK * b));
+                let [l0, l1] = zip(vld1q_s8(a), vld1q_s8(c));
+                let [h0, h1] = zip(vld1q_s8(a.add(16)), vld1q_s8(c.add(16)));
+                xs.push([l0, l1, h0, h1]);
+                let (d0, d1) = (x[0].scales[b], x[1].scales[b]);
+                dx.push(vcombine_f32(vdup_n_f32(d0), vdup_n_f32(d1)));
+            }
+            let rows = out0.len();
+            let row = |r: usize| w.as_ptr().add(r * nb * BLOCK_BYTES);
+            let scale = |p: *const u8| u16::from_le(p.cast::<u16>().read_unaligned()) as u64;
+            for r in (0..rows).step_by(2) {
+                let r2 = (r + 1).min(rows - 1);
+                let (wa, wb) = (row(r), row(r2));
+                let mut acc = vdupq_n_f32(0.0);
+                for (b, (xb, db)) in xs.iter().zip(&dx).enumerate() {
+                    let (pa, pb) = (wa.add(BLOCK_BYTES * b), wb.add(BLOCK_BYTES * b));
+                    let [w0, w1] = zip(vld1q_s8(pa.add(2).cast()), vld1q_s8(pb.add(2).cast()));
+                    let [w2, w3] = zip(vld1q_s8(pa.add(18).cast()), vld1q_s8(pb.add(18).cast()));
+                    let dot = smmla(smmla(smmla(smmla(vdupq_n_s32(0), xb[0], w0), xb[1], w1), xb[2], w2), xb[3], w3);
+                    let (sa, sb) = (scale(pa), scale(pb));
+                    let dw = f16x4_to_f32(u64_to_u16x4(sa | sb << 16 | sa << 32 | sb << 48));
+                    acc = vfmaq_f32(acc, vcvtq_f32_s32(dot), vmulq_f32(dw, *db));
+                }
+                out0[r] = vgetq_lane_f32::<0>(acc);
+                out0[r2] = if r2 > r { vgetq_lane_f32::<1>(acc) } else { out0[r] };
+                if let Some(out1) = out1.as_deref_mut() {
+                    out1[r] = vgetq_lane_f32::<2>(acc);
+                    out1[r2] = if r2 > r { vgetq_lane_f32::<3>(acc) } else { out1[r] };
+                }
+            }
         }
     }
 
@@ -1194,12 +1301,18 @@ impl BlockMatrix {
                     let piece = if xq.len() > 1 { 64 } else { b - a };
                     for p0 in (a..b).step_by(piece) {
                         let p1 = (p0 + piece).min(b);
-                        for (r, x) in xq.iter().enumerate() {
-                            // SAFETY: `p0..p1` is within `rows`, which is within 0..total and goes
-                            // to exactly one call (`for_each_chunk`), so the slices (of input row
-                            // r's outputs) are disjoint; `y` outlives the loop.
-                            let out = unsafe { std::slice::from_raw_parts_mut(out.get().add(r * total + p0), p1 - p0) };
-                            gemv(w.format, w.data(), k, x, p0 - s..p1 - s, out);
+                        // SAFETY: `p0..p1` is within `rows`, which is within 0..total and goes to
+                        // exactly one call (`for_each_chunk`), so the slices (of input row r's
+                        // outputs) are disjoint; `y` outlives the loop.
+                        let out_of = |r: usize| unsafe { std::slice::from_raw_parts_mut(out.get().add(r * total + p0), p1 - p0) };
+                        // Q8_0 takes input rows two at a time (`gemv_q8_0_pair`: on i8mm they
+                        // share the instructions), each with the bits it gets alone.
+                        let pairs = if w.format == BlockFormat::Q8_0 { xq.len() / 2 } else { 0 };
+                        for i in 0..pairs {
+                            gemv_q8_0_pair(w.data(), k, &xq[2 * i], &xq[2 * i + 1], p0 - s..p1 - s, out_of(2 * i), out_of(2 * i + 1));
+                        }
+                        for (r, x) in xq.iter().enumerate().skip(2 * pairs) {
+                            gemv(w.format, w.data(), k, x, p0 - s..p1 - s, out_of(r));
                         }
                     }
                 }
@@ -1228,7 +1341,7 @@ mod tests {
 
     /// Every path this machine runs.
     fn paths() -> Vec<GemvPath> {
-        [GemvPath::Portable, GemvPath::Avx2, GemvPath::Avx512, GemvPath::Neon, GemvPath::Dotprod].into_iter().filter(|p| p.runs_here()).collect()
+        [GemvPath::Portable, GemvPath::Avx2, GemvPath::Avx512, GemvPath::Neon, GemvPath::Dotprod, GemvPath::I8mm].into_iter().filter(|p| p.runs_here()).collect()
     }
 
     /// f16 scale bits of kind `kind` (0-4): subnormal (below 2^-14, down to 2^-24), large (up to
@@ -1296,7 +1409,8 @@ mod tests {
     /// - Dotprod and Neon: an FMA chain per accumulator (four: block i of each group of four on
     ///   the i-th, the nb % 4 tail blocks one each on the first ones: at most nb / 4 + 1 each), 2
     ///   levels summing the four, 2 of `hsum4`: at most nb / 4 + 6 (rounded down), which is at
-    ///   most nb + 5 for every nb >= 1 (equal at nb = 1).
+    ///   most nb + 5 for every nb >= 1 (equal at nb = 1);
+    /// - I8mm: one FMA chain over the nb blocks: nb + 1.
     ///
     /// Standard summation analysis bounds a sum whose terms see at most d roundings by
     /// `d u * sum |terms|` (to first order) with u = 2^-24, so `(K / 32 + 5) u * sum |terms|`
@@ -1744,12 +1858,55 @@ mod tests {
         assert_eq!(a, Q8Activation::quantize(&x[..64]));
     }
 
+    /// Two input rows at once give each the bits it gets alone, on every path (on I8mm they
+    /// share every instruction, a row paired with itself when alone), with an odd number of
+    /// weight rows (the last pairs with itself) and a row range off the first; and
+    /// `BlockMatrix::forward_all` of several rows gives each the bits of a one-row call.
+    #[test]
+    fn rows_in_pairs_are_each_rows_product_to_the_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for path in paths() {
+            for (n, k) in [(7, 96), (4, 32), (9, 160), (1, 64)] {
+                let w = weights(&mut rng, n, k);
+                let xs: Vec<Q8Activation> = (0..2).map(|_| Q8Activation::quantize(&activations(&mut rng, k, true))).collect();
+                for rows in [0..n, n / 2..n] {
+                    let alone: Vec<Vec<f32>> = xs
+                        .iter()
+                        .map(|x| {
+                            let mut o = vec![0f32; rows.len()];
+                            gemv_q8_0_on(path, &w, k, x, rows.clone(), &mut o);
+                            o
+                        })
+                        .collect();
+                    let (mut o0, mut o1) = (vec![f32::NAN; rows.len()], vec![f32::NAN; rows.len()]);
+                    gemv_q8_0_pair_on(path, &w, k, &xs[0], &xs[1], rows.clone(), &mut o0, &mut o1);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!((bits(&o0), bits(&o1)), (bits(&alone[0]), bits(&alone[1])), "{path:?}: n {n}, k {k}, rows {rows:?}");
+                }
+            }
+        }
+        // Through the decode product, on the detected path: three rows (a pair and one alone).
+        let (n, k) = (70, 128);
+        let m = BlockMatrix::new(BlockFormat::Q8_0, n, k, std::sync::Arc::new(weights(&mut rng, n, k)), 0).unwrap();
+        let x: Vec<f32> = (0..3).flat_map(|_| activations(&mut rng, k, false)).collect();
+        let all = BlockMatrix::forward_all(&[&m], &candle_core::Tensor::from_vec(x.clone(), (3, k), &candle_core::Device::Cpu).unwrap()).unwrap();
+        let all: Vec<Vec<f32>> = all[0].to_vec2().unwrap();
+        for (r, row) in all.iter().enumerate() {
+            let one = m.forward(&candle_core::Tensor::from_vec(x[r * k..(r + 1) * k].to_vec(), (1, k), &candle_core::Device::Cpu).unwrap()).unwrap();
+            assert_eq!(one.to_vec2::<f32>().unwrap()[0], *row, "row {r} of three");
+        }
+    }
+
     #[test]
     fn the_default_path_is_the_fastest_here() {
         #[cfg(target_arch = "aarch64")]
         let want = {
             assert!(GemvPath::Neon.runs_here() && !GemvPath::Avx2.runs_here() && !GemvPath::Avx512.runs_here());
-            if std::arch::is_aarch64_feature_detected!("dotprod") { GemvPath::Dotprod } else { GemvPath::Neon }
+            match (std::arch::is_aarch64_feature_detected!("dotprod"), std::arch::is_aarch64_feature_detected!("i8mm")) {
+                (true, true) => GemvPath::I8mm,
+                (true, false) => GemvPath::Dotprod,
+                _ => GemvPath::Neon,
+            }
         };
         #[cfg(not(target_arch = "aarch64"))]
         let want = {

@@ -106,7 +106,7 @@ pub(super) unsafe fn gemv(kind: Kind, path: GemvPath, w: &[u8], nb: usize, x: &Q
         GemvPath::Avx512 => unsafe { x86::gemv_vnni(kind, w, nb, x, out) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the caller's contract.
-        GemvPath::Dotprod => unsafe { aarch64::gemv_dotprod(kind, w, nb, x, out) },
+        GemvPath::I8mm | GemvPath::Dotprod => unsafe { aarch64::gemv_dotprod(kind, w, nb, x, out) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: the caller's contract (NEON is in the aarch64 baseline).
         GemvPath::Neon => unsafe { aarch64::gemv_neon(kind, w, nb, x, out) },
