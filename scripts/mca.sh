@@ -46,7 +46,8 @@ build mad.o "$TMP/mad.c" "${CC[@]}" -std=c11
 
 # job | our file (GEMV, INT8, ROWS) | our symbol | our loop selection and work | unit |
 #   ggml object | ggml symbol | ggml loop selection and work          ("-": no ggml counterpart)
-# Work: sdot = 16 MACs (2 per 32-weight block), smmla = 32 MACs, fmla = 4 MACs, smull .8h = 8 MACs
+# Work: sdot = 16 MACs (2 per 32-weight block), smmla = 32 MACs (2 per 32-weight block of one
+# weight row for two input rows in our gemv), fmla = 4 MACs, smull .8h = 8 MACs
 # (our NEON gemv: one smull per block, with smull2, smlal, smlal2); @st32 = f32
 # values stored (a row kernel's outputs), @f32 = values loaded. Without --loop the loop with the
 # most of the work measure (or of SIMD) among the innermost is taken.
@@ -58,6 +59,7 @@ build mad.o "$TMP/mad.c" "${CC[@]}" -std=c11
 JOBS=$(cat <<'EOF'
 Q8_0 x Q8_0 dot (sdot)|GEMV|gemv_q8_0_dotprod|--count sdot --per 2|32-weight block|quants.o|ggml_vec_dot_q8_0_q8_0|--count sdot --per 2
 Q4_1 x Q8 dot (sdot)|GEMV|gemv_q4_1_dotprod|--count sdot --per 2|32-weight block|quants.o|ggml_vec_dot_q4_1_q8_1|--count sdot --per 2
+Q8_0 x Q8_0 dot, two input rows (smmla)|GEMV|gemv_q8_0_i8mm|--count smmla --per 2|32-weight block, both rows|-|-|-
 Q8_0 x Q8_0 dot (no dotprod)|GEMV|gemv_q8_0_neon|--count smull --per 1|32-weight block|-|-|-
 Q4_1 x Q8 dot (no dotprod)|GEMV|gemv_q4_1_neon|--count smull --per 1|32-weight block|-|-|-
 INT8 GEMM (smmla)|INT8|@INT8_SMMLA@|--count smmla --per 2|64 MACs|repack.o|ggml_gemm_q8_0_4x8_q8_0|--count smmla --per 2
