@@ -134,8 +134,8 @@ pub enum GemvPath {
     /// aarch64 with FEAT_I8MM besides FEAT_DotProd (Cortex-A510/A710 and later: Snapdragon 8
     /// Gen 1 on): Q8_0 takes two input rows and two weight rows at a time by `smmla` (a 2 x 2
     /// block of 8-byte dot products per instruction), one input row paired with itself, so a
-    /// verifier's second row costs what the first does ([`gemv_q8_0_pair`]); the other formats
-    /// run the Dotprod kernels.
+    /// verifier's second row costs what the first does ([`gemv_pair`]); Q4_1 the same, the other
+    /// formats run the Dotprod kernels.
     I8mm,
     /// aarch64 with FEAT_DotProd (`sdot`: Cortex-A55/A76 and later, every Snapdragon since the
     /// 855): 16 byte products summed into 4 i32 lanes per instruction.
@@ -247,33 +247,44 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
     }
 }
 
-/// [`gemv_q8_0`] of two input rows at once: `out0` for `x0`, `out1` for `x1`, each with the
-/// bits [`gemv_q8_0`] gives that row alone. On [`GemvPath::I8mm`] the two share every
-/// instruction (`smmla` takes two input rows by two weight rows), so a speculative verifier's
-/// second row is free; on the other paths it is two calls.
-pub fn gemv_q8_0_pair(w: &[u8], k: usize, x0: &Q8Activation, x1: &Q8Activation, rows: Range<usize>, out0: &mut [f32], out1: &mut [f32]) {
-    gemv_q8_0_pair_on(GemvPath::detect(), w, k, x0, x1, rows, out0, out1)
+/// [`gemv`] of two input rows at once: `out0` for `x0`, `out1` for `x1`, each with the bits
+/// [`gemv`] gives that row alone. On [`GemvPath::I8mm`], Q8_0 and Q4_1 share every instruction
+/// between the two (`smmla` takes two input rows by two weight rows), so a speculative
+/// verifier's second row is nearly free; elsewhere, and for the other formats, it is two calls.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_pair(format: BlockFormat, w: &[u8], k: usize, x0: &Q8Activation, x1: &Q8Activation, rows: Range<usize>, out0: &mut [f32], out1: &mut [f32]) {
+    gemv_pair_on(GemvPath::detect(), format, w, k, x0, x1, rows, out0, out1)
 }
 
-/// [`gemv_q8_0_pair`] on `path`; panics if the CPU lacks the path's features.
+/// [`gemv_pair`] on `path`; panics if the CPU lacks the path's features.
 #[allow(clippy::too_many_arguments)]
-pub fn gemv_q8_0_pair_on(path: GemvPath, w: &[u8], k: usize, x0: &Q8Activation, x1: &Q8Activation, rows: Range<usize>, out0: &mut [f32], out1: &mut [f32]) {
-    if path != GemvPath::I8mm {
-        gemv_q8_0_on(path, w, k, x0, rows.clone(), out0);
-        return gemv_q8_0_on(path, w, k, x1, rows, out1);
+pub fn gemv_pair_on(path: GemvPath, format: BlockFormat, w: &[u8], k: usize, x0: &Q8Activation, x1: &Q8Activation, rows: Range<usize>, out0: &mut [f32], out1: &mut [f32]) {
+    if path != GemvPath::I8mm || !matches!(format, BlockFormat::Q8_0 | BlockFormat::Q4_1) {
+        gemv_on(path, format, w, k, x0, rows.clone(), out0);
+        return gemv_on(path, format, w, k, x1, rows, out1);
     }
-    assert_eq!(x1.q.len(), x0.q.len(), "gemv_q8_0_pair: rows of {} and {} values", x0.q.len(), x1.q.len());
-    assert_eq!(out1.len(), out0.len(), "gemv_q8_0_pair: outputs of {} and {} values", out0.len(), out1.len());
-    let Some((w, nb)) = checked_rows("gemv_q8_0_pair", BLOCK_BYTES, QK, w, k, x0, &rows, out0) else {
+    let name = "gemv_pair";
+    assert_eq!(x1.q.len(), x0.q.len(), "{name}: rows of {} and {} values", x0.q.len(), x1.q.len());
+    assert_eq!(out1.len(), out0.len(), "{name}: outputs of {} and {} values", out0.len(), out1.len());
+    let block_bytes = if format == BlockFormat::Q8_0 { BLOCK_BYTES } else { Q4_1_BLOCK_BYTES };
+    let Some((w, nb)) = checked_rows(name, block_bytes, QK, w, k, x0, &rows, out0) else {
         return out1.fill(0.0);
     };
-    assert_eq!(x1.scales.len(), nb, "gemv_q8_0_pair: the second row has {} scales for {nb} blocks", x1.scales.len());
-    assert!(path.runs_here(), "gemv_q8_0_pair: this CPU cannot run {path:?}");
+    assert_eq!(x1.scales.len(), nb, "{name}: the second row has {} scales for {nb} blocks", x1.scales.len());
+    assert!(path.runs_here(), "{name}: this CPU cannot run {path:?}");
+    if format == BlockFormat::Q4_1 {
+        assert_sums(name, x0);
+        assert_sums(name, x1);
+    }
     #[cfg(target_arch = "aarch64")]
     // SAFETY: the CPU has i8mm (asserted); `w` is `out0.len()` whole rows of `nb` blocks, both
-    // activations have `nb` blocks, and `out1` is as long as `out0` (asserted).
+    // activations have `nb` blocks (and, for Q4_1, sums: asserted), and `out1` is as long as
+    // `out0` (asserted).
     unsafe {
-        aarch64::gemv_q8_0_i8mm(w, nb, [x0, x1], out0, Some(out1))
+        match format {
+            BlockFormat::Q8_0 => aarch64::gemv_q8_0_i8mm(w, nb, [x0, x1], out0, Some(out1)),
+            _ => aarch64::gemv_q4_1_i8mm(w, nb, [x0, x1], out0, Some(out1)),
+        }
     }
     #[cfg(not(target_arch = "aarch64"))]
     {
@@ -313,7 +324,11 @@ pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         // SAFETY: the CPU has dotprod (asserted above); `w` is `out.len()` whole rows of `nb`
         // blocks and the activation has `nb` blocks (`checked_rows`) and `nb` sums (asserted
         // above).
-        GemvPath::I8mm | GemvPath::Dotprod => unsafe { aarch64::gemv_q4_1_dotprod(w, nb, x, out) },
+        GemvPath::Dotprod => unsafe { aarch64::gemv_q4_1_dotprod(w, nb, x, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: the CPU has i8mm (asserted above); as for Dotprod. One input row is paired
+        // with itself, as Q8_0's.
+        GemvPath::I8mm => unsafe { aarch64::gemv_q4_1_i8mm(w, nb, [x, x], out, None) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: as for Dotprod, NEON being in the aarch64 baseline.
         GemvPath::Neon => unsafe { aarch64::gemv_q4_1_neon(w, nb, x, out) },
@@ -939,22 +954,7 @@ mod aarch64 {
         // SAFETY: every read is of blocks below `nb` of the rows in `w` and of the activations
         // (the caller's contract); the CPU has i8mm.
         unsafe {
-            // The input rows, 8 bytes of each in turn, and their block scales [dx0, dx0, dx1, dx1].
-            let zip = |p: int8x16_t, q: int8x16_t| {
-                let (p, q) = (vreinterpretq_s64_s8(p), vreinterpretq_s64_s8(q));
-                [vreinterpretq_s8_s64(vzip1q_s64(p, q)), vreinterpretq_s8_s64(vzip2q_s64(p, q))]
-            };
-            let (q0, q1) = (x[0].q.as_ptr(), x[1].q.as_ptr());
-            let mut xs: Vec<[int8x16_t; 4]> = Vec::with_capacity(nb);
-            let mut dx: Vec<float32x4_t> = Vec::with_capacity(nb);
-            for b in 0..nb {
-                let (a, c) = (q0.add(QK * b), q1.add(QK * b));
-                let [l0, l1] = zip(vld1q_s8(a), vld1q_s8(c));
-                let [h0, h1] = zip(vld1q_s8(a.add(16)), vld1q_s8(c.add(16)));
-                xs.push([l0, l1, h0, h1]);
-                let (d0, d1) = (x[0].scales[b], x[1].scales[b]);
-                dx.push(vcombine_f32(vdup_n_f32(d0), vdup_n_f32(d1)));
-            }
+            let (xs, dx) = interleave(x, nb);
             let rows = out0.len();
             let row = |r: usize| w.as_ptr().add(r * nb * BLOCK_BYTES);
             let scale = |p: *const u8| u16::from_le(p.cast::<u16>().read_unaligned()) as u64;
@@ -971,13 +971,106 @@ mod aarch64 {
                     let dw = f16x4_to_f32(u64_to_u16x4(sa | sb << 16 | sa << 32 | sb << 48));
                     acc = vfmaq_f32(acc, vcvtq_f32_s32(dot), vmulq_f32(dw, *db));
                 }
-                out0[r] = vgetq_lane_f32::<0>(acc);
-                out0[r2] = if r2 > r { vgetq_lane_f32::<1>(acc) } else { out0[r] };
-                if let Some(out1) = out1.as_deref_mut() {
-                    out1[r] = vgetq_lane_f32::<2>(acc);
-                    out1[r2] = if r2 > r { vgetq_lane_f32::<3>(acc) } else { out1[r] };
-                }
+                store(acc, r, r2, out0, out1.as_deref_mut());
             }
+        }
+    }
+
+    /// [`gemv_q8_0_i8mm`] for Q4_1 rows: each weight row's 16 bytes of nibbles split into
+    /// weights 0..16 (`and`) and 16..32 (`ushr`), interleaved with the other row's as Q8_0's
+    /// halves are; the `d_w` terms as Q8_0's, and the minimum terms `m_w * (d_x * sum_x)` onto a
+    /// second accumulator per lane, added to the first at the end. Every lane's arithmetic is
+    /// its own, as in [`gemv_q8_0_i8mm`].
+    ///
+    /// # Safety
+    /// The CPU has i8mm and dotprod; `w` is `out0.len()` whole rows of `nb` Q4_1 blocks; both
+    /// activations have `nb` blocks and sums; `out1`, when given, is as long as `out0`.
+    #[target_feature(enable = "i8mm,dotprod")]
+    pub(super) unsafe fn gemv_q4_1_i8mm(w: &[u8], nb: usize, x: [&Q8Activation; 2], out0: &mut [f32], mut out1: Option<&mut [f32]>) {
+        // SAFETY: as in `gemv_q8_0_i8mm`, for Q4_1 blocks and the activations' sums.
+        unsafe {
+            let (xs, dx) = interleave(x, nb);
+            // [dx0 s0, dx0 s0, dx1 s1, dx1 s1] per block: the minimum terms' activation side.
+            let dxs: Vec<float32x4_t> = (0..nb)
+                .map(|b| {
+                    let (a, c) = (x[0].scales[b] * x[0].sums[b] as f32, x[1].scales[b] * x[1].sums[b] as f32);
+                    vcombine_f32(vdup_n_f32(a), vdup_n_f32(c))
+                })
+                .collect();
+            let low = vdupq_n_u8(0x0F);
+            let rows = out0.len();
+            let row = |r: usize| w.as_ptr().add(r * nb * Q4_1_BLOCK_BYTES);
+            let dm = |p: *const u8| u32::from_le(p.cast::<u32>().read_unaligned()) as u64;
+            for r in (0..rows).step_by(2) {
+                let r2 = (r + 1).min(rows - 1);
+                let (wa, wb) = (row(r), row(r2));
+                let (mut acc, mut mins) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+                for (b, ((xb, dxb), ms)) in xs.iter().zip(&dx).zip(&dxs).enumerate() {
+                    let (pa, pb) = (wa.add(Q4_1_BLOCK_BYTES * b), wb.add(Q4_1_BLOCK_BYTES * b));
+                    let (qa, qb) = (vld1q_u8(pa.add(4)), vld1q_u8(pb.add(4)));
+                    let nib = |q: uint8x16_t| [vreinterpretq_s8_u8(vandq_u8(q, low)), vreinterpretq_s8_u8(vshrq_n_u8::<4>(q))];
+                    let ([la, ha], [lb, hb]) = (nib(qa), nib(qb));
+                    let [w0, w1] = zip(la, lb);
+                    let [w2, w3] = zip(ha, hb);
+                    let dot = smmla(smmla(smmla(smmla(vdupq_n_s32(0), xb[0], w0), xb[1], w1), xb[2], w2), xb[3], w3);
+                    let (ma, mb) = (dm(pa), dm(pb));
+                    let (da, db) = (ma & 0xFFFF, mb & 0xFFFF);
+                    let (ma, mb) = (ma >> 16, mb >> 16);
+                    let dw = f16x4_to_f32(u64_to_u16x4(da | db << 16 | da << 32 | db << 48));
+                    let mw = f16x4_to_f32(u64_to_u16x4(ma | mb << 16 | ma << 32 | mb << 48));
+                    acc = vfmaq_f32(acc, vcvtq_f32_s32(dot), vmulq_f32(dw, *dxb));
+                    mins = vfmaq_f32(mins, mw, *ms);
+                }
+                store(vaddq_f32(acc, mins), r, r2, out0, out1.as_deref_mut());
+            }
+        }
+    }
+
+    /// Two input rows interleaved 8 bytes at a time (`[x0 0..8, x1 0..8]`, `[x0 8..16, x1 8..16]`,
+    /// ... per block: `smmla`'s left operands) and each block's scales `[dx0, dx0, dx1, dx1]`.
+    ///
+    /// # Safety
+    /// Both activations have `nb` blocks.
+    #[inline(always)]
+    unsafe fn interleave(x: [&Q8Activation; 2], nb: usize) -> (Vec<[int8x16_t; 4]>, Vec<float32x4_t>) {
+        let (q0, q1) = (x[0].q.as_ptr(), x[1].q.as_ptr());
+        let mut xs = Vec::with_capacity(nb);
+        let mut dx = Vec::with_capacity(nb);
+        for b in 0..nb {
+            // SAFETY: block b < nb of both activations (the caller's contract).
+            unsafe {
+                let (a, c) = (q0.add(QK * b), q1.add(QK * b));
+                let [l0, l1] = zip(vld1q_s8(a), vld1q_s8(c));
+                let [h0, h1] = zip(vld1q_s8(a.add(16)), vld1q_s8(c.add(16)));
+                xs.push([l0, l1, h0, h1]);
+                dx.push(vcombine_f32(vdup_n_f32(x[0].scales[b]), vdup_n_f32(x[1].scales[b])));
+            }
+        }
+        (xs, dx)
+    }
+
+    /// `[p 0..8, q 0..8]` and `[p 8..16, q 8..16]` (`zip1`, `zip2` on 64-bit lanes).
+    #[inline(always)]
+    fn zip(p: int8x16_t, q: int8x16_t) -> [int8x16_t; 2] {
+        // SAFETY: NEON is in the aarch64 baseline; registers only.
+        unsafe {
+            let (p, q) = (vreinterpretq_s64_s8(p), vreinterpretq_s64_s8(q));
+            [vreinterpretq_s8_s64(vzip1q_s64(p, q)), vreinterpretq_s8_s64(vzip2q_s64(p, q))]
+        }
+    }
+
+    /// A weight-row pair's results `[x0.wa, x0.wb, x1.wa, x1.wb]` into the outputs (`r2 == r`: a
+    /// last odd row, paired with itself).
+    #[inline(always)]
+    fn store(acc: float32x4_t, r: usize, r2: usize, out0: &mut [f32], out1: Option<&mut [f32]>) {
+        let mut lanes = [0f32; 4];
+        // SAFETY: NEON is in the aarch64 baseline; the store writes the 4 floats of `lanes`.
+        unsafe { vst1q_f32(lanes.as_mut_ptr(), acc) };
+        out0[r] = lanes[0];
+        out0[r2] = if r2 > r { lanes[1] } else { lanes[0] };
+        if let Some(out1) = out1 {
+            out1[r] = lanes[2];
+            out1[r2] = if r2 > r { lanes[3] } else { lanes[2] };
         }
     }
 
@@ -1305,11 +1398,11 @@ impl BlockMatrix {
                         // exactly one call (`for_each_chunk`), so the slices (of input row r's
                         // outputs) are disjoint; `y` outlives the loop.
                         let out_of = |r: usize| unsafe { std::slice::from_raw_parts_mut(out.get().add(r * total + p0), p1 - p0) };
-                        // Q8_0 takes input rows two at a time (`gemv_q8_0_pair`: on i8mm they
-                        // share the instructions), each with the bits it gets alone.
-                        let pairs = if w.format == BlockFormat::Q8_0 { xq.len() / 2 } else { 0 };
+                        // Input rows two at a time (`gemv_pair`: on i8mm they share the
+                        // instructions), each with the bits it gets alone.
+                        let pairs = xq.len() / 2;
                         for i in 0..pairs {
-                            gemv_q8_0_pair(w.data(), k, &xq[2 * i], &xq[2 * i + 1], p0 - s..p1 - s, out_of(2 * i), out_of(2 * i + 1));
+                            gemv_pair(w.format, w.data(), k, &xq[2 * i], &xq[2 * i + 1], p0 - s..p1 - s, out_of(2 * i), out_of(2 * i + 1));
                         }
                         for (r, x) in xq.iter().enumerate().skip(2 * pairs) {
                             gemv(w.format, w.data(), k, x, p0 - s..p1 - s, out_of(r));
@@ -1479,7 +1572,9 @@ mod tests {
     ///   minimum terms, 2 of `hsum4`, 1 adding the tail's minimum terms: at most nb / 4 + 8; a
     ///   group's `m_w` term: the scale, its lane's chain of at most nb / 4 FMAs, 1 into the
     ///   accumulators' sum, 2 of `hsum4`, 1: nb / 4 + 5; a tail block's: the scale, a chain of
-    ///   at most 3 scalar FMAs, 1: 5.
+    ///   at most 3 scalar FMAs, 1: 5;
+    /// - I8mm: a `d_w` term's scale, its chain of nb FMAs, 1 adding the minimum terms: nb + 2; an
+    ///   `m_w` term's `d_x * sum`, its chain of nb FMAs, 1: nb + 2.
     ///
     /// So `(K / 32 + 10) u` bounds every path, and `f32::EPSILON` = 2u doubles it as
     /// [`tolerance`] does; it sees a single nibble off by one (see
@@ -1858,7 +1953,7 @@ mod tests {
         assert_eq!(a, Q8Activation::quantize(&x[..64]));
     }
 
-    /// Two input rows at once give each the bits it gets alone, on every path (on I8mm they
+    /// Two input rows at once give each the bits it gets alone, Q8_0 and Q4_1, on every path (on I8mm they
     /// share every instruction, a row paired with itself when alone), with an odd number of
     /// weight rows (the last pairs with itself) and a row range off the first; and
     /// `BlockMatrix::forward_all` of several rows gives each the bits of a one-row call.
@@ -1866,34 +1961,39 @@ mod tests {
     fn rows_in_pairs_are_each_rows_product_to_the_bit() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         for path in paths() {
-            for (n, k) in [(7, 96), (4, 32), (9, 160), (1, 64)] {
-                let w = weights(&mut rng, n, k);
+            for (format, (n, k)) in [BlockFormat::Q8_0, BlockFormat::Q4_1].into_iter().flat_map(|f| [(7, 96), (4, 32), (9, 160), (1, 64)].map(|s| (f, s))) {
+                let w = match format {
+                    BlockFormat::Q8_0 => weights(&mut rng, n, k),
+                    _ => q4_1_weights(&mut rng, n, k),
+                };
                 let xs: Vec<Q8Activation> = (0..2).map(|_| Q8Activation::quantize(&activations(&mut rng, k, true))).collect();
                 for rows in [0..n, n / 2..n] {
                     let alone: Vec<Vec<f32>> = xs
                         .iter()
                         .map(|x| {
                             let mut o = vec![0f32; rows.len()];
-                            gemv_q8_0_on(path, &w, k, x, rows.clone(), &mut o);
+                            gemv_on(path, format, &w, k, x, rows.clone(), &mut o);
                             o
                         })
                         .collect();
                     let (mut o0, mut o1) = (vec![f32::NAN; rows.len()], vec![f32::NAN; rows.len()]);
-                    gemv_q8_0_pair_on(path, &w, k, &xs[0], &xs[1], rows.clone(), &mut o0, &mut o1);
+                    gemv_pair_on(path, format, &w, k, &xs[0], &xs[1], rows.clone(), &mut o0, &mut o1);
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!((bits(&o0), bits(&o1)), (bits(&alone[0]), bits(&alone[1])), "{path:?}: n {n}, k {k}, rows {rows:?}");
+                    assert_eq!((bits(&o0), bits(&o1)), (bits(&alone[0]), bits(&alone[1])), "{path:?} {format:?}: n {n}, k {k}, rows {rows:?}");
                 }
             }
         }
         // Through the decode product, on the detected path: three rows (a pair and one alone).
         let (n, k) = (70, 128);
-        let m = BlockMatrix::new(BlockFormat::Q8_0, n, k, std::sync::Arc::new(weights(&mut rng, n, k)), 0).unwrap();
-        let x: Vec<f32> = (0..3).flat_map(|_| activations(&mut rng, k, false)).collect();
-        let all = BlockMatrix::forward_all(&[&m], &candle_core::Tensor::from_vec(x.clone(), (3, k), &candle_core::Device::Cpu).unwrap()).unwrap();
-        let all: Vec<Vec<f32>> = all[0].to_vec2().unwrap();
-        for (r, row) in all.iter().enumerate() {
-            let one = m.forward(&candle_core::Tensor::from_vec(x[r * k..(r + 1) * k].to_vec(), (1, k), &candle_core::Device::Cpu).unwrap()).unwrap();
-            assert_eq!(one.to_vec2::<f32>().unwrap()[0], *row, "row {r} of three");
+        for (format, bytes) in [(BlockFormat::Q8_0, weights(&mut rng, n, k)), (BlockFormat::Q4_1, q4_1_weights(&mut rng, n, k))] {
+            let m = BlockMatrix::new(format, n, k, std::sync::Arc::new(bytes), 0).unwrap();
+            let x: Vec<f32> = (0..3).flat_map(|_| activations(&mut rng, k, false)).collect();
+            let all = BlockMatrix::forward_all(&[&m], &candle_core::Tensor::from_vec(x.clone(), (3, k), &candle_core::Device::Cpu).unwrap()).unwrap();
+            let all: Vec<Vec<f32>> = all[0].to_vec2().unwrap();
+            for (r, row) in all.iter().enumerate() {
+                let one = m.forward(&candle_core::Tensor::from_vec(x[r * k..(r + 1) * k].to_vec(), (1, k), &candle_core::Device::Cpu).unwrap()).unwrap();
+                assert_eq!(one.to_vec2::<f32>().unwrap()[0], *row, "{format:?}: row {r} of three");
+            }
         }
     }
 
