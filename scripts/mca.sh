@@ -60,6 +60,7 @@ JOBS=$(cat <<'EOF'
 Q8_0 x Q8_0 dot (sdot)|GEMV|gemv_q8_0_dotprod|--count sdot --per 2|32-weight block|quants.o|ggml_vec_dot_q8_0_q8_0|--count sdot --per 2
 Q4_1 x Q8 dot (sdot)|GEMV|gemv_q4_1_dotprod|--count sdot --per 2|32-weight block|quants.o|ggml_vec_dot_q4_1_q8_1|--count sdot --per 2
 Q8_0 x Q8_0 dot, two input rows (smmla)|GEMV|gemv_q8_0_i8mm|--count smmla --per 2|32-weight block, both rows|-|-|-
+Q4_1 x Q8 dot, two input rows (smmla)|GEMV|gemv_q4_1_i8mm|--count smmla --per 2|32-weight block, both rows|-|-|-
 Q8_0 x Q8_0 dot (no dotprod)|GEMV|gemv_q8_0_neon|--count smull --per 1|32-weight block|-|-|-
 Q4_1 x Q8 dot (no dotprod)|GEMV|gemv_q4_1_neon|--count smull --per 1|32-weight block|-|-|-
 INT8 GEMM (smmla)|INT8|@INT8_SMMLA@|--count smmla --per 2|64 MACs|repack.o|ggml_gemm_q8_0_4x8_q8_0|--count smmla --per 2

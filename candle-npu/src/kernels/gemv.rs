@@ -35,6 +35,11 @@
 //!   (0..15, the same as signed bytes); the f16 scales of four blocks converted at once
 //!   (`fcvtl`), four accumulators; no software prefetch (Arm's prefetchers follow a stream
 //!   across pages). See `aarch64` for why, and the instruction counts.
+//! - [`GemvPath::I8mm`] (aarch64 with FEAT_I8MM too, Snapdragon 8 Gen 1 on): Q8_0 and Q4_1 take
+//!   two input rows by two weight rows per `smmla`, a single row paired with itself, so a
+//!   speculative verifier's second row is free and each row has the bits it gets alone
+//!   ([`gemv_pair`]); its own float order (one FMA chain per output), so it does not agree with
+//!   Dotprod to the bit. The other formats run Dotprod's kernels.
 //! - [`GemvPath::Neon`] (any aarch64 CPU: NEON is baseline): the same with the products widened
 //!   to i16 (`smull`, `smlal`: two products per i16, which a Q8_0 activation of -128 could
 //!   overflow, so this path refuses it as the AVX2 one does) and pairs added into i32; the same
