@@ -209,7 +209,8 @@ const ROW_COST_PRIOR: f64 = 0.2;
 pub const PROBE_EVERY: usize = 32;
 /// The longest wait between a draft's probes.
 pub const PROBE_MAX: usize = 512;
-const PROBE_LEN: usize = 4;
+/// Tokens a draft's probe proposes.
+pub const PROBE_LEN: usize = 4;
 
 impl Proposer {
     pub(crate) fn new(spec: Speculative) -> Option<Self> {
