@@ -628,6 +628,10 @@ mod tests {
         // Room for two entries: a, the older, is marked used, so the third store deletes b.
         let cache = GraphCache::with_limit(&dir, 2 * size);
         cache.mark_used("a", &key(1));
+        // A write's time stamp is the kernel's coarse clock, which lags `SystemTime::now()` (what
+        // `mark_used` sets) by up to a tick (4 ms at HZ = 250): without a pause, c, stored after a
+        // was marked, could look older than a (a CI run failed on it).
+        std::thread::sleep(std::time::Duration::from_millis(30));
         let path_c = cache.store("c", &key(3), &[], &[0; 1000]).unwrap();
         assert!(path_a.is_file() && path_c.is_file() && !path_b.exists());
         assert!(dir.join("notes.txt").is_file(), "not an entry: never deleted");
