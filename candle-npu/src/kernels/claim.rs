@@ -232,8 +232,10 @@ mod tests {
             // Longer than `Team::WARM`: the helpers are parked when the second loop comes.
             std::thread::sleep(std::time::Duration::from_millis(pause));
             let by_helper = AtomicU32::new(0);
-            // 64 ms of chunks: time for a helper to be scheduled on a busy machine.
-            for_each_chunk(32, 1, 1, &|_| {
+            // Up to a second of chunks (half that once a helper joins): time for a helper to be
+            // scheduled on a busy machine. 64 ms was not, once, under qemu with the other tests
+            // running on two cores.
+            for_each_chunk(500, 1, 1, &|_| {
                 std::thread::sleep(std::time::Duration::from_millis(2));
                 if std::thread::current().name().is_some_and(|n| n.starts_with("candle-npu-claim")) {
                     by_helper.fetch_add(1, Ordering::Relaxed);
