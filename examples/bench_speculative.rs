@@ -198,9 +198,7 @@ fn phone(args: &Args) -> Result<()> {
     println!("| model | task | draft | tokens | passes | accepted / proposed | step ms | NPU pass ms | plain tok/s | CPU verification tok/s (c), x plain | NPU verification tok/s, x plain | with 100 µs per graph |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for name in &args.models {
-        let path = assets::real_model(name).with_context(|| format!("unknown model '{name}' (smollm2, qwen, gemma)"))??;
-        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
-        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        let (_, mut p) = load_calibrated(name)?;
         let c = (pass_ms(&mut p, 16)? / pass_ms(&mut p, 1)? - 1.0) / 15.0;
         for task in &args.tasks {
             let prompt = task_prompt(&p, task)?;
@@ -244,9 +242,7 @@ fn drafts(args: &Args) -> Result<()> {
     println!("| model | task | draft layers | plain tok/s | fixed draft of 4: tok/s, accepted / proposed | adaptive: tok/s, x plain, accepted / proposed (passes) |");
     println!("|---|---|---|---|---|---|");
     for name in &args.models {
-        let path = assets::real_model(name).with_context(|| format!("unknown model '{name}' (smollm2, qwen, gemma)"))??;
-        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
-        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        let (path, mut p) = load_calibrated(name)?;
         for &n in &args.draft_layers {
             let opts = LoadOptions { precision: candle_npu_models::Precision::F32, layers: Some(n), ..Default::default() };
             p.set_draft(Pipeline::load(&path, None, &NpuDevice::host(), opts)?)?;
@@ -284,6 +280,15 @@ fn drafts(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// The real model `name` (smollm2, qwen, gemma), its path, in the default configuration with its
+/// quant profile (calibrated on first use).
+fn load_calibrated(name: &str) -> Result<(PathBuf, Pipeline)> {
+    let path = assets::real_model(name).with_context(|| format!("unknown model '{name}' (smollm2, qwen, gemma)"))??;
+    let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+    Ok((path, p))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -313,9 +318,7 @@ fn main() -> Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut costs = vec![];
     for name in &args.models {
-        let path = assets::real_model(name).with_context(|| format!("unknown model '{name}' (smollm2, qwen, gemma)"))??;
-        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
-        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        let (path, mut p) = load_calibrated(name)?;
         let one = pass_ms(&mut p, 1)?;
         let mut row = format!("| {name} | {one:.2}");
         for k in [2, 4, 8, 16] {
