@@ -28,6 +28,11 @@ use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
 use candle_npu_models::transformer::mean_nll;
 use candle_npu_models::{CalibrationSet, CalibrationSource, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
 use clap::Parser;
+
+#[path = "common/chat_section.rs"]
+mod chat_section;
+#[path = "common/requantize.rs"]
+mod requantize;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -65,13 +70,26 @@ struct Args {
     /// Parts to run: rows (the table), curve (pruning), hot (hot-set coverages), decode (the
     /// decode weight formats: candle CPU perplexity and decode speed), htp (shadow W8A8 on the
     /// HTP library's numerics, padded and with the default plan's CPU margin, beside the host's),
-    /// calibration (accuracy and time of the default calibration against its size).
+    /// calibration (accuracy and time of the default calibration against its size), chat (the
+    /// chat eval: conversations in the model's template against the F32 prefill; alone only).
     #[arg(long, value_delimiter = ',', default_value = "rows,curve,hot")]
     sections: Vec<String>,
     /// Calibration sizes of the calibration section, in sequences of `CalibrationSet`'s default
     /// length (256 tokens).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     calibration_sizes: Vec<usize>,
+    /// The chat section on the first N conversations only (a quick look; 0: all).
+    #[arg(long, default_value_t = 0)]
+    chat_limit: usize,
+    /// The chat section's calibrations, in windows of conversations beside the default text's
+    /// (`CalibrationSet::chats`); the first is also run with float activations and on the HTP's
+    /// numerics.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    chat_calibration: Vec<usize>,
+    /// Write the chat section's rendered prompts and F32 answers here (JSON), for
+    /// `scripts/chat_anchor.py`.
+    #[arg(long)]
+    chat_dump: Option<PathBuf>,
     /// Print everything as one JSON object on stdout instead of the tables.
     #[arg(long)]
     json: bool,
@@ -435,9 +453,12 @@ fn main() -> Result<()> {
     let mut args = Args::parse();
     let on = |s: &str| args.sections.iter().any(|x| x == s);
     let (do_rows, do_curve, do_hot, do_decode, do_htp) = (on("rows"), on("curve"), on("hot"), on("decode"), on("htp"));
-    let do_calibration = on("calibration");
-    if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot", "decode", "htp", "calibration"].contains(&s.as_str())) {
-        bail!("unknown section '{bad}' (rows, curve, hot, decode, htp, calibration)");
+    let (do_calibration, do_chat) = (on("calibration"), on("chat"));
+    if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot", "decode", "htp", "calibration", "chat"].contains(&s.as_str())) {
+        bail!("unknown section '{bad}' (rows, curve, hot, decode, htp, calibration, chat)");
+    }
+    if do_chat && args.sections.len() > 1 {
+        bail!("--sections chat runs alone (it calibrates as a user's first run does, on the shipped text)");
     }
     if do_calibration && args.calibration_sizes.iter().any(|&n| n == 0) {
         bail!("--calibration-sizes are numbers of sequences, at least 1");
@@ -464,6 +485,9 @@ fn main() -> Result<()> {
     let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template("{msg:38} {bar:30} {pos}/{len} ({elapsed}, eta {eta})")?);
 
     let mut f32p = load(&model_path, &dev, Precision::F32, WeightQuant::PerChannel)?;
+    if do_chat {
+        return chat(&args, &model_path, &mut f32p, &bar);
+    }
     let data = Data::new(&f32p, &args)?;
     eprintln!("{} windows of {WINDOW} tokens per domain, {} MMLU questions", args.windows, data.mmlu.len());
     let mut suite = Suite { args: &args, data: &data, reference: None, bar, chunk_len: args.chunk_len };
@@ -723,6 +747,35 @@ fn main() -> Result<()> {
         print_calibration(&model_path, args.calibration.into(), &calibration, &f32_ppl);
     }
     println!("\nhot channels per point kind (clip budget, every channel with a calibration outlier): {}", hot_summary(&shadow));
+    Ok(())
+}
+
+/// The chat section: the default profile, the F32 references, each prefill's outcomes.
+fn chat(args: &Args, model_path: &std::path::Path, f32p: &mut Pipeline, bar: &ProgressBar) -> Result<()> {
+    let mut convs = candle_npu_models::chat_eval::conversations()?;
+    if args.chat_limit > 0 {
+        convs.truncate(args.chat_limit);
+    }
+    bar.set_message("calibrating");
+    let profiles = args
+        .chat_calibration
+        .iter()
+        .map(|&chats| Ok((format!("calibrated on 4 text + {chats} chat windows"), chat_section::profile(model_path, chats)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let refs = chat_section::references(f32p, &convs, bar)?;
+    if let Some(path) = &args.chat_dump {
+        let text = serde_json::to_string(&chat_section::dump(model_path, f32p, &convs, &refs)?)?;
+        candle_npu::cache::write_atomic(path, |f| std::io::Write::write_all(f, text.as_bytes()))?;
+    }
+    let rows = chat_section::rows(model_path, &profiles, &refs, f32p, bar)?;
+    bar.finish_and_clear();
+    let summaries: Vec<_> = rows.iter().map(|r| r.summary(&convs)).collect();
+    if args.json {
+        let per: Vec<_> = rows.iter().map(|r| json!({ "name": r.name, "outcomes": r.outcomes })).collect();
+        println!("{}", serde_json::to_string_pretty(&json!({ "model": model_path.display().to_string(), "ids": convs.iter().map(|c| &c.id).collect::<Vec<_>>(), "rows": summaries, "per_conversation": per }))?);
+    } else {
+        chat_section::print(model_path, &summaries);
+    }
     Ok(())
 }
 

@@ -15,6 +15,7 @@
 pub mod assets;
 pub mod attention;
 pub mod chat;
+pub mod chat_eval;
 pub mod checkpoint;
 pub mod families;
 pub mod gemma3;
