@@ -54,6 +54,11 @@ pub enum CalibrationSource {
 /// The shipped calibration text (see [`CalibrationSource::Shipped`]).
 pub const SHIPPED_CALIBRATION_TEXT: &str = include_str!("../data/calibration.txt");
 
+/// The shipped calibration conversations (`models/data/calibration_chat.jsonl`, one JSON object
+/// a line: `{"messages": [...]}`, each ending with the assistant's answer): see
+/// [`CalibrationSet::chats`].
+pub const SHIPPED_CALIBRATION_CHATS: &str = include_str!("../data/calibration_chat.jsonl");
+
 /// How calibration runs: over how much text and which, how clip ranges are chosen, and on how
 /// many of those sequences layer importance is measured (0: not measured, so no pruning).
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +70,11 @@ pub struct CalibrationSet {
     pub sequences: usize,
     /// Tokens per window, 1 up to the model's context (256 by default).
     pub seq_len: usize,
+    /// Windows of chat, after the text's: the shipped conversations
+    /// ([`SHIPPED_CALIBRATION_CHATS`]) rendered in the model's own template, each window starting
+    /// with a conversation's first token, so that the template's control tokens, system prompts
+    /// and turns are seen where a prompt has them (prose never holds them). 0: text only.
+    pub chats: usize,
     /// How each point's clip range is chosen from the values observed (by default at most
     /// [`DEFAULT_OUTLIER_BUDGET`] of them beyond it).
     pub clip: ClipMethod,
@@ -98,6 +108,7 @@ impl Default for CalibrationSet {
             source: CalibrationSource::Shipped,
             sequences: 4,
             seq_len: 256,
+            chats: 0,
             clip: ClipMethod::Budget { fraction: DEFAULT_OUTLIER_BUDGET },
             importance_sequences,
             hot_coverage: DEFAULT_HOT_COVERAGE,
@@ -346,7 +357,34 @@ impl Pipeline {
             CalibrationSource::Shipped => SHIPPED_CALIBRATION_TEXT.split("\n\n").map(str::to_string).collect(),
             CalibrationSource::Wikipedia => crate::assets::wiki_calibration(set.sequences.saturating_mul(set.seq_len) / 40 + 8)?,
         };
-        self.token_sequences(texts, set.sequences, set.seq_len)
+        let mut seqs = self.token_sequences(texts, set.sequences, set.seq_len)?;
+        seqs.extend(self.chat_sequences(set.chats, set.seq_len)?);
+        Ok(seqs)
+    }
+
+    /// Up to `n` windows of at most `seq_len` tokens of the shipped conversations in the model's
+    /// template: each window starts with a conversation and takes the following ones while they
+    /// fit whole (the first one is cut if it alone is longer).
+    pub fn chat_sequences(&self, n: usize, seq_len: usize) -> Result<Vec<Vec<u32>>> {
+        #[derive(serde::Deserialize)]
+        struct Chat {
+            messages: Vec<Message>,
+        }
+        let mut out: Vec<Vec<u32>> = Vec::with_capacity(n);
+        for line in SHIPPED_CALIBRATION_CHATS.lines().filter(|l| !l.trim().is_empty()) {
+            let chat: Chat = serde_json::from_str(line).map_err(|e| Error::Internal(format!("calibration_chat.jsonl: {e}")))?;
+            let mut ids = self.encode_chat(&chat.messages, false, false)?;
+            let windows = out.len();
+            match out.last_mut() {
+                Some(last) if last.len() + ids.len() <= seq_len => last.extend(ids),
+                _ if windows < n => {
+                    ids.truncate(seq_len);
+                    out.push(ids);
+                }
+                _ => break,
+            }
+        }
+        Ok(out)
     }
 
     /// `texts` joined by blank lines and cut into (at most) `sequences` sequences of `seq_len`
