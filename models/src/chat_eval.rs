@@ -27,9 +27,10 @@ pub const ANSWER_TOKENS: usize = 16;
 
 /// An answer whose tokens average more than this many nats of surprise to the F32 model (given
 /// the conversation, teacher-forced) more than the F32 model's own greedy answer does: words the
-/// model itself would almost never say there. Greedy answers of the real models average 0.1-1.0
-/// nats a token to their own F32 prefill; a drifted answer (another phrasing) stays within about
-/// 1.5 of that, a derailed one (another script, a token soup) is beyond 3 (`docs/chat.md`).
+/// model itself would almost never say there (a token soup, a loop). Measured on SmolLM2's 147
+/// answers that differ from F32's (2026-11-28, `docs/chat.md`): 1.06 at most, half of them at
+/// or below 0. A switch of language is not caught by it (the katakana answer to "My name is
+/// Bob and I live in Tokyo." is 0.51: the F32 model nearly says it too), hence [`Derail::Script`].
 pub const DERAIL_NATS: f64 = 2.5;
 
 /// One conversation of the eval.
