@@ -20,6 +20,7 @@ from llama_cpp import Llama
 
 DERAIL_NATS = 2.5  # models/src/chat_eval.rs DERAIL_NATS
 
+# The scripts of models/src/chat_eval.rs's SCRIPTS (Kana folded into Han, as its new_script does).
 SCRIPTS = [
     ("Latin", [("A", "Z"), ("a", "z"), ("\u00c0", "\u024f")]),
     ("Cyrillic", [("\u0400", "\u04ff")]),

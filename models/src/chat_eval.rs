@@ -14,7 +14,7 @@
 //! control tokens and system prompt never occur in prose.
 
 use crate::chat::Message;
-use crate::generate::logits_f32;
+use crate::generate::{argmax, logits_f32, mean_nll, penalized, GenerateOptions};
 use crate::pipeline::Pipeline;
 use candle_npu::{Error, Result};
 
@@ -150,20 +150,20 @@ pub fn measure(p: &mut Pipeline, f32: &mut Pipeline, r: &Reference) -> Result<Ou
 }
 
 /// The first answer token's logits and the greedy answer of `p` to `prompt`: prefill on the
-/// model's device, decode on the CPU, tokens without text never picked.
+/// model's device, decode on the CPU, tokens without text never picked (as generation does).
 fn answer(p: &mut Pipeline, prompt: &[u32]) -> Result<(Vec<f32>, Vec<u32>)> {
     p.model.clear();
-    let mut logits = logits_f32(&p.model.prefill(prompt)?)?;
-    let first = logits.clone();
+    let mut logits = p.model.prefill(prompt)?;
+    let first = logits_f32(&logits)?;
+    let greedy = GenerateOptions::default();
     let mut out = Vec::with_capacity(ANSWER_TOKENS);
     while out.len() < ANSWER_TOKENS {
-        p.textless.iter().for_each(|&i| logits[i as usize] = f32::NEG_INFINITY);
-        let t = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a))).unwrap_or(0) as u32;
+        let t = argmax(&penalized(&logits, &[], &p.textless, &greedy)?)?;
         out.push(t);
         if p.stop_tokens.contains(&t) || out.len() == ANSWER_TOKENS || p.model.position() + 1 >= p.model.config().context_len {
             break;
         }
-        logits = logits_f32(&p.model.decode(t)?)?;
+        logits = p.model.decode(t)?;
     }
     p.model.clear();
     Ok((first, out))
@@ -172,10 +172,11 @@ fn answer(p: &mut Pipeline, prompt: &[u32]) -> Result<(Vec<f32>, Vec<u32>)> {
 /// Mean negative log-likelihood (nats/token) of `answer` after `prompt` under `p`'s prefill.
 fn surprise(p: &mut Pipeline, prompt: &[u32], answer: &[u32]) -> Result<f64> {
     let all: Vec<u32> = prompt.iter().chain(answer).copied().collect();
-    let logits: Vec<Vec<f32>> = p.model.prefill_all_logits(&all)?.to_vec2()?;
+    let logits = p.model.prefill_all_logits(&all)?;
     p.model.clear();
-    let n = answer.len().max(1) as f64;
-    Ok(answer.iter().enumerate().map(|(i, &t)| -log_softmax(&logits[prompt.len() - 1 + i])[t as usize]).sum::<f64>() / n)
+    // The rows that predict the answer, from the prompt's last token on.
+    let at = prompt.len() - 1;
+    mean_nll(&logits.narrow(0, at, answer.len())?, &all[at..])
 }
 
 fn log_softmax(v: &[f32]) -> Vec<f64> {

@@ -346,7 +346,8 @@ impl Pipeline {
     }
 
     /// The token sequences [`Pipeline::calibrate`] runs on: `set.sequences` of `set.seq_len`
-    /// tokens of `set.source`'s text.
+    /// tokens of `set.source`'s text, then `set.chats` windows of conversations
+    /// ([`Pipeline::chat_sequences`]).
     pub fn calibration_sequences(&self, set: CalibrationSet) -> Result<Vec<Vec<u32>>> {
         set.check()?;
         if set.seq_len > self.model.config().context_len {
