@@ -3,8 +3,15 @@
 //! `scripts/chat_reference.py`), and the token ids of a conversation as the tokenizer gives them
 //! for that text, with control tokens typed in a message kept as text.
 
+use std::time::{Duration, Instant};
+
 use candle_npu::NpuDevice;
+use candle_npu_models::chat::{JinjaTemplate, TEMPLATE_FUEL};
 use candle_npu_models::{assets, LoadOptions, Message, Pipeline, Precision};
+
+// The allocator the example CLIs install: it bounds what a template's render allocates.
+#[global_allocator]
+static ALLOC: candle_npu_models::sandbox::GuardedAlloc = candle_npu_models::sandbox::GuardedAlloc;
 
 fn reference() -> serde_json::Value {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/chat_reference.json")).unwrap();
@@ -92,4 +99,58 @@ fn roles_are_words_and_a_conversation_stays_with_its_model() {
     // A conversation with nothing cached yet goes to any model.
     let mut fresh = smol.session();
     fresh.send(&mut qwen, "Hello.", &opts, |_| {}).unwrap();
+}
+
+/// The real models' templates render a conversation of 2000 messages on a tenth of the fuel a
+/// render gets ([`TEMPLATE_FUEL`] has ten times what they take, at least).
+#[test]
+fn the_real_templates_render_long_conversations_within_a_tenth_of_the_fuel() {
+    let msgs: Vec<Message> = (0..2000).map(|i| if i % 2 == 0 { Message::user(format!("question {i}")) } else { Message::assistant(format!("answer {i}")) }).collect();
+    for file in ["SmolLM2-135M-Instruct.Q4_1.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"] {
+        let g = candle_npu_models::gguf::Gguf::open(&assets::dir().join(file)).unwrap();
+        let t = JinjaTemplate::new(&g.string("tokenizer.chat_template").unwrap(), "", "").unwrap().fuel(TEMPLATE_FUEL / 10);
+        let text = t.render(&msgs, true).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(text.contains("question 1998") && text.contains("answer 1999"), "{file}");
+    }
+}
+
+/// A template is code from a downloaded file: a render that loops on, writes gigabytes or
+/// builds them in its own variables is stopped with an error naming the template and the bound
+/// it hit, in seconds, and that template is refused from then on.
+#[test]
+fn a_hostile_template_is_stopped_at_its_bounds() {
+    let hi = [Message::user("hi")];
+    let stopped = |source: &str| {
+        let t = JinjaTemplate::new(source, "", "").unwrap().from_file(std::path::Path::new("evil.gguf")).max_text(1 << 20);
+        let start = Instant::now();
+        let e = t.render(&hi, true).unwrap_err().to_string();
+        assert!(start.elapsed() < Duration::from_secs(20), "{source}: stopped after {:?}", start.elapsed());
+        assert!(e.contains("the chat template of evil.gguf"), "{e}");
+        eprintln!("{:?}: {e}", start.elapsed());
+        (t, e)
+    };
+    // A loop that never ends (as good as): the fuel.
+    let (_, e) = stopped("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}{{ messages[0].content }}");
+    assert!(e.contains("instructions"), "{e}");
+    // Text past the bound (a pipeline's is its prompt limit; 1 MiB here).
+    let (_, e) = stopped("{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}{{ messages[0].content }}");
+    assert!(e.contains("its text passes"), "{e}");
+    // A string doubled in a namespace: 2^40 bytes in 40 instructions, which no fuel bounds.
+    let (t, e) = stopped("{% set ns = namespace(s='xx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}{{ messages[0].content }}");
+    assert!(e.contains("more than its 256 MiB of memory"), "{e}");
+    // Its render's thread is asleep holding what it took: the template is not run again.
+    let e = t.render(&hi, true).unwrap_err().to_string();
+    assert!(e.contains("refused"), "{e}");
+}
+
+/// A template that writes the conversation without one of its messages is refused, naming the
+/// message: the model would answer a conversation the user did not send.
+#[test]
+fn a_template_that_leaves_out_a_message_is_refused() {
+    let t = JinjaTemplate::new("{% for m in messages %}{% if m.role != 'system' %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}", "", "").unwrap();
+    assert_eq!(t.render(&[Message::user("hi")], true).unwrap(), "<user>hi");
+    let e = t.render(&[Message::system("Be brief."), Message::user("hi")], true).unwrap_err().to_string();
+    assert!(e.contains("leaves out message 1 (system: \"Be brief.\")"), "{e}");
+    // A message said twice is still each written.
+    assert!(t.render(&[Message::user("hi"), Message::assistant("hi"), Message::user("hi")], true).is_ok());
 }

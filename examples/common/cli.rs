@@ -12,6 +12,11 @@ use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail};
 use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Message, Pipeline, Precision, SchedOptions, StopReason};
 use clap::{Parser, ValueEnum};
 
+/// The allocator that bounds the memory a model's chat template may take while it renders
+/// (`candle_npu_models::sandbox`): a template comes with a downloaded file.
+#[global_allocator]
+static ALLOC: candle_npu_models::sandbox::GuardedAlloc = candle_npu_models::sandbox::GuardedAlloc;
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum ExecutorKind {
     Host,

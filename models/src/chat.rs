@@ -16,7 +16,11 @@
 //! the prompt apart ([`ChatTemplate::around`]): markers such as `<|im_end|>` typed in a prompt stay
 //! text, and only the template's own become control tokens.
 
+use std::io::Write;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use candle_npu::{Error, Result};
 
@@ -75,10 +79,36 @@ const CLOSE: char = '\u{F8F1}';
 /// `trim_blocks` and `lstrip_blocks`, `raise_exception`, Python's string methods, and the
 /// variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`.
 pub struct JinjaTemplate {
-    env: minijinja::Environment<'static>,
+    env: Arc<minijinja::Environment<'static>>,
     bos: String,
     eos: String,
+    /// Where the template came from, for errors.
+    origin: String,
+    /// The most bytes a render may write.
+    max_text: usize,
+    /// Instructions a render may run.
+    fuel: u64,
+    /// Set once a render is stopped past its memory or time: its thread is asleep for good
+    /// holding what it took (`crate::sandbox`), and the template is refused from then on.
+    stopped: Arc<AtomicBool>,
 }
+
+/// Instructions a render may run: at least ten times what the real models' templates take for a
+/// conversation of 2000 messages (`tests/chat.rs` renders one on a tenth of it); a loop
+/// that never ends stops within seconds.
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+
+/// What a render may allocate in all, beyond [`TEMPLATE_BYTES_PER_TEXT_BYTE`] per byte of its
+/// messages: far beyond what a real template takes (a few times the text it writes), far below
+/// a machine's memory. Enforced where [`crate::sandbox::GuardedAlloc`] is the allocator.
+pub const TEMPLATE_MEMORY: usize = 256 << 20;
+/// See [`TEMPLATE_MEMORY`].
+pub const TEMPLATE_BYTES_PER_TEXT_BYTE: usize = 64;
+/// How long a render may take (one takes milliseconds; the fuel stops loops well before).
+pub const TEMPLATE_TIME: Duration = Duration::from_secs(10);
+/// The most text a render may write unless [`JinjaTemplate::max_text`] says otherwise (a
+/// pipeline bounds it by what its tokenizer takes).
+pub const TEMPLATE_TEXT: usize = 64 << 20;
 
 impl std::fmt::Debug for JinjaTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -96,8 +126,39 @@ impl JinjaTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned("chat", source.to_string()).map_err(|e| e.to_string())?;
-        Ok(JinjaTemplate { env, bos: bos.into(), eos: eos.into() })
+        Ok(JinjaTemplate {
+            env: Arc::new(env),
+            bos: bos.into(),
+            eos: eos.into(),
+            origin: "the chat template".into(),
+            max_text: TEMPLATE_TEXT,
+            fuel: TEMPLATE_FUEL,
+            stopped: Arc::default(),
+        })
+    }
+
+    /// The template as the one of `file`, which its errors name.
+    pub fn from_file(mut self, file: &Path) -> Self {
+        self.origin = format!("the chat template of {}", file.display());
+        self
+    }
+
+    /// Renders may run `instructions` (default [`TEMPLATE_FUEL`]).
+    pub fn fuel(mut self, instructions: u64) -> Self {
+        // Fresh from `new`: the environment is not shared yet.
+        if let Some(env) = Arc::get_mut(&mut self.env) {
+            env.set_fuel(Some(instructions));
+        }
+        self.fuel = instructions;
+        self
+    }
+
+    /// Renders writing more than `bytes` are refused.
+    pub fn max_text(mut self, bytes: usize) -> Self {
+        self.max_text = bytes;
+        self
     }
 
     /// `bos_token` as the template gets it.
@@ -111,6 +172,55 @@ impl JinjaTemplate {
         Ok(self.segments(messages, add_generation_prompt)?.into_iter().map(|(t, _)| t).collect())
     }
 
+    /// The template rendered over `stand_ins`, then over `messages`, within the template's
+    /// bounds: [`TEMPLATE_FUEL`] each, [`JinjaTemplate::max_text`] bytes of text each, and
+    /// together [`TEMPLATE_MEMORY`] (and more for longer messages) and [`TEMPLATE_TIME`] on a
+    /// thread of their own (`crate::sandbox`).
+    fn render_bounded(&self, stand_ins: Vec<Message>, messages: Vec<Message>, add_generation_prompt: bool) -> Result<(String, String)> {
+        let origin = self.origin.clone();
+        if self.stopped.load(Ordering::Relaxed) {
+            return Err(Error::Input(format!("{origin}: refused, since a render of it ran out of bounds before (load the model again with another template)")));
+        }
+        let text_bytes: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
+        let limits = crate::sandbox::Limits {
+            memory: TEMPLATE_MEMORY.saturating_add(text_bytes.saturating_mul(TEMPLATE_BYTES_PER_TEXT_BYTE)),
+            time: TEMPLATE_TIME,
+        };
+        let (env, max_text, fuel) = (self.env.clone(), self.max_text, self.fuel);
+        let (bos, eos) = (self.bos.clone(), self.eos.clone());
+        let run = move || -> std::result::Result<(String, String), String> {
+            let render = |messages: &[Message]| {
+                let ctx = minijinja::context! {
+                    messages => messages,
+                    add_generation_prompt => add_generation_prompt,
+                    bos_token => &bos,
+                    eos_token => &eos,
+                };
+                let mut out = Capped { text: vec![], max: max_text, full: false };
+                let done = env.get_template("chat").and_then(|t| t.render_captured_to(ctx, &mut out).map(drop));
+                match done {
+                    Ok(_) => Ok(String::from_utf8(out.text).map_err(|_| "it wrote invalid UTF-8".to_string())?),
+                    Err(_) if out.full => Err(format!("its text passes {max_text} bytes, more than a prompt may take; shorten the conversation")),
+                    Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
+                        Err(format!("it ran past its budget of {fuel} instructions (a loop that does not end?); use another template"))
+                    }
+                    Err(e) => Err(e.to_string()),
+                }
+            };
+            Ok((render(&stand_ins)?, render(&messages)?))
+        };
+        match crate::sandbox::bounded(limits, run) {
+            Ok(Ok(out)) => Ok(out),
+            Ok(Err(why)) => Err(Error::Input(format!("{origin}: {why}"))),
+            Err(stopped) => {
+                if matches!(stopped, crate::sandbox::Stopped::Memory(_) | crate::sandbox::Stopped::Time(_)) {
+                    self.stopped.store(true, Ordering::Relaxed);
+                }
+                Err(Error::Input(format!("{origin}: {stopped} while rendering; use another template")))
+            }
+        }
+    }
+
     /// [`JinjaTemplate::render`] in pieces (see [`Segments`]).
     ///
     /// The template renders twice: with each content replaced by a stand-in, which shows where
@@ -118,19 +228,10 @@ impl JinjaTemplate {
     /// (templates trim them: `.strip()`, `| trim`). A template that changes a content otherwise
     /// is an error: its markers could not be told from the content's.
     pub fn segments(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Segments> {
-        let bad = |why: &str| Error::Input(format!("chat template: {why}"));
-        let render = |messages: &[Message]| {
-            let ctx = minijinja::context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos,
-                eos_token => &self.eos,
-            };
-            self.env.get_template("chat").and_then(|t| t.render(ctx)).map_err(|e| Error::Input(format!("chat template: {e}")))
-        };
+        let origin = &self.origin;
+        let bad = |why: &str| Error::Input(format!("{origin}: {why}"));
         let stand_ins: Vec<Message> = messages.iter().enumerate().map(|(i, m)| Message::new(&m.role, format!("{OPEN}{i}{CLOSE}"))).collect();
-        let marked = render(&stand_ins)?;
-        let text = render(messages)?;
+        let (marked, text) = self.render_bounded(stand_ins, messages.to_vec(), add_generation_prompt)?;
         // `marked` as the template's pieces and the indices of the contents between them.
         let (mut pieces, mut contents) = (vec![], vec![]);
         let mut rest = marked.as_str();
@@ -146,6 +247,11 @@ impl JinjaTemplate {
             return Err(bad("it cuts a message's content apart"));
         }
         pieces.push(rest);
+        // Every message is written (by index: two messages may say the same): a template that
+        // leaves one out would answer a conversation the user did not send.
+        if let Some((i, m)) = messages.iter().enumerate().find(|(i, _)| !marked.contains(&format!("{OPEN}{i}{CLOSE}"))) {
+            return Err(bad(&format!("it leaves out message {} ({}: {:?}); the model would never see it: use another template (a tokenizer_config.json's, or --no-chat-template)", i + 1, m.role, preview(&m.content))));
+        }
         // Walk `text`: each piece, then the content as the template wrote it.
         let mut out: Segments = vec![];
         let mut at = 0;
@@ -170,6 +276,36 @@ impl JinjaTemplate {
         out.retain(|(t, _)| !t.is_empty());
         Ok(out)
     }
+}
+
+/// A writer that refuses to hold more than `max` bytes, and says it was full.
+struct Capped {
+    text: Vec<u8>,
+    max: usize,
+    full: bool,
+}
+
+impl Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > self.max {
+            self.full = true;
+            return Err(std::io::Error::other("the text bound"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The start of `text`, for a message: 40 characters at most.
+fn preview(text: &str) -> String {
+    let mut p: String = text.chars().take(40).collect();
+    if p.len() < text.len() {
+        p.push_str("...");
+    }
+    p
 }
 
 /// How to wrap a user prompt for an instruct model.

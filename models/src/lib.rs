@@ -28,6 +28,7 @@ pub mod mistral;
 pub mod phi3;
 pub mod pipeline;
 pub mod qwen2;
+pub mod sandbox;
 pub mod session;
 pub mod spec;
 pub mod speculative;

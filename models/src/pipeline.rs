@@ -150,7 +150,6 @@ impl Pipeline {
         let template = ChatTemplate::from_gguf(&g);
         let token = |key: &str| g.u32(key).ok().and_then(|id| tok.id_to_token(id)).unwrap_or_default();
         let source = g.string("tokenizer.chat_template").ok().map(|text| TemplateSource { text, bos: token("tokenizer.ggml.bos_token_id"), eos: token("tokenizer.ggml.eos_token_id") });
-        let jinja = compile_template(source, &template, path);
         let mut stop_tokens: Vec<u32> = g.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
         let model = crate::families::load_gguf(g, device, opts)?;
         for s in template.stop_strings() {
@@ -158,6 +157,7 @@ impl Pipeline {
         }
         let textless = check_tokenizer(&tok, &model, &stop_tokens, path)?;
         let prompt_limit = prompt_limit(&tok, model.config().context_len);
+        let jinja = compile_template(source, &template, path, prompt_limit);
         Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: path.to_path_buf(), textless, prompt_limit, draft: None })
     }
 
@@ -169,13 +169,13 @@ impl Pipeline {
         let tc = dir.join("tokenizer_config.json");
         let source = if candle_npu::fs::exists(&tc)? { crate::chat::template_source(&tc)? } else { None };
         let template = source.as_ref().map_or(ChatTemplate::None, |s| ChatTemplate::from_template_text(&s.text));
-        let jinja = compile_template(source, &template, &tc);
         let mut stop_tokens = crate::hf::HfConfig::open(dir)?.eos_token_ids()?;
         for s in template.stop_strings() {
             stop_tokens.extend(tok.token_to_id(s));
         }
         let textless = check_tokenizer(&tok, &model, &stop_tokens, dir)?;
         let prompt_limit = prompt_limit(&tok, model.config().context_len);
+        let jinja = compile_template(source, &template, &tc, prompt_limit);
         Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: dir.to_path_buf(), textless, prompt_limit, draft: None })
     }
 
@@ -430,12 +430,13 @@ impl Pipeline {
 /// The model's Jinja template from `source`, or `None`, saying why once: the model has no
 /// template (a base model: prompts go to it as they are), or it does not compile (the
 /// hand-written `fallback` format renders instead). `from` names the file in the log.
-fn compile_template(source: Option<TemplateSource>, fallback: &ChatTemplate, from: &Path) -> Option<JinjaTemplate> {
+fn compile_template(source: Option<TemplateSource>, fallback: &ChatTemplate, from: &Path, max_text: usize) -> Option<JinjaTemplate> {
     let Some(s) = source else {
         tracing::warn!(model = %from.display(), "the model has no chat template (a base model?): prompts go to it as they are");
         return None;
     };
     JinjaTemplate::new(&s.text, &s.bos, &s.eos)
+        .map(|t| t.from_file(from).max_text(max_text))
         .inspect_err(|e| tracing::warn!(file = %from.display(), error = %e, fallback = ?fallback, "the chat template does not compile: the well-known format its text has renders instead"))
         .ok()
 }
