@@ -355,11 +355,26 @@ fn command_line_input_is_checked_before_the_long_work() {
     std::fs::copy(assets::smollm2(), &model).unwrap();
     let (size, profile) = (std::fs::metadata(&model).unwrap().len(), candle_npu::QuantProfile::default_path(&model));
     let other_name = dir.join(".").join("m.gguf");
-    for (trace, what) in [(&other_name, &model), (&profile, &profile)] {
-        let (ok, _, err) = run_llama(&["--model", model.to_str().unwrap(), "--trace", trace.to_str().unwrap()]);
-        assert!(!ok && err.contains("which this run reads") && err.contains(&what.display().to_string()), "--trace {}: {err}", trace.display());
+    let (draft, session) = (dir.join("draft.gguf"), dir.join("chat.session"));
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    for (output, target, what) in [
+        ("--trace", &other_name, &model),
+        ("--trace", &profile, &profile),
+        // The default profile is read when it is there: a session saved over it broke every later run.
+        ("--save-session", &profile, &profile),
+        ("--save-session", &draft, &draft),
+        ("--trace", &draft, &draft),
+        // The conversation a run goes on with.
+        ("--trace", &session, &session),
+    ] {
+        let args = ["--model", &s(&model), "--draft-model", &s(&draft), "--load-session", &s(&session), output, &s(target)];
+        let (ok, _, err) = run_llama(&args);
+        assert!(!ok && err.contains("which this run reads") && err.contains(&what.display().to_string()), "{output} {}: {err}", target.display());
         assert!(!err.contains("panicked"), "{err}");
     }
+    // Two outputs onto one file: the second would replace the first.
+    let (ok, _, err) = run_llama(&["--model", &s(&model), "--save-session", &s(&session), "--trace", &s(&session)]);
+    assert!(!ok && err.contains("one file for two outputs"), "{err}");
     assert_eq!(std::fs::metadata(&model).unwrap().len(), size, "the model file is untouched");
     // --sample-len 0: the prefill alone, no token generated.
     let (ok, out, err) = run_llama(&["--sample-len", "0"]);

@@ -260,7 +260,7 @@ fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
     use std::io::Write;
     let state = tmp("cli-turn1.kv");
     let _ = std::fs::remove_file(&state);
-    let run = |args: &[&str], stdin: &str| {
+    let run = |args: &[&str], stdin: &[u8]| {
         let mut child = std::process::Command::new(llama_example())
             .args(["--sample-len", "8"])
             .args(args)
@@ -269,7 +269,7 @@ fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+        child.stdin.take().unwrap().write_all(stdin).unwrap();
         let out = child.wait_with_output().unwrap();
         let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
         assert!(out.status.success(), "{args:?}:\n{stdout}\n{stderr}");
@@ -280,15 +280,27 @@ fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
     // loaded by the second, whatever other tests left at the model's default path.
     let profile = tmp("cli-turn1.w8a8.json");
     let _ = std::fs::remove_file(&profile);
-    let run = |args: &[&str], stdin: &str| run(&[&["--profile", profile.to_str().unwrap()], args].concat(), stdin);
+    let run = |args: &[&str], stdin: &[u8]| run(&[&["--profile", profile.to_str().unwrap()], args].concat(), stdin);
     // (What a 135M model answers under a system prompt depends on its calibration: not asserted.)
-    let (first, err) = run(&["--prompt", "What is the capital of France?", "--system", "Answer briefly.", "--save-session", s], "");
+    let (first, err) = run(&["--prompt", "What is the capital of France?", "--system", "Answer briefly.", "--save-session", s], b"");
     assert!(first.contains("prompt tokens processed") && err.contains("saved to"), "{first}\n{err}");
-    let (next, err) = run(&["--load-session", s, "--prompt", "And of Germany?", "--interactive", "--repeat-penalty", "1.1", "--temperature", "0.5", "--top-k", "20"], "And of Italy?\n\n");
+    let (next, err) = run(&["--load-session", s, "--prompt", "And of Germany?", "--interactive", "--repeat-penalty", "1.1", "--temperature", "0.5", "--top-k", "20"], b"And of Italy?\n\n");
     let line = next.lines().find(|l| l.contains("prompt tokens processed")).unwrap_or_else(|| panic!("{next}"));
     let new: usize = line.split_whitespace().next().unwrap().parse().unwrap();
     assert!(new < 25, "the loaded turn prefilled only its own tokens: {line}");
     assert!(err.contains("new tokens after") && err.contains("kept"), "the interactive turn: {err}");
+    // A line that is not UTF-8 ends the conversation, named as standard input's, and what was
+    // said before it is saved.
+    let after = tmp("cli-turn3.kv");
+    let (_, err) = run(&["--load-session", s, "--prompt", "And of Spain?", "--interactive", "--save-session", after.to_str().unwrap()], b"And of Italy?\n\xff\xfe oops\nAnd of Peru?\n");
+    assert!(err.contains("standard input, line 2: not UTF-8 text (invalid byte 0xff at byte 1)"), "{err}");
+    // The saved header's messages (the file: magic, a u32 length, the header's JSON, the KV).
+    let bytes = std::fs::read(&after).unwrap();
+    let len = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[12..12 + len]).unwrap();
+    let said: Vec<&str> = header["messages"].as_array().unwrap().iter().map(|m| m["content"].as_str().unwrap()).collect();
+    assert!(said.contains(&"And of Italy?") && !said.iter().any(|m| m.contains("Peru")), "{said:?}");
+    std::fs::remove_file(&after).unwrap();
     // Options the parser refuses, before anything loads.
     let out = std::process::Command::new(llama_example()).args(["--repeat-penalty", "0", "--system", "x"]).output().unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not a repeat penalty"));

@@ -5,7 +5,7 @@ mod common;
 
 use candle_npu::NpuDevice;
 use candle_npu_models::transformer::argmax;
-use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Message, Pipeline, Precision, StopReason};
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Message, Pipeline, Precision, StopReason};
 use common::*;
 use sha2::Digest;
 
@@ -249,4 +249,24 @@ fn a_session_saved_while_calibrating_restores_with_the_saved_profile() {
     let restored = later.restore_session(&state);
     assert!(restored.is_ok(), "{:#}", restored.err().unwrap());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A session is never saved onto a file its pipeline read: the model (on a copy: were the
+/// check to fail, the save would replace it) or the profile it uses.
+#[test]
+fn a_session_is_not_saved_over_the_pipeline_s_own_files() {
+    let dir = std::env::temp_dir().join(format!("candle-npu-session-inputs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("m.gguf");
+    std::fs::copy(assets::smollm2(), &model).unwrap();
+    let size = std::fs::metadata(&model).unwrap().len();
+    let p = Pipeline::load(&model, None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, ..Default::default() }).unwrap();
+    let s = p.session();
+    for target in [model.clone(), dir.join(".").join("m.gguf")] {
+        let e = s.save(&p, &target).unwrap_err().to_string();
+        assert!(e.contains("which this run reads") && e.contains("m.gguf"), "{e}");
+    }
+    assert_eq!(std::fs::metadata(&model).unwrap().len(), size, "the model file is untouched");
+    s.save(&p, &dir.join("chat.session")).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
 }

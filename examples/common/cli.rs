@@ -335,17 +335,27 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         bail!("model {} not found: run scripts/setup.sh, or pass --model", path.display());
     }
     // An output that is one of the run's inputs would destroy it: refused before anything loads.
+    // Every file the run reads, in one list: the model (a folder holds its tokenizer and
+    // template), the profile it uses (given, else the one next to the model, read or written),
+    // the tokenizer, the draft model and the conversation it goes on with.
+    let profile = args.profile.clone().unwrap_or_else(|| match path.is_dir() {
+        true => path.join("candle-npu.w8a8.json"),
+        false => candle_npu::QuantProfile::default_path(&path),
+    });
+    let reads: Vec<&std::path::Path> = [Some(path.as_path()), Some(profile.as_path()), args.tokenizer.as_deref(), args.draft_model.as_deref()]
+        .into_iter()
+        .flatten()
+        .collect();
     if let Some(trace) = &args.trace {
-        let profile = args.profile.clone().unwrap_or_else(|| match path.is_dir() {
-            true => path.join("candle-npu.w8a8.json"),
-            false => candle_npu::QuantProfile::default_path(&path),
-        });
-        let inputs: Vec<&std::path::Path> = [Some(path.as_path()), Some(profile.as_path()), args.tokenizer.as_deref()].into_iter().flatten().collect();
-        candle_npu::fs::check_not_an_input(trace, "--trace", &inputs)?;
+        let also: Vec<&std::path::Path> = args.load_session.as_deref().into_iter().collect();
+        candle_npu::fs::check_not_an_input(trace, "--trace", &[&reads[..], &also[..]].concat())?;
+        if let Some(out) = args.save_session.as_deref().filter(|out| candle_npu::fs::check_not_an_input(trace, "", &[out]).is_err()) {
+            bail!("--trace {} and --save-session {}: one file for two outputs; give each its own", trace.display(), out.display());
+        }
     }
+    // The conversation may be saved back where it was loaded from (it goes on there).
     if let Some(out) = &args.save_session {
-        let inputs: Vec<&std::path::Path> = [Some(path.as_path()), args.tokenizer.as_deref(), args.profile.as_deref(), args.trace.as_deref()].into_iter().flatten().collect();
-        candle_npu::fs::check_not_an_input(out, "--save-session", &inputs)?;
+        candle_npu::fs::check_not_an_input(out, "--save-session", &reads)?;
     }
     let mut sched = SchedOptions::for_device(&device);
     if let Some(policy) = args.policy {
@@ -484,19 +494,38 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let (_, stats) = session.chat(&mut p, &first, &gen, print)?;
     println!();
     if args.interactive {
-        let mut line = String::new();
+        let (mut bytes, mut n) = (Vec::new(), 0);
+        let mut input = std::io::stdin().lock();
         loop {
             eprint!("> ");
-            line.clear();
-            if std::io::stdin().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            bytes.clear();
+            n += 1;
+            // Bytes, then text: a line that is not UTF-8 (or a read that fails) ends the
+            // conversation as a failed turn does, and it is still saved below.
+            let line = match std::io::BufRead::read_until(&mut input, b'\n', &mut bytes).map(|_| std::str::from_utf8(&bytes)) {
+                Ok(Ok(line)) => line,
+                Ok(Err(e)) => {
+                    eprintln!("error: standard input, line {n}: not UTF-8 text (invalid byte 0x{:02x} at byte {}); the conversation ends here", bytes[e.valid_up_to()], e.valid_up_to() + 1);
+                    break;
+                }
+                Err(e) => {
+                    eprintln!("error: reading standard input: {e}; the conversation ends here");
+                    break;
+                }
+            };
+            if line.trim().is_empty() {
                 break;
             }
-            // A turn that fails (the context is full, say) ends the conversation, which is still
-            // saved below.
+            // A turn that fails (a prompt too long for what is left of the context, say) ends
+            // the conversation, which is still saved below.
             match session.send(&mut p, line.trim_end_matches(['\r', '\n']), &gen, print) {
                 Ok((_, s)) => {
                     println!();
                     eprintln!("({} new tokens after {} kept; first token after {:.2}s)", s.prompt_tokens, s.cached_tokens, s.ttft.as_secs_f64());
+                    if s.stop == StopReason::ContextFull {
+                        eprintln!("(stopped: the model's context of {context} tokens is full; the conversation ends here)");
+                        break;
+                    }
                 }
                 Err(e) => {
                     eprintln!("\nerror: {e}");

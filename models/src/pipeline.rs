@@ -37,6 +37,8 @@ pub struct Pipeline {
     prompt_limit: usize,
     /// The draft model of [`crate::Speculative::Draft`] ([`Pipeline::set_draft`]).
     pub(crate) draft: Option<Draft>,
+    /// Every file the pipeline read (or reads again): its model, tokenizer, profile, draft.
+    reads: Vec<PathBuf>,
 }
 
 /// Which text calibration reads (user texts: [`Pipeline::calibrate_on`]).
@@ -158,7 +160,8 @@ impl Pipeline {
         let textless = check_tokenizer(&tok, &model, &stop_tokens, path)?;
         let prompt_limit = prompt_limit(&tok, model.config().context_len);
         let jinja = compile_template(source, &template, path, prompt_limit);
-        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: path.to_path_buf(), textless, prompt_limit, draft: None })
+        let reads = [Some(path), tokenizer].into_iter().flatten().map(Path::to_path_buf).collect();
+        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: path.to_path_buf(), textless, prompt_limit, draft: None, reads })
     }
 
     /// An HF folder: `config.json`, `*.safetensors`, `tokenizer.json` (or `tokenizer`), and the
@@ -176,7 +179,8 @@ impl Pipeline {
         let textless = check_tokenizer(&tok, &model, &stop_tokens, dir)?;
         let prompt_limit = prompt_limit(&tok, model.config().context_len);
         let jinja = compile_template(source, &template, &tc, prompt_limit);
-        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: dir.to_path_buf(), textless, prompt_limit, draft: None })
+        let reads = [Some(dir), tokenizer].into_iter().flatten().map(Path::to_path_buf).collect();
+        Ok(Pipeline { model, tokenizer: tok, jinja, template, stop_tokens, model_path: dir.to_path_buf(), textless, prompt_limit, draft: None, reads })
     }
 
     /// Sets the draft model that [`crate::Speculative::Draft`] proposes with: a smaller model of
@@ -201,8 +205,17 @@ impl Pipeline {
             )));
         }
         tracing::info!("draft model for speculative decoding: {} ({} layers)", draft.model_path.display(), draft.model.config().n_layer);
+        self.reads.extend(draft.reads);
         self.draft = Some(Draft::new(draft.model));
         Ok(())
+    }
+
+    /// An [`Error::Input`] when writing `path` would replace a file this pipeline read (its
+    /// model or a file of its folder, tokenizer, profile, draft): `what` names the output.
+    /// [`crate::Session::save`] checks its path so.
+    pub fn check_output(&self, path: &Path, what: &str) -> Result<()> {
+        let reads: Vec<&Path> = self.reads.iter().map(PathBuf::as_path).collect();
+        candle_npu::fs::check_not_an_input(path, what, &reads)
     }
 
     /// The draft model set by [`Pipeline::set_draft`], if any.
@@ -270,6 +283,7 @@ impl Pipeline {
             true => self.model_path.join("candle-npu.w8a8.json"),
             false => QuantProfile::default_path(&self.model_path),
         });
+        self.reads.push(path.clone());
         if candle_npu::fs::exists(&path)? {
             let p = QuantProfile::load(&path, self.model.model_id())?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");

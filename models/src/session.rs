@@ -167,8 +167,9 @@ impl Session {
     }
 
     /// Saves the conversation and its KV state to `path`, for `p`'s model (see the module
-    /// documentation).
+    /// documentation); never onto a file `p` read ([`Pipeline::check_output`]).
     pub fn save(&self, p: &Pipeline, path: &Path) -> Result<()> {
+        p.check_output(path, "the session")?;
         let arithmetic = self.check_model(p)?;
         let model = &p.model;
         let cfg = model.config();
