@@ -382,3 +382,24 @@ fn command_line_input_is_checked_before_the_long_work() {
     assert!(out.contains("0 tokens generated"), "{out}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A W8A8 model whose context is shorter than the default calibration windows (the tiny model:
+/// 128 tokens, whose tokenizer's longest token is a few bytes): windows longer than the context
+/// are refused saying what works, and windows that fit calibrate on the shipped text, its long
+/// paragraphs in pieces (they were refused as "a prompt of 20478 bytes ... shorten it").
+#[test]
+fn a_model_of_a_short_context_calibrates_on_windows_that_fit() {
+    let dir = scratch("short-context");
+    let model = write_gguf(&dir.join("m.gguf"), |_, _| {});
+    let tok = dir.join("tiny-tokenizer.json");
+    std::fs::write(&tok, props::tiny_tokenizer_json()).unwrap();
+    let opts = LoadOptions { decode_weights: DecodeWeights::F32, ..Default::default() };
+    let mut p = candle_npu_models::Pipeline::load(&model, Some(&tok), &NpuDevice::host(), opts).unwrap();
+    let context = p.model.config().context_len;
+    let e = p.calibrate(candle_npu_models::CalibrationSet::default(), |_, _| {}).unwrap_err().to_string();
+    assert!(e.contains(&format!("the model's context holds {context}")) && e.contains("--f32-prefill"), "{e}");
+    let set = candle_npu_models::CalibrationSet { sequences: 2, seq_len: context, importance_sequences: 0, ..Default::default() };
+    let profile = p.calibrate(set, |_, _| {}).unwrap();
+    assert_eq!(profile.tokens, 2 * context);
+    std::fs::remove_dir_all(dir).unwrap();
+}

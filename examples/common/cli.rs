@@ -409,7 +409,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     p.model.plan(tokens.len()).context("the prompt")?;
 
     let bar = indicatif::ProgressBar::hidden();
-    p.ensure_profile(args.profile.as_deref(), CalibrationSet::default(), |i, n| {
+    // Calibration windows within the model's context (a model of a short one takes shorter).
+    let set = CalibrationSet::default();
+    let set = CalibrationSet { seq_len: set.seq_len.min(context), ..set };
+    p.ensure_profile(args.profile.as_deref(), set, |i, n| {
         if bar.is_hidden() {
             bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
             bar.set_length(n as u64);

@@ -366,7 +366,9 @@ impl Pipeline {
         set.check()?;
         if set.seq_len > self.model.config().context_len {
             let (n, len, ctx) = (set.sequences, set.seq_len, self.model.config().context_len);
-            return Err(Error::Input(format!("calibration on {n} sequences of {len} tokens: need at least one of 1..={ctx} tokens")));
+            return Err(Error::Input(format!(
+                "calibration on {n} windows of {len} tokens: the model's context holds {ctx}; calibrate on windows of at most {ctx} tokens (CalibrationSet::seq_len), or use the F32 prefill (--f32-prefill)"
+            )));
         }
         let texts = match set.source {
             CalibrationSource::Shipped => SHIPPED_CALIBRATION_TEXT.split("\n\n").map(str::to_string).collect(),
@@ -386,8 +388,15 @@ impl Pipeline {
             messages: Vec<Message>,
         }
         let mut out: Vec<Vec<u32>> = Vec::with_capacity(n);
+        if n == 0 {
+            return Ok(out);
+        }
         for line in SHIPPED_CALIBRATION_CHATS.lines().filter(|l| !l.trim().is_empty()) {
             let chat: Chat = serde_json::from_str(line).map_err(|e| Error::Internal(format!("calibration_chat.jsonl: {e}")))?;
+            // One longer than a prompt may be (a model of a small context) is left out.
+            if chat.messages.iter().map(|m| m.content.len()).sum::<usize>() > self.prompt_limit {
+                continue;
+            }
             let mut ids = self.encode_chat(&chat.messages, false, false)?;
             let windows = out.len();
             match out.last_mut() {
@@ -430,10 +439,17 @@ impl Pipeline {
         let sep = self.encode_piece("\n\n")?;
         let mut ids = self.encode("", false)?;
         for text in texts {
+            // A text longer than a prompt may be (a model of a small context) in pieces, cut
+            // at whitespace: it is cut into windows anyway.
+            for piece in split_at_whitespace(&text, self.prompt_limit) {
+                if ids.len() >= n {
+                    break;
+                }
+                ids.extend(self.encode_piece(piece)?);
+            }
             if ids.len() >= n {
                 break;
             }
-            ids.extend(self.encode_piece(&text)?);
             ids.extend(&sep);
         }
         ids.truncate(n);
@@ -453,6 +469,31 @@ fn compile_template(source: Option<TemplateSource>, fallback: &ChatTemplate, fro
         .map(|t| t.from_file(from).max_text(max_text))
         .inspect_err(|e| tracing::warn!(file = %from.display(), error = %e, fallback = ?fallback, "the chat template does not compile: the well-known format its text has renders instead"))
         .ok()
+}
+
+/// `text` in pieces of at most `max` bytes (at least one character each), each cut after the
+/// last whitespace within the bound where there is one.
+fn split_at_whitespace(text: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut end = rest.len().min(max.max(1));
+        while !rest.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end < rest.len() {
+            end = rest[..end].rfind(char::is_whitespace).map(|i| i + rest[i..].chars().next().map_or(1, char::len_utf8)).filter(|&e| e > 0).unwrap_or(end);
+        }
+        // A first character longer than `max` goes whole.
+        if end == 0 {
+            end = rest.chars().next().map_or(rest.len(), char::len_utf8);
+        }
+        let (piece, after) = rest.split_at(end);
+        rest = after;
+        Some(piece)
+    })
 }
 
 /// The most bytes of normalized text a prompt may become: far more than any context holds (a
@@ -576,7 +617,20 @@ fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::after_common_prefix;
+    use super::{after_common_prefix, split_at_whitespace};
+
+    #[test]
+    fn long_text_is_split_at_whitespace_within_the_bound() {
+        let pieces: Vec<&str> = split_at_whitespace("one two three", 8).collect();
+        assert_eq!(pieces, ["one two ", "three"]);
+        // No whitespace: at the bound, on a character boundary; a character beyond it whole.
+        assert_eq!(split_at_whitespace("abcdef", 4).collect::<Vec<_>>(), ["abcd", "ef"]);
+        assert_eq!(split_at_whitespace("\u{e9}\u{e9}", 3).collect::<Vec<_>>(), ["\u{e9}", "\u{e9}"]);
+        assert_eq!(split_at_whitespace("\u{20ac}", 1).collect::<Vec<_>>(), ["\u{20ac}"]);
+        let text = "word ".repeat(1000);
+        assert!(split_at_whitespace(&text, 64).all(|p| p.len() <= 64 && p.ends_with(' ')));
+        assert_eq!(split_at_whitespace(&text, 64).collect::<String>(), text);
+    }
 
     #[test]
     fn new_text_is_what_follows_the_common_prefix() {
