@@ -403,3 +403,13 @@ fn a_model_of_a_short_context_calibrates_on_windows_that_fit() {
     assert_eq!(profile.tokens, 2 * context);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A thread pool far beyond the machine (`RAYON_NUM_THREADS=1000`: a 1 s load took over a
+/// minute) is capped at one thread per core, and the run says so.
+#[test]
+fn an_oversized_thread_pool_is_capped_with_a_note() {
+    let out = Command::new(llama_example()).env("RAYON_NUM_THREADS", "1000").args(["--sample-len", "1", "--prompt", "hi"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("RAYON_NUM_THREADS=1000 is more than 4 threads per core"), "{err}");
+}

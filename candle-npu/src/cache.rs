@@ -90,18 +90,39 @@ pub const ENV_CACHE_DIR: &str = "CANDLE_NPU_CACHE_DIR";
 /// ([`HtpConfig::cache_dir`](crate::HtpConfig::cache_dir)): `$CANDLE_NPU_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/candle-npu/graphs`, else `$HOME/.cache/candle-npu/graphs` (the XDG base
 /// directory convention, which hf-hub's `~/.cache/huggingface` follows too). Empty values count
-/// as unset, and only absolute paths are taken (the XDG rule: a relative one would follow the
-/// current folder). `None` when none is set (an Android app has no `HOME`: it passes its
-/// `getCacheDir()`), and then graphs are prepared in every process.
+/// as unset. `$CANDLE_NPU_CACHE_DIR` is the user's own word: a relative one is taken from the
+/// current folder (and logged so). The others are taken only when absolute (the XDG rule), and
+/// one that is not is skipped with a warning. `None` when none is set (an Android app has no
+/// `HOME`: it passes its `getCacheDir()`), and then graphs are prepared in every process.
 pub fn default_dir() -> Option<PathBuf> {
-    default_dir_from(|name| std::env::var_os(name))
+    let cwd = std::env::current_dir().ok();
+    default_dir_from(|name| std::env::var_os(name), cwd.as_deref())
 }
 
-fn default_dir_from(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
-    let abs = |name: &str| var(name).map(PathBuf::from).filter(|p| p.is_absolute());
-    if let Some(dir) = abs(ENV_CACHE_DIR) {
-        return Some(dir);
+fn default_dir_from(var: impl Fn(&str) -> Option<std::ffi::OsString>, cwd: Option<&Path>) -> Option<PathBuf> {
+    let set = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(dir) = set(ENV_CACHE_DIR) {
+        if dir.is_absolute() {
+            return Some(dir);
+        }
+        match cwd {
+            Some(cwd) => {
+                let dir = cwd.join(dir);
+                tracing::info!(dir = %dir.display(), "{ENV_CACHE_DIR} is relative: taken from the current folder");
+                return Some(dir);
+            }
+            None => tracing::warn!(value = %dir.display(), "{ENV_CACHE_DIR} is relative and the current folder is unknown: ignored"),
+        }
     }
+    let abs = |name: &str| {
+        set(name).filter(|p| {
+            let ok = p.is_absolute();
+            if !ok {
+                tracing::warn!(value = %p.display(), "${name} is not an absolute path: ignored for the graph cache (the XDG rule)");
+            }
+            ok
+        })
+    };
     let base = abs("XDG_CACHE_HOME").or_else(|| abs("HOME").map(|h| h.join(".cache")))?;
     Some(base.join("candle-npu").join("graphs"))
 }
@@ -672,13 +693,17 @@ mod tests {
     #[test]
     fn the_default_folder_follows_the_variables_and_the_xdg_convention() {
         let env = |vars: &'static [(&'static str, &'static str)]| move |name: &str| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| v.into());
-        assert_eq!(default_dir_from(env(&[("HOME", "/home/u")])), Some("/home/u/.cache/candle-npu/graphs".into()));
-        assert_eq!(default_dir_from(env(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/c")])), Some("/c/candle-npu/graphs".into()));
-        assert_eq!(default_dir_from(env(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/c"), (ENV_CACHE_DIR, "/g")])), Some("/g".into()));
-        // Empty or relative values are not folders to write in.
-        let unset = &[("HOME", "/home/u"), ("XDG_CACHE_HOME", ""), (ENV_CACHE_DIR, "rel")];
-        assert_eq!(default_dir_from(env(unset)), Some("/home/u/.cache/candle-npu/graphs".into()));
-        assert_eq!(default_dir_from(env(&[("HOME", "")])), None);
+        let cwd = Some(Path::new("/work"));
+        assert_eq!(default_dir_from(env(&[("HOME", "/home/u")]), cwd), Some("/home/u/.cache/candle-npu/graphs".into()));
+        assert_eq!(default_dir_from(env(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/c")]), cwd), Some("/c/candle-npu/graphs".into()));
+        assert_eq!(default_dir_from(env(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/c"), (ENV_CACHE_DIR, "/g")]), cwd), Some("/g".into()));
+        // Ours, relative: from the current folder (it was ignored without a word).
+        assert_eq!(default_dir_from(env(&[("HOME", "/home/u"), (ENV_CACHE_DIR, "rel")]), cwd), Some("/work/rel".into()));
+        // Empty values are unset; a relative XDG one is not a folder to write in.
+        let unset = &[("HOME", "/home/u"), ("XDG_CACHE_HOME", "c"), (ENV_CACHE_DIR, "")];
+        assert_eq!(default_dir_from(env(unset), cwd), Some("/home/u/.cache/candle-npu/graphs".into()));
+        assert_eq!(default_dir_from(env(&[("HOME", "")]), cwd), None);
+        assert_eq!(default_dir_from(env(&[(ENV_CACHE_DIR, "rel")]), None), None);
     }
 
     /// Under a file-size limit (`ulimit -f`), a write is an error naming the file and leaves no

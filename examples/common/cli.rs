@@ -256,7 +256,24 @@ fn top_p(s: &str) -> std::result::Result<f64, String> {
 
 /// A family's example: `family` is the spec name the loaded model must have, `default` the
 /// model used when neither --model, --model-id nor --which is given (`None`: one is required).
+/// Threads per core beyond which `RAYON_NUM_THREADS` is not taken: every parallel loop waits on
+/// the slowest of its threads, and a pool of 1000 on 2 cores turned a 1 s load into minutes.
+const MAX_THREADS_PER_CORE: usize = 4;
+
+/// `RAYON_NUM_THREADS` as given, unless beyond [`MAX_THREADS_PER_CORE`]: then one thread per
+/// core, and a note says so. Set in the environment, which both the pool and candle's kernels
+/// read, first thing (no other thread runs yet).
+fn cap_threads() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let asked = std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.trim().parse::<usize>().ok());
+    if let Some(n) = asked.filter(|&n| n > MAX_THREADS_PER_CORE * cores) {
+        std::env::set_var("RAYON_NUM_THREADS", cores.to_string());
+        eprintln!("RAYON_NUM_THREADS={n} is more than {MAX_THREADS_PER_CORE} threads per core on {cores} cores: {cores} threads are taken");
+    }
+}
+
 pub fn run(family: &str, default: Option<Which>) -> Result<()> {
+    cap_threads();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)

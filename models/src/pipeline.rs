@@ -140,6 +140,7 @@ impl Pipeline {
     /// template from its metadata) or an HF folder (`tokenizer.json`, `tokenizer_config.json`);
     /// `tokenizer` overrides either.
     pub fn load(path: &Path, tokenizer: Option<&Path>, device: &NpuDevice, opts: LoadOptions) -> Result<Self> {
+        warn_oversubscribed();
         if path.is_dir() {
             return Self::load_hf(path, tokenizer, device, opts);
         }
@@ -469,6 +470,16 @@ fn compile_template(source: Option<TemplateSource>, fallback: &ChatTemplate, fro
         .map(|t| t.from_file(from).max_text(max_text))
         .inspect_err(|e| tracing::warn!(file = %from.display(), error = %e, fallback = ?fallback, "the chat template does not compile: the well-known format its text has renders instead"))
         .ok()
+}
+
+/// Warns when the thread pool has more than 4 threads per core (`RAYON_NUM_THREADS=1000` on 2
+/// cores turned a 1 s load into minutes: every parallel loop waits on its slowest thread).
+fn warn_oversubscribed() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = rayon::current_num_threads();
+    if threads > 4 * cores {
+        tracing::warn!(threads, cores, "the thread pool has more than 4 threads per core: loading and prefill slow down many times; set RAYON_NUM_THREADS to at most the cores");
+    }
 }
 
 /// `text` in pieces of at most `max` bytes (at least one character each), each cut after the
