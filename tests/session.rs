@@ -130,6 +130,10 @@ fn generation_stops_and_checks_its_options() {
     let e = p.session().send(&mut p, "", &opts, |_| {}).unwrap_err().to_string();
     assert!(e.contains("empty prompt"), "{e}");
     (p.jinja, p.template) = (jinja, template);
+    // No message at all: nothing to answer, refused, the conversation as it was.
+    let mut s = p.session();
+    let e = s.chat(&mut p, &[], &opts, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("no messages") && s.messages().is_empty() && s.tokens().is_empty(), "{e}");
     // Sampled generation is reproducible from its seed.
     let sampled = GenerateOptions { sample_len: 8, temperature: Some(0.9), top_k: Some(40), top_p: Some(0.95), ..opts };
     let a = p.generate("Write about the sea.", &sampled, |_| {}).unwrap().0;

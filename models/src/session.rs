@@ -123,6 +123,10 @@ impl Session {
     /// [`GenerateOptions::parse_special`]. On an error the conversation is as it was.
     pub fn chat(&mut self, p: &mut Pipeline, messages: &[Message], opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         opts.validate()?;
+        // No new message: nothing was said to answer (the model would answer its own last turn).
+        if messages.is_empty() {
+            return Err(Error::Input("Session::chat with no messages: nothing to answer (give the user's turn)".into()));
+        }
         if matches!(opts.speculative, Speculative::Draft { .. }) && p.draft.is_none() {
             return Err(Error::Input("speculative decoding with a draft model, but the pipeline has none: Pipeline::set_draft".into()));
         }
