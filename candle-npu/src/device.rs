@@ -157,6 +157,7 @@ impl NpuDevice {
         let ex = &self.inner.executor;
         let mut signatures = Vec::with_capacity(n);
         let mut execs: Vec<Option<Box<dyn ExecutableGraph>>> = (0..n).map(|_| None).collect();
+        let mut fallbacks: Vec<Option<String>> = vec![None; n];
         let mut on_executor = Vec::new();
         for (i, exec) in execs.iter_mut().enumerate() {
             let graph = describe(i)?;
@@ -168,6 +169,7 @@ impl NpuDevice {
                         "op not supported by the NPU executor: running this graph on the host CPU"
                     );
                     self.inner.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+                    fallbacks[i] = Some(format!("the {} executor does not take op {} ({})", ex.name(), op.name(), graph.describe_op(op)));
                     *exec = Some(self.inner.host.prepare(&graph)?);
                 }
                 None => on_executor.push(i),
@@ -195,7 +197,9 @@ impl NpuDevice {
         Ok(signatures
             .into_iter()
             .zip(execs)
-            .map(|(sig, exec)| PreparedGraph {
+            .zip(fallbacks)
+            .map(|((sig, exec), fallback)| PreparedGraph {
+                fallback,
                 name: sig.name,
                 rows: sig.rows,
                 inputs: sig.inputs,
@@ -238,9 +242,17 @@ pub struct PreparedGraph {
     outputs: Vec<(String, DType, usize)>,
     exec: Box<dyn ExecutableGraph>,
     device: NpuDevice,
+    /// Why it runs on the host CPU, when its device's executor could not take it.
+    fallback: Option<String>,
 }
 
 impl PreparedGraph {
+    /// Why this graph runs on the host CPU rather than on the device's executor (an op or
+    /// shape it cannot take), or `None` when it runs there. Logged as a warning when prepared.
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.as_deref()
+    }
+
     /// Name of the graph it was prepared from.
     pub fn name(&self) -> &str {
         &self.name

@@ -126,7 +126,7 @@ impl Npu {
             return Err(Error::Input(format!("NPU layers {name}: {} takes {} inputs, the first {k}: one input feeds them all", l.name(), l.dims().1)));
         }
         let n = lins.iter().map(|l| l.dims().0).collect();
-        let inner = Arc::new(Inner { name, n, k, shared: self.shared.clone(), state: Mutex::new(State { lins, seen: Calibrator::default(), frozen: None }) });
+        let inner = Arc::new(Inner { name, n, k, shared: self.shared.clone(), state: Mutex::new(State { report: LayerReport::default(), lins, seen: Calibrator::default(), frozen: None }) });
         self.shared.layers.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&inner));
         Ok(inner)
     }
@@ -191,6 +191,25 @@ impl Linears {
     pub fn stats(&self) -> Option<crate::PointStats> {
         self.inner.stats()
     }
+
+    /// Where they ran and what came in that a caller should know (see [`LayerReport`]).
+    pub fn report(&self) -> LayerReport {
+        self.inner.report()
+    }
+}
+
+/// What a layer met that its outputs do not show: each is also logged as a warning the first
+/// time (through `tracing`, as the rest of the library's), and kept here for a program that
+/// installs no subscriber.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayerReport {
+    /// Why the layer's graphs run on the host CPU, not the NPU (an op or shape the device's
+    /// executor does not take), once one does.
+    pub on_cpu: Option<String>,
+    /// Inputs with a NaN or an infinite value, in rows. Such a row's outputs are NaN (as
+    /// candle's float linear gives) observing or frozen, and observing leaves it out of the
+    /// calibration.
+    pub non_finite_rows: u64,
 }
 
 impl std::fmt::Debug for Linears {
@@ -220,6 +239,7 @@ struct Inner {
 }
 
 struct State {
+    report: LayerReport,
     lins: Vec<ShadowLinear>,
     /// What came in while observing (one point, this layer's name); `tokens_seen` counts rows.
     seen: Calibrator,
@@ -253,6 +273,11 @@ impl Linear {
     pub fn stats(&self) -> Option<crate::PointStats> {
         self.inner.stats()
     }
+
+    /// Where it ran and what came in that a caller should know (see [`LayerReport`]).
+    pub fn report(&self) -> LayerReport {
+        self.inner.report()
+    }
 }
 
 impl Inner {
@@ -262,6 +287,10 @@ impl Inner {
 
     fn stats(&self) -> Option<crate::PointStats> {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).frozen.as_ref().map(|f| f.point.stats())
+    }
+
+    fn report(&self) -> LayerReport {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).report.clone()
     }
 
     /// Each linear's output for `x`: observing (float, CPU) or on the NPU.
@@ -274,20 +303,36 @@ impl Inner {
         let rows = x.elem_count() / k;
         let x2 = x.to_device(&Device::Cpu)?.to_dtype(candle_core::DType::F32)?.reshape((rows, *k))?;
         let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+        let values = x2.flatten_all()?.to_vec1::<f32>()?;
+        // Rows holding a NaN or an infinity: said, counted, and NaN out (the NPU's u8 grid would
+        // turn them into finite garbage).
+        let bad: Vec<usize> = values.chunks(*k).enumerate().filter(|(_, r)| r.iter().any(|v| !v.is_finite())).map(|(i, _)| i).collect();
+        if !bad.is_empty() {
+            if s.report.non_finite_rows == 0 {
+                tracing::warn!(layer = %name, rows = bad.len(), "NPU layer: inputs with NaN or infinite values; their outputs are NaN");
+            }
+            s.report.non_finite_rows += bad.len() as u64;
+        }
         let ys: Vec<Tensor> = match &mut s.frozen {
             None => {
-                let values = x2.flatten_all()?.to_vec1::<f32>()?;
-                s.seen.observe(name, &values, *k);
-                s.seen.tokens_seen += rows;
+                if bad.is_empty() {
+                    s.seen.observe(name, &values, *k);
+                } else {
+                    let finite: Vec<f32> = values.chunks(*k).enumerate().filter(|(i, _)| bad.binary_search(i).is_err()).flat_map(|(_, r)| r.iter().copied()).collect();
+                    s.seen.observe(name, &finite, *k);
+                }
+                s.seen.tokens_seen += rows - bad.len();
                 s.lins.iter().map(|l| l.forward(&x2)).collect::<Result<_>>()?
             }
             Some(_) => {
-                let values = x2.flatten_all()?.to_vec1::<f32>()?;
                 let mut outs: Vec<Vec<f32>> = n.iter().map(|n| Vec::with_capacity(rows * n)).collect();
                 for chunk in values.chunks(shared.chunk_len * k) {
                     for (out, y) in outs.iter_mut().zip(npu_chunk(&mut s, name, *k, n, shared, chunk)?) {
                         out.extend(y);
                     }
+                }
+                for (out, &n) in outs.iter_mut().zip(n) {
+                    bad.iter().for_each(|&r| out[r * n..(r + 1) * n].fill(f32::NAN));
                 }
                 outs.into_iter().zip(n).map(|(o, &n)| Tensor::from_vec(o, (rows, n), &Device::Cpu)).collect::<candle_core::Result<_>>()?
             }
@@ -309,7 +354,7 @@ impl Inner {
 fn npu_chunk(s: &mut State, name: &str, k: usize, n: &[usize], shared: &Shared, x: &[f32]) -> Result<Vec<Vec<f32>>> {
     let rows = x.len() / k;
     let size = rows.next_power_of_two().clamp(MIN_GRAPH_ROWS.min(shared.chunk_len), shared.chunk_len.max(rows));
-    let State { lins, frozen, .. } = s;
+    let State { lins, frozen, report, .. } = s;
     let f = frozen.as_mut().expect("frozen");
     if !f.graphs.contains_key(&size) {
         let mut g = Graph::new(format!("{name}.m{size}"));
@@ -319,6 +364,9 @@ fn npu_chunk(s: &mut State, name: &str, k: usize, n: &[usize], shared: &Shared, 
             g.mark_output(y);
         }
         let prepared = shared.device.prepare(&g)?;
+        if let (None, Some(why)) = (&report.on_cpu, prepared.fallback()) {
+            report.on_cpu = Some(format!("graph {}: {why}", prepared.name()));
+        }
         lins.iter().for_each(|l| l.attach_packed(&prepared));
         f.graphs.insert(size, prepared);
     }
