@@ -29,6 +29,10 @@ fn run<S: Strategy>(name: &str, cases: u32, strategy: S, case: impl Fn(S::Value,
     Ok(())
 }
 
+// The allocator that bounds a template render's memory (as the example CLIs install it).
+#[global_allocator]
+static ALLOC: candle_npu_models::sandbox::GuardedAlloc = candle_npu_models::sandbox::GuardedAlloc;
+
 fn main() -> anyhow::Result<()> {
     let n = Args::parse().cases;
     println!("| property | cases | accepted | refused | seconds |\n|---|---|---|---|---|");
@@ -52,6 +56,7 @@ fn main() -> anyhow::Result<()> {
     let p = std::cell::RefCell::new(p);
     run("saved sessions, resealed", n, props::edits(), |e, t| props::session_case(&mut p.borrow_mut(), &dir, &good, header, &e, t))?;
     run("graphs", n, props::graph_edits(), |e, t| props::graph_case(&props::edited_graph(&e), t))?;
+    run("chat templates", n, props::template_edits(), |e, t| props::template_case(&props::edited_template(&e), t))?;
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }

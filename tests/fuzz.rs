@@ -7,6 +7,10 @@ mod props;
 
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 
+// The allocator that bounds a template render's memory (as the example CLIs install it).
+#[global_allocator]
+static ALLOC: candle_npu_models::sandbox::GuardedAlloc = candle_npu_models::sandbox::GuardedAlloc;
+
 /// Cases per property in CI (a few seconds in all on 2 cores).
 const CASES: u32 = 1000;
 
@@ -17,15 +21,25 @@ fn check<S: proptest::strategy::Strategy>(
     strategy: S,
     case: impl Fn(S::Value, &props::Tally) -> Result<(), proptest::test_runner::TestCaseError>,
 ) {
+    check_n(name, CASES, strategy, case)
+}
+
+/// [`check`] of `cases` cases.
+fn check_n<S: proptest::strategy::Strategy>(
+    name: &str,
+    cases: u32,
+    strategy: S,
+    case: impl Fn(S::Value, &props::Tally) -> Result<(), proptest::test_runner::TestCaseError>,
+) {
     let tally = props::Tally::default();
-    runner().run(&strategy, |v| case(v, &tally)).unwrap();
+    runner(cases).run(&strategy, |v| case(v, &tally)).unwrap();
     let (accepted, refused) = tally.get();
     eprintln!("{name}: {accepted} accepted, {refused} refused");
     assert!(accepted > 0 && refused > 0, "{name}: {accepted} accepted, {refused} refused");
 }
 
-fn runner() -> TestRunner {
-    let config = Config { cases: CASES, failure_persistence: None, ..Config::default() };
+fn runner(cases: u32) -> TestRunner {
+    let config = Config { cases, failure_persistence: None, ..Config::default() };
     TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]))
 }
 
@@ -54,7 +68,7 @@ fn mutated_cache_entries_are_invalid() {
     // Damage never passes the checksum: a hit only where the edits rewrote the same bytes (the
     // property checks that).
     let tally = props::Tally::default();
-    runner().run(&props::edits(), |e| props::cache_case(&dir, &e, false, &tally)).unwrap();
+    runner(CASES).run(&props::edits(), |e| props::cache_case(&dir, &e, false, &tally)).unwrap();
     assert!(tally.get().1 > 0, "no damaged entry was tried");
     check("cache, resealed", props::edits(), |e, t| props::cache_case(&dir, &e, true, t));
     std::fs::remove_dir_all(dir).unwrap();
@@ -82,4 +96,12 @@ fn mutated_session_files_are_refused_or_restore_a_usable_state() {
 #[test]
 fn random_graphs_validate_or_fail_cleanly() {
     check("graphs", props::graph_edits(), |e, t| props::graph_case(&props::edited_graph(&e), t));
+}
+
+/// Fewer cases: about one in twelve runs a template to its fuel or time bound (a second each).
+const TEMPLATE_CASES: u32 = 150;
+
+#[test]
+fn mutated_and_hostile_chat_templates_render_or_fail_cleanly() {
+    check_n("chat templates", TEMPLATE_CASES, props::template_edits(), |e, t| props::template_case(&props::edited_template(&e), t));
 }

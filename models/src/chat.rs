@@ -88,6 +88,8 @@ pub struct JinjaTemplate {
     max_text: usize,
     /// Instructions a render may run.
     fuel: u64,
+    /// Bytes a render may hold beyond its messages' share.
+    memory: usize,
     /// Set once a render is stopped past its memory or time: its thread is asleep for good
     /// holding what it took (`crate::sandbox`), and the template is refused from then on.
     stopped: Arc<AtomicBool>,
@@ -135,6 +137,7 @@ impl JinjaTemplate {
             origin: "the chat template".into(),
             max_text: TEMPLATE_TEXT,
             fuel: TEMPLATE_FUEL,
+            memory: TEMPLATE_MEMORY,
             stopped: Arc::default(),
         })
     }
@@ -152,6 +155,13 @@ impl JinjaTemplate {
             env.set_fuel(Some(instructions));
         }
         self.fuel = instructions;
+        self
+    }
+
+    /// Renders may hold `bytes` (default [`TEMPLATE_MEMORY`]) beyond
+    /// [`TEMPLATE_BYTES_PER_TEXT_BYTE`] per byte of their messages.
+    pub fn memory(mut self, bytes: usize) -> Self {
+        self.memory = bytes;
         self
     }
 
@@ -183,7 +193,7 @@ impl JinjaTemplate {
         }
         let text_bytes: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
         let limits = crate::sandbox::Limits {
-            memory: TEMPLATE_MEMORY.saturating_add(text_bytes.saturating_mul(TEMPLATE_BYTES_PER_TEXT_BYTE)),
+            memory: self.memory.saturating_add(text_bytes.saturating_mul(TEMPLATE_BYTES_PER_TEXT_BYTE)),
             time: TEMPLATE_TIME,
         };
         let (env, max_text, fuel) = (self.env.clone(), self.max_text, self.fuel);

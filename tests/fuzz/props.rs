@@ -14,6 +14,9 @@
 //!   the loader must return errors).
 //! - Saved sessions: a tiny model's saved conversation, bytes mutated and the checksum resealed
 //!   -> `Pipeline::restore_session` refuses, or restores a conversation a turn goes on from.
+//! - Chat templates: a ChatML template, bytes mutated and hostile Jinja spliced in (loops
+//!   without end, strings doubled or repeated, recursion, `raise_exception`) ->
+//!   `JinjaTemplate::new` and a render: `Ok`, or an error naming the template, in seconds.
 //! - `Graph::validate`: random graphs (ids, shapes, types, kinds, quantization) -> a graph it
 //!   accepts runs on the host executor without a panic.
 #![allow(dead_code)]
@@ -484,6 +487,77 @@ pub fn session_case(p: &mut Pipeline, dir: &Path, good: &[u8], header: usize, ed
         let opts = GenerateOptions { sample_len: 2, ..Default::default() };
         let turn = s.send(p, "go on", &opts, |_| {});
         prop_assert!(turn.is_ok(), "a turn on an accepted state failed: {:?}", turn.err());
+    }
+    Ok(())
+}
+
+/// A model's ChatML template, as SmolLM2's and Qwen2's GGUFs carry it (their default system
+/// prompt aside): the template property's seed.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// Hostile pieces of Jinja the template property splices in.
+const HOSTILE: &[&str] = &[
+    "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{{ 'x' * 99999999 }}",
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "{{ raise_exception('refused') }}",
+    "{% for m in messages %}{{ m.content * 1000 }}{% endfor %}",
+    "{% if %}",
+    "{{ messages[7].content }}",
+    "{% set messages = [] %}",
+    "{{ range(99999)|join(',') }}",
+];
+
+/// Edits of a template: bytes mutated, and hostile pieces spliced in at places.
+pub fn template_edits() -> impl Strategy<Value = ((Vec<(f64, u8)>, Option<f64>), Vec<(f64, prop::sample::Index)>)> {
+    (edits(), prop::collection::vec((0.0..1.0f64, any::<prop::sample::Index>()), 0..3))
+}
+
+/// `CHATML_TEMPLATE` with `edit` applied: hostile pieces spliced in (at character boundaries),
+/// then some bytes mutated (a third of the cases: most mutated templates do not compile).
+pub fn edited_template((bytes, splices): &((Vec<(f64, u8)>, Option<f64>), Vec<(f64, prop::sample::Index)>)) -> String {
+    let mut t = CHATML_TEMPLATE.to_string();
+    for (at, which) in splices {
+        // Between tags (before a `{{` or `{%`, or at the end), where the piece is Jinja, not
+        // text inside a string.
+        let places: Vec<usize> = t.match_indices("{{").chain(t.match_indices("{%")).map(|(i, _)| i).chain([t.len()]).collect();
+        let i = places[((at * places.len() as f64) as usize).min(places.len() - 1)];
+        t.insert_str(i, HOSTILE[which.index(HOSTILE.len())]);
+    }
+    if bytes.0.len() % 3 != 0 {
+        return t;
+    }
+    String::from_utf8_lossy(&mutate(t.as_bytes(), bytes, t.len())).into_owned()
+}
+
+/// A chat template: it compiles or not; one that compiles renders a conversation or refuses it
+/// with an error naming the template, within seconds, under a memory budget of 16 MiB (a render
+/// past it leaves its thread asleep holding the budget: kept small for a thousand cases).
+pub fn template_case(source: &str, tally: &Tally) -> std::result::Result<(), TestCaseError> {
+    let Ok(t) = candle_npu_models::JinjaTemplate::new(source, "<s>", "</s>") else {
+        tally.count(false);
+        return Ok(());
+    };
+    let t = t.from_file(Path::new("fuzz.gguf")).memory(16 << 20).max_text(1 << 20);
+    let msgs = [
+        candle_npu_models::Message::system("Be brief."),
+        candle_npu_models::Message::user("Hello there"),
+        candle_npu_models::Message::assistant("Hi!"),
+        candle_npu_models::Message::user("What is 2+2?"),
+    ];
+    let start = std::time::Instant::now();
+    let r = t.segments(&msgs, true);
+    prop_assert!(start.elapsed() < std::time::Duration::from_secs(15), "{source:?}: {:?}", start.elapsed());
+    tally.count(r.is_ok());
+    match r {
+        Ok(segments) => {
+            // Each message written once at least, as itself (trimmed at most).
+            for m in &msgs {
+                prop_assert!(segments.iter().any(|(text, trusted)| !trusted && text == m.content.trim()), "{source:?}: {m:?} missing");
+            }
+        }
+        Err(e) => prop_assert!(e.to_string().contains("fuzz.gguf"), "{source:?}: {e}"),
     }
     Ok(())
 }
