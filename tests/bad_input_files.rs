@@ -7,6 +7,9 @@
 mod common;
 use common::llama_example;
 
+#[path = "fuzz/props.rs"]
+mod props;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -167,5 +170,57 @@ fn hostile_tokenizer_files_are_errors_at_load_or_encoding() {
     let p = candle_npu_models::Pipeline::load(&model, None, &candle_npu::NpuDevice::host(), Default::default()).unwrap();
     let e = p.encode_with(&" ".repeat(12 << 20), true, false).unwrap_err().to_string();
     assert!(e.contains("a prompt of 12582912 bytes") && e.contains("context of 8192 tokens"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Every file-path option of the command line pointed at each file of the run and at paths that
+/// are no file to write (a folder, a device, a missing folder), on the tiny model: no run panics,
+/// every file a run reads keeps its bytes, and a refusal names the option or the path.
+#[test]
+fn every_path_option_against_every_file_of_the_run() {
+    let dir = scratch("cross");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let model = dir.join("m.gguf");
+    props::tiny_gguf(&model);
+    let tok = dir.join("tok.json");
+    std::fs::write(&tok, props::tiny_tokenizer_json()).unwrap();
+    let (profile, session, draft) = (QuantProfile::default_path(&model), dir.join("s.kv"), dir.join("d.gguf"));
+    std::fs::copy(&model, &draft).unwrap();
+    let base = ["--model".to_string(), s(&model), "--tokenizer".into(), s(&tok), "--prompt".into(), "hi".into(), "--sample-len".into(), "1".into()];
+    let run = |extra: &[String]| {
+        let out = Command::new(llama_example()).args(&base).args(extra).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    // The first run calibrates (writing the default profile) and saves the conversation.
+    let (ok, err) = run(&["--save-session".into(), s(&session)]);
+    assert!(ok && profile.is_file() && session.is_file(), "{err}");
+    let files = [&model, &tok, &profile, &session, &draft];
+    let bytes = |f: &Path| std::fs::read(f).unwrap();
+    let kept: Vec<Vec<u8>> = files.iter().map(|f| bytes(f)).collect();
+    let targets = [model.clone(), tok.clone(), profile.clone(), session.clone(), draft.clone(), dir.clone(), PathBuf::from("/dev/null"), dir.join("missing/x")];
+    let mut refused = 0;
+    for option in ["--trace", "--save-session", "--profile", "--load-session", "--tokenizer", "--draft-model"] {
+        for target in &targets {
+            let (ok, err) = run(&[option.to_string(), s(target)]);
+            let case = format!("{option} {}", target.display());
+            assert!(!err.contains("panicked"), "{case}: {err}");
+            if !ok {
+                refused += 1;
+                assert!(err.contains(option) || err.contains(&s(target)) || err.contains(&s(&model)), "{case}: the refusal names neither:\n{err}");
+            }
+            // What this run reads: the model, tokenizer and default profile, and the target of
+            // an input option. (An output onto a file the run does not read is the user's word.)
+            let input = ["--profile", "--load-session", "--tokenizer", "--draft-model"].contains(&option);
+            for (f, before) in files.iter().zip(&kept) {
+                let read = [&model, &tok, &profile].contains(f) || (input && *f == target);
+                if read {
+                    assert!(bytes(f) == *before, "{case}: {} changed", f.display());
+                } else {
+                    std::fs::write(f, before).unwrap();
+                }
+            }
+        }
+    }
+    assert!(refused > 20, "only {refused} refusals: the cases did not reach the checks");
     std::fs::remove_dir_all(dir).unwrap();
 }
