@@ -408,7 +408,14 @@ fn a_model_of_a_short_context_calibrates_on_windows_that_fit() {
 /// minute) is capped at one thread per core, and the run says so.
 #[test]
 fn an_oversized_thread_pool_is_capped_with_a_note() {
-    let out = Command::new(llama_example()).env("RAYON_NUM_THREADS", "1000").args(["--sample-len", "1", "--prompt", "hi"]).output().unwrap();
+    // On the tiny model: a second, where SmolLM2 took 14 s of CI.
+    let dir = scratch("threads");
+    let model = write_gguf(&dir.join("m.gguf"), |_, _| {});
+    let tok = dir.join("tok.json");
+    std::fs::write(&tok, props::tiny_tokenizer_json()).unwrap();
+    let args = ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "1", "--prompt", "hi"];
+    let out = Command::new(llama_example()).env("RAYON_NUM_THREADS", "1000").args(args).output().unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("RAYON_NUM_THREADS=1000 is more than 4 threads per core"), "{err}");
