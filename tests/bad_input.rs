@@ -420,3 +420,22 @@ fn an_oversized_thread_pool_is_capped_with_a_note() {
     assert!(out.status.success(), "{err}");
     assert!(err.contains("RAYON_NUM_THREADS=1000 is more than 4 threads per core"), "{err}");
 }
+
+/// An `--interactive` turn cut off by the full context says so and ends the conversation (only
+/// the first turn's was said). The tiny model: a context of 128 tokens, turns of 100.
+#[test]
+fn an_interactive_turn_cut_by_the_full_context_says_so() {
+    use std::io::Write;
+    let dir = scratch("interactive-full");
+    let model = write_gguf(&dir.join("m.gguf"), |_, _| {});
+    let tok = dir.join("tok.json");
+    std::fs::write(&tok, props::tiny_tokenizer_json()).unwrap();
+    let args = ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "100", "--prompt", "hi", "--interactive"];
+    let mut child = Command::new(llama_example()).args(args).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(b"more\nand more\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("new tokens after") && err.contains("tokens is full; the conversation ends here"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
