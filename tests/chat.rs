@@ -119,6 +119,7 @@ fn the_real_templates_render_long_conversations_within_a_tenth_of_the_fuel() {
 /// it hit, in seconds, and that template is refused from then on.
 #[test]
 fn a_hostile_template_is_stopped_at_its_bounds() {
+    assert!(candle_npu_models::sandbox::memory_bounded(), "GuardedAlloc is this binary's allocator");
     let hi = [Message::user("hi")];
     let stopped = |source: &str| {
         let t = JinjaTemplate::new(source, "", "").unwrap().from_file(std::path::Path::new("evil.gguf")).max_text(1 << 20);

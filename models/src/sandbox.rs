@@ -207,5 +207,13 @@ mod tests {
         assert_eq!(bounded(LIMITS, || -> u8 { panic!("a bug") }), Err(Stopped::Panicked));
     }
 
-    // The memory budget needs `GuardedAlloc` installed: `tests/sandbox.rs` installs it.
+    #[test]
+    fn without_the_allocator_memory_is_not_bounded_and_says_so() {
+        // This binary's allocator is the system's: a run may take more than its budget.
+        assert!(!memory_bounded());
+        assert_eq!(bounded(LIMITS, || vec![0u8; 4 << 20].len()), Ok(4 << 20));
+    }
+
+    // With `GuardedAlloc` installed (`tests/chat.rs`, `tests/fuzz.rs`) a run past its budget is
+    // stopped: `tests/chat.rs::a_hostile_template_is_stopped_at_its_bounds`.
 }
