@@ -210,7 +210,7 @@ impl JinjaTemplate {
                 let done = env.get_template("chat").and_then(|t| t.render_captured_to(ctx, &mut out).map(drop));
                 match done {
                     Ok(_) => Ok(String::from_utf8(out.text).map_err(|_| "it wrote invalid UTF-8".to_string())?),
-                    Err(_) if out.full => Err(format!("its text passes {max_text} bytes, more than a prompt may take; shorten the conversation")),
+                    Err(_) if out.full => Err(format!("its text passes {max_text} bytes, the most a prompt may take: shorten the conversation (or use another template, if this one writes that much itself)")),
                     Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
                         Err(format!("it ran past its budget of {fuel} instructions (a loop that does not end?); use another template"))
                     }
