@@ -186,6 +186,12 @@ pub fn check_not_an_input(output: &Path, what: &str, inputs: &[&Path]) -> Result
     Ok(())
 }
 
+/// Whether `a` and `b` name the same file however they are written (a path not there yet is
+/// compared by its folder's canonical path and its name).
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    identity(a) == identity(b)
+}
+
 /// `path` as one name per file: canonical where it exists, else its folder's canonical path and
 /// its file name (else as given, made absolute).
 fn identity(path: &Path) -> PathBuf {

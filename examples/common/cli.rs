@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
 use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail};
 use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Message, Pipeline, Precision, SchedOptions, StopReason};
+use candle_npu_models::pipeline::{default_profile_path, MAX_THREADS_PER_CORE};
 use clap::{Parser, ValueEnum};
 
 /// The allocator that bounds the memory a model's chat template may take while it renders
@@ -256,10 +257,6 @@ fn top_p(s: &str) -> std::result::Result<f64, String> {
 
 /// A family's example: `family` is the spec name the loaded model must have, `default` the
 /// model used when neither --model, --model-id nor --which is given (`None`: one is required).
-/// Threads per core beyond which `RAYON_NUM_THREADS` is not taken: every parallel loop waits on
-/// the slowest of its threads, and a pool of 1000 on 2 cores turned a 1 s load into minutes.
-const MAX_THREADS_PER_CORE: usize = 4;
-
 /// `RAYON_NUM_THREADS` as given, unless beyond [`MAX_THREADS_PER_CORE`]: then one thread per
 /// core, and a note says so. Set in the environment, which both the pool and candle's kernels
 /// read, first thing (no other thread runs yet).
@@ -355,10 +352,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     // Every file the run reads, in one list: the model (a folder holds its tokenizer and
     // template), the profile it uses (given, else the one next to the model, read or written),
     // the tokenizer, the draft model and the conversation it goes on with.
-    let profile = args.profile.clone().unwrap_or_else(|| match path.is_dir() {
-        true => path.join("candle-npu.w8a8.json"),
-        false => candle_npu::QuantProfile::default_path(&path),
-    });
+    let profile = args.profile.clone().unwrap_or_else(|| default_profile_path(&path));
     let reads: Vec<&std::path::Path> = [Some(path.as_path()), Some(profile.as_path()), args.tokenizer.as_deref(), args.draft_model.as_deref()]
         .into_iter()
         .flatten()
@@ -366,7 +360,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if let Some(trace) = &args.trace {
         let also: Vec<&std::path::Path> = args.load_session.as_deref().into_iter().collect();
         candle_npu::fs::check_not_an_input(trace, "--trace", &[&reads[..], &also[..]].concat())?;
-        if let Some(out) = args.save_session.as_deref().filter(|out| candle_npu::fs::check_not_an_input(trace, "", &[out]).is_err()) {
+        if let Some(out) = args.save_session.as_deref().filter(|out| candle_npu::fs::same_file(trace, out)) {
             bail!("--trace {} and --save-session {}: one file for two outputs; give each its own", trace.display(), out.display());
         }
     }

@@ -150,10 +150,8 @@ impl JinjaTemplate {
 
     /// Renders may run `instructions` (default [`TEMPLATE_FUEL`]).
     pub fn fuel(mut self, instructions: u64) -> Self {
-        // Fresh from `new`: the environment is not shared yet.
-        if let Some(env) = Arc::get_mut(&mut self.env) {
-            env.set_fuel(Some(instructions));
-        }
+        // A copy of the environment if a render still holds this one.
+        Arc::make_mut(&mut self.env).set_fuel(Some(instructions));
         self.fuel = instructions;
         self
     }

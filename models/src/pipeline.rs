@@ -280,11 +280,10 @@ impl Pipeline {
         if self.model.precision() == Precision::F32 {
             return Ok(());
         }
-        let path = path.map(Path::to_path_buf).unwrap_or_else(|| match self.model_path.is_dir() {
-            true => self.model_path.join("candle-npu.w8a8.json"),
-            false => QuantProfile::default_path(&self.model_path),
-        });
-        self.reads.push(path.clone());
+        let path = path.map(Path::to_path_buf).unwrap_or_else(|| default_profile_path(&self.model_path));
+        if !self.reads.contains(&path) {
+            self.reads.push(path.clone());
+        }
         if candle_npu::fs::exists(&path)? {
             let p = QuantProfile::load(&path, self.model.model_id())?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "loaded quant profile");
@@ -472,13 +471,25 @@ fn compile_template(source: Option<TemplateSource>, fallback: &ChatTemplate, fro
         .ok()
 }
 
-/// Warns when the thread pool has more than 4 threads per core (`RAYON_NUM_THREADS=1000` on 2
-/// cores turned a 1 s load into minutes: every parallel loop waits on its slowest thread).
+/// Where [`Pipeline::ensure_profile`] keeps a model's profile unless told otherwise: inside an
+/// HF folder, next to a GGUF file ([`QuantProfile::default_path`]).
+pub fn default_profile_path(model: &Path) -> PathBuf {
+    match model.is_dir() {
+        true => model.join("candle-npu.w8a8.json"),
+        false => QuantProfile::default_path(model),
+    }
+}
+
+/// Threads per core beyond which a pool is oversubscribed: every parallel loop waits on its
+/// slowest thread, and `RAYON_NUM_THREADS=1000` on 2 cores turned a 1 s load into minutes.
+pub const MAX_THREADS_PER_CORE: usize = 4;
+
+/// Warns when the thread pool has more than [`MAX_THREADS_PER_CORE`].
 fn warn_oversubscribed() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = rayon::current_num_threads();
-    if threads > 4 * cores {
-        tracing::warn!(threads, cores, "the thread pool has more than 4 threads per core: loading and prefill slow down many times; set RAYON_NUM_THREADS to at most the cores");
+    if threads > MAX_THREADS_PER_CORE * cores {
+        tracing::warn!(threads, cores, "the thread pool has more than {MAX_THREADS_PER_CORE} threads per core: loading and prefill slow down many times; set RAYON_NUM_THREADS to at most the cores");
     }
 }
 
@@ -495,7 +506,8 @@ fn split_at_whitespace(text: &str, max: usize) -> impl Iterator<Item = &str> {
             end -= 1;
         }
         if end < rest.len() {
-            end = rest[..end].rfind(char::is_whitespace).map(|i| i + rest[i..].chars().next().map_or(1, char::len_utf8)).filter(|&e| e > 0).unwrap_or(end);
+            // Just after the whitespace character (never 0: it is at least one byte).
+            end = rest[..end].rfind(char::is_whitespace).map(|i| i + rest[i..].chars().next().map_or(1, char::len_utf8)).unwrap_or(end);
         }
         // A first character longer than `max` goes whole.
         if end == 0 {
