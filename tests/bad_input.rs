@@ -390,9 +390,7 @@ fn command_line_input_is_checked_before_the_long_work() {
 #[test]
 fn a_model_of_a_short_context_calibrates_on_windows_that_fit() {
     let dir = scratch("short-context");
-    let model = write_gguf(&dir.join("m.gguf"), |_, _| {});
-    let tok = dir.join("tiny-tokenizer.json");
-    std::fs::write(&tok, props::tiny_tokenizer_json()).unwrap();
+    let (model, tok) = props::tiny_model_files(&dir);
     let opts = LoadOptions { decode_weights: DecodeWeights::F32, ..Default::default() };
     let mut p = candle_npu_models::Pipeline::load(&model, Some(&tok), &NpuDevice::host(), opts).unwrap();
     let context = p.model.config().context_len;
@@ -410,9 +408,7 @@ fn a_model_of_a_short_context_calibrates_on_windows_that_fit() {
 fn an_oversized_thread_pool_is_capped_with_a_note() {
     // On the tiny model: a second, where SmolLM2 took 14 s of CI.
     let dir = scratch("threads");
-    let model = write_gguf(&dir.join("m.gguf"), |_, _| {});
-    let tok = dir.join("tok.json");
-    std::fs::write(&tok, props::tiny_tokenizer_json()).unwrap();
+    let (model, tok) = props::tiny_model_files(&dir);
     let args = ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "1", "--prompt", "hi"];
     let out = Command::new(llama_example()).env("RAYON_NUM_THREADS", "1000").args(args).output().unwrap();
     std::fs::remove_dir_all(dir).unwrap();
@@ -427,9 +423,7 @@ fn an_oversized_thread_pool_is_capped_with_a_note() {
 fn an_interactive_turn_cut_by_the_full_context_says_so() {
     use std::io::Write;
     let dir = scratch("interactive-full");
-    let model = write_gguf(&dir.join("m.gguf"), |_, _| {});
-    let tok = dir.join("tok.json");
-    std::fs::write(&tok, props::tiny_tokenizer_json()).unwrap();
+    let (model, tok) = props::tiny_model_files(&dir);
     let args = ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "100", "--prompt", "hi", "--interactive"];
     let mut child = Command::new(llama_example()).args(args).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     child.stdin.take().unwrap().write_all(b"more\nand more\n").unwrap();

@@ -180,10 +180,7 @@ fn hostile_tokenizer_files_are_errors_at_load_or_encoding() {
 fn every_path_option_against_every_file_of_the_run() {
     let dir = scratch("cross");
     let s = |p: &Path| p.to_str().unwrap().to_string();
-    let model = dir.join("m.gguf");
-    props::tiny_gguf(&model);
-    let tok = dir.join("tok.json");
-    std::fs::write(&tok, props::tiny_tokenizer_json()).unwrap();
+    let (model, tok) = props::tiny_model_files(&dir);
     let (profile, session, draft) = (QuantProfile::default_path(&model), dir.join("s.kv"), dir.join("d.gguf"));
     std::fs::copy(&model, &draft).unwrap();
     let base = ["--model".to_string(), s(&model), "--tokenizer".into(), s(&tok), "--prompt".into(), "hi".into(), "--sample-len".into(), "1".into()];

@@ -121,16 +121,23 @@ fn misuse_is_an_error_naming_the_layer() {
     assert!(fc1.is_frozen());
 }
 
-/// The same on the Hexagon NPU's library (the x86 emulator `scripts/setup.sh` fetches); skipped,
-/// saying so, without it.
-#[test]
-fn and_on_the_hexagon_library() {
+/// The Hexagon NPU's library (the x86 emulator `scripts/setup.sh` fetches), or `None`, saying
+/// the test is skipped, without it.
+fn hexagon() -> Option<NpuDevice> {
     let lib = candle_npu::HtpConfig::default().library_path();
     if !lib.is_file() {
         eprintln!("skipped: no QNN HTP library at {}", lib.display());
-        return;
+        return None;
     }
-    check_on(NpuDevice::hexagon(candle_npu::HtpConfig::default()).unwrap());
+    Some(NpuDevice::hexagon(candle_npu::HtpConfig::default()).unwrap())
+}
+
+/// The same on the Hexagon NPU's library; skipped, saying so, without it.
+#[test]
+fn and_on_the_hexagon_library() {
+    if let Some(device) = hexagon() {
+        check_on(device);
+    }
 }
 
 /// A block's q, k and v projections made together (`Npu::linears`): one graph per size, whose
@@ -208,12 +215,8 @@ fn non_finite_inputs_come_out_nan_and_are_reported() {
 /// the host CPU, and its report says why, for a program with no `tracing` subscriber.
 #[test]
 fn a_layer_the_htp_cannot_take_says_so_in_its_report() {
-    let lib = candle_npu::HtpConfig::default().library_path();
-    if !lib.is_file() {
-        eprintln!("skipped: no QNN HTP library at {}", lib.display());
-        return;
-    }
-    let npu = Npu::new(NpuDevice::hexagon(candle_npu::HtpConfig::default()).unwrap());
+    let Some(device) = hexagon() else { return };
+    let npu = Npu::new(device);
     let vb = weights(4);
     let (head, fc) = (npu.linear(D, 10, vb.pp("head")).unwrap(), npu.linear(D, H, vb.pp("fc1")).unwrap());
     head.forward(&input(&[8, D], 1)).unwrap();

@@ -445,12 +445,18 @@ pub fn tokenizer_case(dir: &Path, bytes: &[u8], tally: &Tally) -> std::result::R
     Ok(())
 }
 
-/// The tiny model with [`tiny_tokenizer_json`], on the host, F32.
-pub fn tiny_pipeline(dir: &Path) -> Pipeline {
+/// The tiny model and its tokenizer written in `dir` (`m.gguf`, `tiny-tokenizer.json`): their paths.
+pub fn tiny_model_files(dir: &Path) -> (PathBuf, PathBuf) {
     let model = dir.join("m.gguf");
     tiny_gguf(&model);
     let tok = dir.join("tiny-tokenizer.json");
     std::fs::write(&tok, tiny_tokenizer_json()).unwrap();
+    (model, tok)
+}
+
+/// The tiny model with [`tiny_tokenizer_json`], on the host, F32.
+pub fn tiny_pipeline(dir: &Path) -> Pipeline {
+    let (model, tok) = tiny_model_files(dir);
     let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
     Pipeline::load(&model, Some(&tok), &NpuDevice::host(), opts).unwrap()
 }
