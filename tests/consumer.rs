@@ -1,46 +1,24 @@
-//! A consumer crate outside the workspace, as a candle user would write it: it depends on
-//! `candle-npu` and `candle-npu-models` by path, is built with the workspace's lock file and
-//! target folder (so the dependencies already built are reused), and runs from a temporary
-//! folder holding only the model file, with `CANDLE_NPU_ASSETS` unset: it calibrates on the
-//! shipped text, generates with streaming, and runs a two-turn session whose second turn
-//! prefills only its new tokens and whose restored KV answers the same, beside a second
-//! conversation on the same model; and it moves its own
-//! candle-nn model's linears to the NPU with `candle_npu::nn` (tests/consumer/).
+//! A candle user's program (examples/consumer.rs) run from a temporary folder holding only the
+//! model file, with `CANDLE_NPU_ASSETS` unset: it calibrates on the shipped text, generates with
+//! streaming, and runs a two-turn session whose second turn prefills only its new tokens and
+//! whose restored KV answers the same, beside a second conversation on the same model; and it
+//! moves its own candle-nn model's linears to the NPU with `candle_npu::nn`.
+//!
+//! It was once built as a crate of its own outside the workspace. Its features unify apart from
+//! the workspace's, so that rebuilt candle and both crates: five of CI's ninety minutes to show
+//! what an example shows as well, since an example, too, sees only the public API.
 
+mod common;
 
-use std::path::Path;
 use std::process::Command;
 
 #[test]
-fn a_crate_outside_the_workspace_uses_the_public_api() {
-    let ws = Path::new(env!("CARGO_MANIFEST_DIR"));
+fn a_program_of_a_candle_user_uses_the_public_api() {
     let dir = std::env::temp_dir().join(format!("candle-npu-consumer-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("src")).unwrap();
-    let release = std::fs::read_to_string(ws.join("Cargo.toml")).unwrap();
-    // The workspace's release profile, so that its built dependencies are reused.
-    let profile = &release[release.find("[profile.release]").expect("release profile")..];
-    let manifest = format!(
-        "[package]\nname = \"npu-consumer\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\ncandle-npu = {{ path = {:?} }}\ncandle-npu-models = {{ path = {:?} }}\ncandle-core = \"0.11.1\"\ncandle-nn = \"0.11.1\"\nanyhow = \"1\"\n\n[workspace]\n\n[profile.dev.package.\"*\"]\nopt-level = 3\n\n{profile}",
-        ws.join("candle-npu"),
-        ws.join("models"),
-    );
-    std::fs::write(dir.join("Cargo.toml"), manifest).unwrap();
-    std::fs::copy(ws.join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
-    std::fs::copy(ws.join("tests/consumer/main.rs.txt"), dir.join("src/main.rs")).unwrap();
-    let model = candle_npu_models::assets::smollm2();
-    std::fs::copy(&model, dir.join("model.gguf")).unwrap();
-
-    let target = ws.join("target");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let build = Command::new(&cargo)
-        .args(["build", "--release", "--quiet"])
-        .current_dir(&dir)
-        .env("CARGO_TARGET_DIR", &target)
-        .status()
-        .unwrap();
-    assert!(build.success(), "the consumer crate does not build");
-    let out = Command::new(target.join("release/npu-consumer"))
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(candle_npu_models::assets::smollm2(), dir.join("model.gguf")).unwrap();
+    let out = Command::new(common::example("consumer"))
         .arg("model.gguf")
         .current_dir(&dir)
         .env_remove("CANDLE_NPU_ASSETS")

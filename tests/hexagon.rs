@@ -1,7 +1,9 @@
 //! The real QNN HTP library (x86 emulator from onnxruntime-qnn) against the HTP numerics model
-//! (`candle_npu::executor::htp_numerics`): every stage graph of the three real models, and whole
-//! SmolLM2 prefills with the default plan and padded. The emulator runs ~0.3-1 GMAC/s: a 32-row
-//! SmolLM2 chunk costs about 30 s. The prepared-graph cache test only prepares (no execution).
+//! (`candle_npu::executor::htp_numerics`): four layers' stage graphs of each real model, whole
+//! prefills of the three (SmolLM2's also padded), and the README's question on the default plan.
+//! The emulator runs ~0.3-1 GMAC/s: a 32-row SmolLM2 chunk costs about 30 s, Qwen2.5-Coder's
+//! about 100 s, which is why each model's work here is what its claim needs and no more (this
+//! file is a fifth of CI's time). The prepared-graph cache test only prepares (no execution).
 
 mod common;
 
@@ -28,17 +30,20 @@ struct PrefillCheck {
     /// Largest |logit difference|, library vs model: in the HTP chunk's rows, in the margin's.
     diff_npu: f32,
     diff_margin: f32,
-    /// Top-1 agreement over every position: library vs model, library's margin plan vs padded.
+    /// Top-1 agreement over every position: library vs model, library's margin plan vs padded
+    /// (when run).
     agree_model: f64,
-    agree_padded: f64,
+    agree_padded: Option<f64>,
 }
 
 /// A whole prefill of `n` tokens through the library with the plan of a margin (a 32-row HTP
 /// chunk, then the rest as a CPU margin on the host with the HTP's numerics), against the same
-/// plan on the HTP numerics model, and against every row on the HTP (padded). Checks what holds
-/// exactly (no fallback, one chunk on the HTP, the margin on the host, the HTP chunk's rows the
-/// same in both plans, the model's margin rows its NPU rows bit for bit) and returns the rest.
-fn check_prefill(name: &str, load: impl Fn(&NpuDevice) -> candle_npu_models::Pipeline, n: usize) -> PrefillCheck {
+/// plan on the HTP numerics model, and (with `padded`) against every row on the HTP. Checks what
+/// holds exactly (no fallback, one chunk on the HTP, the margin on the host, the HTP chunk's rows
+/// the same in both plans, the model's margin rows its NPU rows bit for bit) and returns the rest.
+/// The emulator runs a 32-row chunk in 30 s (SmolLM2) to 100 s (Qwen2.5-Coder): the padded
+/// plan's two more chunks are run for one model only.
+fn check_prefill(name: &str, load: impl Fn(&NpuDevice) -> candle_npu_models::Pipeline, n: usize, padded: bool) -> PrefillCheck {
     let mut h = load(&NpuDevice::host());
     let profile = h.calibrate(CalibrationSet { sequences: 4, seq_len: 128, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
     let prompt = heldout_tokens(&h, n);
@@ -63,26 +68,31 @@ fn check_prefill(name: &str, load: impl Fn(&NpuDevice) -> candle_npu_models::Pip
     let margin = htp.margin_device();
     assert_eq!(margin.numerics(), Numerics::Htp);
     assert_eq!(margin.stats().executions, graphs, "{name}: the margin ran every stage once, on the host");
-    let padded = logits(&mut x, &prompt, true);
-    // The first chunk's rows do not depend on the plan.
     let first = 32 * vocab;
-    assert_eq!(got[..first], padded[..first], "{name}: the HTP chunk's rows are the same in both plans");
+    let padded = if padded {
+        let padded = logits(&mut x, &prompt, true);
+        // The first chunk's rows do not depend on the plan.
+        assert_eq!(got[..first], padded[..first], "{name}: the HTP chunk's rows are the same in both plans");
+        Some(padded)
+    } else {
+        None
+    };
 
     let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
     let agree = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(p, q)| p == q).count() as f64 / a.len() as f64;
-    let (t_model, t_got, t_pad) = (top1(&model, vocab), top1(&got, vocab), top1(&padded, vocab));
+    let (t_model, t_got) = (top1(&model, vocab), top1(&got, vocab));
     let c = PrefillCheck {
         diff_npu: max_diff(&got[..first], &model[..first]),
         diff_margin: max_diff(&got[first..], &model[first..]),
         agree_model: agree(&t_got, &t_model),
-        agree_padded: agree(&t_got, &t_pad),
+        agree_padded: padded.as_ref().map(|p| agree(&t_got, &top1(p, vocab))),
     };
     eprintln!(
-        "{name}, {n} tokens: library vs model: max |logit diff| {:.3} (HTP rows) / {:.3} (margin rows), top-1 agreement {:.3}; library margin vs padded: {:.3} / {:.3}",
+        "{name}, {n} tokens: library vs model: max |logit diff| {:.3} (HTP rows) / {:.3} (margin rows), top-1 agreement {:.3}; library margin vs padded: {:?} / {:?}",
         c.diff_npu,
         c.diff_margin,
         c.agree_model,
-        max_diff(&got[first..], &padded[first..]),
+        padded.as_ref().map(|p| max_diff(&got[first..], &p[first..])),
         c.agree_padded,
     );
     c
@@ -94,19 +104,21 @@ fn hexagon_prefill_follows_the_htp_numerics_model() {
     if !library_present() {
         return;
     }
-    let c = check_prefill("SmolLM2", |dev| smollm2(dev, Precision::W8A8, DecodeWeights::Q8_0), 48);
+    let c = check_prefill("SmolLM2", |dev| smollm2(dev, Precision::W8A8, DecodeWeights::Q8_0), 48, true);
     // The model is bit-exact on 99.7% of a stage's outputs; the rest (one FP16 step of the
     // intermediate) move later u8 roundings, and 30 layers of them move logits by up to about a
     // logit (measured on these 48 tokens: at most 0.83 in the HTP chunk's rows, 1.06 in the
     // margin's). So tokens agree, not logits: measured 0.979 (47 of 48 positions; the library's
     // margin against its padded plan 1.0); 0.9 leaves room for a near tie or two (a broken margin
     // or translation gives ~0).
-    assert!(c.agree_model >= 0.9 && c.agree_padded >= 0.9, "top-1 agreement {} / {}", c.agree_model, c.agree_padded);
+    let padded = c.agree_padded.expect("run padded");
+    assert!(c.agree_model >= 0.9 && padded >= 0.9, "top-1 agreement {} / {padded}", c.agree_model);
     assert!(c.diff_npu.max(c.diff_margin) < 3.0, "logits {} / {} apart", c.diff_npu, c.diff_margin);
 }
 
 /// Whole prefills of Qwen2.5-Coder-0.5B and Gemma 3 270M through the library (see
-/// [`check_prefill`]), 40 tokens: a 32-row HTP chunk and an 8-row margin, then padded.
+/// [`check_prefill`]), 40 tokens: a 32-row HTP chunk and an 8-row margin (not padded: SmolLM2's
+/// test shows the padded plan; here it would cost CI five minutes more).
 #[test]
 fn qwen_and_gemma_prefills_follow_the_htp_numerics_model() {
     if !library_present() {
@@ -115,11 +127,11 @@ fn qwen_and_gemma_prefills_follow_the_htp_numerics_model() {
     use candle_npu_models::{assets, LoadOptions, Pipeline};
     for (name, path) in [("Qwen2.5-Coder", assets::qwen25_coder_05b().unwrap()), ("Gemma 3", assets::gemma3_270m().unwrap())] {
         let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
-        let c = check_prefill(name, |dev| Pipeline::load(&path, None, dev, opts.clone()).unwrap(), 40);
+        let c = check_prefill(name, |dev| Pipeline::load(&path, None, dev, opts.clone()).unwrap(), 40, false);
         // SmolLM2's thresholds, for the same reason (see above). Measured on these 40 tokens:
         // Qwen top-1 agreement 0.975 (39 of 40) and 1.0 against padded, logits at most 0.35
         // apart; Gemma 0.95 (38 of 40) and 1.0, at most 1.9 apart (its HTP rows).
-        assert!(c.agree_model >= 0.9 && c.agree_padded >= 0.9, "{name}: top-1 agreement {} / {}", c.agree_model, c.agree_padded);
+        assert!(c.agree_model >= 0.9, "{name}: top-1 agreement {}", c.agree_model);
         assert!(c.diff_npu.max(c.diff_margin) < 3.0, "{name}: logits {} / {} apart", c.diff_npu, c.diff_margin);
     }
 }
@@ -357,9 +369,12 @@ fn graphs_in_shared_contexts_compute_as_alone() {
     assert!(compiled.2 - shared.2 >= weights, "weight sharing saves {} bytes of {weights}", compiled.2 - shared.2);
 }
 
-/// Every stage graph of SmolLM2, Qwen2.5-Coder and Gemma 3 (their shapes: Gemma's 1024-wide Q
+/// The stage graphs of SmolLM2, Qwen2.5-Coder and Gemma 3 (their shapes: Gemma's 1024-wide Q
 /// and 256-wide heads, Qwen's 4864-wide FFN), chunk 32, with a seeded u8 input: prepared and run
-/// on the HTP with no host fallback, and checked against the HTP numerics model. The library and
+/// on the HTP with no host fallback, and checked against the HTP numerics model. Four layers of
+/// each (the first two, the middle, the last): a model's layers share their shapes and differ in
+/// weights and scales, and the whole prefills above run every layer through the library (all of
+/// them here would cost CI three minutes more). The library and
 /// the model compute the same FP16 intermediate for almost every output (see
 /// `candle_npu::executor::htp_numerics`); where the library's own float arithmetic lands on the
 /// other neighbour, the outputs are apart by the library's own error on the intermediate: at most
@@ -381,7 +396,9 @@ fn every_stage_graph_of_the_real_models_follows_the_htp_numerics_model() {
         p.model.set_profile(profile).unwrap();
         let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
         let (mut same, mut near, mut total, mut worst) = (0usize, 0usize, 0usize, 0f32);
-        for l in 0..p.model.config().n_layer {
+        let n_layer = p.model.config().n_layer;
+        let layers = [0, 1, n_layer / 2, n_layer - 1];
+        for &l in &layers {
             let graphs: Vec<Graph> = p.model.layer_graphs(l, 32, Precision::W8A8).unwrap();
             for g in &graphs {
                 let k = g.tensor(g.inputs[0]).shape[1];
@@ -410,7 +427,7 @@ fn every_stage_graph_of_the_real_models_follows_the_htp_numerics_model() {
         assert!(share >= 0.99, "{}: model bit-exact on {:.3}%", path.display(), 100.0 * share);
         assert!(near >= 0.998, "{}: model within one FP16 step on {:.3}%", path.display(), 100.0 * near);
         let s = htp.stats();
-        let n = (p.model.config().n_layer * candle_npu_models::transformer::N_STAGES) as u64;
+        let n = (layers.len() * candle_npu_models::transformer::N_STAGES) as u64;
         assert_eq!((s.fallbacks, s.graphs_prepared, s.executions), (0, n, n), "{}", path.display());
     }
 }

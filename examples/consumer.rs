@@ -1,5 +1,11 @@
-//! A candle user's program, built outside the workspace by tests/consumer.rs: it depends on the
-//! two crates by path and runs from a folder with no assets, the model copied there.
+//! A candle user's program, run by tests/consumer.rs from a folder with no assets but the model
+//! copied there: only the crates' public API (an example sees nothing else), the shipped
+//! calibration text, streaming, a session saved and restored, two conversations on one model,
+//! and a candle-nn model of its own with its linears on the NPU.
+//!
+//! ```text
+//! cargo run --release --example consumer -- model.gguf
+//! ```
 use std::io::Write;
 use std::path::Path;
 
