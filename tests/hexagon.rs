@@ -107,10 +107,11 @@ fn hexagon_prefill_follows_the_htp_numerics_model() {
     let c = check_prefill("SmolLM2", |dev| smollm2(dev, Precision::W8A8, DecodeWeights::Q8_0), 48, true);
     // The model is bit-exact on 99.7% of a stage's outputs; the rest (one FP16 step of the
     // intermediate) move later u8 roundings, and 30 layers of them move logits by up to about a
-    // logit (measured on these 48 tokens: at most 0.83 in the HTP chunk's rows, 1.06 in the
-    // margin's). So tokens agree, not logits: measured 0.979 (47 of 48 positions; the library's
-    // margin against its padded plan 1.0); 0.9 leaves room for a near tie or two (a broken margin
-    // or translation gives ~0).
+    // logit (measured on these 48 tokens, 2026-11-28: at most 0.77 in the HTP chunk's rows, 0.67
+    // in the margin's). So tokens agree, not logits: measured 0.938 (45 of 48 positions; the
+    // library's margin against its padded plan 0.979; 0.979 and 1.0 with the calibration windows
+    // of 2026-11-25: which positions are near ties moves with the profile); 0.9 leaves room for
+    // a near tie or four (a broken margin or translation gives ~0).
     let padded = c.agree_padded.expect("run padded");
     assert!(c.agree_model >= 0.9 && padded >= 0.9, "top-1 agreement {} / {padded}", c.agree_model);
     assert!(c.diff_npu.max(c.diff_margin) < 3.0, "logits {} / {} apart", c.diff_npu, c.diff_margin);
@@ -129,8 +130,8 @@ fn qwen_and_gemma_prefills_follow_the_htp_numerics_model() {
         let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
         let c = check_prefill(name, |dev| Pipeline::load(&path, None, dev, opts.clone()).unwrap(), 40, false);
         // SmolLM2's thresholds, for the same reason (see above). Measured on these 40 tokens:
-        // Qwen top-1 agreement 0.975 (39 of 40) and 1.0 against padded, logits at most 0.35
-        // apart; Gemma 0.95 (38 of 40) and 1.0, at most 1.9 apart (its HTP rows).
+        // (2026-11-28) Qwen top-1 agreement 0.925 (37 of 40), logits at most 0.32 apart; Gemma
+        // 0.925 (37 of 40), at most 1.8 apart (its HTP rows).
         assert!(c.agree_model >= 0.9, "{name}: top-1 agreement {}", c.agree_model);
         assert!(c.diff_npu.max(c.diff_margin) < 3.0, "{name}: logits {} / {} apart", c.diff_npu, c.diff_margin);
     }
