@@ -9,7 +9,9 @@ eval: first-token KL(F16 || Q8_0), first token and whole 16-token greedy answer 
 derailments judged as the eval does (a script the context never writes, or an answer the F16
 model finds more than 2.5 nats/token more surprising than its own).
 
-    python3 scripts/chat_anchor.py FILE [--json OUT]
+    python3 scripts/chat_anchor.py FILE [--json OUT] [--limit N]
+
+`--limit N` takes the first N conversations, as `eval --chat-limit N` does.
 """
 import argparse
 import json
@@ -89,8 +91,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dump")
     ap.add_argument("--json")
+    ap.add_argument("--limit", type=int, default=0, help="the first N conversations (0: all)")
     args = ap.parse_args()
     d = json.load(open(args.dump))
+    if args.limit > 0:
+        d["conversations"] = d["conversations"][: args.limit]
     n, stop = d["answer_tokens"], set(d["stop_tokens"])
     ctx = max(len(c["prompt"]) for c in d["conversations"]) + n + 8
     f16, q8 = Engine(d["f16"], ctx), Engine(d["q8_0"], ctx)
