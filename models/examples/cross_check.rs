@@ -2,7 +2,7 @@
 //! under qemu against the x86_64 build (`scripts/aarch64.sh`, CI).
 //!
 //! ```text
-//! cargo run --release --example cross_check -- --record x86.json        # calibrates if needed
+//! cargo run --release -p candle-npu-models --example cross_check -- --record x86.json   # calibrates if needed
 //! qemu-aarch64-static .../cross_check --check x86.json                  # never calibrates
 //! ```
 //!
