@@ -126,6 +126,9 @@ pub const QNN_QUANTIZATION_ENCODING_BW_AXIS_SCALE_OFFSET: u32 = 3;
 pub const QNN_QUANTIZATION_ENCODING_BLOCK: u32 = 4;
 pub const QNN_QUANTIZATION_ENCODING_BLOCKWISE_EXPANSION: u32 = 5;
 pub const QNN_QUANTIZATION_ENCODING_UNDEFINED: u32 = 0x7FFF_FFFF;
+/// `Qnn_BlockwiseExpansionBlockScaleStorageType_t`: block scales stored as `u8` / `u16`.
+pub const QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_8: u32 = 0;
+pub const QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_16: u32 = 1;
 
 // ---------------------------------------------------------------------------------------------
 // Params, op configs, generic configs, memory.

@@ -118,7 +118,26 @@ pub struct Qnn_AxisScaleOffset_t {
     pub scaleOffset: *mut Qnn_ScaleOffset_t,
 }
 
-/// The encoding union of `Qnn_QuantizeParams_t` (32 bytes). Only the two encodings the project
+/// `Qnn_BlockwiseExpansion_t` (LPBQ, "low-power block quantization"): a float scale per channel
+/// along `axis` (offsets 0) times an unsigned `blockScaleBitwidth`-bit integer scale per block of
+/// the other dimension, so a weight is `q * block_scale * channel_scale`. The HTP expands the
+/// block scales into the integer weights, which is why they must be integers.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Qnn_BlockwiseExpansion_t {
+    pub axis: i32,
+    /// One per channel along `axis` (the count is the axis' dimension, not stored).
+    pub scaleOffsets: *mut Qnn_ScaleOffset_t,
+    pub numBlocksPerAxis: u32,
+    pub blockScaleBitwidth: u32,
+    /// `QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_*`.
+    pub blockScaleStorageType: u32,
+    /// `u8` (storage 8) or `u16` (storage 16) block scales at `[channel * numBlocksPerAxis +
+    /// block]` (a C union of two pointers).
+    pub blocksScale: *mut c_void,
+}
+
+/// The encoding union of `Qnn_QuantizeParams_t` (32 bytes). Only the encodings the project
 /// uses are typed; `_reserved` gives the union the size of the largest C member
 /// (bit-width per-axis encoding) so the enclosing struct has the right size.
 #[repr(C)]
@@ -128,6 +147,8 @@ pub union Qnn_QuantizeParamsEncoding_t {
     pub scaleOffsetEncoding: Qnn_ScaleOffset_t,
     /// For `QNN_QUANTIZATION_ENCODING_AXIS_SCALE_OFFSET`.
     pub axisScaleOffsetEncoding: Qnn_AxisScaleOffset_t,
+    /// For `QNN_QUANTIZATION_ENCODING_BLOCKWISE_EXPANSION` (a pointer, unlike the others).
+    pub blockwiseExpansion: *mut Qnn_BlockwiseExpansion_t,
     pub _reserved: [u64; 4],
 }
 
@@ -177,6 +198,16 @@ impl Qnn_QuantizeParams_t {
         };
         p
     }
+
+    /// Blockwise expansion (LPBQ). `be`, its scale-offsets and block scales must stay alive
+    /// while QNN reads the params (tensor creation).
+    pub fn blockwise_expansion(be: &mut Qnn_BlockwiseExpansion_t) -> Self {
+        let mut p = Self::undefined();
+        p.encodingDefinition = QNN_DEFINITION_DEFINED;
+        p.quantizationEncoding = QNN_QUANTIZATION_ENCODING_BLOCKWISE_EXPANSION;
+        p.encoding.blockwiseExpansion = be;
+        p
+    }
 }
 
 impl Default for Qnn_QuantizeParams_t {
@@ -198,6 +229,9 @@ impl core::fmt::Debug for Qnn_QuantizeParams_t {
                 }
                 QNN_QUANTIZATION_ENCODING_AXIS_SCALE_OFFSET => {
                     d.field("axisScaleOffset", &self.encoding.axisScaleOffsetEncoding)
+                }
+                QNN_QUANTIZATION_ENCODING_BLOCKWISE_EXPANSION => {
+                    d.field("blockwiseExpansion", &self.encoding.blockwiseExpansion)
                 }
                 _ => &mut d,
             };

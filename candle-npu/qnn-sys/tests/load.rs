@@ -273,9 +273,14 @@ impl Runtime {
 
     /// [`Runtime::new`] with `configs` given to `contextCreate`.
     fn with_context_configs(lib: &'static QnnLibrary, configs: &[*const QnnContext_Config_t]) -> Self {
+        Self::on_soc(lib, QNN_SOC_MODEL_SM8650, configs)
+    }
+
+    /// The full runtime on SoC `soc` (`QNN_SOC_MODEL_*`).
+    fn on_soc(lib: &'static QnnLibrary, soc: u32, configs: &[*const QnnContext_Config_t]) -> Self {
         let mut list = configs.to_vec();
         list.push(null());
-        let cfg = HtpDeviceCustomConfig::soc(lib.htp_device_config_layout(), QNN_SOC_MODEL_SM8650);
+        let cfg = HtpDeviceCustomConfig::soc(lib.htp_device_config_layout(), soc);
         let mut rt = match Self::with_device(lib, Some(cfg)) {
             Ok(rt) => rt,
             Err((_, rc)) => panic!("deviceCreate: {}", lib.error_message(rc)),
@@ -918,4 +923,188 @@ fn error_messages_and_log_callback() {
             "unformatted log line: {text}"
         );
     }
+}
+
+
+/// How a FullyConnected weight is encoded in [`fc_weight_encodings`].
+#[derive(Clone, Copy, Debug)]
+enum WeightEnc {
+    /// BLOCKWISE_EXPANSION over blocks of 32 inputs: `bits`-bit values in an 8-bit container
+    /// (`packed`: two per byte as `SFIXED_POINT_4`), `scale_bits`-bit block scales.
+    Blockwise { bits: u32, packed: bool, scale_bits: u32 },
+    /// `SFIXED_POINT_16` values, one scale per tensor, or per output channel.
+    Int16 { per_channel: bool },
+}
+
+/// Where [`run_fc`] stopped: the call that failed and its QNN error.
+#[derive(Debug)]
+struct Refused(&'static str, String);
+
+/// Builds, finalizes and runs `y[M, N] = x[M, K] @ w[N, K]^T` with `x` of `act` (u8 or u16,
+/// zero point at mid-range), `w` encoded as `enc` and `y` of `out` (u8/u16 over `±y_range`, or
+/// F32). Returns the output and the exact float result.
+fn run_fc(lib: &'static QnnLibrary, soc: u32, enc: WeightEnc, act: Qnn_DataType_t, out: Qnn_DataType_t) -> Result<(Vec<f32>, Vec<f32>, f32), Refused> {
+    const M: usize = 8;
+    const K: usize = 128;
+    const N: usize = 64;
+    const BLOCK: usize = 32;
+    let f = lib.functions();
+    let rt = Runtime::on_soc(lib, soc, &[]);
+    let graph = rt.graph(c"fc_weights", &[]);
+    let levels = |dt| if dt == QNN_DATATYPE_UFIXED_POINT_16 { 65536i64 } else { 256 };
+    let (a_levels, a_zero) = (levels(act), levels(act) / 2);
+    let sx = 4.0 / a_levels as f32;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |n: u64| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) % n
+    };
+    let xq: Vec<i64> = (0..M * K).map(|_| next(a_levels as u64) as i64).collect();
+    let (qmax, scale_max) = match enc {
+        WeightEnc::Blockwise { bits, scale_bits, .. } => ((1i64 << (bits - 1)) - 1, (1u64 << scale_bits) - 1),
+        WeightEnc::Int16 { .. } => (32767, 1),
+    };
+    let wq: Vec<i64> = (0..N * K).map(|_| next(2 * qmax as u64 + 1) as i64 - qmax).collect();
+    let nb = K / BLOCK;
+    let block_scales: Vec<u64> = (0..N * nb).map(|_| 1 + next(scale_max)).collect();
+    let per_channel = !matches!(enc, WeightEnc::Int16 { per_channel: false });
+    let cs: Vec<f32> = (0..N).map(|n| if per_channel { 1e-3 * (1.0 + n as f32 / N as f32) } else { 1e-3 }).collect();
+    let want: Vec<f32> = (0..M * N)
+        .map(|i| {
+            let (m, n) = (i / N, i % N);
+            (0..K).map(|k| (xq[m * K + k] - a_zero) as f32 * sx * (wq[n * K + k] * block_scales[n * nb + k / BLOCK] as i64) as f32 * cs[n]).sum()
+        })
+        .collect();
+    let y_range = want.iter().fold(0f32, |a, v| a.max(v.abs())) * 1.05;
+    let (o_levels, o_zero) = (levels(out), levels(out) / 2);
+    let sy = 2.0 * y_range / o_levels as f32;
+
+    let mut so: Vec<Qnn_ScaleOffset_t> = cs.iter().map(|&scale| Qnn_ScaleOffset_t { scale, offset: 0 }).collect();
+    let mut scales8: Vec<u8> = block_scales.iter().map(|&v| v as u8).collect();
+    let mut scales16: Vec<u16> = block_scales.iter().map(|&v| v as u16).collect();
+    let (wdt, mut wbytes, mut be) = match enc {
+        WeightEnc::Blockwise { packed, scale_bits, .. } => {
+            let bytes: Vec<u8> = match packed {
+                true => wq.chunks(2).map(|p| (p[0] as u8 & 15) | ((p[1] as u8 & 15) << 4)).collect(),
+                false => wq.iter().map(|&v| v as i8 as u8).collect(),
+            };
+            let wide = scale_bits > 8;
+            let be = Qnn_BlockwiseExpansion_t {
+                axis: 0,
+                scaleOffsets: so.as_mut_ptr(),
+                numBlocksPerAxis: nb as u32,
+                blockScaleBitwidth: scale_bits,
+                blockScaleStorageType: if wide { QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_16 } else { QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_8 },
+                blocksScale: if wide { scales16.as_mut_ptr().cast() } else { scales8.as_mut_ptr().cast() },
+            };
+            (if packed { QNN_DATATYPE_SFIXED_POINT_4 } else { QNN_DATATYPE_SFIXED_POINT_8 }, bytes, Some(be))
+        }
+        WeightEnc::Int16 { .. } => (QNN_DATATYPE_SFIXED_POINT_16, wq.iter().flat_map(|&v| (v as i16).to_le_bytes()).collect(), None),
+    };
+    let wparams = match (&mut be, enc) {
+        (Some(be), _) => Qnn_QuantizeParams_t::blockwise_expansion(be),
+        (None, WeightEnc::Int16 { per_channel: true }) => Qnn_QuantizeParams_t::axis_scale_offset(0, &mut so),
+        (None, _) => Qnn_QuantizeParams_t::scale_offset(cs[0], 0),
+    };
+    let (mut dx, mut dw, mut dy) = ([M as u32, K as u32], [N as u32, K as u32], [M as u32, N as u32]);
+    let empty = Qnn_ClientBuffer_t::empty();
+    let tx = rt.tensor(graph, c"x", QNN_TENSOR_TYPE_APP_WRITE, act, Qnn_QuantizeParams_t::scale_offset(sx, -a_zero as i32), &mut dx, empty);
+    let mut t = Qnn_Tensor_t::v1(c"w".as_ptr(), QNN_TENSOR_TYPE_STATIC, wdt, wparams, 2, dw.as_mut_ptr(), Qnn_ClientBuffer_t::from_slice(&mut wbytes));
+    let rc = unsafe { f.tensorCreateGraphTensor.unwrap()(graph, &mut t) };
+    if rc != QNN_SUCCESS {
+        return Err(Refused("tensorCreateGraphTensor", lib.error_message(rc)));
+    }
+    let oq = match out {
+        QNN_DATATYPE_FLOAT_32 => Qnn_QuantizeParams_t::undefined(),
+        _ => Qnn_QuantizeParams_t::scale_offset(sy, -o_zero as i32),
+    };
+    let ty = rt.tensor(graph, c"y", QNN_TENSOR_TYPE_APP_READ, out, oq, &mut dy, empty);
+    let (mut inputs, mut outputs) = ([tx, t], [ty]);
+    let op = Qnn_OpConfig_t::v1(c"fc".as_ptr(), QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(), QNN_OP_FULLY_CONNECTED.as_ptr(), &mut [], &mut inputs, &mut outputs);
+    unsafe {
+        check(lib, f.graphAddNode.unwrap()(graph, op), "graphAddNode");
+        let rc = f.graphFinalize.unwrap()(graph, null_mut(), null_mut());
+        if rc != QNN_SUCCESS {
+            return Err(Refused("graphFinalize", lib.error_message(rc)));
+        }
+    }
+    // Inputs and outputs as bytes of their element size.
+    let mut xin: Vec<u8> = match act {
+        QNN_DATATYPE_UFIXED_POINT_16 => xq.iter().flat_map(|&v| (v as u16).to_le_bytes()).collect(),
+        _ => xq.iter().map(|&v| v as u8).collect(),
+    };
+    let out_bytes = match out { QNN_DATATYPE_FLOAT_32 => 4, QNN_DATATYPE_UFIXED_POINT_16 => 2, _ => 1 };
+    let mut y = vec![0u8; M * N * out_bytes];
+    let exec_in = [Qnn_Tensor_t::for_execute(tx.id(), Qnn_ClientBuffer_t::from_slice(&mut xin))];
+    let mut exec_out = [Qnn_Tensor_t::for_execute(ty.id(), Qnn_ClientBuffer_t::from_slice(&mut y))];
+    let rc = execute(lib, graph, &exec_in, &mut exec_out, null_mut());
+    if rc != QNN_SUCCESS {
+        return Err(Refused("graphExecute", lib.error_message(rc)));
+    }
+    let got = match out_bytes {
+        4 => y.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
+        2 => y.chunks(2).map(|b| (u16::from_le_bytes([b[0], b[1]]) as i64 - o_zero) as f32 * sy).collect(),
+        _ => y.iter().map(|&q| (q as i64 - o_zero) as f32 * sy).collect(),
+    };
+    Ok((got, want, if out == QNN_DATATYPE_FLOAT_32 { 0.0 } else { sy }))
+}
+
+/// Largest |got - want| in output steps (`step` 0: relative to the largest |want|).
+fn steps_off((got, want, step): &(Vec<f32>, Vec<f32>, f32)) -> f32 {
+    let unit = if *step > 0.0 { *step } else { want.iter().fold(0f32, |a, v| a.max(v.abs())) };
+    let off = got.iter().zip(want).fold(0f32, |a, (g, w)| a.max((g - w).abs())) / unit;
+    eprintln!("fc_weight_encodings: {off} steps off (step {step})");
+    off
+}
+
+/// What FullyConnected weights finer than INT8 per channel the HTP takes (measured on this
+/// library, SoC SM8650; `docs/npu_weights.md`). LPBQ (BLOCKWISE_EXPANSION) is 4-bit values in an
+/// 8-bit container times 4-bit block scales: the HTP expands them into 8-bit weights (4 + 4
+/// bits), so every LPBQ weight is an INT8 per-channel weight too; it saves bytes, never error.
+/// 8-bit values, or wider block scales, do not fit the expansion: wrong values, or refused. 16-bit
+/// weights run, one scale per tensor (per channel only into a quantized output). The same on
+/// SM8650 (v75) and SM8750 (v79).
+#[test]
+fn fc_weight_encodings() {
+    let Some(lib) = lib() else { return };
+    let _serial = RUNTIME_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    for soc in [QNN_SOC_MODEL_SM8650, QNN_SOC_MODEL_SM8750] {
+        eprintln!("fc_weight_encodings on SoC {soc}");
+        fc_weight_encodings_on(lib, soc);
+    }
+}
+
+fn fc_weight_encodings_on(lib: &'static QnnLibrary, soc: u32) {
+    let (u8_, u16_, f32_) = (QNN_DATATYPE_UFIXED_POINT_8, QNN_DATATYPE_UFIXED_POINT_16, QNN_DATATYPE_FLOAT_32);
+    let lpbq = |bits, packed, scale_bits| WeightEnc::Blockwise { bits, packed, scale_bits };
+    let ok = |enc, act, out| run_fc(lib, soc, enc, act, out).unwrap_or_else(|e| panic!("{enc:?} {act:#x} -> {out:#x}: {e:?}"));
+    let refused = |enc, act, out, at: &str| match run_fc(lib, soc, enc, act, out) {
+        Err(Refused(stage, msg)) => assert_eq!(stage, at, "{enc:?} {act:#x} -> {out:#x}: {msg}"),
+        Ok(r) => panic!("{enc:?} {act:#x} -> {out:#x} ran ({} steps off): the library changed", steps_off(&r)),
+    };
+
+    // LPBQ, 4-bit values and 4-bit block scales: W4A8 and W4A16 within one output step.
+    for (act, out) in [(u8_, u8_), (u16_, u16_)] {
+        let off = steps_off(&ok(lpbq(4, false, 4), act, out));
+        assert!(off <= 1.0, "W4 LPBQ {act:#x}: {off} steps off");
+    }
+    // ... not into an F32 output (as per-channel weights: "could not create op"), not packed.
+    refused(lpbq(4, false, 4), u8_, f32_, "graphFinalize");
+    refused(lpbq(4, true, 4), u16_, u16_, "tensorCreateGraphTensor");
+    // 8-bit values, or 8-bit block scales, overflow the 8-bit expansion: they run, wrongly.
+    for enc in [lpbq(8, false, 4), lpbq(4, false, 8)] {
+        let off = steps_off(&ok(enc, u8_, u8_));
+        assert!(off > 10.0, "{enc:?} now within {off} steps: the HTP expands wider than 8 bits");
+    }
+    refused(lpbq(4, false, 12), u16_, u16_, "graphFinalize");
+
+    // 16-bit weights: per tensor into F32 (exact up to f32 rounding) or u16 from u8 inputs
+    // (within one step); u16 x u16 into u16 is off by about 11 steps of 2^-16 (2^-12.5 of the
+    // range, as if accumulated in lower precision), bounded here at 32.
+    let int16 = |per_channel| WeightEnc::Int16 { per_channel };
+    assert!(steps_off(&ok(int16(false), u16_, f32_)) < 1e-5);
+    assert!(steps_off(&ok(int16(false), u8_, u16_)) <= 1.0);
+    let off = steps_off(&ok(int16(true), u16_, u16_));
+    assert!(off <= 32.0, "W16A16 per channel: {off} steps of 2^-16 off");
+    refused(int16(true), u16_, f32_, "graphFinalize");
 }
