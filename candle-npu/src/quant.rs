@@ -34,6 +34,94 @@ pub fn quantize_weight_i8_per_channel(w: &[f32], n: usize, k: usize) -> (Vec<i8>
     crate::kernels::rows::quantize_rows_i8(w, k)
 }
 
+/// A weight `[N, K]` in QNN's LPBQ form ("low-power block quantization", BLOCKWISE_EXPANSION):
+/// `w[n, k] ~= values[n, k] * block_scales[n, k / block] * channel_scales[n]`, with 4-bit
+/// `values` in [-8, 7] and 4-bit block scales in 1..=15.
+///
+/// The HTP runs it by expanding `value * block_scale` into an 8-bit weight (at most 120 in
+/// magnitude) under the channel's scale, and takes no wider form: 8-bit values or wider block
+/// scales give wrong results or are refused (`fc_weight_encodings` in qnn-sys' tests,
+/// `docs/npu_weights.md`). So every LPBQ weight is also an INT8 per-channel weight
+/// ([`Lpbq::expand`]): LPBQ halves the bytes and never has less error than
+/// [`quantize_weight_i8_per_channel`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lpbq {
+    /// Inputs per block (a divisor of `K`).
+    pub block: usize,
+    /// `[N, K]`, each in [-8, 7].
+    pub values: Vec<i8>,
+    /// `[N, K / block]`, each in 1..=15.
+    pub block_scales: Vec<u8>,
+    /// `[N]`.
+    pub channel_scales: Vec<f32>,
+}
+
+impl Lpbq {
+    /// The INT8 per-channel weight the HTP computes with: `values * block_scales` under
+    /// `channel_scales`.
+    pub fn expand(&self) -> Vec<i8> {
+        let k = self.values.len() / self.channel_scales.len().max(1);
+        let blocks = k / self.block;
+        self.values
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| v * self.block_scales[(i / k) * blocks + (i % k) / self.block] as i8)
+            .collect()
+    }
+
+    /// The float weight it stands for.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let k = self.values.len() / self.channel_scales.len().max(1);
+        self.expand().iter().enumerate().map(|(i, &q)| q as f32 * self.channel_scales[i / k]).collect()
+    }
+}
+
+/// LPBQ quantization of a weight `[N, K]` over blocks of `block` inputs. Each row's channel scale
+/// is its largest block step over 15; each block's scale is the one of the integers around its
+/// own step (`absmax / 7`) that gives the block the least squared error.
+pub fn quantize_weight_lpbq(w: &[f32], n: usize, k: usize, block: usize) -> Result<Lpbq> {
+    if w.len() != n * k || block == 0 || k % block != 0 {
+        return Err(Error::Input(format!(
+            "LPBQ: a weight of {} values as [{n}, {k}] in blocks of {block} (K must be whole blocks)",
+            w.len()
+        )));
+    }
+    let blocks = k / block;
+    let mut out = Lpbq { block, values: vec![0; n * k], block_scales: vec![1; n * blocks], channel_scales: vec![1.0; n] };
+    let q = |v: f32, step: f32| (v / step).round().clamp(-8.0, 7.0);
+    for (r, row) in w.chunks(k).enumerate() {
+        let steps: Vec<f32> = row.chunks(block).map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())) / 7.0).collect();
+        let c = steps.iter().fold(0f32, |a, &v| a.max(v)) / 15.0;
+        if c == 0.0 || !c.is_finite() {
+            continue; // a zero row (values 0), or non-finite weights left for the caller's checks
+        }
+        out.channel_scales[r] = c;
+        for (b, vals) in row.chunks(block).enumerate() {
+            let ideal = steps[b] / c;
+            let err = |s: f32| vals.iter().map(|&v| (q(v, s * c) * s * c - v).powi(2)).sum::<f32>();
+            let s = [ideal.floor(), ideal.ceil(), ideal.ceil() + 1.0]
+                .map(|s| s.clamp(1.0, 15.0))
+                .into_iter()
+                .min_by(|a, b| err(*a).total_cmp(&err(*b)))
+                .unwrap_or(1.0);
+            out.block_scales[r * blocks + b] = s as u8;
+            for (i, &v) in vals.iter().enumerate() {
+                out.values[r * k + b * block + i] = q(v, s * c) as i8;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `sqrt(sum (approx - reference)^2 / sum reference^2)`: a weight conversion's error relative to
+/// the weight it converts (0 for a zero reference).
+pub fn relative_rms_error(reference: &[f32], approx: &[f32]) -> f64 {
+    let (e, r) = reference.iter().zip(approx).fold((0f64, 0f64), |(e, r), (&w, &a)| {
+        (e + ((a - w) as f64).powi(2), r + (w as f64).powi(2))
+    });
+    if r > 0.0 { (e / r).sqrt() } else { 0.0 }
+}
+
 /// How a point's clip range is chosen from calibration.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum ClipMethod {
@@ -519,6 +607,39 @@ mod tests {
             let (qr, sr) = quantize_weight_i8(row);
             assert_eq!((&q[r * k..(r + 1) * k], s[r]), (&qr[..], sr.scale), "row {r}");
         }
+    }
+
+    #[test]
+    fn lpbq_is_an_int8_per_channel_weight_with_4_bit_parts() {
+        let (n, k) = (6, 128);
+        // Rows whose blocks span a wide range of magnitudes (as a 4-bit file's blocks do).
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919 % 61) as f32 - 30.0) * 1e-3 * (1 + (i % k) / 32 * 5 + i / k) as f32)
+            .collect();
+        let l = quantize_weight_lpbq(&w, n, k, 32).unwrap();
+        assert!(l.values.iter().all(|&v| (-8..=7).contains(&v)));
+        assert!(l.block_scales.iter().all(|&s| (1..=15).contains(&s)));
+        let expanded = l.expand();
+        assert!(expanded.iter().all(|&q| q.unsigned_abs() <= 120), "expansion leaves 8 bits");
+        // What the HTP computes: the expanded INT8 values under the channel scales.
+        let via_int8: Vec<f32> = expanded.iter().enumerate().map(|(i, &q)| q as f32 * l.channel_scales[i / k]).collect();
+        assert_eq!(via_int8, l.dequantize());
+        // 4-bit values: far coarser than INT8 per channel, bounded by half a block step.
+        let (q8, s8) = quantize_weight_i8_per_channel(&w, n, k);
+        let int8: Vec<f32> = q8.iter().enumerate().map(|(i, &q)| q as f32 * s8[i / k]).collect();
+        let (e4, e8) = (relative_rms_error(&w, &l.dequantize()), relative_rms_error(&w, &int8));
+        assert!(e4 > 2.0 * e8 && e4 < 0.2, "LPBQ error {e4}, INT8 per channel {e8}");
+        for (i, (&a, &b)) in w.iter().zip(&l.dequantize()).enumerate() {
+            let step = l.block_scales[(i / k) * (k / 32) + (i % k) / 32] as f32 * l.channel_scales[i / k];
+            assert!((a - b).abs() <= 0.5 * step + 1e-6 || a.abs() > 7.0 * step, "value {i}: {a} -> {b}");
+        }
+    }
+
+    #[test]
+    fn lpbq_refuses_partial_blocks_and_keeps_zero_rows() {
+        assert!(quantize_weight_lpbq(&[0.0; 2 * 48], 2, 48, 32).is_err());
+        let l = quantize_weight_lpbq(&[0.0; 64], 1, 64, 32).unwrap();
+        assert!(l.values.iter().all(|&v| v == 0) && l.dequantize().iter().all(|&v| v == 0.0));
     }
 
     #[test]
