@@ -60,6 +60,8 @@ fn main() -> Result<()> {
         let content = gguf_file::Content::read(&mut f).with_context(|| format!("reading {}", path.display()))?;
         // Per source format: squared error of each form, squared weight, values, file bytes.
         let mut by_format: std::collections::BTreeMap<String, (Vec<f64>, f64, usize, usize)> = Default::default();
+        // Per role (attn_q, ffn_down, ...): the same sums, to see which linears INT8 serves worst.
+        let mut by_role: std::collections::BTreeMap<String, (Vec<f64>, f64, usize, usize)> = Default::default();
         for (name, info) in &content.tensor_infos {
             if !name.starts_with("blk.") || !name.ends_with(".weight") || info.shape.dims().len() != 2 {
                 continue;
@@ -78,14 +80,18 @@ fn main() -> Result<()> {
                 grid(&w, 32, 127.0),
                 grid(&w, w.len(), 32767.0),
             ];
-            let e = by_format.entry(format!("{:?}", info.ggml_dtype)).or_insert((vec![0.0; forms.len()], 0.0, 0, 0));
             let norm: f64 = w.iter().map(|&v| (v as f64).powi(2)).sum();
-            for (acc, form) in e.0.iter_mut().zip(&forms) {
-                *acc += relative_rms_error(&w, form).powi(2) * norm;
+            let errs: Vec<f64> = forms.iter().map(|form| relative_rms_error(&w, form).powi(2) * norm).collect();
+            let role = name.split('.').nth(2).unwrap_or(name).to_string();
+            for e in [
+                by_format.entry(format!("{:?}", info.ggml_dtype)).or_insert((vec![0.0; forms.len()], 0.0, 0, 0)),
+                by_role.entry(role).or_insert((vec![0.0; forms.len()], 0.0, 0, 0)),
+            ] {
+                e.0.iter_mut().zip(&errs).for_each(|(acc, x)| *acc += x);
+                e.1 += norm;
+                e.2 += w.len();
+                e.3 += file_bytes;
             }
-            e.1 += norm;
-            e.2 += w.len();
-            e.3 += file_bytes;
         }
         println!("\n{}: relative RMS error against the file's dequantized weights, per source format", path.display());
         print!("| form | bits per weight |");
@@ -108,6 +114,12 @@ fn main() -> Result<()> {
                 }
             }
             println!();
+        }
+        println!("\n{}: per linear role, INT8 per channel against Q8_0's grid", path.display());
+        println!("| role | M weights | INT8 per channel | INT8, blocks of 32 | ratio | INT16 per tensor |\n|---|---|---|---|---|---|");
+        for (role, (errs, norm, values, _)) in &by_role {
+            let e = |i: usize| (errs[i] / norm).sqrt();
+            println!("| {role} | {:.1} | {:.4} | {:.4} | {:.2} | {:.4} |", *values as f64 / 1e6, e(0), e(4), e(0) / e(4), e(5));
         }
     }
     Ok(())
