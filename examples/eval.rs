@@ -574,6 +574,11 @@ fn main() -> Result<()> {
         rows.push(suite.row("W8A8 per-channel weights, min/max, no shadow", &mut q, Path::Npu)?);
         q.model.set_profile(shadow.clone())?;
         rows.push(suite.row("shadow W8A8, unpruned", &mut q, Path::Npu)?);
+        // 4-bit NPU weights (issue 49): LPBQ, the only blockwise form the HTP takes, requantized
+        // from the file (docs/npu_weights.md), under the same activations.
+        let mut w4 = load(&model_path, &dev, Precision::W8A8, WeightQuant::Lpbq { block: 32 })?;
+        w4.model.set_profile(shadow.clone())?;
+        rows.push(suite.row("shadow W8A8, LPBQ 4-bit weights (blocks of 32)", &mut w4, Path::Npu)?);
     }
 
     // Shadow W8A8 on the HTP's numerics (the host executor in its HTP mode, proven against the

@@ -24,7 +24,7 @@ use crate::kernels::gemv::{BlockFormat, BlockMatrix};
 use crate::kernels::{prefetch, PackedI8};
 use crate::kernels::rows::{quantize_i8, rows_per_task, shadow_row};
 use crate::outlier::{Outliers, WeightSource};
-use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel};
+use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel, quantize_weight_lpbq};
 
 /// How the NPU weight is quantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -34,6 +34,15 @@ pub enum WeightQuant {
     PerChannel,
     /// One scale per tensor: the naive baseline, kept for comparison.
     PerTensor,
+    /// LPBQ: 4-bit values times 4-bit scales per `block` inputs, under a scale per channel
+    /// ([`crate::quant::Lpbq`]). The HTP expands it into INT8 per channel, so every executor
+    /// runs it as that INT8 weight; it measures the accuracy of 4-bit NPU weights
+    /// (`docs/npu_weights.md`). The INT8 values are held (they cannot be requantized from the
+    /// checkpoint's blocks row by row); decode still reads the checkpoint's blocks.
+    Lpbq {
+        /// Inputs per block scale (a divisor of every linear's input width).
+        block: usize,
+    },
 }
 
 /// Weight format of the CPU decode path.
@@ -100,8 +109,8 @@ impl Scales {
 const Q8_0_BLOCK: usize = 34;
 
 impl NpuWeight {
-    fn quantize(w: &[f32], n: usize, k: usize, weights: WeightQuant) -> (Vec<i8>, Scales) {
-        match weights {
+    fn quantize(w: &[f32], n: usize, k: usize, weights: WeightQuant) -> Result<(Vec<i8>, Scales)> {
+        Ok(match weights {
             WeightQuant::PerChannel => {
                 let (q, s) = quantize_weight_i8_per_channel(w, n, k);
                 (q, Scales::PerChannel(Arc::new(s)))
@@ -110,7 +119,11 @@ impl NpuWeight {
                 let (q, s) = quantize_weight_i8(w);
                 (q, Scales::PerTensor(s))
             }
-        }
+            WeightQuant::Lpbq { block } => {
+                let l = quantize_weight_lpbq(w, n, k, block)?;
+                (l.expand(), Scales::PerChannel(Arc::new(l.channel_scales)))
+            }
+        })
     }
 
     /// Columns `cs` of the INT8 weight, one after another (`cs.len()` x `N` values). The weight
@@ -347,7 +360,10 @@ impl ShadowLinear {
         if let Some(i) = bias.iter().flatten().position(|v| !v.is_finite()) {
             return Err(Error::Input(format!("{name}: bias has a non-finite value at [{i}]")));
         }
-        let (q, scales) = NpuWeight::quantize(&data, n, k, weights);
+        let (q, scales) = NpuWeight::quantize(&data, n, k, weights).map_err(|e| match e {
+            Error::Input(m) => Error::Input(format!("{name}: {m}")),
+            e => e,
+        })?;
         let row_scales: Vec<f32> = (0..n).map(|r| scales.row(r)).collect();
         let checkpoint = match decode {
             DecodeWeights::Checkpoint => {
@@ -360,6 +376,7 @@ impl ShadowLinear {
             _ => None,
         };
         let (int8, decode) = match (decode, checkpoint) {
+            (_, Some(b)) if matches!(weights, WeightQuant::Lpbq { .. }) => (Int8::Raw(Arc::new(q)), DecodeMatrix::Blocks(b)),
             (_, Some(b)) => {
                 // The INT8 values are dropped and taken from the blocks when needed: they must be
                 // the blocks' values requantized. Spot-checked (each row's first and last 32
@@ -673,7 +690,7 @@ mod tests {
         let src = weight(n, k);
         for wq in [WeightQuant::PerChannel, WeightQuant::PerTensor] {
             let lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Q8_0).unwrap();
-            let (want, scales) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq);
+            let (want, scales) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq).unwrap();
             assert!(matches!(lin.npu.int8, Int8::Q8_0(_)), "K = 64 is whole blocks");
             assert_eq!(*lin.npu.values().unwrap(), want);
             // Decode multiplies by those values times the f16-rounded channel scale.
@@ -732,7 +749,7 @@ mod tests {
                 let src = block_source(format, n, k, false);
                 let lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Checkpoint).unwrap();
                 assert!(matches!(lin.npu.int8, Int8::Blocks(_)), "{format:?}");
-                let (want, _) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq);
+                let (want, _) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq).unwrap();
                 assert_eq!(*lin.npu.values().unwrap(), want, "{format:?} {wq:?}");
                 let cs = [0, 5, 31, 32, 200, 255];
                 let cols = lin.npu.columns(&cs, n, k).unwrap();
@@ -749,6 +766,23 @@ mod tests {
         // Blocks that are not the matrix are refused, not run with two different weights.
         let err = ShadowLinear::new("l", block_source(BlockFormat::Q8_0, n, k, true), None, WeightQuant::PerChannel, DecodeWeights::Checkpoint).unwrap_err();
         assert!(matches!(&err, Error::Internal(m) if m.contains("at [0, 0]")), "{err}");
+    }
+
+    #[test]
+    fn lpbq_weights_are_held_as_int8_and_decode_keeps_the_blocks() {
+        // LPBQ cannot be requantized from the blocks row by row: its INT8 values are held, they
+        // are the LPBQ weight expanded, and decode still reads the checkpoint's blocks.
+        let (n, k) = (70, 256);
+        let src = block_source(BlockFormat::Q4_1, n, k, false);
+        let lin = ShadowLinear::new("l", src.clone(), None, WeightQuant::Lpbq { block: 32 }, DecodeWeights::Checkpoint).unwrap();
+        assert!(matches!(lin.npu.int8, Int8::Raw(_)));
+        let want = quantize_weight_lpbq(&src.matrix().unwrap(), n, k, 32).unwrap();
+        assert_eq!(*lin.npu.values().unwrap(), want.expand());
+        assert_eq!(lin.row_scales, want.channel_scales);
+        assert!(matches!(lin.decode(), DecodeMatrix::Blocks(_)));
+        // A block that does not divide the width is an input error naming the linear.
+        let err = ShadowLinear::new("l", weight(3, 40), None, WeightQuant::Lpbq { block: 32 }, DecodeWeights::Q8_0).unwrap_err();
+        assert!(matches!(&err, Error::Input(m) if m.starts_with("l: LPBQ")), "{err}");
     }
 
     #[test]
