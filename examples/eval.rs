@@ -86,6 +86,13 @@ struct Args {
     /// numerics.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     chat_calibration: Vec<usize>,
+    /// The chat section's prefills (`w8a8`, `float`, `htp`, `w8a16`, `htp-w8a16`, `residual`,
+    /// `htp-residual`).
+    #[arg(long, value_delimiter = ',', default_value = "w8a8,float,htp")]
+    chat_rows: Vec<String>,
+    /// The linears of the chat section's `residual` rows that hold INT8 plus an INT8 residual.
+    #[arg(long, value_delimiter = ',', default_value = "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down")]
+    chat_residual: Vec<String>,
     /// Write the chat section's rendered prompts and F32 answers here (JSON), for
     /// `scripts/chat_anchor.py`.
     #[arg(long)]
@@ -772,7 +779,7 @@ fn chat(args: &Args, model_path: &std::path::Path, f32p: &mut Pipeline, bar: &Pr
         let text = serde_json::to_string(&chat_section::dump(model_path, f32p, &convs, &refs)?)?;
         candle_npu::cache::write_atomic(path, |f| std::io::Write::write_all(f, text.as_bytes()))?;
     }
-    let rows = chat_section::rows(model_path, &profiles, &refs, f32p, bar)?;
+    let rows = chat_section::rows(model_path, &profiles, &refs, f32p, &args.chat_rows, &args.chat_residual, bar)?;
     bar.finish_and_clear();
     let summaries: Vec<_> = rows.iter().map(|r| r.summary(&convs)).collect();
     if args.json {

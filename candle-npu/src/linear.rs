@@ -18,7 +18,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::graph::{DType, Graph, Quant, StaticData, TensorId};
+use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorId};
 use crate::device::PreparedGraph;
 use crate::kernels::gemv::{BlockFormat, BlockMatrix};
 use crate::kernels::{prefetch, PackedI8};
@@ -43,6 +43,32 @@ pub enum WeightQuant {
         /// Inputs per block scale (a divisor of every linear's input width).
         block: usize,
     },
+    /// INT8 per channel plus its rounding error as a second INT8 per-channel weight: two W8A8
+    /// FullyConnected ops summed (in graphs and in the shadow path). The HTP has no blockwise
+    /// INT8 (`docs/npu_weights.md`); this is about 127 times finer than INT8 per channel (the
+    /// error of INT16) at twice the bytes and MACs, on ops it runs at its INT8 rate and that
+    /// every executor already runs. For the linears where INT8 loses most (issue 46).
+    PerChannelResidual,
+}
+
+/// The second weight of [`WeightQuant::PerChannelResidual`]: the float weight less its INT8
+/// per-channel values, computed from the source when read (nothing held).
+struct ResidualSource(Arc<dyn WeightSource>);
+
+impl WeightSource for ResidualSource {
+    fn dims(&self) -> (usize, usize) {
+        self.0.dims()
+    }
+    fn matrix(&self) -> Result<Vec<f32>> {
+        let (n, k) = self.0.dims();
+        let mut w = self.0.matrix()?;
+        let (q, s) = quantize_weight_i8_per_channel(&w, n, k);
+        w.iter_mut().zip(&q).enumerate().for_each(|(i, (v, &q))| *v -= q as f32 * s[i / k]);
+        Ok(w)
+    }
+    fn describe(&self) -> String {
+        format!("the INT8 rounding error of {}", self.0.describe())
+    }
 }
 
 /// Weight format of the CPU decode path.
@@ -111,7 +137,7 @@ const Q8_0_BLOCK: usize = 34;
 impl NpuWeight {
     fn quantize(w: &[f32], n: usize, k: usize, weights: WeightQuant) -> Result<(Vec<i8>, Scales)> {
         Ok(match weights {
-            WeightQuant::PerChannel => {
+            WeightQuant::PerChannel | WeightQuant::PerChannelResidual => {
                 let (q, s) = quantize_weight_i8_per_channel(w, n, k);
                 (q, Scales::PerChannel(Arc::new(s)))
             }
@@ -325,6 +351,9 @@ pub struct ShadowLinear {
     /// The host executor's packed copy of the INT8 weight, while a prepared graph holds it
     /// ([`ShadowLinear::attach_packed`]): cold columns are read from it.
     packed: Mutex<Weak<PackedI8>>,
+    /// [`WeightQuant::PerChannelResidual`]'s second INT8 weight, as a linear of its own (no
+    /// bias, decode unused) whose graph output and outliers add to this one's.
+    residual: Option<Box<ShadowLinear>>,
 }
 
 impl std::fmt::Debug for ShadowLinear {
@@ -408,6 +437,16 @@ impl ShadowLinear {
             }
         };
         let npu = NpuWeight { int8, scales };
+        let residual = match weights {
+            WeightQuant::PerChannelResidual => Some(Box::new(ShadowLinear::new(
+                format!("{name}.residual"),
+                Arc::new(ResidualSource(source.clone())),
+                None,
+                WeightQuant::PerChannel,
+                DecodeWeights::Q8_0,
+            )?)),
+            _ => None,
+        };
         let bias_t = bias.as_ref().map(|b| Tensor::from_slice(b, n, &Device::Cpu)).transpose()?;
         Ok(ShadowLinear {
             name,
@@ -424,6 +463,7 @@ impl ShadowLinear {
             cold_reads: AtomicU64::new(0),
             npu_id: crate::graph::next_data_id(),
             packed: Mutex::new(Weak::new()),
+            residual,
         })
     }
 
@@ -452,7 +492,14 @@ impl ShadowLinear {
                 w
             }
         };
-        Ok(g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None))
+        let y = g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None);
+        Ok(match (&self.residual, g.tensor(x).dtype) {
+            (Some(r), dt) if dt != DType::F32 => {
+                let yr = r.add_to_graph(g, suffix, x)?;
+                g.binary(&format!("{}{suffix}.sum", self.name), y, yr, DType::F32, None, |a, b, output| Op::Add { a, b, output })
+            }
+            _ => y,
+        })
     }
 
     /// Reads cold columns from `graph`'s packed copy of this linear's INT8 weight while the graph
@@ -461,6 +508,9 @@ impl ShadowLinear {
     pub fn attach_packed(&self, graph: &PreparedGraph) {
         if let Some(p) = graph.packed_weight(self.npu_id) {
             *self.packed.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&p);
+        }
+        if let Some(r) = &self.residual {
+            r.attach_packed(graph);
         }
     }
 
@@ -479,12 +529,18 @@ impl ShadowLinear {
             }
         }
         self.hot = HotColumns { slot, cols: self.npu.columns(&unique, self.n, self.k)? };
+        if let Some(r) = &mut self.residual {
+            r.set_hot(channels)?;
+        }
         Ok(())
     }
 
     /// Run (true) or prune (false) this layer's shadow path.
     pub fn set_shadow(&mut self, on: bool) {
         self.shadow = on;
+        if let Some(r) = &mut self.residual {
+            r.set_shadow(on);
+        }
     }
     /// Whether [`Self::finish`] adds the outliers (see [`Self::set_shadow`]).
     pub fn shadow_enabled(&self) -> bool {
@@ -495,9 +551,11 @@ impl ShadowLinear {
     pub fn n_hot(&self) -> usize {
         self.hot.cols.len() / self.n.max(1)
     }
-    /// Bytes of the decode matmul's weight, and of the INT8 copy when decode has its own.
+    /// Bytes of the decode matmul's weight, and of the INT8 copy when decode has its own (with a
+    /// residual weight's INT8 blocks).
     pub fn decode_bytes(&self) -> usize {
-        self.decode.bytes()
+        self.residual.as_ref().map_or(0, |r| r.decode_bytes())
+            + self.decode.bytes()
             + match &self.npu.int8 {
             Int8::Q8_0(_) => 0,
             Int8::Raw(q) => q.len(),
@@ -518,7 +576,7 @@ impl ShadowLinear {
     }
     /// Bytes of the hot channels' contiguous columns.
     pub fn hot_bytes(&self) -> usize {
-        self.hot.cols.len()
+        self.residual.as_ref().map_or(0, |r| r.hot_bytes()) + self.hot.cols.len()
     }
     /// Bytes every column would take (the INT8 weight once more).
     pub fn all_columns_bytes(&self) -> usize {
@@ -532,6 +590,15 @@ impl ShadowLinear {
     /// Complete the NPU output `y` (`[rows, N]`, rows >= the outliers' rows): add the bias to
     /// every row and, unless pruned, the outliers times their float weight columns.
     pub fn finish(&self, outliers: &Outliers, y: &mut [f32]) -> Result<()> {
+        self.finish_own(outliers, y)?;
+        match &self.residual {
+            Some(r) => r.finish_own(outliers, y),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Self::finish`] by this weight alone (not its residual).
+    fn finish_own(&self, outliers: &Outliers, y: &mut [f32]) -> Result<()> {
         let n = self.n;
         if let Some(b) = &self.bias {
             y.chunks_exact_mut(n).for_each(|row| row.iter_mut().zip(b).for_each(|(v, b)| *v += b));
@@ -823,6 +890,47 @@ mod tests {
         lin.finish(&outliers, &mut from_weight).unwrap();
         assert!(lin.cold_reads() > 0 && from_packed != y, "the test must add cold outliers");
         assert_eq!(from_packed, from_weight);
+    }
+
+    #[test]
+    fn a_residual_weight_makes_graphs_and_outliers_about_int16_exact() {
+        use crate::graph::TensorData;
+        use crate::outlier::InputPoint;
+        let (m, n, k) = (9, 70, 64);
+        // One large weight per row: its channel's INT8 step is coarse for the others.
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * if i % k == 3 { 40.0 } else { 1.0 }).collect();
+        let src: Arc<dyn WeightSource> = Arc::new(InMemoryWeight { name: "w".into(), w: Arc::new(w.clone()), n, k });
+        let x: Vec<f32> = (0..m * k).map(|i| if i % 5 == 0 { 40.0 - (i % 80) as f32 } else { 0.01 * (i % 13) as f32 }).collect();
+        let p = InputPoint::new("p", -1.0, 1.0, k, &[1, 2]);
+        let (q, outliers) = p.quantize(&x, m);
+        // The input the NPU and the shadow path stand for: the u8 values, plus the outliers.
+        let mut xh: Vec<f32> = q.iter().map(|&v| (v as f32 + p.quant.offset as f32) * p.quant.scale).collect();
+        for r in 0..m {
+            outliers.row(r).for_each(|(c, v)| xh[r * k + c] += v);
+        }
+        let want: Vec<f32> = (0..m * n).map(|i| (0..k).map(|c| xh[i / n * k + c] * w[i % n * k + c]).sum()).collect();
+        let run = |wq| {
+            let mut lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Q8_0).unwrap();
+            lin.set_hot(&[1, 2]).unwrap();
+            let mut g = Graph::new("t");
+            let xi = g.input("x", &[m, k], DType::U8, Some(p.quant));
+            let y = lin.add_to_graph(&mut g, "", xi).unwrap();
+            g.mark_output(y);
+            let prepared = crate::NpuDevice::host().prepare(&g).unwrap();
+            lin.attach_packed(&prepared);
+            let TensorData::F32(mut y) = prepared.execute(&[&TensorData::U8(q.clone())]).unwrap().remove(0) else { panic!("F32 output") };
+            lin.finish(&outliers, &mut y).unwrap();
+            y.iter().zip(&want).fold(0f32, |a, (y, w)| a.max((y - w).abs()))
+        };
+        let (e8, e16) = (run(WeightQuant::PerChannel), run(WeightQuant::PerChannelResidual));
+        assert!(!outliers.is_empty() && e8 > 1e-2, "the test must show INT8's error: {e8}");
+        assert!(e16 < e8 / 50.0, "residual {e16} against INT8 per channel {e8}");
+        // A float graph takes the float weight alone.
+        let lin = ShadowLinear::new("l", src.clone(), None, WeightQuant::PerChannelResidual, DecodeWeights::Q8_0).unwrap();
+        let mut g = Graph::new("f");
+        let xi = g.input("x", &[m, k], DType::F32, None);
+        lin.add_to_graph(&mut g, "", xi).unwrap();
+        assert_eq!(g.ops.len(), 1);
     }
 
     #[test]

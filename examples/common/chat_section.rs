@@ -43,11 +43,22 @@ impl ChatRow {
     }
 }
 
-/// The prefills the chat section compares with F32: the host executor with each of `profiles`
-/// (W8A8 with shadow outliers); the first profile's INT8 weights with float activations, which
-/// tells the weights' share of the drift from the activations'; and the HTP's numerics with the
-/// first profile (padded chunks, as on a real NPU).
-pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, bar: &ProgressBar) -> Result<Vec<ChatRow>> {
+/// The prefills the chat section can compare with F32 (`--chat-rows`).
+pub const ROWS: [&str; 7] = ["w8a8", "float", "htp", "w8a16", "htp-w8a16", "residual", "htp-residual"];
+
+/// The prefills the chat section compares with F32, those of `which` (names of [`ROWS`]):
+/// `w8a8`, the host executor with each of `profiles` (W8A8 with shadow outliers); `float`, the
+/// first profile's INT8 weights with float activations, which tells the weights' share of the
+/// drift from the activations'; `htp`, the HTP's numerics with the first profile (padded
+/// chunks, as on a real NPU); `w8a16` and `htp-w8a16`, u16 activations over the first profile's
+/// full ranges (no shadow: the vendors' precision) on the host executor and on the HTP's numerics;
+/// `residual` and `htp-residual`, shadow W8A8 with the linears of `residual` holding INT8 plus an
+/// INT8 residual (`LoadOptions::residual`).
+pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, which: &[String], residual: &[String], bar: &ProgressBar) -> Result<Vec<ChatRow>> {
+    if let Some(bad) = which.iter().find(|w| !ROWS.contains(&w.as_str())) {
+        anyhow::bail!("unknown chat row '{bad}' (one of {})", ROWS.join(", "));
+    }
+    let on = |r: &str| which.iter().any(|w| w == r);
     let mut out = vec![];
     let mut run = |name: &str, p: &mut Pipeline| -> Result<()> {
         bar.reset();
@@ -63,19 +74,51 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
         out.push(ChatRow { name: name.to_string(), outcomes });
         Ok(())
     };
-    let mut q = Pipeline::load(model, None, &NpuDevice::host(), LoadOptions::default())?;
-    for (name, profile) in profiles {
-        q.model.set_profile(profile.clone())?;
-        run(&format!("host executor, shadow W8A8, {name}"), &mut q)?;
-    }
     let (name, first) = &profiles[0];
-    q.model.set_profile(float_activations(first))?;
-    run(&format!("INT8 weights, float activations ({name})"), &mut q)?;
-    drop(q);
-    let mut h = Pipeline::load(model, None, &NpuDevice::host_with(Numerics::Htp), LoadOptions::default())?;
-    h.model.set_profile(first.clone())?;
-    h.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() })?;
-    run(&format!("HTP numerics, shadow W8A8, {name}, padded chunks of {}", h.model.chunk_len()), &mut h)?;
+    if on("w8a8") || on("float") {
+        let mut q = Pipeline::load(model, None, &NpuDevice::host(), LoadOptions::default())?;
+        if on("w8a8") {
+            for (name, profile) in profiles {
+                q.model.set_profile(profile.clone())?;
+                run(&format!("host executor, shadow W8A8, {name}"), &mut q)?;
+            }
+        }
+        if on("float") {
+            q.model.set_profile(float_activations(first))?;
+            run(&format!("INT8 weights, float activations ({name})"), &mut q)?;
+        }
+    }
+    let padded = SchedOptions { tail: Tail::Pad, ..Default::default() };
+    if on("htp") {
+        let mut h = Pipeline::load(model, None, &NpuDevice::host_with(Numerics::Htp), LoadOptions::default())?;
+        h.model.set_profile(first.clone())?;
+        h.model.set_sched(padded.clone())?;
+        run(&format!("HTP numerics, shadow W8A8, {name}, padded chunks of {}", h.model.chunk_len()), &mut h)?;
+    }
+    let w8a16 = LoadOptions { precision: Precision::W8A16, ..Default::default() };
+    if on("w8a16") {
+        let mut q = Pipeline::load(model, None, &NpuDevice::host(), w8a16.clone())?;
+        q.model.set_profile(first.clone())?;
+        run(&format!("host executor, W8A16, {name}"), &mut q)?;
+    }
+    let wide = LoadOptions { residual: residual.to_vec(), ..Default::default() };
+    if on("residual") {
+        let mut q = Pipeline::load(model, None, &NpuDevice::host(), wide.clone())?;
+        q.model.set_profile(first.clone())?;
+        run(&format!("host executor, shadow W8A8, residual INT8 on {}, {name}", residual.join(",")), &mut q)?;
+    }
+    if on("htp-residual") {
+        let mut h = Pipeline::load(model, None, &NpuDevice::host_with(Numerics::Htp), wide)?;
+        h.model.set_profile(first.clone())?;
+        h.model.set_sched(padded.clone())?;
+        run(&format!("HTP numerics, shadow W8A8, residual INT8 on {}, {name}, padded chunks of {}", residual.join(","), h.model.chunk_len()), &mut h)?;
+    }
+    if on("htp-w8a16") {
+        let mut h = Pipeline::load(model, None, &NpuDevice::host_with(Numerics::Htp), w8a16)?;
+        h.model.set_profile(first.clone())?;
+        h.model.set_sched(padded)?;
+        run(&format!("HTP numerics, W8A16, {name}, padded chunks of {}", h.model.chunk_len()), &mut h)?;
+    }
     Ok(out)
 }
 

@@ -93,6 +93,11 @@ pub struct LoadOptions {
     pub decode_weights: DecodeWeights,
     /// How the NPU's INT8 weights are scaled (per output channel by default).
     pub weights: WeightQuant,
+    /// Linears (by their names in a layer: `attn_q`, `attn_k`, `attn_v`, `attn_output`,
+    /// `ffn_gate`, `ffn_up`, `ffn_down`) whose NPU weight is INT8 plus an INT8 residual
+    /// ([`WeightQuant::PerChannelResidual`]: about INT16's error, twice the bytes and MACs),
+    /// whatever `weights` says. Empty by default.
+    pub residual: Vec<String>,
     /// Rows of the NPU graphs a prompt is cut into (the chunk-sharing length), 1 up to the
     /// model's context: checked at load. `None`: [`default_chunk_len`] of the device, or the
     /// model's context where that is shorter. A smaller length pads less on short prompts, a larger one pays the NPU's
@@ -107,7 +112,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, chunk_len: None, sched: None, layers: None }
+        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, residual: vec![], chunk_len: None, sched: None, layers: None }
     }
 }
 
@@ -292,6 +297,10 @@ impl Model {
             (cfg.n_layer, model_id) = (n, format!("{model_id}-first-{n}-layers"));
             spec.layers.truncate(n);
         }
+        let roles: Vec<&str> = STAGES.iter().flat_map(|s| s.linears.iter().map(|l| l.name)).collect();
+        if let Some(bad) = opts.residual.iter().find(|r| !roles.contains(&r.as_str())) {
+            return Err(Error::Input(format!("residual weights for '{bad}': a layer's linears are {}", roles.join(", "))));
+        }
         // Before the weights are read and quantized, not after.
         let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or_else(|| default_chunk_len(&device).min(cfg.context_len)), cfg.context_len)?;
         let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device));
@@ -332,7 +341,11 @@ impl Model {
                     true => Some(vector(format!("{full}.bias"))?.to_vec1::<f32>()?),
                     false => None,
                 };
-                ShadowLinear::new(full, src, b, opts.weights, opts.decode_weights)
+                let weights = match opts.residual.iter().any(|r| r == def.name) {
+                    true => WeightQuant::PerChannelResidual,
+                    false => opts.weights,
+                };
+                ShadowLinear::new(full, src, b, weights, opts.decode_weights)
             };
             let stages = STAGES.iter().map(|s| s.linears.iter().map(lin).collect::<Result<Vec<_>>>()).collect::<Result<Vec<_>>>()?;
             let stages: [Vec<ShadowLinear>; N_STAGES] = stages.try_into().map_err(|_| Error::Internal("a stage list of another length".into()))?;
