@@ -634,3 +634,46 @@ fn unused_input() {
     assert!(v.len() == 64 && v.iter().all(|&y| (y - 0.5).abs() < 2e-3), "{v:?}");
     assert!(matches!(exec.execute(&[&a, &TensorData::U8(vec![0; 2])]).unwrap_err(), Error::BufferMismatch { .. }));
 }
+
+/// [`candle_npu::WeightQuant::PerChannelResidual`] on the library: a linear's INT8 weight plus its
+/// INT8 residual, two per-channel FullyConnected ops and an Add, as `ShadowLinear` builds them.
+/// The library agrees with the host and the HTP numerics model as for any FP16 float chain, and
+/// its output is far closer to the float weight's product than the INT8 weight alone gives.
+#[test]
+fn residual_int8_weights_on_the_library() {
+    use candle_npu::{DecodeWeights, InMemoryWeight, ShadowLinear, WeightQuant};
+    let Some(ex) = htp() else { return };
+    let (m, k, n) = (32, 576, 576);
+    let mut rng = StdRng::seed_from_u64(44);
+    // Rows spanning two decades, with one large weight each (a real model's outlier columns).
+    let w: Vec<f32> = (0..n * k)
+        .map(|i| rng.random_range(-0.05f32..0.05) * (1.0 + (i / k % 100) as f32) * if i % k == 7 { 30.0 } else { 1.0 })
+        .collect();
+    let src = Arc::new(InMemoryWeight { name: "w".into(), w: Arc::new(w.clone()), n, k });
+    let xq = Quant::u8_range(-2.0, 2.0);
+    let x: Vec<u8> = (0..m * k).map(|_| rng.random_range(0..=255u8)).collect();
+    let xf: Vec<f32> = x.iter().map(|&q| (q as f32 + xq.offset as f32) * xq.scale).collect();
+    let exact: Vec<f32> = (0..m * n).map(|i| (0..k).map(|c| xf[i / n * k + c] * w[i % n * k + c]).sum()).collect();
+    let mut errors = vec![];
+    for wq in [WeightQuant::PerChannel, WeightQuant::PerChannelResidual] {
+        let lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Q8_0).unwrap();
+        let mut g = Graph::new(format!("residual_{}", errors.len()));
+        let input = g.input("x", &[m, k], DType::U8, Some(xq));
+        let y = lin.add_to_graph(&mut g, "", input).unwrap();
+        g.mark_output(y);
+        // Two FP16 float steps (the channel-scale multiply, the Add): 2^-11 each, of the output.
+        conform(ex, &g, 3e-3);
+        let got = ex.prepare(&g).unwrap().execute(&[&TensorData::U8(x.clone())]).unwrap();
+        let TensorData::F32(y) = &got[0] else { panic!("F32 output") };
+        // The HTP numerics model (its FP16 Add included) reproduces the library's values.
+        let model = HostExecutor::with_numerics(Numerics::Htp).prepare(&g).unwrap().execute(&[&TensorData::U8(x.clone())]).unwrap();
+        let TensorData::F32(ym) = &model[0] else { panic!("F32 output") };
+        let (share, _) = fp16_agreement(y, ym, 0.0);
+        assert!(share >= 0.99, "{}: the model bit-exact on only {:.2}%", g.name, 100.0 * share);
+        errors.push(y.iter().zip(&exact).fold(0f32, |a, (p, q)| a.max((p - q).abs())));
+    }
+    let max = exact.iter().fold(0f32, |a, v| a.max(v.abs()));
+    eprintln!("library against the float weight: INT8 per channel {:e}, with its residual {:e} (of max {max:e})", errors[0], errors[1]);
+    // The residual leaves the FP16 rounding of the output (2^-11 of it), well under INT8's error.
+    assert!(errors[1] < errors[0] / 4.0, "residual {:e} against INT8 {:e}", errors[1], errors[0]);
+}

@@ -134,7 +134,7 @@ impl Executor for HostExecutor {
                 graph.tensors[weight.0].data = None;
             }
         }
-        Ok(Box::new(HostGraph { graph, steps }))
+        Ok(Box::new(HostGraph { graph, steps, htp: self.numerics == Numerics::Htp }))
     }
 }
 
@@ -161,6 +161,7 @@ enum Step {
 struct HostGraph {
     graph: Graph,
     steps: Vec<Step>,
+    htp: bool,
 }
 
 impl HostGraph {
@@ -302,6 +303,9 @@ impl HostGraph {
                     let y: Vec<f32> = match *op {
                         Op::Quantize { input, .. } | Op::Dequantize { input, .. } => f32_of(&vals, input.0),
                         Op::Sigmoid { input, .. } => f32_of(&vals, input.0).into_iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+                        Op::Add { a, b, .. } if self.htp && [a, b].iter().all(|t| g.tensors[t.0].dtype == DType::F32) && g.tensors[out].dtype == DType::F32 => {
+                            zip_with(f32_of(&vals, a.0), &f32_of(&vals, b.0), |x, y| htp_numerics::add_f32(x, y))
+                        }
                         Op::Add { a, b, .. } => zip_with(f32_of(&vals, a.0), &f32_of(&vals, b.0), |x, y| x + y),
                         Op::Mul { a, b, .. } => zip_with(f32_of(&vals, a.0), &f32_of(&vals, b.0), |x, y| x * y),
                         Op::MatMul { a, b, transpose_b, .. } => {
