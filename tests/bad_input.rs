@@ -55,6 +55,19 @@ fn the_undamaged_tiny_model_loads_and_runs() {
 }
 
 #[test]
+fn residual_weights_for_an_unknown_linear_are_refused_with_the_names() {
+    let dir = scratch("residual");
+    let path = write_gguf(&dir.join("m.gguf"), |_, _| {});
+    let with = |names: &[&str]| LoadOptions { residual: names.iter().map(|n| n.to_string()).collect(), ..float_opts() };
+    let open = || Arc::new(Gguf::open(&path).unwrap());
+    let msg = error_naming(families::load_gguf(open(), &NpuDevice::host(), with(&["attn_z"])), "residual weights for 'attn_z'", None);
+    assert!(msg.contains("attn_q") && msg.contains("ffn_down"), "the error lists the names: {msg}");
+    let mut m = families::load_gguf(open(), &NpuDevice::host(), with(&["attn_q", "ffn_down"])).unwrap();
+    assert!(m.prefill_chunked(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1::<f32>().unwrap().iter().all(|v| v.is_finite()));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn damaged_model_metadata_is_an_error_naming_it() {
     let dir = scratch("md");
     type Edit = fn(&mut Metadata, &mut Tensors);
