@@ -187,6 +187,10 @@ struct Args {
     /// Float prefill (no quantization), e.g. to compare against W8A8.
     #[arg(long)]
     f32_prefill: bool,
+    /// Linears whose NPU weight is INT8 plus an INT8 residual (about INT16's error, twice the
+    /// bytes and MACs; docs/npu_weights.md), e.g. `attn_q,attn_k,attn_v`.
+    #[arg(long, value_delimiter = ',')]
+    residual: Vec<String>,
     /// Weights of the CPU decode path (docs/memory.md, "Decode weights", has the measurements).
     #[arg(long, value_enum, default_value = "checkpoint")]
     decode_weights: DecodeFormat,
@@ -397,6 +401,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         },
         chunk_len,
         sched: Some(sched),
+        residual: args.residual.clone(),
         ..Default::default()
     };
     let t = Instant::now();

@@ -253,7 +253,17 @@ impl ExecutableGraph for HostGraph {
     /// Graphs of FullyConnected ops only (the model's stage graphs): each output row depends on
     /// its input row alone, and the kernels take the row count per call.
     fn any_rows(&self) -> bool {
-        self.steps.iter().all(|s| matches!(s, Step::Fc { .. }))
+        // FullyConnected ops, and Adds of two of their outputs (a residual weight's sum): every
+        // tensor then has the row count of the input.
+        let fc_outputs: Vec<usize> = self.steps.iter().filter_map(|s| match s {
+            Step::Fc { output, .. } => Some(*output),
+            _ => None,
+        }).collect();
+        self.steps.iter().all(|s| match s {
+            Step::Fc { .. } => true,
+            Step::Op(Op::Add { a, b, .. }) => fc_outputs.contains(&a.0) && fc_outputs.contains(&b.0),
+            Step::Op(_) => false,
+        })
     }
 
     fn packed_weight(&self, data_id: u64) -> Option<Arc<PackedI8>> {
@@ -265,7 +275,7 @@ impl ExecutableGraph for HostGraph {
 
     fn execute_rows(&self, inputs: &[&TensorData], rows: usize) -> Result<Vec<TensorData>> {
         if !self.any_rows() {
-            return Err(crate::Error::Input(format!("graph {}: only FullyConnected graphs run on any row count", self.graph.name)));
+            return Err(crate::Error::Input(format!("graph {}: only FullyConnected graphs (and sums of their outputs) run on any row count", self.graph.name)));
         }
         self.run(inputs, Some(rows))
     }
@@ -383,5 +393,35 @@ mod tests {
         // Without an identity nothing is cached.
         let _g = HostExecutor::new().prepare(&fc(4, &w, None)).unwrap();
         assert_eq!(holders(id), 0);
+    }
+
+    /// A residual weight's stage graph (two FullyConnected ops and the Add of their outputs)
+    /// runs on any row count, as a margin needs; an Add of anything else does not.
+    #[test]
+    fn sums_of_fully_connected_outputs_run_on_any_row_count() {
+        let w = Arc::new((0..8 * 16).map(|i| (i * 37 % 255) as i8).collect::<Vec<i8>>());
+        let sum_graph = |with_constant: bool| {
+            let mut g = Graph::new("sum.m8");
+            let x = g.input("x", &[8, 16], DType::U8, Some(Quant::u8_range(-1.0, 1.0)));
+            let w1 = g.constant_per_channel("w1", &[8, 16], w.clone(), Arc::new(vec![0.01; 8]));
+            let w2 = g.constant_per_channel("w2", &[8, 16], w.clone(), Arc::new(vec![0.0001; 8]));
+            let y1 = g.fully_connected("fc1", x, w1, None, DType::F32, None);
+            let y2 = match with_constant {
+                false => g.fully_connected("fc2", x, w2, None, DType::F32, None),
+                true => g.constant("c", &[8, 8], StaticData::F32(Arc::new(vec![1.0; 64])), None),
+            };
+            let y = g.binary("sum", y1, y2, DType::F32, None, |a, b, output| Op::Add { a, b, output });
+            g.mark_output(y);
+            HostExecutor::with_numerics(Numerics::Htp).prepare(&g).unwrap()
+        };
+        let g = sum_graph(false);
+        assert!(g.any_rows());
+        let x: Vec<u8> = (0..8 * 16).map(|i| (i * 11 % 256) as u8).collect();
+        let all = g.execute(&[&TensorData::U8(x.clone())]).unwrap();
+        let TensorData::F32(all) = &all[0] else { panic!("f32 output") };
+        assert_eq!(g.execute_rows(&[&TensorData::U8(x[..3 * 16].to_vec())], 3).unwrap()[0], TensorData::F32(all[..3 * 8].to_vec()));
+        let g = sum_graph(true);
+        assert!(!g.any_rows());
+        assert!(g.execute_rows(&[&TensorData::U8(x[..3 * 16].to_vec())], 3).is_err());
     }
 }

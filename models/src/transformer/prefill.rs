@@ -555,7 +555,11 @@ impl Model {
         }
         let set = if self.device.on_host() { GraphSet::Npu(plan.chunk_len) } else { GraphSet::Margin };
         let graphs = self.graphs_for(set, precision)?;
-        Ok(graphs.iter().flatten().all(PreparedGraph::any_rows).then_some(graphs))
+        if let Some(g) = graphs.iter().flatten().find(|g| !g.any_rows()) {
+            tracing::warn!(graph = g.name(), "a stage graph cannot run on any row count: margin rows run on the decode weights (not the NPU's arithmetic)");
+            return Ok(None);
+        }
+        Ok(Some(graphs))
     }
 
     pub(super) fn graphs_for(&mut self, set: GraphSet, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
