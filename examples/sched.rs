@@ -146,7 +146,13 @@ fn tail_on_the_phone() -> Result<()> {
 fn phone_projections() -> Result<()> {
     phone_projection_table("Snapdragon 8 Gen 3 model", Rates::SNAPDRAGON_8_GEN_3)?;
     println!();
-    phone_projection_table("Snapdragon 8 Gen 3 model, CPU rates from our kernels' llvm-mca estimates (model estimate)", Rates::SNAPDRAGON_8_GEN_3_KERNELS)
+    phone_projection_table("Snapdragon 8 Gen 3 model, CPU rates from our kernels' llvm-mca estimates (model estimate)", Rates::SNAPDRAGON_8_GEN_3_KERNELS)?;
+    println!();
+    // INT8 + residual weights on every linear (`LoadOptions::residual`): each linear is two INT8
+    // FullyConnected ops, i.e. the NPU's MACs per linear doubled. The shadow path's outliers
+    // times the second weight (CPU work) are not in this model.
+    let r = Rates::SNAPDRAGON_8_GEN_3;
+    phone_projection_table("Snapdragon 8 Gen 3 model with INT8 + residual weights on every linear (NPU MACs doubled; the shadow path's second weight not modelled)", Rates { npu_macs: r.npu_macs / 2.0, ..r })
 }
 
 fn phone_projection_table(title: &str, rates: Rates) -> Result<()> {
