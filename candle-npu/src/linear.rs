@@ -563,12 +563,14 @@ impl ShadowLinear {
         }
     }
     /// Bytes of INT8 values this linear holds apart from its decode weight (0 when they are
-    /// the decode weight's Q8_0 blocks or are requantized from the checkpoint's blocks).
+    /// the decode weight's Q8_0 blocks or are requantized from the checkpoint's blocks), a
+    /// residual weight's included.
     pub fn int8_bytes(&self) -> usize {
-        match &self.npu.int8 {
-            Int8::Raw(q) => q.len(),
-            Int8::Q8_0(_) | Int8::Blocks(_) => 0,
-        }
+        self.residual.as_ref().map_or(0, |r| r.decode_bytes())
+            + match &self.npu.int8 {
+                Int8::Raw(q) => q.len(),
+                Int8::Q8_0(_) | Int8::Blocks(_) => 0,
+            }
     }
     /// The decode weight.
     pub fn decode(&self) -> &DecodeMatrix {
