@@ -61,14 +61,18 @@ impl WeightSource for ResidualSource {
     }
     fn matrix(&self) -> Result<Vec<f32>> {
         let (n, k) = self.0.dims();
-        let mut w = self.0.matrix()?;
+        let w = self.0.matrix()?;
         let (q, s) = quantize_weight_i8_per_channel(&w, n, k);
-        w.iter_mut().zip(&q).enumerate().for_each(|(i, (v, &q))| *v -= q as f32 * s[i / k]);
-        Ok(w)
+        Ok(rounding_error(&w, &q, &s, k))
     }
     fn describe(&self) -> String {
         format!("the INT8 rounding error of {}", self.0.describe())
     }
+}
+
+/// `w` less its INT8 values `q` under the row scales `scales` (`[N, K]`, rows of `k`).
+fn rounding_error(w: &[f32], q: &[i8], scales: &[f32], k: usize) -> Vec<f32> {
+    w.iter().zip(q).enumerate().map(|(i, (&v, &q))| v - q as f32 * scales[i / k]).collect()
 }
 
 /// Weight format of the CPU decode path.
@@ -372,9 +376,20 @@ impl ShadowLinear {
         weights: WeightQuant,
         decode: DecodeWeights,
     ) -> Result<Self> {
-        let name = name.into();
-        let (n, k) = source.dims();
         let data = source.matrix()?;
+        Self::with_matrix(name.into(), source, data, bias, weights, decode)
+    }
+
+    /// [`Self::new`] with `source`'s matrix already read (`data`).
+    fn with_matrix(
+        name: String,
+        source: Arc<dyn WeightSource>,
+        data: Vec<f32>,
+        bias: Option<Vec<f32>>,
+        weights: WeightQuant,
+        decode: DecodeWeights,
+    ) -> Result<Self> {
+        let (n, k) = source.dims();
         if data.len() != n * k || n == 0 || k == 0 {
             return Err(Error::Input(format!("{name}: weight from {} has {} values, not [{n}, {k}]", source.describe(), data.len())));
         }
@@ -404,6 +419,9 @@ impl ShadowLinear {
             }
             _ => None,
         };
+        // The residual's weight, from the values at hand (its source would read and quantize the
+        // matrix again).
+        let residual_data = (weights == WeightQuant::PerChannelResidual).then(|| rounding_error(&data, &q, &row_scales, k));
         let (int8, decode) = match (decode, checkpoint) {
             (_, Some(b)) if matches!(weights, WeightQuant::Lpbq { .. }) => (Int8::Raw(Arc::new(q)), DecodeMatrix::Blocks(b)),
             (_, Some(b)) => {
@@ -437,15 +455,12 @@ impl ShadowLinear {
             }
         };
         let npu = NpuWeight { int8, scales };
-        let residual = match weights {
-            WeightQuant::PerChannelResidual => Some(Box::new(ShadowLinear::new(
-                format!("{name}.residual"),
-                Arc::new(ResidualSource(source.clone())),
-                None,
-                WeightQuant::PerChannel,
-                DecodeWeights::Q8_0,
-            )?)),
-            _ => None,
+        let residual = match residual_data {
+            Some(d) => {
+                let src = Arc::new(ResidualSource(source.clone()));
+                Some(Box::new(ShadowLinear::with_matrix(format!("{name}.residual"), src, d, None, WeightQuant::PerChannel, DecodeWeights::Q8_0)?))
+            }
+            None => None,
         };
         let bias_t = bias.as_ref().map(|b| Tensor::from_slice(b, n, &Device::Cpu)).transpose()?;
         Ok(ShadowLinear {
@@ -862,9 +877,22 @@ mod tests {
         assert_eq!(lin.forward(&Tensor::zeros((2, 40), candle_core::DType::F32, &Device::Cpu).unwrap()).unwrap().dims(), &[2, 3]);
     }
 
+    /// `lin`'s graph on u8 input `q` (rows of `k` under `quant`) on the host executor, its
+    /// packed weight attached: the prepared graph (its packed copy lives with it) and the output.
+    fn on_host(lin: &ShadowLinear, quant: Quant, q: Vec<u8>, k: usize) -> (PreparedGraph, Vec<f32>) {
+        use crate::graph::TensorData;
+        let mut g = Graph::new("t");
+        let xi = g.input("x", &[q.len() / k, k], DType::U8, Some(quant));
+        let y = lin.add_to_graph(&mut g, "", xi).unwrap();
+        g.mark_output(y);
+        let prepared = crate::NpuDevice::host().prepare(&g).unwrap();
+        lin.attach_packed(&prepared);
+        let TensorData::F32(y) = prepared.execute(&[&TensorData::U8(q)]).unwrap().remove(0) else { panic!("F32 output") };
+        (prepared, y)
+    }
+
     #[test]
     fn cold_columns_read_from_the_host_packed_copy_equal_the_weights() {
-        use crate::graph::TensorData;
         use crate::outlier::InputPoint;
         let (m, n, k) = (9, 70, 64);
         let lin = ShadowLinear::new("l", weight(n, k), None, WeightQuant::PerChannel, DecodeWeights::Q8_0).unwrap();
@@ -872,13 +900,7 @@ mod tests {
         let x: Vec<f32> = (0..m * k).map(|i| if i % 5 == 0 { 40.0 - (i % 80) as f32 } else { 0.01 * (i % 13) as f32 }).collect();
         let p = InputPoint::new("p", -1.0, 1.0, k, &[]);
         let (q, outliers) = p.quantize(&x, m);
-        let mut g = Graph::new("t");
-        let xi = g.input("x", &[m, k], DType::U8, Some(p.quant));
-        let y = lin.add_to_graph(&mut g, "", xi).unwrap();
-        g.mark_output(y);
-        let prepared = crate::NpuDevice::host().prepare(&g).unwrap();
-        lin.attach_packed(&prepared);
-        let TensorData::F32(y) = prepared.execute(&[&TensorData::U8(q)]).unwrap().remove(0) else { panic!("F32 output") };
+        let (prepared, y) = on_host(&lin, p.quant, q, k);
         // While the graph lives, its packed weight is where the columns come from; after, the
         // weight's own Q8_0 blocks.
         let with_packed = prepared.packed_weight(lin.npu_id).and_then(|w| w.columns(&[0])).is_some();
@@ -896,7 +918,6 @@ mod tests {
 
     #[test]
     fn a_residual_weight_makes_graphs_and_outliers_about_int16_exact() {
-        use crate::graph::TensorData;
         use crate::outlier::InputPoint;
         let (m, n, k) = (9, 70, 64);
         // One large weight per row: its channel's INT8 step is coarse for the others.
@@ -914,13 +935,7 @@ mod tests {
         let run = |wq| {
             let mut lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Q8_0).unwrap();
             lin.set_hot(&[1, 2]).unwrap();
-            let mut g = Graph::new("t");
-            let xi = g.input("x", &[m, k], DType::U8, Some(p.quant));
-            let y = lin.add_to_graph(&mut g, "", xi).unwrap();
-            g.mark_output(y);
-            let prepared = crate::NpuDevice::host().prepare(&g).unwrap();
-            lin.attach_packed(&prepared);
-            let TensorData::F32(mut y) = prepared.execute(&[&TensorData::U8(q.clone())]).unwrap().remove(0) else { panic!("F32 output") };
+            let (_graph, mut y) = on_host(&lin, p.quant, q.clone(), k);
             lin.finish(&outliers, &mut y).unwrap();
             y.iter().zip(&want).fold(0f32, |a, (y, w)| a.max((y - w).abs()))
         };
