@@ -88,36 +88,29 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
             run(&format!("INT8 weights, float activations ({name})"), &mut q)?;
         }
     }
-    let padded = SchedOptions { tail: Tail::Pad, ..Default::default() };
-    if on("htp") {
-        let mut h = Pipeline::load(model, None, &NpuDevice::host_with(Numerics::Htp), LoadOptions::default())?;
-        h.model.set_profile(first.clone())?;
-        h.model.set_sched(padded.clone())?;
-        run(&format!("HTP numerics, shadow W8A8, {name}, padded chunks of {}", h.model.chunk_len()), &mut h)?;
-    }
+    // Each of the other rows on a pipeline of its own, with the first profile; on the HTP's
+    // numerics, in padded chunks as on a real NPU.
     let w8a16 = LoadOptions { precision: Precision::W8A16, ..Default::default() };
-    if on("w8a16") {
-        let mut q = Pipeline::load(model, None, &NpuDevice::host(), w8a16.clone())?;
-        q.model.set_profile(first.clone())?;
-        run(&format!("host executor, W8A16, {name}"), &mut q)?;
-    }
     let wide = LoadOptions { residual: residual.to_vec(), ..Default::default() };
-    if on("residual") {
-        let mut q = Pipeline::load(model, None, &NpuDevice::host(), wide.clone())?;
-        q.model.set_profile(first.clone())?;
-        run(&format!("host executor, shadow W8A8, residual INT8 on {}, {name}", residual.join(",")), &mut q)?;
-    }
-    if on("htp-residual") {
-        let mut h = Pipeline::load(model, None, &NpuDevice::host_with(Numerics::Htp), wide)?;
-        h.model.set_profile(first.clone())?;
-        h.model.set_sched(padded.clone())?;
-        run(&format!("HTP numerics, shadow W8A8, residual INT8 on {}, {name}, padded chunks of {}", residual.join(","), h.model.chunk_len()), &mut h)?;
-    }
-    if on("htp-w8a16") {
-        let mut h = Pipeline::load(model, None, &NpuDevice::host_with(Numerics::Htp), w8a16)?;
-        h.model.set_profile(first.clone())?;
-        h.model.set_sched(padded)?;
-        run(&format!("HTP numerics, W8A16, {name}, padded chunks of {}", h.model.chunk_len()), &mut h)?;
+    let on_residual = residual.join(",");
+    let others = [
+        ("htp", Numerics::Htp, LoadOptions::default(), "HTP numerics, shadow W8A8".to_string()),
+        ("w8a16", Numerics::Exact, w8a16.clone(), "host executor, W8A16".to_string()),
+        ("residual", Numerics::Exact, wide.clone(), format!("host executor, shadow W8A8, residual INT8 on {on_residual}")),
+        ("htp-residual", Numerics::Htp, wide, format!("HTP numerics, shadow W8A8, residual INT8 on {on_residual}")),
+        ("htp-w8a16", Numerics::Htp, w8a16, "HTP numerics, W8A16".to_string()),
+    ];
+    for (_, numerics, opts, label) in others.into_iter().filter(|row| on(row.0)) {
+        let mut p = Pipeline::load(model, None, &NpuDevice::host_with(numerics), opts)?;
+        p.model.set_profile(first.clone())?;
+        let label = match numerics {
+            Numerics::Htp => {
+                p.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() })?;
+                format!("{label}, {name}, padded chunks of {}", p.model.chunk_len())
+            }
+            Numerics::Exact => format!("{label}, {name}"),
+        };
+        run(&label, &mut p)?;
     }
     Ok(out)
 }
