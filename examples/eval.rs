@@ -588,7 +588,7 @@ fn main() -> Result<()> {
         rows.push(suite.row("shadow W8A8, LPBQ 4-bit weights (blocks of 32)", &mut w4, Path::Npu)?);
         drop(w4);
         // INT8 plus an INT8 residual on every linear (issue 46's weight side, docs/npu_weights.md).
-        let all: Vec<String> = candle_npu_models::transformer::STAGES.iter().flat_map(|s| s.linears.iter().map(|l| l.name.to_string())).collect();
+        let all: Vec<String> = candle_npu_models::transformer::linear_names().map(String::from).collect();
         let mut wide = Pipeline::load(&model_path, None, &dev, LoadOptions { residual: all, ..Default::default() })?;
         wide.model.set_profile(shadow.clone())?;
         rows.push(suite.row("shadow W8A8, INT8 + residual weights on every linear", &mut wide, Path::Npu)?);

@@ -70,7 +70,7 @@ fn residual_weights_keep_the_issue_s_example_from_derailing() {
     let bob = chat_eval::conversations().unwrap().into_iter().find(|c| c.id == "intro-bob-tokyo").expect("the issue's example");
     let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Checkpoint);
     let r = chat_eval::reference(&mut f32p, &bob).unwrap();
-    let residual: Vec<String> = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"].map(String::from).to_vec();
+    let residual: Vec<String> = candle_npu_models::transformer::linear_names().map(String::from).collect();
     for (device, padded) in [(NpuDevice::host(), false), (NpuDevice::host_with(Numerics::Htp), true)] {
         let opts = LoadOptions { residual: residual.clone(), ..Default::default() };
         let mut p = Pipeline::load(&candle_npu_models::assets::smollm2(), None, &device, opts).unwrap();

@@ -58,7 +58,7 @@ mod stages;
 use prefill::GraphSet;
 pub use prefill::{prefill_dag, SchedOptions};
 pub use crate::generate::{argmax, logits_f32, mean_nll};
-pub use stages::{point, Dim, LinearDef, StageDef, N_STAGES, STAGES};
+pub use stages::{linear_names, point, Dim, LinearDef, StageDef, N_STAGES, STAGES};
 use stages::{DOWN, GATE_UP, O, QKV};
 
 /// Arithmetic of the NPU stages.
@@ -297,7 +297,7 @@ impl Model {
             (cfg.n_layer, model_id) = (n, format!("{model_id}-first-{n}-layers"));
             spec.layers.truncate(n);
         }
-        let roles: Vec<&str> = STAGES.iter().flat_map(|s| s.linears.iter().map(|l| l.name)).collect();
+        let roles: Vec<&str> = linear_names().collect();
         if let Some(bad) = opts.residual.iter().find(|r| !roles.contains(&r.as_str())) {
             return Err(Error::Input(format!("residual weights for '{bad}': a layer's linears are {}", roles.join(", "))));
         }

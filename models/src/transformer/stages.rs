@@ -90,6 +90,11 @@ pub const STAGES: &[StageDef] = &[
     StageDef { name: "down", cpu: "act", cpu_reads_kv: false, point: "ffn_down_in", linears: &[linear("ffn_down", Dim::Hidden, Dim::Ffn, false)] },
 ];
 
+/// The names of a layer's linears (`attn_q`, ..., `ffn_down`), in [`STAGES`]' order.
+pub fn linear_names() -> impl Iterator<Item = &'static str> {
+    STAGES.iter().flat_map(|s| s.linears.iter().map(|l| l.name))
+}
+
 /// NPU stages per layer (stage graphs per layer and graph size).
 pub const N_STAGES: usize = STAGES.len();
 
