@@ -220,31 +220,6 @@ mod tests {
         }
     }
 
-    /// The team's helpers take chunks (a loop of slow chunks is not all the caller's), and a
-    /// helper parked after a quiet spell wakes for the next loop.
-    #[test]
-    fn helpers_take_chunks_and_wake_after_parking() {
-        if rayon::current_num_threads() < 2 {
-            eprintln!("one thread here: no helper to check");
-            return;
-        }
-        for pause in [0, 5] {
-            // Longer than `Team::WARM`: the helpers are parked when the second loop comes.
-            std::thread::sleep(std::time::Duration::from_millis(pause));
-            let by_helper = AtomicU32::new(0);
-            // Up to a second of chunks (half that once a helper joins): time for a helper to be
-            // scheduled on a busy machine. 64 ms was not, once, under qemu with the other tests
-            // running on two cores.
-            for_each_chunk(500, 1, 1, &|_| {
-                std::thread::sleep(std::time::Duration::from_millis(2));
-                if std::thread::current().name().is_some_and(|n| n.starts_with("candle-npu-claim")) {
-                    by_helper.fetch_add(1, Ordering::Relaxed);
-                }
-            });
-            assert!(by_helper.load(Ordering::Relaxed) > 0, "after a pause of {pause} ms, no chunk ran on a helper");
-        }
-    }
-
     /// A chunk that panics, on a helper or on the caller, panics the caller with its message
     /// once the other chunks are done (not a hang, not an abort), and the team keeps working.
     #[test]
