@@ -93,6 +93,10 @@ struct Args {
     /// The linears of the chat section's `residual` rows that hold INT8 plus an INT8 residual.
     #[arg(long, value_delimiter = ',', default_value = "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down")]
     chat_residual: Vec<String>,
+    /// The chat section's `residual` row once per layer, with only that layer's linears of
+    /// `--chat-residual` holding the residual: which layers carry the INT8 weights' drift.
+    #[arg(long)]
+    chat_residual_by_layer: bool,
     /// Write the chat section's rendered prompts and F32 answers here (JSON), for
     /// `scripts/chat_anchor.py`.
     #[arg(long)]
@@ -785,7 +789,13 @@ fn chat(args: &Args, model_path: &std::path::Path, f32p: &mut Pipeline, bar: &Pr
         let text = serde_json::to_string(&chat_section::dump(model_path, f32p, &convs, &refs)?)?;
         candle_npu::cache::write_atomic(path, |f| std::io::Write::write_all(f, text.as_bytes()))?;
     }
-    let rows = chat_section::rows(model_path, &profiles, &refs, f32p, &args.chat_rows, &args.chat_residual, bar)?;
+    let mut rows = chat_section::rows(model_path, &profiles, &refs, f32p, &args.chat_rows, &args.chat_residual, bar)?;
+    if args.chat_residual_by_layer {
+        for l in 0..f32p.model.config().n_layer {
+            let one: Vec<String> = args.chat_residual.iter().map(|r| format!("blk.{l}.{r}")).collect();
+            rows.extend(chat_section::rows(model_path, &profiles, &refs, f32p, &["residual".into()], &one, bar)?);
+        }
+    }
     bar.finish_and_clear();
     let summaries: Vec<_> = rows.iter().map(|r| r.summary(&convs)).collect();
     if args.json {

@@ -62,7 +62,12 @@ fn residual_weights_for_an_unknown_linear_are_refused_with_the_names() {
     let open = || Arc::new(Gguf::open(&path).unwrap());
     let msg = error_naming(families::load_gguf(open(), &NpuDevice::host(), with(&["attn_z"])), "residual weights for 'attn_z'", None);
     assert!(msg.contains("attn_q") && msg.contains("ffn_down"), "the error lists the names: {msg}");
-    let mut m = families::load_gguf(open(), &NpuDevice::host(), with(&["attn_q", "ffn_down"])).unwrap();
+    // One layer's linear: a layer the model has, a linear a layer has.
+    let layers = families::load_gguf(open(), &NpuDevice::host(), float_opts()).unwrap().config().n_layer;
+    for bad in [format!("blk.{layers}.attn_q"), "blk.0.attn_z".into(), "blk.x.attn_q".into()] {
+        error_naming(families::load_gguf(open(), &NpuDevice::host(), with(&[&bad])), &format!("residual weights for '{bad}'"), None);
+    }
+    let mut m = families::load_gguf(open(), &NpuDevice::host(), with(&["attn_q", "blk.0.ffn_down"])).unwrap();
     assert!(m.prefill_chunked(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1::<f32>().unwrap().iter().all(|v| v.is_finite()));
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -188,7 +188,8 @@ struct Args {
     #[arg(long)]
     f32_prefill: bool,
     /// Linears whose NPU weight is INT8 plus an INT8 residual (about INT16's error, twice the
-    /// bytes and MACs; docs/npu_weights.md), e.g. `attn_q,attn_k,attn_v`.
+    /// bytes and MACs; docs/npu_weights.md), e.g. `attn_q,attn_k,attn_v` (in every layer) or
+    /// `blk.3.ffn_down` (one layer's).
     #[arg(long, value_delimiter = ',')]
     residual: Vec<String>,
     /// Weights of the CPU decode path (docs/memory.md, "Decode weights", has the measurements).

@@ -94,9 +94,9 @@ pub struct LoadOptions {
     /// How the NPU's INT8 weights are scaled (per output channel by default).
     pub weights: WeightQuant,
     /// Linears (by their names in a layer: `attn_q`, `attn_k`, `attn_v`, `attn_output`,
-    /// `ffn_gate`, `ffn_up`, `ffn_down`) whose NPU weight is INT8 plus an INT8 residual
-    /// ([`WeightQuant::PerChannelResidual`]: about INT16's error, twice the bytes and MACs),
-    /// whatever `weights` says. Empty by default.
+    /// `ffn_gate`, `ffn_up`, `ffn_down`: that linear in every layer; `blk.L.ffn_down`: layer L's)
+    /// whose NPU weight is INT8 plus an INT8 residual ([`WeightQuant::PerChannelResidual`]:
+    /// about INT16's error, twice the bytes and MACs), whatever `weights` says. Empty by default.
     pub residual: Vec<String>,
     /// Rows of the NPU graphs a prompt is cut into (the chunk-sharing length), 1 up to the
     /// model's context: checked at load. `None`: [`default_chunk_len`] of the device, or the
@@ -298,8 +298,17 @@ impl Model {
             spec.layers.truncate(n);
         }
         let roles: Vec<&str> = linear_names().collect();
-        if let Some(bad) = opts.residual.iter().find(|r| !roles.contains(&r.as_str())) {
-            return Err(Error::Input(format!("residual weights for '{bad}': a layer's linears are {}", roles.join(", "))));
+        // A role names that linear in every layer, `blk.L.role` the one of layer L.
+        let known = |r: &str| match r.strip_prefix("blk.").and_then(|r| r.split_once('.')) {
+            Some((l, role)) => l.parse::<usize>().is_ok_and(|l| l < cfg.n_layer) && roles.contains(&role),
+            None => roles.contains(&r),
+        };
+        if let Some(bad) = opts.residual.iter().find(|r| !known(r)) {
+            return Err(Error::Input(format!(
+                "residual weights for '{bad}': a layer's linears are {}, in every layer, or one layer's as blk.L.<linear> with L below {}",
+                roles.join(", "),
+                cfg.n_layer
+            )));
         }
         // Before the weights are read and quantized, not after.
         let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or_else(|| default_chunk_len(&device).min(cfg.context_len)), cfg.context_len)?;
@@ -341,7 +350,7 @@ impl Model {
                     true => Some(vector(format!("{full}.bias"))?.to_vec1::<f32>()?),
                     false => None,
                 };
-                let weights = match opts.residual.iter().any(|r| r == def.name) {
+                let weights = match opts.residual.iter().any(|r| r == def.name || *r == full) {
                     true => WeightQuant::PerChannelResidual,
                     false => opts.weights,
                 };
