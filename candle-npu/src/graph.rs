@@ -265,6 +265,15 @@ pub enum Op {
         /// Result, of the input's shape.
         output: TensorId,
     },
+    /// `exp(x - max) / sum(exp(x - max))` along the last axis: attention's weights from its
+    /// masked scores (a masked score is a large negative number, not -inf: on the HTP the
+    /// scores are FP16).
+    Softmax {
+        /// Operand, F32.
+        input: TensorId,
+        /// Result, F32, of the input's shape.
+        output: TensorId,
+    },
 }
 
 impl Op {
@@ -278,6 +287,7 @@ impl Op {
             Op::Add { .. } => "ElementWiseAdd",
             Op::Mul { .. } => "ElementWiseMultiply",
             Op::Sigmoid { .. } => "Sigmoid",
+            Op::Softmax { .. } => "Softmax",
         }
     }
 
@@ -290,7 +300,7 @@ impl Op {
                 v
             }
             Op::MatMul { a, b, .. } | Op::Add { a, b, .. } | Op::Mul { a, b, .. } => vec![a, b],
-            Op::Quantize { input, .. } | Op::Dequantize { input, .. } | Op::Sigmoid { input, .. } => {
+            Op::Quantize { input, .. } | Op::Dequantize { input, .. } | Op::Sigmoid { input, .. } | Op::Softmax { input, .. } => {
                 vec![input]
             }
         }
@@ -305,7 +315,8 @@ impl Op {
             | Op::Dequantize { output, .. }
             | Op::Add { output, .. }
             | Op::Mul { output, .. }
-            | Op::Sigmoid { output, .. } => output,
+            | Op::Sigmoid { output, .. }
+            | Op::Softmax { output, .. } => output,
         }
     }
 }
@@ -716,6 +727,14 @@ impl Graph {
                 Op::Sigmoid { input, .. } => {
                     if self.tensor(input).shape != out.shape {
                         return Err(self.invalid(op, "output shape must equal input shape"));
+                    }
+                }
+                Op::Softmax { input, .. } => {
+                    if self.tensor(input).shape != out.shape {
+                        return Err(self.invalid(op, "output shape must equal input shape"));
+                    }
+                    if self.tensor(input).dtype != DType::F32 || out.dtype != DType::F32 {
+                        return Err(self.invalid(op, "Softmax maps F32 to F32"));
                     }
                 }
             }

@@ -125,6 +125,9 @@ fn mul(a: TensorId, b: TensorId, output: TensorId) -> Op {
 fn sigmoid(input: TensorId, output: TensorId) -> Op {
     Op::Sigmoid { input, output }
 }
+fn softmax(input: TensorId, output: TensorId) -> Op {
+    Op::Softmax { input, output }
+}
 
 /// Prepares on both executors (the HTP one through its checked `prepare`, after asserting that
 /// `supports` accepts every op), runs both on the same seeded random inputs and compares.
@@ -368,6 +371,77 @@ fn elementwise_float() {
     conform(ex, &binary_graph("add_f32", DType::F32, DType::F32, DType::F32, (0.0, 0.0), add), 2e-3);
     conform(ex, &binary_graph("mul_f32", DType::F32, DType::F32, DType::F32, (0.0, 0.0), mul), 2e-3);
     conform(ex, &unary_graph("sigmoid_f32", DType::F32, DType::F32, (0.0, 0.0), sigmoid), 2e-3);
+    // Rows of 96 scores in ±4.5: weights up to about 0.12. The library's Softmax is not one
+    // FP16 rounding of the exact weights: measured 3.2e-3 of the largest weight at worst (a
+    // weight of 0.093 off by 3.8e-4, six FP16 steps), so its bound is its own, 5e-3; in a whole
+    // attention head that stays within the float chain's 1e-2 (the test below).
+    conform(ex, &unary_graph("softmax_f32", DType::F32, DType::F32, (0.0, 0.0), softmax), 5e-3);
+}
+
+/// One head's attention inside a graph, as issue 48 would put it on the NPU: a chunk's 32 query
+/// rows against a cache of fixed capacity (96 rows held before the chunk, the chunk's own 32,
+/// 64 free rows masked), scores, mask, softmax and the weighted sum in float, which the HTP runs
+/// in FP16. Against the f64 attention of the rows each query may see.
+#[test]
+fn attention_with_a_masked_cache_on_the_library() {
+    let Some(ex) = htp() else { return };
+    let (rows, held, cap, hd) = (32usize, 96usize, 192usize, 64usize);
+    let mut rng = StdRng::seed_from_u64(48);
+    let mut g = Graph::new("attention_head");
+    // The query pre-scaled by 1/sqrt(head_dim), as a q projection with the scale folded in gives it.
+    let q = g.input("q", &[rows, hd], DType::F32, None);
+    let k = g.input("k", &[cap, hd], DType::F32, None);
+    let v = g.input("v", &[cap, hd], DType::F32, None);
+    let mask = g.input("mask", &[rows, cap], DType::F32, None);
+    let scores = g.op("scores", DType::F32, None, |output| Op::MatMul { a: q, b: k, transpose_b: true, output }, &[rows, cap]);
+    let masked = g.binary("masked", scores, mask, DType::F32, None, add);
+    let weights = g.unary("weights", masked, DType::F32, None, softmax);
+    let out = g.op("out", DType::F32, None, |output| Op::MatMul { a: weights, b: v, transpose_b: false, output }, &[rows, hd]);
+    g.mark_output(out);
+    for op in &g.ops {
+        assert!(ex.supports(&g, op), "supports() rejects {}", op.name());
+    }
+    // Keys and values of a real layer's spread (|q.k| up to ~10 after scaling); the free rows
+    // hold garbage that the mask must keep out (a cache buffer is not cleared between prompts).
+    let normal = |rng: &mut StdRng, n: usize, sd: f32| -> Vec<f32> { (0..n).map(|_| sd * (rng.random::<f32>() + rng.random::<f32>() + rng.random::<f32>() - 1.5) * 2.0).collect() };
+    let qv = normal(&mut rng, rows * hd, 0.4);
+    let mut kv = normal(&mut rng, cap * hd, 1.0);
+    let mut vv = normal(&mut rng, cap * hd, 1.0);
+    for i in (held + rows) * hd..cap * hd {
+        (kv[i], vv[i]) = (1e3, -1e3);
+    }
+    // Row r (prompt position held + r) sees keys 0..=held + r. FP16's finite minimum bounds the
+    // mask: -inf plus a score is -inf, which the library's softmax need not take.
+    let visible = |r: usize, c: usize| c <= held + r;
+    let mv: Vec<f32> = (0..rows * cap).map(|i| if visible(i / cap, i % cap) { 0.0 } else { -30000.0 }).collect();
+    let inputs = [TensorData::F32(qv.clone()), TensorData::F32(kv.clone()), TensorData::F32(vv.clone()), TensorData::F32(mv)];
+    let refs: Vec<&TensorData> = inputs.iter().collect();
+    let exact: Vec<f64> = (0..rows)
+        .flat_map(|r| {
+            let s: Vec<f64> = (0..=held + r).map(|c| (0..hd).map(|d| qv[r * hd + d] as f64 * kv[c * hd + d] as f64).sum()).collect();
+            let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            let vv = &vv;
+            (0..hd).map(move |d| e.iter().enumerate().map(|(c, w)| w / sum * vv[c * hd + d] as f64).sum::<f64>())
+        })
+        .collect();
+    let scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let error = |got: &[TensorData]| -> (f64, f64) {
+        let TensorData::F32(y) = &got[0] else { panic!("F32 output") };
+        let max = y.iter().zip(&exact).fold(0f64, |m, (a, b)| m.max((*a as f64 - b).abs()));
+        let rms = (y.iter().zip(&exact).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>() / y.len() as f64).sqrt();
+        (max / scale, rms / scale)
+    };
+    let host = error(&HostExecutor::new().prepare(&g).unwrap().execute(&refs).unwrap());
+    let got = ex.prepare(&g).unwrap_or_else(|e| panic!("{e}")).execute(&refs).unwrap_or_else(|e| panic!("{e}"));
+    let lib = error(&got);
+    eprintln!("attention head against f64, of max |out| {scale:.3}: library max {:.2e} rms {:.2e}; host f32 max {:.2e} rms {:.2e}", lib.0, lib.1, host.0, host.1);
+    assert!(host.0 < 1e-5, "the host's f32 attention is off by {:e}", host.0);
+    // A float chain on FP16 (the scores, the weights, the sum: 2^-11 each, and 192 terms summed
+    // twice), so the issue's bound for a multi-op float chain: 1e-2 of the largest output. The
+    // masked rows' 1e3 garbage would show far beyond it.
+    assert!(lib.0 < 1e-2, "the library's attention is off by {:e} of the largest output", lib.0);
 }
 
 /// The engine's NPU stages (models' `layer_graphs`), at small sizes: QKV (three W8A8 FCs with

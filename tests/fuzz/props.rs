@@ -269,7 +269,7 @@ pub fn cache_case(dir: &Path, edit: &(Vec<(f64, u8)>, Option<f64>), reseal: bool
 }
 
 /// A valid graph of every op kind: F32 and W8A8 FullyConnected (with bias), MatMul, Quantize,
-/// Dequantize, Add, Mul, Sigmoid.
+/// Dequantize, Add, Mul, Sigmoid, Softmax.
 pub fn base_graph() -> Graph {
     let mut g = Graph::new("fuzz");
     let q = Quant::u8_range(-1.0, 1.0);
@@ -286,7 +286,8 @@ pub fn base_graph() -> Graph {
     let k = g.constant("k", &[5, 3], StaticData::F32(Arc::new(vec![0.2; 15])), None);
     let mm = g.op("mm", DType::F32, None, |output| Op::MatMul { a, b: k, transpose_b: true, output }, &[2, 5]);
     let d = g.op("d", DType::F32, None, |output| Op::Dequantize { input: xq, output }, &[2, 4]);
-    g.mark_output(mm);
+    let sm = g.op("sm", DType::F32, None, |output| Op::Softmax { input: mm, output }, &[2, 5]);
+    g.mark_output(sm);
     g.mark_output(d);
     g
 }
@@ -329,6 +330,7 @@ pub fn edited_graph(edits: &[GraphEdit]) -> Graph {
                     Op::Sigmoid { output, .. } | Op::Quantize { output, .. } | Op::Dequantize { output, .. } => {
                         Op::Sigmoid { input: TensorId(v), output }
                     }
+                    Op::Softmax { output, .. } => Op::Softmax { input: TensorId(v), output },
                 };
             }
             7 => g.inputs.push(TensorId(v)),

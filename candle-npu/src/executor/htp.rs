@@ -55,7 +55,7 @@
 //! ([`TensorSpec::channel_scales`]) AXIS_SCALE_OFFSET along axis 0 with offsets 0. Ops map to `qti.aisw` ops:
 //! FullyConnected (no `keep_dims` param), MatMul (`transpose_in0 = false`,
 //! `transpose_in1 = transpose_b`), Quantize, Dequantize, ElementWiseAdd, ElementWiseMultiply,
-//! Sigmoid.
+//! Sigmoid, Softmax (`axis` the last, `beta` 1).
 //!
 //! # What runs, and the lowering
 //!
@@ -707,7 +707,7 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
             }
         }
         Op::Quantize { output, .. } => is8(t(output).dtype),
-        Op::Dequantize { .. } | Op::Add { .. } | Op::Mul { .. } | Op::Sigmoid { .. } => true,
+        Op::Dequantize { .. } | Op::Add { .. } | Op::Mul { .. } | Op::Sigmoid { .. } | Op::Softmax { .. } => true,
     }
 }
 
@@ -1120,6 +1120,15 @@ impl Builder<'_> {
                 };
                 let mut ins = [self.ir(input)?];
                 self.node(base, ty, &mut [], &mut ins, &mut out)
+            }
+            Op::Softmax { input, .. } => {
+                let axis = out_spec.shape.len() as u32 - 1;
+                let mut params = [
+                    Qnn_Param_t::scalar(QNN_OP_PARAM_AXIS.as_ptr(), Qnn_Scalar_t::u32(axis)),
+                    Qnn_Param_t::scalar(QNN_OP_SOFTMAX_PARAM_BETA.as_ptr(), Qnn_Scalar_t::f32(1.0)),
+                ];
+                let mut ins = [self.ir(input)?];
+                self.node(base, QNN_OP_SOFTMAX, &mut params, &mut ins, &mut out)
             }
             Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
                 let ty = if matches!(op, Op::Add { .. }) { QNN_OP_ELEMENT_WISE_ADD } else { QNN_OP_ELEMENT_WISE_MULTIPLY };
