@@ -215,15 +215,16 @@ pub enum Op {
         /// Result `[M, N]`.
         output: TensorId,
     },
-    /// `out = a @ b` or `a @ b^T`, both dynamic.
+    /// `out = a @ b` or `a @ b^T`, both dynamic; rank 3 multiplies batch by batch (attention's
+    /// KV heads, each with its group's query rows stacked).
     MatMul {
-        /// Left operand `[M, K]`.
+        /// Left operand `[M, K]`, or `[B, M, K]`.
         a: TensorId,
-        /// Right operand: `[K, N]`, or `[N, K]` when `transpose_b`.
+        /// Right operand: `[K, N]`, or `[N, K]` when `transpose_b`; `[B, ..]` with a batched `a`.
         b: TensorId,
         /// Multiply by `b^T`: a row-major `[N, K]` operand is used without a transposed copy.
         transpose_b: bool,
-        /// Result `[M, N]`.
+        /// Result `[M, N]`, or `[B, M, N]`.
         output: TensorId,
     },
     /// F32 -> quantized.
@@ -701,11 +702,17 @@ impl Graph {
                 }
                 Op::MatMul { a, b, transpose_b, output } => {
                     let (a, b, o) = (self.tensor(a), self.tensor(b), self.tensor(output));
-                    if a.shape.len() != 2 || b.shape.len() != 2 {
-                        return Err(self.invalid(op, "expects rank-2 operands"));
+                    let rank = a.shape.len();
+                    if !(2..=3).contains(&rank) || b.shape.len() != rank {
+                        return Err(self.invalid(op, "expects operands of one rank, 2 or 3"));
                     }
-                    let (k, n) = if transpose_b { (b.shape[1], b.shape[0]) } else { (b.shape[0], b.shape[1]) };
-                    if a.shape[1] != k || o.shape != [a.shape[0], n] {
+                    let batch = &a.shape[..rank - 2];
+                    if b.shape[..rank - 2] != *batch {
+                        return Err(self.invalid(op, "batch dimensions differ"));
+                    }
+                    let (a2, b2) = (&a.shape[rank - 2..], &b.shape[rank - 2..]);
+                    let (k, n) = if transpose_b { (b2[1], b2[0]) } else { (b2[0], b2[1]) };
+                    if a2[1] != k || o.shape != [batch, &[a2[0], n]].concat() {
                         return Err(self.invalid(op, "inner dimensions differ"));
                     }
                 }
@@ -958,6 +965,32 @@ mod tests {
         assert!(g.validate().unwrap_err().to_string().contains("writes an input or a constant"));
         // Quantizing +inf under a negative offset saturates at the top, never wraps to the bottom.
         assert_eq!(quantize_one(f32::INFINITY, Quant { scale: 1.0, offset: -128 }, 0, 255), 255);
+    }
+
+    /// Batched MatMul: one batch dimension, equal on both operands and the output; a softmax
+    /// keeps its input's shape and F32.
+    #[test]
+    fn attention_ops_check_their_shapes() {
+        let graph = |a: &[usize], b: &[usize], out: &[usize], soft: DType| {
+            let mut g = Graph::new("t");
+            let (a, b) = (g.input("a", a, DType::F32, None), g.input("b", b, DType::F32, None));
+            let s = g.op("s", DType::F32, None, |output| Op::MatMul { a, b, transpose_b: true, output }, out);
+            let p = g.op("p", soft, Some(Quant::u8_range(0.0, 1.0)).filter(|_| soft != DType::F32), |output| Op::Softmax { input: s, output }, out);
+            g.mark_output(p);
+            g.validate().map(|_| ()).map_err(|e| e.to_string())
+        };
+        assert_eq!(graph(&[3, 8, 4], &[3, 5, 4], &[3, 8, 5], DType::F32), Ok(()));
+        assert_eq!(graph(&[8, 4], &[5, 4], &[8, 5], DType::F32), Ok(()));
+        for (a, b, out, soft, why) in [
+            (&[3, 8, 4][..], &[2, 5, 4][..], &[3, 8, 5][..], DType::F32, "batch dimensions differ"),
+            (&[3, 8, 4], &[5, 4], &[3, 8, 5], DType::F32, "of one rank, 2 or 3"),
+            (&[2, 3, 8, 4], &[2, 3, 5, 4], &[2, 3, 8, 5], DType::F32, "of one rank, 2 or 3"),
+            (&[3, 8, 4], &[3, 5, 4], &[8, 5], DType::F32, "inner dimensions differ"),
+            (&[3, 8, 4], &[3, 5, 4], &[3, 8, 5], DType::U8, "Softmax maps F32 to F32"),
+        ] {
+            let err = graph(a, b, out, soft).unwrap_err();
+            assert!(err.contains(why), "{a:?} x {b:?} -> {out:?}: {err}");
+        }
     }
 
     #[test]

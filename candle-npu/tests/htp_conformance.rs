@@ -378,25 +378,36 @@ fn elementwise_float() {
     conform(ex, &unary_graph("softmax_f32", DType::F32, DType::F32, (0.0, 0.0), softmax), 5e-3);
 }
 
-/// One head's attention inside a graph, as issue 48 would put it on the NPU: a chunk's 32 query
-/// rows against a cache of fixed capacity (96 rows held before the chunk, the chunk's own 32,
-/// 64 free rows masked), scores, mask, softmax and the weighted sum in float, which the HTP runs
-/// in FP16. Against the f64 attention of the rows each query may see.
+/// Attention inside a graph, as issue 48 would put it on the NPU: a chunk's 32 query rows against
+/// a cache of fixed capacity (96 rows held before the chunk, the chunk's own 32, 64 free rows
+/// masked), scores, mask, softmax and the weighted sum in float, which the HTP runs in FP16.
+/// One head, and SmolLM2's grouped heads (3 KV heads of 3 query heads each, a group's query rows
+/// stacked as one batch of the MatMul, as the CPU attention tiles them). Against the f64
+/// attention of the rows each query may see.
 #[test]
 fn attention_with_a_masked_cache_on_the_library() {
     let Some(ex) = htp() else { return };
+    for (kv_heads, group) in [(1usize, 1usize), (3, 3)] {
+        attention_on_the_library(ex, kv_heads, group);
+    }
+}
+
+fn attention_on_the_library(ex: &HtpExecutor, kv_heads: usize, group: usize) {
     let (rows, held, cap, hd) = (32usize, 96usize, 192usize, 64usize);
+    let stacked = group * rows;
     let mut rng = StdRng::seed_from_u64(48);
-    let mut g = Graph::new("attention_head");
-    // The query pre-scaled by 1/sqrt(head_dim), as a q projection with the scale folded in gives it.
-    let q = g.input("q", &[rows, hd], DType::F32, None);
-    let k = g.input("k", &[cap, hd], DType::F32, None);
-    let v = g.input("v", &[cap, hd], DType::F32, None);
-    let mask = g.input("mask", &[rows, cap], DType::F32, None);
-    let scores = g.op("scores", DType::F32, None, |output| Op::MatMul { a: q, b: k, transpose_b: true, output }, &[rows, cap]);
+    let mut g = Graph::new(format!("attention_{kv_heads}x{group}"));
+    // Query rows stacked per KV head (row j of batch b: query head b * group + j / rows, chunk
+    // row j % rows), pre-scaled by 1/sqrt(head_dim) as a q projection with the scale folded in
+    // gives them.
+    let q = g.input("q", &[kv_heads, stacked, hd], DType::F32, None);
+    let k = g.input("k", &[kv_heads, cap, hd], DType::F32, None);
+    let v = g.input("v", &[kv_heads, cap, hd], DType::F32, None);
+    let mask = g.input("mask", &[kv_heads, stacked, cap], DType::F32, None);
+    let scores = g.op("scores", DType::F32, None, |output| Op::MatMul { a: q, b: k, transpose_b: true, output }, &[kv_heads, stacked, cap]);
     let masked = g.binary("masked", scores, mask, DType::F32, None, add);
     let weights = g.unary("weights", masked, DType::F32, None, softmax);
-    let out = g.op("out", DType::F32, None, |output| Op::MatMul { a: weights, b: v, transpose_b: false, output }, &[rows, hd]);
+    let out = g.op("out", DType::F32, None, |output| Op::MatMul { a: weights, b: v, transpose_b: false, output }, &[kv_heads, stacked, hd]);
     g.mark_output(out);
     for op in &g.ops {
         assert!(ex.supports(&g, op), "supports() rejects {}", op.name());
@@ -404,26 +415,30 @@ fn attention_with_a_masked_cache_on_the_library() {
     // Keys and values of a real layer's spread (|q.k| up to ~10 after scaling); the free rows
     // hold garbage that the mask must keep out (a cache buffer is not cleared between prompts).
     let normal = |rng: &mut StdRng, n: usize, sd: f32| -> Vec<f32> { (0..n).map(|_| sd * (rng.random::<f32>() + rng.random::<f32>() + rng.random::<f32>() - 1.5) * 2.0).collect() };
-    let qv = normal(&mut rng, rows * hd, 0.4);
-    let mut kv = normal(&mut rng, cap * hd, 1.0);
-    let mut vv = normal(&mut rng, cap * hd, 1.0);
-    for i in (held + rows) * hd..cap * hd {
-        (kv[i], vv[i]) = (1e3, -1e3);
+    let qv = normal(&mut rng, kv_heads * stacked * hd, 0.4);
+    let mut kv = normal(&mut rng, kv_heads * cap * hd, 1.0);
+    let mut vv = normal(&mut rng, kv_heads * cap * hd, 1.0);
+    for b in 0..kv_heads {
+        for i in (b * cap + held + rows) * hd..(b + 1) * cap * hd {
+            (kv[i], vv[i]) = (1e3, -1e3);
+        }
     }
-    // Row r (prompt position held + r) sees keys 0..=held + r. FP16's finite minimum bounds the
-    // mask: -inf plus a score is -inf, which the library's softmax need not take.
-    let visible = |r: usize, c: usize| c <= held + r;
-    let mv: Vec<f32> = (0..rows * cap).map(|i| if visible(i / cap, i % cap) { 0.0 } else { -30000.0 }).collect();
+    // Chunk row r (prompt position held + r) sees keys 0..=held + r. FP16's finite range bounds
+    // the mask: -inf plus a score is -inf, which the library's softmax need not take.
+    let visible = |j: usize, c: usize| c <= held + j % rows;
+    let mv: Vec<f32> = (0..kv_heads * stacked * cap).map(|i| if visible(i / cap % stacked, i % cap) { 0.0 } else { -30000.0 }).collect();
     let inputs = [TensorData::F32(qv.clone()), TensorData::F32(kv.clone()), TensorData::F32(vv.clone()), TensorData::F32(mv)];
     let refs: Vec<&TensorData> = inputs.iter().collect();
-    let exact: Vec<f64> = (0..rows)
-        .flat_map(|r| {
-            let s: Vec<f64> = (0..=held + r).map(|c| (0..hd).map(|d| qv[r * hd + d] as f64 * kv[c * hd + d] as f64).sum()).collect();
+    let exact: Vec<f64> = (0..kv_heads * stacked)
+        .flat_map(|bj| {
+            let (b, j) = (bj / stacked, bj % stacked);
+            let key = |c: usize| &kv[(b * cap + c) * hd..][..hd];
+            let s: Vec<f64> = (0..=held + j % rows).map(|c| (0..hd).map(|d| qv[bj * hd + d] as f64 * key(c)[d] as f64).sum()).collect();
             let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
             let sum: f64 = e.iter().sum();
             let vv = &vv;
-            (0..hd).map(move |d| e.iter().enumerate().map(|(c, w)| w / sum * vv[c * hd + d] as f64).sum::<f64>())
+            (0..hd).map(move |d| e.iter().enumerate().map(|(c, w)| w / sum * vv[(b * cap + c) * hd + d] as f64).sum::<f64>())
         })
         .collect();
     let scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
@@ -436,12 +451,12 @@ fn attention_with_a_masked_cache_on_the_library() {
     let host = error(&HostExecutor::new().prepare(&g).unwrap().execute(&refs).unwrap());
     let got = ex.prepare(&g).unwrap_or_else(|e| panic!("{e}")).execute(&refs).unwrap_or_else(|e| panic!("{e}"));
     let lib = error(&got);
-    eprintln!("attention head against f64, of max |out| {scale:.3}: library max {:.2e} rms {:.2e}; host f32 max {:.2e} rms {:.2e}", lib.0, lib.1, host.0, host.1);
-    assert!(host.0 < 1e-5, "the host's f32 attention is off by {:e}", host.0);
+    eprintln!("{}: against f64, of max |out| {scale:.3}: library max {:.2e} rms {:.2e}; host f32 max {:.2e} rms {:.2e}", g.name, lib.0, lib.1, host.0, host.1);
+    assert!(host.0 < 1e-5, "{}: the host's f32 attention is off by {:e}", g.name, host.0);
     // A float chain on FP16 (the scores, the weights, the sum: 2^-11 each, and 192 terms summed
-    // twice), so the issue's bound for a multi-op float chain: 1e-2 of the largest output. The
-    // masked rows' 1e3 garbage would show far beyond it.
-    assert!(lib.0 < 1e-2, "the library's attention is off by {:e} of the largest output", lib.0);
+    // twice), so the bound of a multi-op float chain: 1e-2 of the largest output. The masked
+    // rows' 1e3 garbage would show far beyond it.
+    assert!(lib.0 < 1e-2, "{}: the library's attention is off by {:e} of the largest output", g.name, lib.0);
 }
 
 /// The engine's NPU stages (models' `layer_graphs`), at small sizes: QKV (three W8A8 FCs with

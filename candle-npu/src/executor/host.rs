@@ -325,8 +325,13 @@ impl HostGraph {
                         Op::Add { a, b, .. } => zip_with(f32_of(&vals, a.0), &f32_of(&vals, b.0), |x, y| x + y),
                         Op::Mul { a, b, .. } => zip_with(f32_of(&vals, a.0), &f32_of(&vals, b.0), |x, y| x * y),
                         Op::MatMul { a, b, transpose_b, .. } => {
+                            // Batch by batch (validated: one batch dimension at most, equal on both).
                             let (sa, so) = (&g.tensors[a.0].shape, &g.tensors[out].shape);
-                            matmul_f32(&f32_of(&vals, a.0), &f32_of(&vals, b.0), sa[0], sa[1], so[1], transpose_b)
+                            let r = sa.len();
+                            let (m, k, n) = (sa[r - 2], sa[r - 1], so[r - 1]);
+                            let (av, bv) = (f32_of(&vals, a.0), f32_of(&vals, b.0));
+                            let batches: usize = so[..r - 2].iter().product();
+                            (0..batches).flat_map(|i| matmul_f32(&av[i * m * k..][..m * k], &bv[i * k * n..][..k * n], m, k, n, transpose_b)).collect()
                         }
                         Op::FullyConnected { .. } => unreachable!("compiled into Step::Fc"),
                     };
