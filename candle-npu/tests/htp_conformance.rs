@@ -766,3 +766,64 @@ fn residual_int8_weights_on_the_library() {
     // The residual leaves the FP16 rounding of the output (2^-11 of it), well under INT8's error.
     assert!(errors[1] < errors[0] / 4.0, "residual {:e} against INT8 {:e}", errors[1], errors[0]);
 }
+
+/// RoPE inside a graph with the ops the HTP has: `x * cos + rotate(x) * sin`, where `rotate` is
+/// a FullyConnected with a constant matrix of ±1 (exact in FP16) that pairs each dimension with
+/// its partner: neighbours (GGUF's Llama layout) or halves (NeoX: Qwen, Gemma). The tables are
+/// graph inputs, one row per query or key row. Against the host's f32 and f64.
+#[test]
+fn rope_as_a_rotation_matrix_on_the_library() {
+    let Some(ex) = htp() else { return };
+    let (n, hd, theta) = (96usize, 64usize, 10000f64);
+    let mut rng = StdRng::seed_from_u64(49);
+    for neox in [false, true] {
+        // Dimension d's partner and the sign it takes: rotate(x)[d] = sign * x[partner].
+        let partner = |d: usize| -> (usize, f32) {
+            match neox {
+                false => (d ^ 1, if d % 2 == 0 { -1.0 } else { 1.0 }),
+                true => ((d + hd / 2) % hd, if d < hd / 2 { -1.0 } else { 1.0 }),
+            }
+        };
+        // The frequency index of dimension d: pairs (2i, 2i+1), or (i, i + hd/2).
+        let freq = |d: usize| if neox { d % (hd / 2) } else { d / 2 };
+        let mut rot = vec![0f32; hd * hd];
+        for d in 0..hd {
+            let (p, sign) = partner(d);
+            rot[d * hd + p] = sign; // FullyConnected: out[d] = sum_k x[k] * w[d, k]
+        }
+        let mut g = Graph::new(format!("rope_{}", if neox { "neox" } else { "pairs" }));
+        let x = g.input("x", &[n, hd], DType::F32, None);
+        let cos = g.input("cos", &[n, hd], DType::F32, None);
+        let sin = g.input("sin", &[n, hd], DType::F32, None);
+        let w = g.constant("rotation", &[hd, hd], StaticData::F32(Arc::new(rot)), None);
+        let rotated = g.fully_connected("rotated", x, w, None, DType::F32, None);
+        let xc = g.binary("x_cos", x, cos, DType::F32, None, mul);
+        let rs = g.binary("rotated_sin", rotated, sin, DType::F32, None, mul);
+        let y = g.binary("y", xc, rs, DType::F32, None, add);
+        g.mark_output(y);
+        // Rows at prompt positions 500.., values of a q/k projection's spread.
+        let xv: Vec<f32> = (0..n * hd).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+        let angle = |i: usize| (500 + i / hd) as f64 * theta.powf(-2.0 * freq(i % hd) as f64 / hd as f64);
+        let (cv, sv): (Vec<f32>, Vec<f32>) = (0..n * hd).map(|i| (angle(i).cos() as f32, angle(i).sin() as f32)).unzip();
+        let exact: Vec<f64> = (0..n * hd)
+            .map(|i| {
+                let (p, sign) = partner(i % hd);
+                xv[i] as f64 * angle(i).cos() + sign as f64 * xv[i / hd * hd + p] as f64 * angle(i).sin()
+            })
+            .collect();
+        let inputs = [TensorData::F32(xv), TensorData::F32(cv), TensorData::F32(sv)];
+        let refs: Vec<&TensorData> = inputs.iter().collect();
+        let scale = exact.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let off = |got: &[TensorData]| -> f64 {
+            let TensorData::F32(y) = &got[0] else { panic!("F32 output") };
+            y.iter().zip(&exact).fold(0f64, |m, (a, b)| m.max((*a as f64 - b).abs())) / scale
+        };
+        let host = off(&HostExecutor::new().prepare(&g).unwrap().execute(&refs).unwrap());
+        let lib = off(&ex.prepare(&g).unwrap_or_else(|e| panic!("{e}")).execute(&refs).unwrap_or_else(|e| panic!("{e}")));
+        eprintln!("{}: against f64, of max |y| {scale:.2}: library {lib:.2e}, host f32 {host:.2e}", g.name);
+        assert!(host < 1e-6, "{}: the host's rotation is off by {host:e}", g.name);
+        // Four FP16 roundings of the inputs and the products and one of the sum, 2^-11 each: a
+        // few of them at most, well under the 1e-2 of a float chain.
+        assert!(lib < 3e-3, "{}: the library's rotation is off by {lib:e} of the largest value", g.name);
+    }
+}
