@@ -106,3 +106,22 @@ fn a_pruned_layer_runs_its_full_range_and_coverage_narrows_the_hot_set() {
     }
     eprintln!("hot channels: {all} with any calibration outlier, {hot} holding 90% of them");
 }
+
+/// Shadow W8A16 (u16 over W8A8's clip ranges, the same outliers on the CPU) is W8A8 with a finer
+/// grid inside the range: its logits are closer to the F32 prefill's (a wrong u16 grid or lost
+/// outliers would put them far behind).
+#[test]
+fn shadow_w8a16_is_closer_to_f32_than_shadow_w8a8() {
+    let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Q8_0);
+    let text = heldout_tokens(&f32p, 64);
+    let want: Vec<f32> = f32p.model.prefill_chunked(&text, 64).unwrap().to_vec1().unwrap();
+    let mut w8 = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
+    let set = CalibrationSet { sequences: 2, seq_len: 64, ..Default::default() };
+    let profile = w8.calibrate(set, |_, _| {}).unwrap();
+    let mut w16 = smollm2(&NpuDevice::host(), Precision::W8A16Shadow, DecodeWeights::Q8_0);
+    w16.model.set_profile(profile).unwrap();
+    let err = |p: &mut candle_npu_models::Pipeline| rel_max_err(&p.model.prefill_chunked(&text, 64).unwrap().to_vec1::<f32>().unwrap(), &want);
+    let (e8, e16) = (err(&mut w8), err(&mut w16));
+    eprintln!("logits against F32, of the largest: shadow W8A8 {e8:.4}, shadow W8A16 {e16:.4}");
+    assert!(e16 < e8, "shadow W8A16 {e16} is not closer to F32 than shadow W8A8 {e8}");
+}

@@ -44,7 +44,7 @@ impl ChatRow {
 }
 
 /// The prefills the chat section can compare with F32 (`--chat-rows`).
-pub const ROWS: [&str; 7] = ["w8a8", "float", "htp", "w8a16", "htp-w8a16", "residual", "htp-residual"];
+pub const ROWS: [&str; 9] = ["w8a8", "float", "htp", "w8a16", "htp-w8a16", "w8a16-shadow", "htp-w8a16-shadow", "residual", "htp-residual"];
 
 /// The prefills the chat section compares with F32, those of `which` (names of [`ROWS`]):
 /// `w8a8`, the host executor with each of `profiles` (W8A8 with shadow outliers); `float`, the
@@ -52,6 +52,8 @@ pub const ROWS: [&str; 7] = ["w8a8", "float", "htp", "w8a16", "htp-w8a16", "resi
 /// drift from the activations'; `htp`, the HTP's numerics with the first profile (padded
 /// chunks, as on a real NPU); `w8a16` and `htp-w8a16`, u16 activations over the first profile's
 /// full ranges (no shadow: the vendors' precision) on the host executor and on the HTP's numerics;
+/// `w8a16-shadow` and `htp-w8a16-shadow`, u16 activations over the first profile's clip ranges
+/// with shadow outliers;
 /// `residual` and `htp-residual`, shadow W8A8 with the linears of `residual` holding INT8 plus an
 /// INT8 residual (`LoadOptions::residual`).
 pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, which: &[String], residual: &[String], bar: &ProgressBar) -> Result<Vec<ChatRow>> {
@@ -91,6 +93,7 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
     // Each of the other rows on a pipeline of its own, with the first profile; on the HTP's
     // numerics, in padded chunks as on a real NPU.
     let w8a16 = LoadOptions { precision: Precision::W8A16, ..Default::default() };
+    let w8a16_shadow = LoadOptions { precision: Precision::W8A16Shadow, ..Default::default() };
     let wide = LoadOptions { residual: residual.to_vec(), ..Default::default() };
     let on_residual = residual.join(",");
     let others = [
@@ -99,6 +102,8 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
         ("residual", Numerics::Exact, wide.clone(), format!("host executor, shadow W8A8, residual INT8 on {on_residual}")),
         ("htp-residual", Numerics::Htp, wide, format!("HTP numerics, shadow W8A8, residual INT8 on {on_residual}")),
         ("htp-w8a16", Numerics::Htp, w8a16, "HTP numerics, W8A16".to_string()),
+        ("w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16".to_string()),
+        ("htp-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16".to_string()),
     ];
     for (_, numerics, opts, label) in others.into_iter().filter(|row| on(row.0)) {
         let mut p = Pipeline::load(model, None, &NpuDevice::host_with(numerics), opts)?;

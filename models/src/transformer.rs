@@ -71,6 +71,9 @@ pub enum Precision {
     /// INT8 weights, u16 activations per tensor over the full calibrated range, no shadow: what
     /// vendor stacks run on the HTP today; the comparison row for shadow W8A8.
     W8A16,
+    /// INT8 weights, u16 activations over W8A8's clip ranges, shadow outliers: W8A8's split of
+    /// each activation with a grid 256 times finer inside the range.
+    W8A16Shadow,
 }
 
 /// The chunk length a model takes on `device` when none is given (the library's and the

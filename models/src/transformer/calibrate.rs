@@ -88,7 +88,7 @@ impl Model {
         self.shadow_on = on.to_vec();
         if changed {
             // The NPU inputs' quantization is part of the stage graphs.
-            self.graphs.retain(|k, _| k.1 != Precision::W8A8);
+            self.graphs.retain(|k, _| !matches!(k.1, Precision::W8A8 | Precision::W8A16Shadow));
         }
         Ok(())
     }

@@ -630,6 +630,7 @@ impl Model {
             Precision::F32 => g.input("x", &[m, k], DType::F32, None),
             Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
             Precision::W8A16 => g.input("x", &[m, k], DType::U16, Some(self.a16[l][s])),
+            Precision::W8A16Shadow => g.input("x", &[m, k], DType::U16, Some(u16_over_clip(&self.points[l][s]))),
         };
         for lin in lins {
             let y = lin.add_to_graph(&mut g, "", x)?;
@@ -678,6 +679,23 @@ impl Stage<'_> {
                 let q = self.a16.ok_or_else(missing)?[s];
                 (with_f32(h, |vals| TensorData::from_f32(vals, DType::U16, Some(q)))?, Outliers::default())
             }
+            Precision::W8A16Shadow => {
+                let point = &self.points.ok_or_else(missing)?[s];
+                let (shadow, n_valid, q) = (self.shadow, self.rows.n_valid, u16_over_clip(point));
+                let (x, o, secs) = with_f32(h, |vals| {
+                    let t = Instant::now();
+                    let o = if shadow { point.extract(vals, n_valid) } else { Outliers::default() };
+                    let secs = t.elapsed();
+                    // Saturating at the clip range's ends: the rest is the outliers'.
+                    let x = match point.lo == 0.0 && point.hi == 0.0 {
+                        true => TensorData::U16(vec![(-q.offset) as u16; vals.len()]),
+                        false => TensorData::from_f32(vals, DType::U16, Some(q)),
+                    };
+                    (x, o, secs)
+                })?;
+                self.shadow_time += secs;
+                (x, o)
+            }
         })
     }
 
@@ -700,4 +718,10 @@ impl Stage<'_> {
         }
         ys
     }
+}
+
+/// The u16 grid over a point's clip range ([`Precision::W8A16Shadow`]); a zero-width range (every
+/// value an outlier) gets a grid whose zero the NPU input then holds.
+fn u16_over_clip(point: &InputPoint) -> Quant {
+    Quant::u16_range(point.lo, point.hi)
 }
