@@ -44,7 +44,19 @@ impl ChatRow {
 }
 
 /// The prefills the chat section can compare with F32 (`--chat-rows`).
-pub const ROWS: [&str; 9] = ["w8a8", "float", "htp", "w8a16", "htp-w8a16", "w8a16-shadow", "htp-w8a16-shadow", "residual", "htp-residual"];
+pub const ROWS: [&str; 11] = [
+    "w8a8",
+    "float",
+    "htp",
+    "w8a16",
+    "htp-w8a16",
+    "w8a16-shadow",
+    "htp-w8a16-shadow",
+    "residual",
+    "htp-residual",
+    "w8a16-shadow-residual",
+    "htp-w8a16-shadow-residual",
+];
 
 /// The prefills the chat section compares with F32, those of `which` (names of [`ROWS`]):
 /// `w8a8`, the host executor with each of `profiles` (W8A8 with shadow outliers); `float`, the
@@ -55,7 +67,7 @@ pub const ROWS: [&str; 9] = ["w8a8", "float", "htp", "w8a16", "htp-w8a16", "w8a1
 /// `w8a16-shadow` and `htp-w8a16-shadow`, u16 activations over the first profile's clip ranges
 /// with shadow outliers;
 /// `residual` and `htp-residual`, shadow W8A8 with the linears of `residual` holding INT8 plus an
-/// INT8 residual (`LoadOptions::residual`).
+/// INT8 residual (`LoadOptions::residual`); `w8a16-shadow-residual` and its `htp-` row, both.
 pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, which: &[String], residual: &[String], bar: &ProgressBar) -> Result<Vec<ChatRow>> {
     if let Some(bad) = which.iter().find(|w| !ROWS.contains(&w.as_str())) {
         anyhow::bail!("unknown chat row '{bad}' (one of {})", ROWS.join(", "));
@@ -100,7 +112,9 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
         ("htp", Numerics::Htp, LoadOptions::default(), "HTP numerics, shadow W8A8".to_string()),
         ("w8a16", Numerics::Exact, w8a16.clone(), "host executor, W8A16".to_string()),
         ("residual", Numerics::Exact, wide.clone(), format!("host executor, shadow W8A8, residual INT8 on {on_residual}")),
-        ("htp-residual", Numerics::Htp, wide, format!("HTP numerics, shadow W8A8, residual INT8 on {on_residual}")),
+        ("htp-residual", Numerics::Htp, wide.clone(), format!("HTP numerics, shadow W8A8, residual INT8 on {on_residual}")),
+        ("w8a16-shadow-residual", Numerics::Exact, LoadOptions { precision: Precision::W8A16Shadow, ..wide.clone() }, format!("host executor, shadow W8A16, residual INT8 on {on_residual}")),
+        ("htp-w8a16-shadow-residual", Numerics::Htp, LoadOptions { precision: Precision::W8A16Shadow, ..wide }, format!("HTP numerics, shadow W8A16, residual INT8 on {on_residual}")),
         ("htp-w8a16", Numerics::Htp, w8a16, "HTP numerics, W8A16".to_string()),
         ("w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16".to_string()),
         ("htp-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16".to_string()),
