@@ -185,8 +185,12 @@ struct Args {
     #[arg(long)]
     parse_special: bool,
     /// Float prefill (no quantization), e.g. to compare against W8A8.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "u16_activations")]
     f32_prefill: bool,
+    /// u16 activations over the clip ranges, outliers still on the CPU's shadow path (W8A16
+    /// with shadow: chat answers closer to F32's, twice the host's GEMM work; docs/chat.md).
+    #[arg(long)]
+    u16_activations: bool,
     /// Linears whose NPU weight is INT8 plus an INT8 residual (about INT16's error, twice the
     /// bytes and MACs; docs/npu_weights.md), e.g. `attn_q,attn_k,attn_v` (in every layer) or
     /// `blk.3.ffn_down` (one layer's).
@@ -395,7 +399,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         bail!("--verify npu verifies speculative proposals: give --lookup, --draft-model or --draft-layers with it");
     }
     let opts = LoadOptions {
-        precision: if args.f32_prefill { Precision::F32 } else { Precision::W8A8 },
+        precision: match (args.f32_prefill, args.u16_activations) {
+            (true, _) => Precision::F32,
+            (_, true) => Precision::W8A16Shadow,
+            _ => Precision::W8A8,
+        },
         decode_weights: match args.decode_weights {
             DecodeFormat::Q8_0 => DecodeWeights::Q8_0,
             DecodeFormat::Checkpoint => DecodeWeights::Checkpoint,
