@@ -495,10 +495,15 @@ fn main() -> Result<()> {
     let dev = NpuDevice::host();
     let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template("{msg:38} {bar:30} {pos}/{len} ({elapsed}, eta {eta})")?);
 
-    let mut f32p = load(&model_path, &dev, Precision::F32, WeightQuant::PerChannel)?;
     if do_chat {
+        // The reference decodes as every compared prefill does (the file's blocks, the
+        // pipelines' default): its answers differ from theirs by the prefill alone. (With the
+        // rows' Q8_0 decode of the INT8 weights they differed by the decode too: 16-token
+        // agreement near 55% whatever the prefill, up to 2026-11-28.)
+        let mut f32p = load_with(&model_path, &dev, Precision::F32, WeightQuant::PerChannel, DecodeWeights::Checkpoint)?;
         return chat(&args, &model_path, &mut f32p, &bar);
     }
+    let mut f32p = load(&model_path, &dev, Precision::F32, WeightQuant::PerChannel)?;
     let data = Data::new(&f32p, &args)?;
     eprintln!("{} windows of {WINDOW} tokens per domain, {} MMLU questions", args.windows, data.mmlu.len());
     let mut suite = Suite { args: &args, data: &data, reference: None, bar, chunk_len: args.chunk_len };

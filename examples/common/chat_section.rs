@@ -44,7 +44,7 @@ impl ChatRow {
 }
 
 /// The prefills the chat section can compare with F32 (`--chat-rows`).
-pub const ROWS: [&str; 11] = [
+pub const ROWS: [&str; 12] = [
     "w8a8",
     "float",
     "htp",
@@ -56,6 +56,7 @@ pub const ROWS: [&str; 11] = [
     "htp-residual",
     "w8a16-shadow-residual",
     "htp-w8a16-shadow-residual",
+    "f32",
 ];
 
 /// The prefills the chat section compares with F32, those of `which` (names of [`ROWS`]):
@@ -67,7 +68,8 @@ pub const ROWS: [&str; 11] = [
 /// `w8a16-shadow` and `htp-w8a16-shadow`, u16 activations over the first profile's clip ranges
 /// with shadow outliers;
 /// `residual` and `htp-residual`, shadow W8A8 with the linears of `residual` holding INT8 plus an
-/// INT8 residual (`LoadOptions::residual`); `w8a16-shadow-residual` and its `htp-` row, both.
+/// INT8 residual (`LoadOptions::residual`); `w8a16-shadow-residual` and its `htp-` row, both;
+/// `f32`, a second F32 prefill: what the measures give with nothing changed.
 pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, which: &[String], residual: &[String], bar: &ProgressBar) -> Result<Vec<ChatRow>> {
     if let Some(bad) = which.iter().find(|w| !ROWS.contains(&w.as_str())) {
         anyhow::bail!("unknown chat row '{bad}' (one of {})", ROWS.join(", "));
@@ -116,6 +118,7 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
         ("w8a16-shadow-residual", Numerics::Exact, LoadOptions { precision: Precision::W8A16Shadow, ..wide.clone() }, format!("host executor, shadow W8A16, residual INT8 on {on_residual}")),
         ("htp-w8a16-shadow-residual", Numerics::Htp, LoadOptions { precision: Precision::W8A16Shadow, ..wide }, format!("HTP numerics, shadow W8A16, residual INT8 on {on_residual}")),
         ("htp-w8a16", Numerics::Htp, w8a16, "HTP numerics, W8A16".to_string()),
+        ("f32", Numerics::Exact, LoadOptions { precision: Precision::F32, ..Default::default() }, "F32 prefill again (the measures' floor)".to_string()),
         ("w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16".to_string()),
         ("htp-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16".to_string()),
     ];
