@@ -86,8 +86,9 @@ struct Args {
     /// numerics.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     chat_calibration: Vec<usize>,
-    /// The chat section's prefills (`w8a8`, `float`, `htp`, `w8a16`, `htp-w8a16`, `w8a16-shadow`,
-    /// `htp-w8a16-shadow`, `residual`, `htp-residual`).
+    /// The chat section's prefills, of `chat_section::ROWS` (`w8a8`, `float`, `htp`, `w8a16`,
+    /// `htp-w8a16`, `w8a16-shadow`, `htp-w8a16-shadow`, `residual`, `htp-residual`,
+    /// `w8a16-shadow-residual`, `htp-w8a16-shadow-residual`, `f32`).
     #[arg(long, value_delimiter = ',', default_value = "w8a8,float,htp")]
     chat_rows: Vec<String>,
     /// The linears of the chat section's `residual` rows that hold INT8 plus an INT8 residual.

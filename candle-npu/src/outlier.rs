@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::graph::Quant;
+use crate::graph::{DType, Quant, TensorData};
 use crate::kernels::rows::{outliers_into, rows_per_task};
 use crate::quant::quantize_u8;
 
@@ -114,6 +114,21 @@ impl InputPoint {
             quantize_u8(&vec![0.0; x.len()], self.quant)
         } else {
             quantize_u8(x, self.quant)
+        }
+    }
+
+    /// The u16 grid over the clip range (shadow W8A16): 256 times finer than [`Self::quant`],
+    /// the same outliers.
+    pub fn quant_u16(&self) -> Quant {
+        Quant::u16_range(self.lo, self.hi)
+    }
+
+    /// [`Self::clip_quantize`] onto [`Self::quant_u16`]'s grid (saturating at the range's ends:
+    /// the rest is the outliers').
+    pub fn clip_quantize_u16(&self, x: &[f32]) -> TensorData {
+        match self.lo == 0.0 && self.hi == 0.0 {
+            true => TensorData::from_f32(&vec![0.0; x.len()], DType::U16, Some(self.quant_u16())),
+            false => TensorData::from_f32(x, DType::U16, Some(self.quant_u16())),
         }
     }
 

@@ -316,7 +316,11 @@ impl HostGraph {
                         Op::Softmax { input, .. } => {
                             let mut x = f32_of(&vals, input.0);
                             let n = *g.tensors[input.0].shape.last().expect("validated: rank >= 1");
-                            x.chunks_mut(n).for_each(softmax);
+                            // Attention's own softmax kernel, then the division it defers.
+                            x.chunks_mut(n).for_each(|row| {
+                                let sum = crate::kernels::rows::softmax_numerators(row, 1.0);
+                                row.iter_mut().for_each(|v| *v /= sum);
+                            });
                             x
                         }
                         Op::Add { a, b, .. } if self.htp && [a, b].iter().all(|t| g.tensors[t.0].dtype == DType::F32) && g.tensors[out].dtype == DType::F32 => {
@@ -435,15 +439,4 @@ mod tests {
         assert!(!g.any_rows());
         assert!(g.execute_rows(&[&TensorData::U8(x[..3 * 16].to_vec())], 3).is_err());
     }
-}
-
-/// `row` replaced by its softmax, in f32 (the maximum subtracted first).
-fn softmax(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in row.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    row.iter_mut().for_each(|v| *v /= sum);
 }

@@ -630,7 +630,7 @@ impl Model {
             Precision::F32 => g.input("x", &[m, k], DType::F32, None),
             Precision::W8A8 => g.input("x", &[m, k], DType::U8, Some(self.points[l][s].quant)),
             Precision::W8A16 => g.input("x", &[m, k], DType::U16, Some(self.a16[l][s])),
-            Precision::W8A16Shadow => g.input("x", &[m, k], DType::U16, Some(u16_over_clip(&self.points[l][s]))),
+            Precision::W8A16Shadow => g.input("x", &[m, k], DType::U16, Some(self.points[l][s].quant_u16())),
         };
         for lin in lins {
             let y = lin.add_to_graph(&mut g, "", x)?;
@@ -661,16 +661,20 @@ impl Stage<'_> {
         let missing = || Error::Input(format!("{:?} prefill of layer {} without a quant profile", self.precision, self.l));
         Ok(match self.precision {
             Precision::F32 => (TensorData::F32(h.flatten_all()?.to_vec1::<f32>()?), Outliers::default()),
-            Precision::W8A8 => {
+            Precision::W8A8 | Precision::W8A16Shadow => {
                 let point = &self.points.ok_or_else(missing)?[s];
                 // The quantized input and the outliers straight from the activation's storage.
-                let (shadow, n_valid) = (self.shadow, self.rows.n_valid);
+                let (shadow, n_valid, u8_grid) = (self.shadow, self.rows.n_valid, self.precision == Precision::W8A8);
                 let (x, o, secs) = with_f32(h, |vals| {
                     let t = Instant::now();
                     // A pruned stage skips extraction (its outliers would go unused).
                     let o = if shadow { point.extract(vals, n_valid) } else { Outliers::default() };
                     let secs = t.elapsed();
-                    (TensorData::U8(point.clip_quantize(vals)), o, secs)
+                    let x = match u8_grid {
+                        true => TensorData::U8(point.clip_quantize(vals)),
+                        false => point.clip_quantize_u16(vals),
+                    };
+                    (x, o, secs)
                 })?;
                 self.shadow_time += secs;
                 (x, o)
@@ -678,23 +682,6 @@ impl Stage<'_> {
             Precision::W8A16 => {
                 let q = self.a16.ok_or_else(missing)?[s];
                 (with_f32(h, |vals| TensorData::from_f32(vals, DType::U16, Some(q)))?, Outliers::default())
-            }
-            Precision::W8A16Shadow => {
-                let point = &self.points.ok_or_else(missing)?[s];
-                let (shadow, n_valid, q) = (self.shadow, self.rows.n_valid, u16_over_clip(point));
-                let (x, o, secs) = with_f32(h, |vals| {
-                    let t = Instant::now();
-                    let o = if shadow { point.extract(vals, n_valid) } else { Outliers::default() };
-                    let secs = t.elapsed();
-                    // Saturating at the clip range's ends: the rest is the outliers'.
-                    let x = match point.lo == 0.0 && point.hi == 0.0 {
-                        true => TensorData::U16(vec![(-q.offset) as u16; vals.len()]),
-                        false => TensorData::from_f32(vals, DType::U16, Some(q)),
-                    };
-                    (x, o, secs)
-                })?;
-                self.shadow_time += secs;
-                (x, o)
             }
         })
     }
@@ -718,10 +705,4 @@ impl Stage<'_> {
         }
         ys
     }
-}
-
-/// The u16 grid over a point's clip range ([`Precision::W8A16Shadow`]); a zero-width range (every
-/// value an outlier) gets a grid whose zero the NPU input then holds.
-fn u16_over_clip(point: &InputPoint) -> Quant {
-    Quant::u16_range(point.lo, point.hi)
 }
