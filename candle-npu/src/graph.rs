@@ -241,22 +241,24 @@ pub enum Op {
         /// F32 result.
         output: TensorId,
     },
-    /// Elementwise `a + b`; operands and output have one shape (no broadcasting).
+    /// Elementwise `a + b`, the operands broadcast as numpy does ([`broadcast_shape`]): a
+    /// mask `[rows, keys]` over every head's scores, a bias `[N]` over every row.
     Add {
         /// Left operand.
         a: TensorId,
-        /// Right operand, of `a`'s shape.
+        /// Right operand, of `a`'s shape or broadcast against it.
         b: TensorId,
-        /// The sum, of `a`'s shape.
+        /// The sum, of the broadcast shape.
         output: TensorId,
     },
-    /// Elementwise `a * b`; operands and output have one shape (no broadcasting).
+    /// Elementwise `a * b`, broadcast as [`Op::Add`] (RoPE's `[rows, 1, head_dim]` tables over
+    /// every head, a norm's weight over every row).
     Mul {
         /// Left operand.
         a: TensorId,
-        /// Right operand, of `a`'s shape.
+        /// Right operand, of `a`'s shape or broadcast against it.
         b: TensorId,
-        /// The product, of `a`'s shape.
+        /// The product, of the broadcast shape.
         output: TensorId,
     },
     /// Elementwise `1 / (1 + exp(-x))`.
@@ -275,6 +277,62 @@ pub enum Op {
         /// Result, F32, of the input's shape.
         output: TensorId,
     },
+    /// `x / sqrt(mean(x^2) + epsilon) * gamma` along the last axis: a decoder's norms. F32 in
+    /// the IR; the HTP runs it only in FP16 (FLOAT_32 fails at finalize), so its executor casts
+    /// around it.
+    RmsNorm {
+        /// Operand `[.., H]`, F32.
+        input: TensorId,
+        /// Constant `[H]`, F32: the norm's weight.
+        gamma: TensorId,
+        /// Added to the mean square; finite and >= 0.
+        epsilon: f32,
+        /// Result, F32, of the input's shape.
+        output: TensorId,
+    },
+    /// The same elements, in the same order, under the output's shape: a relabelling (the q
+    /// projection's `[rows, heads x head_dim]` as `[rows, heads, head_dim]`).
+    Reshape {
+        /// Operand.
+        input: TensorId,
+        /// Result: the input's type and element count.
+        output: TensorId,
+    },
+    /// Axes permuted: output axis `i` is input axis `perm[i]` (rows and heads swapped, so that
+    /// each head's rows are contiguous for attention's batched MatMul).
+    Transpose {
+        /// Operand, of rank `perm.len()` (at most 4).
+        input: TensorId,
+        /// A permutation of `0..rank`.
+        perm: Vec<usize>,
+        /// Result: the input's type, its dimensions permuted.
+        output: TensorId,
+    },
+    /// `a` then `b` along `axis` (the cache's rows, then the chunk's new keys or values).
+    Concat {
+        /// First part.
+        a: TensorId,
+        /// Second part: `a`'s rank and type, equal dimensions but along `axis`.
+        b: TensorId,
+        /// The axis the parts are stacked along.
+        axis: usize,
+        /// Result: `a`'s dimensions, with `axis` the sum of both.
+        output: TensorId,
+    },
+}
+
+/// The shape numpy broadcasts `a` and `b` to (dimensions aligned from the last; each pair equal,
+/// or one of them 1 or missing), or `None` when they do not broadcast.
+pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let dim = |s: &[usize], i: usize| if i + s.len() >= rank { s[i + s.len() - rank] } else { 1 };
+    (0..rank)
+        .map(|i| match (dim(a, i), dim(b, i)) {
+            (x, y) if x == y || y == 1 => Some(x),
+            (1, y) => Some(y),
+            _ => None,
+        })
+        .collect()
 }
 
 impl Op {
@@ -289,6 +347,10 @@ impl Op {
             Op::Mul { .. } => "ElementWiseMultiply",
             Op::Sigmoid { .. } => "Sigmoid",
             Op::Softmax { .. } => "Softmax",
+            Op::RmsNorm { .. } => "RmsNorm",
+            Op::Reshape { .. } => "Reshape",
+            Op::Transpose { .. } => "Transpose",
+            Op::Concat { .. } => "Concat",
         }
     }
 
@@ -300,10 +362,14 @@ impl Op {
                 v.extend(bias);
                 v
             }
-            Op::MatMul { a, b, .. } | Op::Add { a, b, .. } | Op::Mul { a, b, .. } => vec![a, b],
-            Op::Quantize { input, .. } | Op::Dequantize { input, .. } | Op::Sigmoid { input, .. } | Op::Softmax { input, .. } => {
-                vec![input]
-            }
+            Op::MatMul { a, b, .. } | Op::Add { a, b, .. } | Op::Mul { a, b, .. } | Op::Concat { a, b, .. } => vec![a, b],
+            Op::RmsNorm { input, gamma, .. } => vec![input, gamma],
+            Op::Quantize { input, .. }
+            | Op::Dequantize { input, .. }
+            | Op::Sigmoid { input, .. }
+            | Op::Softmax { input, .. }
+            | Op::Reshape { input, .. }
+            | Op::Transpose { input, .. } => vec![input],
         }
     }
 
@@ -317,7 +383,11 @@ impl Op {
             | Op::Add { output, .. }
             | Op::Mul { output, .. }
             | Op::Sigmoid { output, .. }
-            | Op::Softmax { output, .. } => output,
+            | Op::Softmax { output, .. }
+            | Op::RmsNorm { output, .. }
+            | Op::Reshape { output, .. }
+            | Op::Transpose { output, .. }
+            | Op::Concat { output, .. } => output,
         }
     }
 }
@@ -454,7 +524,8 @@ impl Graph {
         self.op(name, dtype, quant, |output| f(input, output), &shape)
     }
 
-    /// An elementwise op of two operands whose output has the shape of `a`.
+    /// An elementwise op of two operands whose output has their broadcast shape (`a`'s when
+    /// they do not broadcast, which [`Graph::validate`] then reports).
     pub fn binary(
         &mut self,
         name: &str,
@@ -464,7 +535,8 @@ impl Graph {
         quant: Option<Quant>,
         f: fn(TensorId, TensorId, TensorId) -> Op,
     ) -> TensorId {
-        let shape = self.tensor(a).shape.clone();
+        let (sa, sb) = (&self.tensor(a).shape, &self.tensor(b).shape);
+        let shape = broadcast_shape(sa, sb).unwrap_or_else(|| sa.clone());
         self.op(name, dtype, quant, |output| f(a, b, output), &shape)
     }
 
@@ -727,8 +799,49 @@ impl Graph {
                     }
                 }
                 Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
-                    if self.tensor(a).shape != self.tensor(b).shape || self.tensor(a).shape != out.shape {
-                        return Err(self.invalid(op, "elementwise operands must have equal shapes"));
+                    if broadcast_shape(&self.tensor(a).shape, &self.tensor(b).shape).as_ref() != Some(&out.shape) {
+                        return Err(self.invalid(op, "the output must have the operands' broadcast shape"));
+                    }
+                }
+                Op::RmsNorm { input, gamma, epsilon, .. } => {
+                    let (x, w) = (self.tensor(input), self.tensor(gamma));
+                    if [x.dtype, w.dtype, out.dtype] != [DType::F32; 3] || w.kind != TensorKind::Static {
+                        return Err(self.invalid(op, "RmsNorm maps F32 to F32 with a constant F32 weight"));
+                    }
+                    if x.shape.is_empty() || w.shape != x.shape[x.shape.len() - 1..] || out.shape != x.shape {
+                        return Err(self.invalid(op, "expects input [.., H], weight [H] and an output of the input's shape"));
+                    }
+                    if !(epsilon.is_finite() && epsilon >= 0.0) {
+                        return Err(self.invalid(op, format!("epsilon must be finite and >= 0, got {epsilon}")));
+                    }
+                }
+                Op::Reshape { input, .. } => {
+                    let x = self.tensor(input);
+                    if x.elem_count() != out.elem_count() || (x.dtype, x.quant) != (out.dtype, out.quant) {
+                        return Err(self.invalid(op, "a reshape keeps the element count, the type and the quantization"));
+                    }
+                }
+                Op::Transpose { input, ref perm, .. } => {
+                    let x = self.tensor(input);
+                    let mut sorted = perm.clone();
+                    sorted.sort_unstable();
+                    if perm.len() != x.shape.len() || perm.len() > 4 || sorted != (0..perm.len()).collect::<Vec<_>>() {
+                        return Err(self.invalid(op, format!("perm {perm:?} is not a permutation of the input's axes (rank <= 4)")));
+                    }
+                    if out.shape != perm.iter().map(|&p| x.shape[p]).collect::<Vec<_>>() || (x.dtype, x.quant) != (out.dtype, out.quant) {
+                        return Err(self.invalid(op, "the output must have the input's type and its dimensions permuted"));
+                    }
+                }
+                Op::Concat { a, b, axis, .. } => {
+                    let (a, b) = (self.tensor(a), self.tensor(b));
+                    let same = |x: &TensorSpec| x.dtype == out.dtype && x.quant == out.quant && x.shape.len() == out.shape.len();
+                    // (After `same`: the ranks are the output's.)
+                    let dims_ok = || {
+                        axis < out.shape.len()
+                            && (0..out.shape.len()).all(|i| if i == axis { a.shape[i] + b.shape[i] == out.shape[i] } else { a.shape[i] == out.shape[i] && b.shape[i] == out.shape[i] })
+                    };
+                    if !(same(a) && same(b) && dims_ok()) {
+                        return Err(self.invalid(op, format!("parts must share the output's type and dimensions but along axis {axis}, where they add up")));
                     }
                 }
                 Op::Sigmoid { input, .. } => {

@@ -378,6 +378,77 @@ fn elementwise_float() {
     conform(ex, &unary_graph("softmax_f32", DType::F32, DType::F32, (0.0, 0.0), softmax), 5e-3);
 }
 
+/// The ops that move a layer's tensors between its row and head layouts (Reshape, Transpose,
+/// Concat), the broadcast elementwise ops (a `[rows, 1, hd]` RoPE table over every head, a mask
+/// over every head's scores) and RmsNorm (run on the HTP in FP16 between two Casts).
+#[test]
+fn layout_broadcast_and_norm_ops() {
+    let Some(ex) = htp() else { return };
+    let (rows, heads, hd) = (32usize, 3usize, 64usize);
+    // [rows, heads * hd] -> [heads, rows, hd], then a cache's 16 rows before the chunk's.
+    let mut g = Graph::new("heads_and_cache");
+    let x = g.input("x", &[rows, heads * hd], DType::F32, None);
+    let cache = g.input("cache", &[heads, 16, hd], DType::F32, None);
+    let split = g.op("split", DType::F32, None, |output| Op::Reshape { input: x, output }, &[rows, heads, hd]);
+    let t = g.op("t", DType::F32, None, |output| Op::Transpose { input: split, perm: vec![1, 0, 2], output }, &[heads, rows, hd]);
+    let all = g.op("all", DType::F32, None, |output| Op::Concat { a: cache, b: t, axis: 1, output }, &[heads, 16 + rows, hd]);
+    g.mark_output(all);
+    // Values that FP16 holds exactly (multiples of 1/64 in ±4): moving them must be exact.
+    let mut rng = StdRng::seed_from_u64(50);
+    let exact16 = |rng: &mut StdRng, n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-256i32..256) as f32 / 64.0).collect() };
+    let inputs = [TensorData::F32(exact16(&mut rng, rows * heads * hd)), TensorData::F32(exact16(&mut rng, heads * 16 * hd))];
+    let refs: Vec<&TensorData> = inputs.iter().collect();
+    let want = HostExecutor::new().prepare(&g).unwrap().execute(&refs).unwrap();
+    let got = ex.prepare(&g).unwrap_or_else(|e| panic!("{e}")).execute(&refs).unwrap_or_else(|e| panic!("{e}"));
+    // The library's float outputs carry a relative error of one f32 step (its FP16 -> FP32
+    // conversion, seen on every float graph): far below an FP16 step, so no value moved.
+    let (TensorData::F32(xv), TensorData::F32(y), TensorData::F32(lib)) = (&inputs[0], &want[0], &got[0]) else { panic!("F32") };
+    let off = y.iter().zip(lib).fold(0f32, |m, (a, b)| m.max((a - b).abs() / a.abs().max(1e-3)));
+    assert!(off < 1e-6, "the library moves the values elsewhere than the host: relative difference {off:e}");
+    // The host's layout, checked by index: output [h, 16 + r, d] is x[r, h * hd + d].
+    for (h, r, d) in [(0, 0, 0), (2, 31, 63), (1, 7, 5)] {
+        assert_eq!(y[(h * (16 + rows) + 16 + r) * hd + d], xv[r * heads * hd + h * hd + d]);
+    }
+
+    // Broadcasts: [rows, heads, hd] * [rows, 1, hd]; [heads, rows, 48] + [rows, 48].
+    let mut g = Graph::new("broadcast_mul");
+    let a = g.input("a", &[rows, heads, hd], DType::F32, None);
+    let table = g.input("table", &[rows, 1, hd], DType::F32, None);
+    let y = g.binary("y", a, table, DType::F32, None, mul);
+    g.mark_output(y);
+    conform(ex, &g, 2e-3);
+    let mut g = Graph::new("broadcast_add");
+    let a = g.input("a", &[heads, rows, 48], DType::F32, None);
+    let mask = g.input("mask", &[rows, 48], DType::F32, None);
+    let y = g.binary("y", a, mask, DType::F32, None, add);
+    g.mark_output(y);
+    conform(ex, &g, 2e-3);
+
+    // RmsNorm over SmolLM2's width, with a few massive channels as a residual stream has.
+    let h = 576usize;
+    let mut g = Graph::new("rms_norm");
+    let x = g.input("x", &[rows, h], DType::F32, None);
+    let gamma: Vec<f32> = (0..h).map(|_| rng.random_range(0.2..2.0f32)).collect();
+    let gamma = g.constant("gamma", &[h], StaticData::F32(Arc::new(gamma)), None);
+    let y = g.op("y", DType::F32, None, |output| Op::RmsNorm { input: x, gamma, epsilon: 1e-5, output }, &[rows, h]);
+    g.mark_output(y);
+    let mut xv: Vec<f32> = (0..rows * h).map(|_| rng.random_range(-4.0..4.0f32)).collect();
+    for r in 0..rows {
+        xv[r * h + 17] = 300.0; // FP16 holds it; its square does not (65504 is FP16's largest)
+    }
+    let inputs = [TensorData::F32(xv)];
+    let refs: Vec<&TensorData> = inputs.iter().collect();
+    let want = HostExecutor::new().prepare(&g).unwrap().execute(&refs).unwrap();
+    let got = ex.prepare(&g).unwrap_or_else(|e| panic!("{e}")).execute(&refs).unwrap_or_else(|e| panic!("{e}"));
+    let (TensorData::F32(a), TensorData::F32(b)) = (&got[0], &want[0]) else { panic!("F32") };
+    let (share, steps) = fp16_agreement(a, b, 0.0);
+    let max = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let off = a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    eprintln!("rms_norm: library against exact host: max {:.2e} of max |y| {max:.1}; bit-exact {:.1}%, worst {steps} FP16 step(s)", off / max, 100.0 * share);
+    assert!(a.iter().all(|v| v.is_finite()), "the library's norm overflowed FP16");
+    assert!(off <= 2e-3 * max, "the library's RmsNorm is off by {off:e} of max {max}");
+}
+
 /// Attention inside a graph, as issue 48 would put it on the NPU: a chunk's 32 query rows against
 /// a cache of fixed capacity (96 rows held before the chunk, the chunk's own 32, 64 free rows
 /// masked), scores, mask, softmax and the weighted sum in float, which the HTP runs in FP16.

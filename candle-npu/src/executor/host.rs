@@ -323,11 +323,39 @@ impl HostGraph {
                             });
                             x
                         }
-                        Op::Add { a, b, .. } if self.htp && [a, b].iter().all(|t| g.tensors[t.0].dtype == DType::F32) && g.tensors[out].dtype == DType::F32 => {
-                            zip_with(f32_of(&vals, a.0), &f32_of(&vals, b.0), |x, y| htp_numerics::add_f32(x, y))
+                        Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
+                            let f: fn(f32, f32) -> f32 = match op {
+                                Op::Mul { .. } => |x, y| x * y,
+                                // Proven on equal shapes only: a broadcast sum lands up to 4
+                                // FP16 steps from it (`htp_conformance.rs`).
+                                _ if self.htp
+                                    && g.tensors[a.0].shape == g.tensors[b.0].shape
+                                    && [a.0, b.0, out].iter().all(|&t| g.tensors[t].dtype == DType::F32) =>
+                                {
+                                    htp_numerics::add_f32
+                                }
+                                _ => |x, y| x + y,
+                            };
+                            let (sa, sb) = (&g.tensors[a.0].shape, &g.tensors[b.0].shape);
+                            broadcast_with(f32_of(&vals, a.0), sa, &f32_of(&vals, b.0), sb, &g.tensors[out].shape, f)
                         }
-                        Op::Add { a, b, .. } => zip_with(f32_of(&vals, a.0), &f32_of(&vals, b.0), |x, y| x + y),
-                        Op::Mul { a, b, .. } => zip_with(f32_of(&vals, a.0), &f32_of(&vals, b.0), |x, y| x * y),
+                        Op::RmsNorm { input, gamma, epsilon, .. } => {
+                            let (mut x, w) = (f32_of(&vals, input.0), f32_of(&vals, gamma.0));
+                            x.chunks_mut(w.len()).for_each(|row| {
+                                let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32 + epsilon).sqrt();
+                                row.iter_mut().zip(&w).for_each(|(v, g)| *v *= inv * g);
+                            });
+                            x
+                        }
+                        Op::Reshape { input, .. } => f32_of(&vals, input.0),
+                        Op::Transpose { input, ref perm, .. } => transpose(&f32_of(&vals, input.0), &g.tensors[input.0].shape, perm),
+                        Op::Concat { a, b, axis, .. } => {
+                            // Row-major: `outer` blocks, each `a`'s then `b`'s slab of the axis.
+                            let outer: usize = g.tensors[out].shape[..axis].iter().product();
+                            let (av, bv) = (f32_of(&vals, a.0), f32_of(&vals, b.0));
+                            let (ka, kb) = (av.len() / outer.max(1), bv.len() / outer.max(1));
+                            (0..outer).flat_map(|i| av[i * ka..][..ka].iter().chain(&bv[i * kb..][..kb]).copied()).collect()
+                        }
                         Op::MatMul { a, b, transpose_b, .. } => {
                             // Batch by batch (validated: one batch dimension at most, equal on both).
                             let (sa, so) = (&g.tensors[a.0].shape, &g.tensors[out].shape);
@@ -359,9 +387,69 @@ fn dequantized(acc: Vec<i32>) -> Vec<f32> {
     unsafe { Vec::from_raw_parts(acc.as_mut_ptr().cast::<f32>(), acc.len(), acc.capacity()) }
 }
 
-fn zip_with(mut a: Vec<f32>, b: &[f32], f: impl Fn(f32, f32) -> f32) -> Vec<f32> {
-    a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(*x, y));
-    a
+/// `f(a, b)` elementwise over the broadcast shape `out` (validated: `a` and `b` broadcast to it).
+fn broadcast_with(mut a: Vec<f32>, sa: &[usize], b: &[f32], sb: &[usize], out: &[usize], f: fn(f32, f32) -> f32) -> Vec<f32> {
+    if sa == sb {
+        a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(*x, y));
+        return a;
+    }
+    // Each operand's stride per output axis, 0 where it is broadcast (missing or 1).
+    let strides = |s: &[usize]| -> Vec<usize> {
+        let mut st = vec![0; out.len()];
+        let mut step = 1;
+        for i in (0..s.len()).rev() {
+            let j = i + out.len() - s.len();
+            st[j] = if s[i] == 1 { 0 } else { step };
+            step *= s[i];
+        }
+        st
+    };
+    let (ta, tb) = (strides(sa), strides(sb));
+    let n: usize = out.iter().product();
+    let mut idx = vec![0usize; out.len()];
+    let (mut ia, mut ib) = (0usize, 0usize);
+    let mut y = Vec::with_capacity(n);
+    for _ in 0..n {
+        y.push(f(a[ia], b[ib]));
+        // Odometer over the output's index, moving both operands' offsets with it.
+        for d in (0..out.len()).rev() {
+            idx[d] += 1;
+            ia += ta[d];
+            ib += tb[d];
+            if idx[d] < out[d] {
+                break;
+            }
+            ia -= ta[d] * out[d];
+            ib -= tb[d] * out[d];
+            idx[d] = 0;
+        }
+    }
+    y
+}
+
+/// `x` of shape `shape` with its axes permuted: output axis `i` is input axis `perm[i]`.
+fn transpose(x: &[f32], shape: &[usize], perm: &[usize]) -> Vec<f32> {
+    let mut stride = vec![1usize; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        stride[i] = stride[i + 1] * shape[i + 1];
+    }
+    let (dims, steps): (Vec<usize>, Vec<usize>) = perm.iter().map(|&p| (shape[p], stride[p])).unzip();
+    let mut idx = vec![0usize; dims.len()];
+    let mut at = 0usize;
+    let mut y = Vec::with_capacity(x.len());
+    for _ in 0..x.len() {
+        y.push(x[at]);
+        for d in (0..dims.len()).rev() {
+            idx[d] += 1;
+            at += steps[d];
+            if idx[d] < dims[d] {
+                break;
+            }
+            at -= steps[d] * dims[d];
+            idx[d] = 0;
+        }
+    }
+    y
 }
 
 #[cfg(test)]

@@ -713,6 +713,9 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
         }
         Op::Quantize { output, .. } => is8(t(output).dtype),
         Op::Dequantize { .. } | Op::Add { .. } | Op::Mul { .. } | Op::Sigmoid { .. } | Op::Softmax { .. } => true,
+        // Cast to FP16 around it (see the translation).
+        Op::RmsNorm { .. } => true,
+        Op::Reshape { .. } | Op::Transpose { .. } | Op::Concat { .. } => true,
     }
 }
 
@@ -950,8 +953,9 @@ struct Builder<'a> {
     dims: Vec<Box<[u32]>>,
     /// Per-channel scale/offset arrays of AXIS_SCALE_OFFSET tensors.
     axis_scales: Vec<Box<[Qnn_ScaleOffset_t]>>,
-    /// Constants the lowering adds (per-channel scale vectors).
-    lowered: Vec<Box<[f32]>>,
+    /// Constants the lowering adds (per-channel scale vectors, FP16 norm weights, axis lists),
+    /// each a boxed slice whose heap data does not move.
+    lowered: Vec<Box<dyn std::any::Any>>,
     /// Created tensors, by IR tensor index.
     tensors: Vec<Option<Qnn_Tensor_t>>,
     n_native: usize,
@@ -1034,6 +1038,13 @@ impl Builder<'_> {
         Ok(t)
     }
 
+    /// A STATIC tensor the lowering adds, holding `data` (kept until finalize).
+    fn lowered_constant<T: Copy + 'static>(&mut self, name: String, dt: Qnn_DataType_t, shape: &[usize], data: Box<[T]>) -> std::result::Result<Qnn_Tensor_t, NodeError> {
+        let buf = Qnn_ClientBuffer_t { data: data.as_ptr() as *mut c_void, dataSize: std::mem::size_of_val(&*data) as u32 };
+        self.lowered.push(Box::new(data)); // moves the box, not its heap data: the pointer stays valid
+        self.create(name, QNN_TENSOR_TYPE_STATIC, dt, Qnn_QuantizeParams_t::undefined(), shape, buf)
+    }
+
     /// A NATIVE tensor the lowering adds.
     fn native(&mut self, base: &str, dt: Qnn_DataType_t, q: Qnn_QuantizeParams_t, shape: &[usize]) -> std::result::Result<Qnn_Tensor_t, NodeError> {
         self.n_native += 1;
@@ -1086,9 +1097,7 @@ impl Builder<'_> {
                     let wt = self.create(format!("t{}_{}_pt", weight.0, sanitize(&w.name)), QNN_TENSOR_TYPE_STATIC, QNN_DATATYPE_SFIXED_POINT_8, Qnn_QuantizeParams_t::scale_offset(s0, 0), &w.shape, wdata)?;
                     let mut ins = [self.ir(input)?, wt]; // validated: no bias with per-channel weights
                     let ratio: Box<[f32]> = scales.iter().map(|&s| s / s0).collect();
-                    let rbuf = Qnn_ClientBuffer_t { data: ratio.as_ptr() as *mut c_void, dataSize: (ratio.len() * 4) as u32 };
-                    self.lowered.push(ratio); // the boxed slice does not move: the pointer stays valid
-                    let rt = self.create(format!("{base}_scales"), QNN_TENSOR_TYPE_STATIC, QNN_DATATYPE_FLOAT_32, Qnn_QuantizeParams_t::undefined(), &[w.shape[0]], rbuf)?;
+                    let rt = self.lowered_constant(format!("{base}_scales"), QNN_DATATYPE_FLOAT_32, &[w.shape[0]], ratio)?;
                     let mut acc = [self.native(&format!("{base}_unscaled"), QNN_DATATYPE_FLOAT_32, Qnn_QuantizeParams_t::undefined(), &out_spec.shape)?];
                     self.node(base.clone(), QNN_OP_FULLY_CONNECTED, &mut [], &mut ins, &mut acc)?;
                     return self.node(format!("{base}_channel_scales"), QNN_OP_ELEMENT_WISE_MULTIPLY, &mut [], &mut [acc[0], rt], &mut out);
@@ -1136,9 +1145,47 @@ impl Builder<'_> {
                 self.node(base, QNN_OP_SOFTMAX, &mut params, &mut ins, &mut out)
             }
             Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
+                // QNN's elementwise ops broadcast as numpy does, as the IR's.
                 let ty = if matches!(op, Op::Add { .. }) { QNN_OP_ELEMENT_WISE_ADD } else { QNN_OP_ELEMENT_WISE_MULTIPLY };
                 let mut ins = [self.ir(a)?, self.ir(b)?];
                 self.node(base, ty, &mut [], &mut ins, &mut out)
+            }
+            Op::RmsNorm { input, gamma, epsilon, .. } => {
+                // Lowering: RmsNorm runs on FLOAT_16 only (FLOAT_32 fails at finalize; Convert
+                // FP32 <-> FP16 too): Cast in, the norm with an FP16 weight, Cast out.
+                let shape = &out_spec.shape;
+                let w: Box<[u16]> = match &g.tensor(gamma).data {
+                    Some(StaticData::F32(v)) => v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect(),
+                    _ => return Err((0, "RmsNorm weight without F32 data (validated)".into())),
+                };
+                let w = self.lowered_constant(format!("{base}_weight_fp16"), QNN_DATATYPE_FLOAT_16, &[w.len()], w)?;
+                let axes = self.lowered_constant(format!("{base}_axes"), QNN_DATATYPE_UINT_32, &[1], Box::new([shape.len() as u32 - 1]) as Box<[u32]>)?;
+                let mut x16 = [self.native(&format!("{base}_in_fp16"), QNN_DATATYPE_FLOAT_16, Qnn_QuantizeParams_t::undefined(), shape)?];
+                let mut y16 = [self.native(&format!("{base}_fp16"), QNN_DATATYPE_FLOAT_16, Qnn_QuantizeParams_t::undefined(), shape)?];
+                let mut x = [self.ir(input)?];
+                self.node(format!("{base}_cast_in"), QNN_OP_CAST, &mut [], &mut x, &mut x16)?;
+                let mut params = [
+                    Qnn_Param_t::scalar(QNN_OP_RMS_NORM_PARAM_EPSILON.as_ptr(), Qnn_Scalar_t::f32(epsilon)),
+                    Qnn_Param_t::tensor(QNN_OP_RMS_NORM_PARAM_AXES.as_ptr(), axes),
+                ];
+                self.node(base.clone(), QNN_OP_RMS_NORM, &mut params, &mut [x16[0], w], &mut y16)?;
+                self.node(format!("{base}_cast_out"), QNN_OP_CAST, &mut [], &mut y16, &mut out)
+            }
+            Op::Reshape { input, .. } => {
+                let mut ins = [self.ir(input)?];
+                self.node(base, QNN_OP_RESHAPE, &mut [], &mut ins, &mut out)
+            }
+            Op::Transpose { input, ref perm, .. } => {
+                let p: Box<[u32]> = perm.iter().map(|&a| a as u32).collect();
+                let perm = self.lowered_constant(format!("{base}_perm"), QNN_DATATYPE_UINT_32, &[p.len()], p)?;
+                let mut params = [Qnn_Param_t::tensor(QNN_OP_TRANSPOSE_PARAM_PERM.as_ptr(), perm)];
+                let mut ins = [self.ir(input)?];
+                self.node(base, QNN_OP_TRANSPOSE, &mut params, &mut ins, &mut out)
+            }
+            Op::Concat { a, b, axis, .. } => {
+                let mut params = [Qnn_Param_t::scalar(QNN_OP_PARAM_AXIS.as_ptr(), Qnn_Scalar_t::u32(axis as u32))];
+                let mut ins = [self.ir(a)?, self.ir(b)?];
+                self.node(base, QNN_OP_CONCAT, &mut params, &mut ins, &mut out)
             }
         }
     }
