@@ -486,6 +486,10 @@ impl ShadowLinear {
     pub fn name(&self) -> &str {
         &self.name
     }
+    /// The bias added to every output row, `[N]` (Qwen2's q, k and v), if any.
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
+    }
     /// (out, in) features.
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)

@@ -114,7 +114,7 @@ impl KvCache {
     ///
     /// A cache that does not fit in memory is [`Error::OutOfMemory`] saying how many tokens it
     /// was for (the longest prompts and conversations are where memory runs out).
-    fn append(&mut self, k: &[f32], v: &[f32], n: usize, heads: usize, head_dim: usize, reserve: usize) -> Result<()> {
+    pub(crate) fn append(&mut self, k: &[f32], v: &[f32], n: usize, heads: usize, head_dim: usize, reserve: usize) -> Result<()> {
         let need = self.len + n;
         if need > self.cap || (heads, head_dim) != (self.heads, self.head_dim) {
             let cap = need.max(reserve).max(self.cap + Self::GROW);
@@ -177,6 +177,20 @@ impl KvCache {
         let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         let (k, v) = values.split_at(half);
         Some(KvCache { k: k.to_vec(), v: v.to_vec(), heads, head_dim, cap: len, len })
+    }
+
+    /// Keys and values as a graph's cache inputs: `[heads, cap, head_dim]` each, the tokens held
+    /// first in every head and zeros after them (`cap >= len`; a cache that has held nothing is
+    /// taken as `heads` heads of `head_dim`).
+    pub(crate) fn padded(&self, cap: usize, heads: usize, head_dim: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut out = (vec![0f32; heads * cap * head_dim], vec![0f32; heads * cap * head_dim]);
+        let n = self.len.min(cap) * head_dim;
+        for (dst, src) in [(&mut out.0, &self.k), (&mut out.1, &self.v)] {
+            for h in 0..self.heads.min(heads) {
+                dst[h * cap * head_dim..][..n].copy_from_slice(&src[h * self.cap * self.head_dim..][..n]);
+            }
+        }
+        out
     }
 
     /// The tokens of head `h`: `[len, head_dim]` keys and values.
@@ -416,7 +430,7 @@ fn roped(spec: &FamilySpec, x: &[f32], heads: usize, hd: usize, cos: &[f32], sin
 
 /// cos/sin of RoPE for positions `start..start+n`, `[n, dims/2]`, computed as candle's models
 /// do (f32 inverse frequencies, f32 products).
-fn rope_tables(dims: usize, base: f32, start: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn rope_tables(dims: usize, base: f32, start: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
     let inv: Vec<f32> = (0..dims).step_by(2).map(|i| 1f32 / base.powf(i as f32 / dims as f32)).collect();
     let mut cos = Vec::with_capacity(n * inv.len());
     let mut sin = Vec::with_capacity(n * inv.len());

@@ -52,6 +52,7 @@ use crate::checkpoint::{Checkpoint, NameMap};
 pub use crate::spec::{Config, FamilySpec};
 
 mod calibrate;
+mod layer_graph;
 mod prefill;
 mod stages;
 

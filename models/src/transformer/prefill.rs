@@ -10,6 +10,8 @@ use super::*;
 pub(super) enum GraphSet {
     Npu(usize),
     Margin,
+    /// One graph per layer ([`Model::layer_graph`]) for chunks of `m` rows over a cache of `cap`.
+    Layers { m: usize, cap: usize },
 }
 
 /// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin). The defaults were chosen by
