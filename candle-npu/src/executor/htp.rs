@@ -711,7 +711,7 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
                 true
             }
         }
-        Op::Quantize { output, .. } => is8(t(output).dtype),
+        Op::Quantize { output, .. } => is8(t(output).dtype) || t(output).dtype == DType::U16,
         Op::Dequantize { .. } | Op::Add { .. } | Op::Mul { .. } | Op::Sigmoid { .. } | Op::Softmax { .. } => true,
         // Cast to FP16 around it (see the translation).
         Op::RmsNorm { .. } => true,
