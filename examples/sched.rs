@@ -89,7 +89,7 @@ struct Run {
 fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usize) -> Result<Run> {
     // Every chunk in flight: the DAG's schedule, unconstrained (the simulator's assumption).
     let sched =
-        SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], chunks_in_flight: usize::MAX };
+        SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], chunks_in_flight: usize::MAX, ..Default::default() };
     p.model.set_sched(sched)?;
     p.model.prefill_chunked(tokens, chunk)?;
     let mut best: Option<Run> = None;

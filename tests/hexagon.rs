@@ -472,17 +472,20 @@ fn whole_layer_graphs_run_on_the_library() {
     let profile = h.calibrate(CalibrationSet { sequences: 2, seq_len: 64, importance_sequences: 0, ..Default::default() }, |_, _| {}).unwrap();
     let prompt = heldout_tokens(&h, 40);
     let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
-    for precision in [Precision::F32, Precision::W8A16] {
+    for precision in [Precision::F32, Precision::W8A16, Precision::W8A16Shadow] {
         let mut host = load(&NpuDevice::host(), precision);
         let mut lib = load(&htp, precision);
         if precision != Precision::F32 {
             host.model.set_profile(profile.clone()).unwrap();
             lib.model.set_profile(profile.clone()).unwrap();
         }
+        for p in [&mut host, &mut lib] {
+            p.model.set_sched(SchedOptions { plan: candle_npu_models::PrefillPlan::Layers, ..Default::default() }).unwrap();
+        }
         let t = std::time::Instant::now();
-        let got: Vec<f32> = lib.model.extend_whole_layers(&prompt, 32, precision).unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = lib.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
         let secs = t.elapsed().as_secs_f32();
-        let want: Vec<f32> = host.model.extend_whole_layers(&prompt, 32, precision).unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = host.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
         let err = rel_max_err(&got, &want);
         let same = argmax(&candle_core::Tensor::new(got.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap()
             == argmax(&candle_core::Tensor::new(want.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap();

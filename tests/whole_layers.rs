@@ -5,13 +5,19 @@
 mod common;
 
 use candle_npu::NpuDevice;
-use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
 /// The model at `path` on the host executor, its first `layers` layers (`None`: all).
 fn load(path: &std::path::Path, precision: Precision, decode_weights: DecodeWeights, layers: Option<usize>) -> Pipeline {
     assert!(path.exists(), "{} missing: run scripts/setup.sh first", path.display());
     Pipeline::load(path, None, &NpuDevice::host(), LoadOptions { precision, decode_weights, layers, ..Default::default() }).unwrap()
+}
+
+/// The last token's logits of `tokens` in chunks of 16, with `plan`.
+fn prefill(p: &mut Pipeline, tokens: &[u32], plan: PrefillPlan) -> Vec<f32> {
+    p.model.set_sched(SchedOptions { plan, ..Default::default() }).unwrap();
+    logits(p.model.prefill_chunked(tokens, 16).unwrap())
 }
 
 fn logits(t: candle_core::Tensor) -> Vec<f32> {
@@ -30,10 +36,9 @@ fn f32_whole_layer_graphs_give_the_four_stage_prefill_s_logits() {
         // in the cache into a rounding flip somewhere, and hide whether the cache is right.
         let mut p = load(&path, Precision::F32, DecodeWeights::F32, layers);
         let tokens = heldout_tokens(&p, 40);
-        let want = logits(p.model.prefill_chunked(&tokens, 16).unwrap());
+        let want = prefill(&mut p, &tokens, PrefillPlan::Stages);
         let want_next = logits(p.model.decode(tokens[0]).unwrap());
-        p.model.clear();
-        let got = logits(p.model.extend_whole_layers(&tokens, 16, Precision::F32).unwrap());
+        let got = prefill(&mut p, &tokens, PrefillPlan::Layers);
         assert_eq!(p.model.position(), 40);
         // The caches the graphs filled are the ones decode reads.
         let got_next = logits(p.model.decode(tokens[0]).unwrap());
@@ -56,18 +61,36 @@ fn w8a16_whole_layer_graphs_compute_the_four_stage_w8a16_prefill() {
     let mut one = load(&assets::smollm2(), Precision::W8A16, DecodeWeights::Q8_0, Some(1));
     one.calibrate(set, |_, _| {}).unwrap();
     let tokens = heldout_tokens(&one, 40);
-    let want = logits(one.model.prefill_chunked(&tokens, 16).unwrap());
-    one.model.clear();
-    assert_eq!(logits(one.model.extend_whole_layers(&tokens, 16, Precision::W8A16).unwrap()), want, "one layer, bit for bit");
+    let want = prefill(&mut one, &tokens, PrefillPlan::Stages);
+    assert_eq!(prefill(&mut one, &tokens, PrefillPlan::Layers), want, "one layer, bit for bit");
 
     let mut p = load(&assets::smollm2(), Precision::W8A16, DecodeWeights::Q8_0, None);
     p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
-    let four = logits(p.model.prefill_chunked(&tokens, 16).unwrap());
-    p.model.clear();
-    let whole = logits(p.model.extend_whole_layers(&tokens, 16, Precision::W8A16).unwrap());
+    let four = prefill(&mut p, &tokens, PrefillPlan::Stages);
+    let whole = prefill(&mut p, &tokens, PrefillPlan::Layers);
     let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill_chunked(&tokens, 16).unwrap());
     let (e_whole, e_four, apart) = (rel_max_err(&whole, &f32), rel_max_err(&four, &f32), rel_max_err(&whole, &four));
     eprintln!("SmolLM2 W8A16 against F32, max |logit diff| / max |logit|: whole-layer graphs {e_whole:.2e}, four stages {e_four:.2e}; apart {apart:.2e}");
     assert!(e_whole <= 1.5 * e_four, "whole-layer W8A16 {e_whole:e} from F32, four-stage {e_four:e}");
-    assert!(p.model.extend_whole_layers(&tokens, 16, Precision::W8A8).unwrap_err().to_string().contains("shadow outliers"));
+    let mut w8a8 = load(&assets::smollm2(), Precision::W8A8, DecodeWeights::Q8_0, Some(1));
+    w8a8.calibrate(set, |_, _| {}).unwrap();
+    w8a8.model.set_sched(SchedOptions { plan: PrefillPlan::Layers, ..Default::default() }).unwrap();
+    let e = w8a8.model.prefill(&tokens).unwrap_err().to_string();
+    assert!(e.contains("not W8A8"), "{e}");
+    assert_eq!(w8a8.model.position(), 0, "a failed prefill leaves the cache as it was");
+}
+
+/// Shadow W8A16 with its outliers on a second u16 grid inside the graph (whole layers) against
+/// the same clip ranges with the outliers in float on the CPU (four stages): as close to F32.
+#[test]
+fn shadow_w8a16_whole_layer_graphs_keep_the_outliers_on_the_npu() {
+    let mut p = load(&assets::smollm2(), Precision::W8A16Shadow, DecodeWeights::Q8_0, None);
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
+    let tokens = heldout_tokens(&p, 40);
+    let four = prefill(&mut p, &tokens, PrefillPlan::Stages);
+    let whole = prefill(&mut p, &tokens, PrefillPlan::Layers);
+    let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill_chunked(&tokens, 16).unwrap());
+    let (e_whole, e_four) = (rel_max_err(&whole, &f32), rel_max_err(&four, &f32));
+    eprintln!("SmolLM2 shadow W8A16 against F32, max |logit diff| / max |logit|: outliers on the NPU's second grid {e_whole:.2e}, in float on the CPU {e_four:.2e}");
+    assert!(e_whole <= 1.5 * e_four, "outliers on the NPU {e_whole:e} from F32, on the CPU {e_four:e}");
 }

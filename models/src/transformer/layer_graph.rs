@@ -22,14 +22,20 @@
 //! holds the keys decode expects). Attention stacks each KV head's group of query heads as rows
 //! of one batch of a rank-3 MatMul (Reshape and Transpose), as the CPU kernel tiles them.
 //! Activations are F32 (the HTP computes them in FP16), quantized to u16 before each group of
-//! linears under [`Precision::W8A16`]; no op needs the CPU.
+//! linears: over the point's calibrated range ([`Precision::W8A16`]), or as shadow W8A16
+//! ([`Precision::W8A16Shadow`]) with the outliers on the NPU: u16 over the clip range, and the
+//! rest beyond it on a second u16 grid through the same weights, where llm.npu computes it in
+//! float on the CPU. No op needs the CPU.
 
 use std::sync::Arc;
 
 use candle_npu::{DType, Error, Graph, Op, Result, StaticData, TensorData, TensorId};
 
+
+use candle_core::Tensor;
+
 use super::{GraphSet, Model, Precision};
-use crate::attention::rope_tables;
+use crate::attention::{rope_tables, KvCache};
 use crate::spec::{Activation, RopeLayout};
 use super::stages::{DOWN, GATE_UP, O, QKV};
 
@@ -39,12 +45,12 @@ pub const MASKED: f32 = -30000.0;
 
 impl Model {
     /// The static graph of layer `l` for chunks of `m` rows against a cache of capacity `cap`
-    /// (see the module docs): F32 throughout, or [`Precision::W8A16`] (u16 activations into
-    /// the INT8 linears, from the profile's ranges). W8A8 and shadow W8A16 need the CPU between
-    /// the linears (their outliers) and have no whole-layer graph.
+    /// (see the module docs): F32 throughout, W8A16 or shadow W8A16 (u16 activations into the
+    /// INT8 linears, from the profile's ranges). W8A8 has none: its 8-bit grid needs the CPU's
+    /// float outliers between the linears.
     pub fn layer_graph(&self, l: usize, m: usize, cap: usize, precision: Precision) -> Result<Graph> {
-        if !matches!(precision, Precision::F32 | Precision::W8A16) {
-            return Err(Error::Input(format!("a whole-layer graph computes F32 or W8A16, not {precision:?}: its shadow outliers run on the CPU between the linears")));
+        if precision == Precision::W8A8 {
+            return Err(Error::Input("a whole-layer graph computes F32, W8A16 or shadow W8A16, not W8A8: its shadow outliers run on the CPU between the linears".into()));
         }
         if l >= self.layers.len() || m == 0 || cap == 0 {
             return Err(Error::Input(format!("whole-layer graph of layer {l} (of {}), {m} rows, cache capacity {cap}: need a layer of the model and sizes >= 1", self.layers.len())));
@@ -55,7 +61,8 @@ impl Model {
         let (group, keys, eps) = (nh / nkv, cap + m, c.rms_eps as f32);
         let name = match precision {
             Precision::F32 => "f32",
-            _ => "w8a16",
+            Precision::W8A16 => "w8a16",
+            _ => "w8a16_shadow",
         };
         let mut g = Graph::new(format!("blk.{l}.layer.m{m}.c{cap}.{name}"));
         let f32_in = |g: &mut Graph, name: &str, shape: &[usize]| g.input(name, shape, DType::F32, None);
@@ -120,66 +127,60 @@ impl Model {
         Ok(g)
     }
 
-    /// Runs `tokens` through every layer as one graph each ([`Self::layer_graph`]), in chunks of
-    /// `m` rows (the last padded), after what the KV cache holds, and returns the logits of the
-    /// last token, `[vocab]`. Graphs are prepared on the model's device per (layer, capacity); a
-    /// chunk takes the smallest capacity of [`capacity`] holding the tokens before it.
-    ///
-    /// A first form of issue 48's plan, run in order (no scheduler: no CPU work is left to
-    /// overlap), for its accuracy and its graphs; the prefill's default is still llm.npu's.
-    pub fn extend_whole_layers(&mut self, tokens: &[u32], m: usize, precision: Precision) -> Result<candle_core::Tensor> {
-        if tokens.is_empty() || m == 0 {
-            return Err(Error::Input(format!("a whole-layer prefill of {} tokens in chunks of {m} rows: need both >= 1", tokens.len())));
-        }
-        self.check_tokens(tokens)?;
-        if self.pos + tokens.len() > self.cfg.context_len {
-            return Err(Error::Input(format!("{} tokens after {} held exceed the model's context of {}", tokens.len(), self.pos, self.cfg.context_len)));
-        }
-        let base = self.pos;
-        let logits = self.run_whole_layers(tokens, m, precision);
-        if logits.is_err() {
-            // Layers before the failing one appended: the caches hold the first `base` again.
-            self.truncate_kv(base);
-        }
-        logits
-    }
-
-    fn run_whole_layers(&mut self, tokens: &[u32], m: usize, precision: Precision) -> Result<candle_core::Tensor> {
-        let (nkv, hd, nl) = (self.cfg.n_kv_head, self.cfg.head_dim, self.layers.len());
-        let mut last = None;
+    /// [`super::PrefillPlan::Layers`]' prefill of `tokens` after the tokens the caches hold, in
+    /// chunks of `m` rows (the last padded), in order: per chunk and layer one graph
+    /// ([`Self::layer_graph`]) over the smallest [`capacity`] holding the tokens before the
+    /// chunk, its new keys and values appended to the layer's cache. The logits of every token
+    /// (`all_logits`) or of the last, as [`Self::run_plan`]'s. The caller
+    /// ([`Self::run_prefill`]) checks the tokens and restores the caches on an error.
+    pub(super) fn run_layers(&mut self, tokens: &[u32], m: usize, precision: Precision, all_logits: bool) -> Result<Tensor> {
+        let (nkv, hd, nl, h) = (self.cfg.n_kv_head, self.cfg.head_dim, self.layers.len(), self.cfg.hidden);
+        let reserve = (self.pos + tokens.len() + KvCache::GROW).min(self.cfg.context_len);
+        let mut progress = self.progress.take();
+        let (total, mut done) = (tokens.len().div_ceil(m) * nl, 0);
+        let mut rows = Vec::with_capacity(if all_logits { tokens.len() * h } else { h });
         for chunk in tokens.chunks(m) {
             let (start, n) = (self.pos, chunk.len());
             let cap = capacity(start, m);
             let mut ids = chunk.to_vec();
-            ids.resize(m, *chunk.last().expect("chunks are not empty"));
-            let x = self.embed_rows(&ids)?.flatten_all()?.to_vec1::<f32>()?;
-            let mut x = TensorData::F32(x);
+            ids.resize(m, 0);
+            let mut x = TensorData::F32(self.embed_rows(&ids)?.flatten_all()?.to_vec1::<f32>()?);
             let key = (GraphSet::Layers { m, cap }, precision);
             if !self.graphs.contains_key(&key) {
+                let t = std::time::Instant::now();
                 let graphs = (0..nl).map(|l| Ok(vec![self.device.prepare(&self.layer_graph(l, m, cap, precision)?)?])).collect::<Result<Vec<_>>>()?;
+                tracing::info!(layers = nl, rows = m, capacity = cap, ?precision, secs = t.elapsed().as_secs_f32(), executor = self.device.executor_name(), "prepared whole-layer graphs");
                 self.graphs.insert(key, Arc::new(graphs));
             }
             let graphs = self.graphs[&key].clone();
             for (l, graph) in graphs.iter().map(|g| &g[0]).enumerate() {
+                let spec = &self.spec.layers[l];
                 let kv = self.kv[l].get_mut().unwrap_or_else(|e| e.into_inner());
                 let (kc, vc) = kv.padded(cap, nkv, hd);
-                let window = self.spec.layers[l].window;
-                let mask = TensorData::F32(mask(start, m, n, cap, window));
-                let (cos, sin) = head_tables(self.spec.rope, self.spec.rope_dims, hd, self.spec.layers[l].rope_base, start, m);
-                let inputs = [x, TensorData::F32(kc), TensorData::F32(vc), mask, TensorData::F32(cos), TensorData::F32(sin)];
+                let (cos, sin) = head_tables(self.spec.rope, self.spec.rope_dims, hd, spec.rope_base, start, m);
+                let mask = mask(start, m, n, cap, spec.window);
+                let inputs = [x, TensorData::F32(kc), TensorData::F32(vc), TensorData::F32(mask), TensorData::F32(cos), TensorData::F32(sin)];
                 let mut out = graph.execute(&inputs.iter().collect::<Vec<_>>())?.into_iter();
                 let (Some(y), Some(TensorData::F32(k)), Some(TensorData::F32(v))) = (out.next(), out.next(), out.next()) else {
                     return Err(Error::Internal(format!("layer graph {} returned other outputs than the stream, keys and values", graph.name())));
                 };
-                kv.append(&k, &v, n, nkv, hd, start + tokens.len())?;
+                kv.append(&k, &v, n, nkv, hd, reserve)?;
                 x = y;
+                done += 1;
+                if let Some(report) = progress.as_mut() {
+                    report(done, total);
+                }
             }
             self.pos += n;
-            let TensorData::F32(rows) = x else { return Err(Error::Internal("a layer graph's stream is F32".into())) };
-            last = Some(candle_core::Tensor::from_slice(&rows[(n - 1) * self.cfg.hidden..][..self.cfg.hidden], (1, self.cfg.hidden), &candle_core::Device::Cpu)?);
+            let TensorData::F32(stream) = x else { return Err(Error::Internal("a layer graph's stream is F32".into())) };
+            match all_logits {
+                true => rows.extend_from_slice(&stream[..n * h]),
+                false => rows = stream[(n - 1) * h..n * h].to_vec(),
+            }
         }
-        let rows = last.expect("at least one chunk");
-        Ok(self.logits(&rows)?.squeeze(0)?)
+        self.progress = progress;
+        let n = rows.len() / h;
+        self.logits(&Tensor::from_vec(rows, (n, h), &candle_core::Device::Cpu)?)
     }
 }
 
@@ -284,21 +285,39 @@ impl Build {
         Ok(g.op(&self.name(what), DType::F32, None, |output| Op::RmsNorm { input: x, gamma, epsilon: eps, output }, &shape))
     }
 
-    /// The linears of stage `s` on `x` (F32, quantized to u16 first under W8A16), each with its
-    /// bias: their F32 outputs, in the stage's order.
+    /// The linears of stage `s` on `x`, each with its bias: their F32 outputs, in the stage's
+    /// order. Their input: `x` itself (F32); u16 over the point's whole calibrated range
+    /// (W8A16); or shadow W8A16's split, u16 over the clip range (saturating) and, where the
+    /// calibrated range exceeds it, the rest `x - clip(x)` (the outliers; zero elsewhere) on a
+    /// second u16 grid over what lies beyond, both through the same weights.
     fn linears(&self, g: &mut Graph, model: &Model, l: usize, s: usize, x: TensorId) -> Result<Vec<TensorId>> {
-        let input = match self.precision {
-            Precision::F32 => x,
+        let point = super::STAGES[s].point;
+        let uncalibrated = || Error::Input(format!("layer {l} has no {:?} ranges: calibrate first", self.precision));
+        let shape = g.tensor(x).shape.clone();
+        let quantize = |g: &mut Graph, what: &str, x: TensorId, q| g.op(&self.name(what), DType::U16, Some(q), |output| Op::Quantize { input: x, output }, &shape);
+        let parts = match self.precision {
+            Precision::F32 => vec![x],
+            Precision::W8A16 => vec![quantize(g, &format!("{point}_u16"), x, model.a16.get(l).ok_or_else(uncalibrated)?[s])],
             _ => {
-                let q = model.a16.get(l).map(|p| p[s]).ok_or_else(|| Error::Input(format!("layer {l} has no W8A16 ranges: calibrate first")))?;
-                let shape = g.tensor(x).shape.clone();
-                g.op(&self.name(&format!("{}_in", super::STAGES[s].point)), DType::U16, Some(q), |output| Op::Quantize { input: x, output }, &shape)
+                let (p, full) = (&model.points.get(l).ok_or_else(uncalibrated)?[s], model.a16.get(l).ok_or_else(uncalibrated)?[s]);
+                let inside = quantize(g, &format!("{point}_u16"), x, p.quant_u16());
+                let (min, max) = full.float_range(DType::U16);
+                if min >= p.lo && max <= p.hi {
+                    vec![inside]
+                } else {
+                    let clipped = g.unary(&self.name(&format!("{point}_clipped")), inside, DType::F32, None, |input, output| Op::Dequantize { input, output });
+                    let minus = self.scalar(g, &format!("{point}_minus_one"), -1.0);
+                    let neg = g.binary(&self.name(&format!("{point}_neg_clipped")), clipped, minus, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
+                    let rest = g.binary(&self.name(&format!("{point}_outliers")), x, neg, DType::F32, None, |a, b, output| Op::Add { a, b, output });
+                    let q = candle_npu::Quant::u16_range(min - p.lo, max - p.hi);
+                    vec![inside, quantize(g, &format!("{point}_outliers_u16"), rest, q)]
+                }
             }
         };
         model.layers[l].stages[s]
             .iter()
             .map(|lin| {
-                let y = lin.add_to_graph(g, "", input)?;
+                let y = lin.add_to_graph_parts(g, "", &parts)?;
                 Ok(match lin.bias() {
                     Some(b) => {
                         let bias = g.constant(&format!("{}.bias", lin.name()), &[b.len()], StaticData::F32(Arc::new(b.to_vec())), None);

@@ -38,11 +38,29 @@ pub struct SchedOptions {
     /// tokens, a core each: 2 give 117 tok/s, 4 give 167, all 8 give 174); each is a thread with
     /// its own heap arena unless the program shares them ([`crate::memory::limit_malloc_arenas`]).
     pub chunks_in_flight: usize,
+    /// What one NPU graph holds: llm.npu's four stages per layer with the CPU between them, or
+    /// a whole layer ([`PrefillPlan`]).
+    pub plan: PrefillPlan,
+}
+
+/// How a prefill's layers are cut into NPU graphs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillPlan {
+    /// llm.npu's: per layer four graphs of linears (qkv, o, gate_up, down); norms, RoPE,
+    /// attention, the activation, quantization and the shadow outliers on the CPU between them,
+    /// chunks scheduled out of order across the two processors. Every precision.
+    #[default]
+    Stages,
+    /// Issue 48's: each layer one graph ([`Model::layer_graph`]): norms, linears, RoPE,
+    /// attention over a masked cache of fixed capacity, the FFN and the residual adds, the
+    /// chunks in order, every row (the last chunk padded) on the NPU. F32, W8A16, or shadow
+    /// W8A16 with its outliers on a second u16 grid inside the graph.
+    Layers,
 }
 
 impl Default for SchedOptions {
     fn default() -> Self {
-        SchedOptions { policy: Policy::Fifo, tail: Tail::Margin, npu_threads: None, small_chunks: vec![32], chunks_in_flight: 4 }
+        SchedOptions { policy: Policy::Fifo, tail: Tail::Margin, npu_threads: None, small_chunks: vec![32], chunks_in_flight: 4, plan: PrefillPlan::Stages }
     }
 }
 
@@ -268,7 +286,10 @@ impl Model {
                 self.cfg.context_len
             )));
         }
-        let r = self.run_plan(tokens, plan, precision, all_logits);
+        let r = match self.sched.plan {
+            PrefillPlan::Stages => self.run_plan(tokens, plan, precision, all_logits),
+            PrefillPlan::Layers => self.run_layers(tokens, plan.chunk_len, precision, all_logits),
+        };
         if r.is_err() {
             // What a failed prefill appended goes: the cache holds the first `base` tokens again.
             self.truncate_kv(base);
