@@ -341,7 +341,8 @@ impl HostGraph {
                         }
                         Op::RmsNorm { input, gamma, epsilon, .. } => {
                             let (mut x, w) = (f32_of(&vals, input.0), f32_of(&vals, gamma.0));
-                            x.chunks_mut(w.len()).for_each(|row| {
+                            // (An empty last axis has nothing to normalize.)
+                            x.chunks_mut(w.len().max(1)).for_each(|row| {
                                 let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32 + epsilon).sqrt();
                                 row.iter_mut().zip(&w).for_each(|(v, g)| *v *= inv * g);
                             });
