@@ -33,8 +33,8 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_npu::sched::{
-    lower_bound, simulate, AnalyticCosts, ContributionWeights, CostModel, LayerShape, Policy, Processor, Rates, Schedule, SubgraphDag, TableCosts,
-    Trace,
+    lower_bound, predict_whole, simulate, Activations, AnalyticCosts, ContributionWeights, CostModel, HtpRates, HtpStageCosts, LayerShape, ModelShape,
+    Policy, Prediction, Processor, Rates, Schedule, SubgraphDag, TableCosts, Trace, WholePlan,
 };
 use candle_npu::{ChunkPlan, NpuDevice, Tail};
 use candle_npu_models::{assets, prefill_dag, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
@@ -63,6 +63,9 @@ struct Args {
     /// Folder for a Chrome/Perfetto trace of every real run.
     #[arg(long)]
     trace_dir: Option<PathBuf>,
+    /// With `--sections phone`: every prediction as one JSON object per line.
+    #[arg(long)]
+    json: bool,
 }
 
 /// A real-run configuration: a label, the policy, the NPU queue's threads, the tail.
@@ -136,88 +139,130 @@ fn tail_on_the_phone() -> Result<()> {
     Ok(())
 }
 
-/// Projected prefill on the phone model (FIFO, graphs of 256 and 32 rows, the last rows padded
-/// onto the NPU as a real NPU's default plan does) for the three real models and for the models
-/// of the published anchors, at 256 and 1024 tokens; for each anchor, how much faster the phone
-/// model's NPU, its CPU, or both would have to be to reach it. Once with
-/// [`Rates::SNAPDRAGON_8_GEN_3`] (calibrated on llm.npu's split), once with
-/// [`Rates::SNAPDRAGON_8_GEN_3_KERNELS`] (its CPU rates from llvm-mca estimates of our aarch64
-/// kernels, docs/aarch64.md).
-fn phone_projections() -> Result<()> {
-    phone_projection_table("Snapdragon 8 Gen 3 model", Rates::SNAPDRAGON_8_GEN_3)?;
-    println!();
-    phone_projection_table("Snapdragon 8 Gen 3 model, CPU rates from our kernels' llvm-mca estimates (model estimate)", Rates::SNAPDRAGON_8_GEN_3_KERNELS)?;
-    println!();
-    // INT8 + residual weights on every linear (`LoadOptions::residual`): each linear is two INT8
-    // FullyConnected ops, i.e. the NPU's MACs per linear doubled. The shadow path's outliers
-    // times the second weight (CPU work) are not in this model.
-    let r = Rates::SNAPDRAGON_8_GEN_3;
-    phone_projection_table("Snapdragon 8 Gen 3 model with INT8 + residual weights on every linear (NPU MACs doubled; the shadow path's second weight not modelled)", Rates { npu_macs: r.npu_macs / 2.0, ..r })
-}
+/// The phone model of issue 48 ([`HtpRates`], docs/phone_model.md): first the published anchors
+/// under their own plans (AI Hub's Llama-3.2-1B w4a16 on the 8 Elite, mllm's Qwen3-1.7B W4A16
+/// and llm.npu's Qwen1.5-1.8B W8A8 on the 8 Gen 3), then this project's plans for the three real
+/// models and the 1B / 1.7B / 1.8B / 3B shapes at 1024 tokens on the 8 Gen 3, each at a launch
+/// cost of 0.3 ms and of 2 ms per graph execution (the published range's nominal and llm.npu's).
+/// With `json`, one JSON object per line instead of the tables.
+fn phone_projections(json: bool) -> Result<()> {
+    let v75 = HtpRates::SNAPDRAGON_8_GEN_3;
+    let launches = [0.3e-3, 2e-3];
+    let shape = |hidden, ffn, n_head, n_kv_head, head_dim, n_layer, vocab| ModelShape { layer: LayerShape { hidden, ffn, n_head, n_kv_head, head_dim }, n_layer, vocab };
+    let llama_1b = shape(2048, 8192, 32, 8, 64, 16, 128256);
+    let qwen3 = shape(2048, 6144, 16, 8, 128, 28, 151936);
+    let qwen15 = shape(2048, 5504, 16, 16, 128, 24, 151936);
+    let qwen25_3b = shape(2048, 11008, 16, 2, 128, 36, 151936);
+    let cpu = Rates::SNAPDRAGON_8_GEN_3;
+    // llm.npu's plan: the prefill DAG of 256-row chunks (the last padded), FIFO, NPU stages W8A8.
+    let stages = move |m: &ModelShape, n: usize, rates: HtpRates| -> Result<Prediction> {
+        let plan = ChunkPlan::with_sizes(n, &[256, 32], usize::MAX, Tail::Pad)?;
+        let s = simulate(&prefill_dag(&plan, m.n_layer)?, &HtpStageCosts { cpu: AnalyticCosts { shape: m.layer, rates: cpu }, htp: rates }, &Policy::Fifo)?;
+        Ok(Prediction {
+            secs: s.makespan,
+            tokens_per_sec: n as f64 / s.makespan,
+            npu_busy: s.utilization(Processor::Npu),
+            cpu_busy: s.utilization(Processor::Cpu),
+            graphs_per_chunk: 4 * m.n_layer,
+        })
+    };
+    let emit = |model: &str, soc: &str, plan: &str, tokens: usize, launch: f64, p: &Prediction, measured: Option<f64>| {
+        let row = serde_json::json!({
+            "model": model, "soc": soc, "plan": plan, "prompt_tokens": tokens, "launch_ms": launch * 1e3,
+            "tokens_per_sec": p.tokens_per_sec, "npu_busy": p.npu_busy, "cpu_busy": p.cpu_busy,
+            "graphs_per_chunk": p.graphs_per_chunk, "measured_tokens_per_sec": measured,
+        });
+        println!("{row}");
+    };
 
-fn phone_projection_table(title: &str, rates: Rates) -> Result<()> {
-    // (model, layer shape, layers, the anchor: tokens/s and where it comes from)
-    type Row = (String, LayerShape, usize, Option<(f64, &'static str)>);
-    let mut models: Vec<Row> = vec![];
+    // The anchors, each under its own plan.
+    type Anchor = (&'static str, &'static str, &'static str, f64, Box<dyn Fn(HtpRates) -> Result<Prediction>>, usize);
+    let anchors: Vec<Anchor> = vec![
+        (
+            "Llama-3.2-1B",
+            "8 Elite",
+            "AI Hub w4a16: 128 rows over a 4096-token cache, 3 graphs, every row's logits",
+            128.0 / 37.0651e-3,
+            Box::new(move |r: HtpRates| {
+                let plan = WholePlan { rows: 128, capacity: Some(4096), graphs_per_chunk: 3, activations: Activations::A16, weight_bytes: 0.5, kv_bytes: 1.0, lm_head_bytes: Some(1.0), extra_macs: 0.0 };
+                Ok(predict_whole(&llama_1b, &plan, 128, &r.snapdragon_8_elite(), cpu.cpu_macs))
+            }),
+            128,
+        ),
+        (
+            "Qwen3-1.7B",
+            "8 Gen 3",
+            "mllm QNN AOT W4A16 (LPBQ): chunks of 32 over a 1024-token cache, one graph, every row's logits",
+            758.28,
+            Box::new(move |r: HtpRates| {
+                let bytes = 0.5 + 0.5 / 16.0; // 4-bit weights and a 4-bit scale per block of 16
+                let plan = WholePlan { rows: 32, capacity: Some(1024), graphs_per_chunk: 1, activations: Activations::A16, weight_bytes: bytes, kv_bytes: 1.0, lm_head_bytes: Some(bytes), extra_macs: 0.0 };
+                Ok(predict_whole(&qwen3, &plan, 640, &r, cpu.cpu_macs))
+            }),
+            640,
+        ),
+        ("Qwen1.5-1.8B", "8 Gen 3", "llm.npu W8A8: four graphs per layer, CPU between, chunks of 256", 1106.0, Box::new(move |r: HtpRates| stages(&qwen15, 1024, r)), 1024),
+    ];
+    if !json {
+        println!("## The phone model (docs/phone_model.md) against the published anchors, each under its own plan");
+        println!("| model | SoC | plan | measured tok/s | launch 0.3 ms | launch 2 ms |\n|---|---|---|---|---|---|");
+    }
+    for (model, soc, plan, measured, predict, tokens) in &anchors {
+        let mut cells = vec![];
+        for &l in &launches {
+            let p = predict(v75.with_launch(l))?;
+            if json {
+                emit(model, soc, plan, *tokens, l, &p, Some(*measured));
+            }
+            cells.push(format!("{:.0} ({:+.0}%)", p.tokens_per_sec, 100.0 * (p.tokens_per_sec / measured - 1.0)));
+        }
+        if !json {
+            println!("| {model} | {soc} | {plan} | {measured:.0} | {} | {} |", cells[0], cells[1]);
+        }
+    }
+
+    // This project's plans.
+    let mut models: Vec<(String, ModelShape)> = vec![];
     for (name, path) in real_models()? {
         let p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions::default())?;
-        models.push((name.into(), p.model.layer_shape(), p.model.config().n_layer, None));
+        let c = p.model.config();
+        models.push((name.into(), ModelShape { layer: p.model.layer_shape(), n_layer: c.n_layer, vocab: c.vocab }));
     }
-    // The anchors' models, from their published configs.
-    let anchors = [
-        ("Qwen1.5-1.8B", LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 }, 24, 1106.0, "llm.npu, Snapdragon 8 Gen 3"),
-        ("Qwen3-1.7B", LayerShape { hidden: 2048, ffn: 6144, n_head: 16, n_kv_head: 8, head_dim: 128 }, 28, 758.0, "mllm QNN AOT, SM8650"),
-        ("Llama-3.2-1B", LayerShape { hidden: 2048, ffn: 8192, n_head: 32, n_kv_head: 8, head_dim: 64 }, 16, 3200.0, "AI Hub w4a16, 8 Elite"),
+    models.extend([("Llama-3.2-1B".into(), llama_1b), ("Qwen3-1.7B".into(), qwen3), ("Qwen1.5-1.8B".into(), qwen15), ("Qwen2.5-3B".into(), qwen25_3b)]);
+    // One graph per layer per chunk of 256 over the smallest power-of-two cache capacity that holds
+    // the tokens before it, INT8 weights, an f32 cache (issue 49 makes it f16), the last row's
+    // logits on the CPU; shadow W8A16 runs each linear twice (its second grid) at every point.
+    let layers = |a, extra| WholePlan { rows: 256, capacity: None, graphs_per_chunk: 0, activations: a, weight_bytes: 1.0, kv_bytes: 4.0, lm_head_bytes: None, extra_macs: extra };
+    let plans: [(&str, Option<WholePlan>); 3] = [
+        ("stages, shadow W8A8 (llm.npu's; today's default)", None),
+        ("layers, W8A16", Some(layers(Activations::A16, 0.0))),
+        ("layers, shadow W8A16 (every linear on two grids)", Some(layers(Activations::A16, 1.0))),
     ];
-    for (name, shape, layers, tps, source) in anchors {
-        models.push((name.into(), shape, layers, Some((tps, source))));
+    let n = 1024;
+    if !json {
+        println!("\n## This project's plans on the phone model, Snapdragon 8 Gen 3, {n} tokens: tok/s (NPU / CPU busy share), graphs per chunk");
+        println!("| model | plan | launch 0.3 ms | launch 2 ms | graphs per chunk |\n|---|---|---|---|---|");
     }
-    let run = |shape: LayerShape, layers: usize, n: usize, rates: Rates| -> Result<Schedule> {
-        let plan = ChunkPlan::with_sizes(n, &[256, 32], usize::MAX, Tail::Pad)?;
-        Ok(simulate(&prefill_dag(&plan, layers)?, &AnalyticCosts { shape, rates }, &Policy::Fifo)?)
-    };
-    println!("## Projected prefill on the {title}, FIFO, graphs of 256 and 32 rows, padded");
-    println!("cpu_macs {:.1} GMAC/s, cpu_elem {:.3} ns per value", rates.cpu_macs / 1e9, rates.cpu_elem * 1e9);
-    println!("tokens/s (NPU / CPU busy share of the makespan); for an anchor, the NPU, the CPU or both sped up by how much reach it at 1024 tokens");
-    println!("| model | 256 tokens | 1024 tokens | anchor | NPU alone | CPU alone | both |\n|---|---|---|---|---|---|---|");
-    for (name, shape, layers, anchor) in &models {
-        let cells = [256usize, 1024]
-            .iter()
-            .map(|&n| {
-                let s = run(*shape, *layers, n, rates)?;
-                Ok(format!("{:.0} ({:.0}% / {:.0}%)", n as f64 / s.makespan, 100.0 * s.utilization(Processor::Npu), 100.0 * s.utilization(Processor::Cpu)))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let (anchor, npu, cpu) = match anchor {
-            None => ("-".to_string(), "-".to_string(), "- | -".to_string()),
-            Some((target, source)) => {
-                let tps = |r: Rates| run(*shape, *layers, 1024, r).map(|s| 1024.0 / s.makespan);
-                // The smallest factor (to 1%) up to 100x that reaches the anchor, if any.
-                let factor = |scale: &dyn Fn(f64) -> Rates| -> Result<String> {
-                    if tps(scale(1.0))? >= *target {
-                        return Ok("reached".into());
-                    }
-                    if tps(scale(100.0))? < *target {
-                        return Ok("not by it alone".into());
-                    }
-                    let (mut lo, mut hi) = (1.0f64, 100.0f64);
-                    while hi / lo > 1.01 {
-                        let mid = (lo * hi).sqrt();
-                        if tps(scale(mid))? >= *target {
-                            hi = mid;
-                        } else {
-                            lo = mid;
-                        }
-                    }
-                    Ok(format!("{hi:.2}x"))
+    for (name, m) in &models {
+        for (label, plan) in &plans {
+            let mut cells = vec![];
+            let mut graphs = 0;
+            for &l in &launches {
+                let r = v75.with_launch(l);
+                let p = match plan {
+                    None => stages(m, n, r)?,
+                    Some(plan) => predict_whole(m, &WholePlan { graphs_per_chunk: m.n_layer, ..*plan }, n, &r, cpu.cpu_macs),
                 };
-                let npu = factor(&|f| Rates { npu_macs: rates.npu_macs * f, ..rates })?;
-                let cpu = factor(&|f| Rates { cpu_macs: rates.cpu_macs * f, cpu_elem: rates.cpu_elem / f, ..rates })?;
-                let both = factor(&|f| Rates { npu_macs: rates.npu_macs * f, cpu_macs: rates.cpu_macs * f, cpu_elem: rates.cpu_elem / f, ..rates })?;
-                (format!("{target:.0} ({source})"), npu, format!("{cpu} | {both}"))
+                graphs = p.graphs_per_chunk;
+                if json {
+                    emit(name, "8 Gen 3", label, n, l, &p, None);
+                }
+                cells.push(format!("{:.0} ({:.0}% / {:.0}%)", p.tokens_per_sec, 100.0 * p.npu_busy, 100.0 * p.cpu_busy));
             }
-        };
-        println!("| {name} | {} | {} | {anchor} | {npu} | {cpu} |", cells[0], cells[1]);
+            if !json {
+                println!("| {name} | {label} | {} | {} | {graphs} |", cells[0], cells[1]);
+            }
+        }
     }
     Ok(())
 }
@@ -235,7 +280,7 @@ fn main() -> Result<()> {
         return tail_on_the_phone();
     }
     if args.sections.iter().all(|s| s == "phone") {
-        return phone_projections();
+        return phone_projections(args.json);
     }
     let shared_only = args.sections.iter().all(|s| s == "shared");
     if !shared_only && args.sections.iter().any(|s| s == "shared") {

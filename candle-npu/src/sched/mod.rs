@@ -19,6 +19,7 @@
 
 mod cost;
 mod dag;
+mod phone;
 mod policy;
 mod runtime;
 mod sim;
@@ -26,6 +27,7 @@ mod trace;
 
 pub use cost::{AnalyticCosts, CostModel, LayerShape, LinearCost, Rates, TableCosts};
 pub use dag::{DagChunk, Node, NodeId, Processor, StageDesc, SubgraphDag};
+pub use phone::{predict_whole, Activations, GraphCall, HtpRates, HtpStageCosts, ModelShape, Prediction, WholePlan};
 pub use policy::{ContributionWeights, PickContext, Policy};
 pub use runtime::{Grant, Runner};
 pub use sim::{lower_bound, optimal, simulate, Schedule, Slice};
