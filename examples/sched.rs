@@ -155,7 +155,7 @@ fn phone_projections(json: bool) -> Result<()> {
     let qwen25_3b = shape(2048, 11008, 16, 2, 128, 36, 151936);
     let cpu = Rates::SNAPDRAGON_8_GEN_3;
     // llm.npu's plan: the prefill DAG of 256-row chunks (the last padded), FIFO, NPU stages W8A8.
-    let stages = move |m: &ModelShape, n: usize, rates: HtpRates| -> Result<Prediction> {
+    let stages_on = move |m: &ModelShape, n: usize, rates: HtpRates, cpu: Rates| -> Result<Prediction> {
         let plan = ChunkPlan::with_sizes(n, &[256, 32], usize::MAX, Tail::Pad)?;
         let s = simulate(&prefill_dag(&plan, m.n_layer)?, &HtpStageCosts { cpu: AnalyticCosts { shape: m.layer, rates: cpu }, htp: rates }, &Policy::Fifo)?;
         Ok(Prediction {
@@ -166,6 +166,7 @@ fn phone_projections(json: bool) -> Result<()> {
             graphs_per_chunk: 4 * m.n_layer,
         })
     };
+    let stages = move |m: &ModelShape, n: usize, rates: HtpRates| stages_on(m, n, rates, cpu);
     let emit = |model: &str, soc: &str, plan: &str, tokens: usize, launch: f64, p: &Prediction, measured: Option<f64>| {
         let row = serde_json::json!({
             "model": model, "soc": soc, "plan": plan, "prompt_tokens": tokens, "launch_ms": launch * 1e3,
@@ -233,10 +234,13 @@ fn phone_projections(json: bool) -> Result<()> {
     // the tokens before it, INT8 weights, an f32 cache (issue 49 makes it f16), the last row's
     // logits on the CPU; shadow W8A16 runs each linear twice (its second grid) at every point.
     let layers = |a, extra| WholePlan { rows: 256, capacity: None, graphs_per_chunk: 0, activations: a, weight_bytes: 1.0, kv_bytes: 4.0, lm_head_bytes: None, extra_macs: extra };
-    let plans: [(&str, Option<WholePlan>); 3] = [
-        ("stages, shadow W8A8 (llm.npu's; today's default)", None),
-        ("layers, W8A16", Some(layers(Activations::A16, 0.0))),
-        ("layers, shadow W8A16 (every linear on two grids)", Some(layers(Activations::A16, 1.0))),
+    // `None`: llm.npu's stages with the CPU rates of `Rates::SNAPDRAGON_8_GEN_3` (calibrated on
+    // llm.npu's split) or `_KERNELS` (our aarch64 kernels' llvm-mca estimates, docs/aarch64.md).
+    let plans: [(&str, Option<WholePlan>, Rates); 4] = [
+        ("stages, shadow W8A8 (llm.npu's; today's default)", None, cpu),
+        ("stages, shadow W8A8, CPU at our kernels' llvm-mca rates", None, Rates::SNAPDRAGON_8_GEN_3_KERNELS),
+        ("layers, W8A16", Some(layers(Activations::A16, 0.0)), cpu),
+        ("layers, shadow W8A16 (every linear on two grids)", Some(layers(Activations::A16, 1.0)), cpu),
     ];
     let n = 1024;
     if !json {
@@ -244,13 +248,13 @@ fn phone_projections(json: bool) -> Result<()> {
         println!("| model | plan | launch 0.3 ms | launch 2 ms | graphs per chunk |\n|---|---|---|---|---|");
     }
     for (name, m) in &models {
-        for (label, plan) in &plans {
+        for (label, plan, cpu) in &plans {
             let mut cells = vec![];
             let mut graphs = 0;
             for &l in &launches {
                 let r = v75.with_launch(l);
                 let p = match plan {
-                    None => stages(m, n, r)?,
+                    None => stages_on(m, n, r, *cpu)?,
                     Some(plan) => predict_whole(m, &WholePlan { graphs_per_chunk: m.n_layer, ..*plan }, n, &r, cpu.cpu_macs),
                 };
                 graphs = p.graphs_per_chunk;

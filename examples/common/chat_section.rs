@@ -8,7 +8,7 @@ use std::path::Path;
 use anyhow::Result;
 use candle_npu::{NpuDevice, Numerics, QuantProfile, Tail};
 use candle_npu_models::chat_eval::{self, Conversation, Outcome, Reference, ANSWER_TOKENS};
-use candle_npu_models::{CalibrationSet, LoadOptions, Pipeline, Precision, SchedOptions};
+use candle_npu_models::{CalibrationSet, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use indicatif::ProgressBar;
 use serde_json::json;
 
@@ -44,7 +44,7 @@ impl ChatRow {
 }
 
 /// The prefills the chat section can compare with F32 (`--chat-rows`).
-pub const ROWS: [&str; 12] = [
+pub const ROWS: [&str; 16] = [
     "w8a8",
     "float",
     "htp",
@@ -57,6 +57,10 @@ pub const ROWS: [&str; 12] = [
     "w8a16-shadow-residual",
     "htp-w8a16-shadow-residual",
     "f32",
+    "layers-w8a16",
+    "htp-layers-w8a16",
+    "layers-w8a16-shadow",
+    "htp-layers-w8a16-shadow",
 ];
 
 /// The prefills the chat section compares with F32, those of `which` (names of [`ROWS`]):
@@ -69,7 +73,9 @@ pub const ROWS: [&str; 12] = [
 /// with shadow outliers;
 /// `residual` and `htp-residual`, shadow W8A8 with the linears of `residual` holding INT8 plus an
 /// INT8 residual (`LoadOptions::residual`); `w8a16-shadow-residual` and its `htp-` row, both;
-/// `f32`, a second F32 prefill: what the measures give with nothing changed.
+/// `f32`, a second F32 prefill: what the measures give with nothing changed; `layers-w8a16`,
+/// `layers-w8a16-shadow` and their `htp-` rows, W8A16 and shadow W8A16 with each layer one graph
+/// (`PrefillPlan::Layers`: shadow W8A16's outliers on a second u16 grid inside the graph).
 pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, which: &[String], residual: &[String], bar: &ProgressBar) -> Result<Vec<ChatRow>> {
     if let Some(bad) = which.iter().find(|w| !ROWS.contains(&w.as_str())) {
         anyhow::bail!("unknown chat row '{bad}' (one of {})", ROWS.join(", "));
@@ -120,17 +126,25 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
         ("htp-w8a16", Numerics::Htp, w8a16, "HTP numerics, W8A16".to_string()),
         ("f32", Numerics::Exact, LoadOptions { precision: Precision::F32, ..Default::default() }, "F32 prefill again (the measures' floor)".to_string()),
         ("w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16".to_string()),
-        ("htp-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16".to_string()),
+        ("htp-w8a16-shadow", Numerics::Htp, w8a16_shadow.clone(), "HTP numerics, shadow W8A16".to_string()),
+        ("layers-w8a16", Numerics::Exact, LoadOptions { precision: Precision::W8A16, ..Default::default() }, "host executor, W8A16, one graph per layer".to_string()),
+        ("htp-layers-w8a16", Numerics::Htp, LoadOptions { precision: Precision::W8A16, ..Default::default() }, "HTP numerics, W8A16, one graph per layer".to_string()),
+        ("layers-w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16 on two u16 grids, one graph per layer".to_string()),
+        ("htp-layers-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16 on two u16 grids, one graph per layer".to_string()),
     ];
-    for (_, numerics, opts, label) in others.into_iter().filter(|row| on(row.0)) {
+    for (row, numerics, opts, label) in others.into_iter().filter(|row| on(row.0)) {
         let mut p = Pipeline::load(model, None, &NpuDevice::host_with(numerics), opts)?;
         p.model.set_profile(first.clone())?;
+        let plan = if row.contains("layers") { PrefillPlan::Layers } else { PrefillPlan::Stages };
         let label = match numerics {
             Numerics::Htp => {
-                p.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() })?;
+                p.model.set_sched(SchedOptions { tail: Tail::Pad, plan, ..Default::default() })?;
                 format!("{label}, {name}, padded chunks of {}", p.model.chunk_len())
             }
-            Numerics::Exact => format!("{label}, {name}"),
+            Numerics::Exact => {
+                p.model.set_sched(SchedOptions { plan, ..p.model.sched().clone() })?;
+                format!("{label}, {name}")
+            }
         };
         run(&label, &mut p)?;
     }

@@ -302,7 +302,9 @@ impl Build {
                 let (p, full) = (&model.points.get(l).ok_or_else(uncalibrated)?[s], model.a16.get(l).ok_or_else(uncalibrated)?[s]);
                 let inside = quantize(g, &format!("{point}_u16"), x, p.quant_u16());
                 let (min, max) = full.float_range(DType::U16);
-                if min >= p.lo && max <= p.hi {
+                // SCRATCH: split threshold experiment
+                let t: f32 = std::env::var("CANDLE_NPU_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0);
+                if (min >= p.lo && max <= p.hi) || (max - min) <= t * (p.hi - p.lo) {
                     vec![inside]
                 } else {
                     let clipped = g.unary(&self.name(&format!("{point}_clipped")), inside, DType::F32, None, |input, output| Op::Dequantize { input, output });
