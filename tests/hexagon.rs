@@ -457,7 +457,8 @@ fn fp16_steps_apart(a: &[f32], b: &[f32]) -> (f32, usize) {
 
 /// Issue 48's plan through the library: SmolLM2's first two layers, each one graph (norms,
 /// linears, RoPE, attention over a masked cache, FFN), 40 tokens in two chunks of 32 (the second
-/// against a cache of 32 rows, 8 of them free), F32 and W8A16, against the host executor.
+/// against a cache of 32 rows, 8 of them free), F32, W8A16 and shadow W8A16 (its outliers on a
+/// second u16 grid), against the host executor and the HTP numerics model.
 #[test]
 fn whole_layer_graphs_run_on_the_library() {
     if !library_present() {
@@ -487,6 +488,20 @@ fn whole_layer_graphs_run_on_the_library() {
         let secs = t.elapsed().as_secs_f32();
         let want: Vec<f32> = host.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
         let err = rel_max_err(&got, &want);
+        // The HTP numerics model of the same graphs is nearer the library than the exact host.
+        let mut model = load(&NpuDevice::host_with(Numerics::Htp), precision);
+        if precision != Precision::F32 {
+            model.model.set_profile(profile.clone()).unwrap();
+        }
+        model.model.set_sched(SchedOptions { plan: candle_npu_models::PrefillPlan::Layers, ..Default::default() }).unwrap();
+        let modelled: Vec<f32> = model.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
+        let err_model = rel_max_err(&got, &modelled);
+        eprintln!("{precision:?}: library against the HTP numerics model {err_model:.2e}, against the exact host {err:.2e}");
+        // Op by op the model is the library's rounding (htp_conformance.rs); over a whole layer
+        // what it does not model (Softmax, Sigmoid, the FullyConnected's accumulation) leaves it
+        // about as far as the exact host: measured 1.0e-3 / 1.05e-3 (F32), 2.0e-3 / 2.3e-3
+        // (W8A16), 1.5e-3 / 1.7e-3 (shadow W8A16). Held to the same bound.
+        assert!(err_model < 1e-2, "{precision:?}: the HTP numerics model is {err_model:e} from the library");
         let same = argmax(&candle_core::Tensor::new(got.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap()
             == argmax(&candle_core::Tensor::new(want.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap();
         eprintln!("{precision:?}: two whole-layer graphs per chunk through the library ({secs:.1} s), logits against the host: max diff / max {err:.2e}, same top token {same}");

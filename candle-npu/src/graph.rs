@@ -290,6 +290,18 @@ pub enum Op {
         /// Result, F32, of the input's shape.
         output: TensorId,
     },
+    /// `min(max(x, lo), hi)` elementwise: the part of an activation inside its clip range
+    /// (shadow W8A16 inside a graph, whose outliers are `x - clamp(x)`).
+    Clamp {
+        /// Operand, F32.
+        input: TensorId,
+        /// Lower bound; finite, at most `hi`.
+        lo: f32,
+        /// Upper bound; finite.
+        hi: f32,
+        /// Result, F32, of the input's shape.
+        output: TensorId,
+    },
     /// The same elements, in the same order, under the output's shape: a relabelling (the q
     /// projection's `[rows, heads x head_dim]` as `[rows, heads, head_dim]`).
     Reshape {
@@ -348,6 +360,7 @@ impl Op {
             Op::Sigmoid { .. } => "Sigmoid",
             Op::Softmax { .. } => "Softmax",
             Op::RmsNorm { .. } => "RmsNorm",
+            Op::Clamp { .. } => "ReluMinMax",
             Op::Reshape { .. } => "Reshape",
             Op::Transpose { .. } => "Transpose",
             Op::Concat { .. } => "Concat",
@@ -368,6 +381,7 @@ impl Op {
             | Op::Dequantize { input, .. }
             | Op::Sigmoid { input, .. }
             | Op::Softmax { input, .. }
+            | Op::Clamp { input, .. }
             | Op::Reshape { input, .. }
             | Op::Transpose { input, .. } => vec![input],
         }
@@ -385,6 +399,7 @@ impl Op {
             | Op::Sigmoid { output, .. }
             | Op::Softmax { output, .. }
             | Op::RmsNorm { output, .. }
+            | Op::Clamp { output, .. }
             | Op::Reshape { output, .. }
             | Op::Transpose { output, .. }
             | Op::Concat { output, .. } => output,
@@ -813,6 +828,15 @@ impl Graph {
                     }
                     if !(epsilon.is_finite() && epsilon >= 0.0) {
                         return Err(self.invalid(op, format!("epsilon must be finite and >= 0, got {epsilon}")));
+                    }
+                }
+                Op::Clamp { input, lo, hi, .. } => {
+                    let x = self.tensor(input);
+                    if x.dtype != DType::F32 || out.dtype != DType::F32 || x.shape != out.shape {
+                        return Err(self.invalid(op, "Clamp maps F32 to F32 of the input's shape"));
+                    }
+                    if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
+                        return Err(self.invalid(op, format!("bounds [{lo}, {hi}] must be finite and ordered")));
                     }
                 }
                 Op::Reshape { input, .. } => {

@@ -149,7 +149,11 @@ fn conform(ex: &HtpExecutor, g: &Graph, f32_tol: f32) {
             let (exact, modelled) = (max_diff(a, b), max_diff(a, c));
             let (share, steps) = fp16_agreement(a, c, 0.0);
             eprintln!("{}: max |htp - exact| {exact:e}, |htp - model| {modelled:e}; model bit-exact on {:.2}%, worst {steps} FP16 step(s)", g.name, 100.0 * share);
-            assert!(modelled <= exact, "{}: the HTP model is further from the library ({modelled:e}) than the exact host ({exact:e})", g.name);
+            // Never further, but for one FP16 step of the largest value: in a chain of float
+            // ops, one the model keeps exact (Sigmoid) beside ones it rounds can land it that
+            // much behind the exact host (an F32 FFN: 3.66e-3 against 3.56e-3, the step 3.9e-3).
+            let step = fp16_step(b.iter().fold(0f32, |m, v| m.max(v.abs())));
+            assert!(modelled <= exact + step, "{}: the HTP model is further from the library ({modelled:e}) than the exact host ({exact:e}) by more than an FP16 step ({step:e})", g.name);
         } else {
             assert_eq!(model, want, "{}: the model's quantized outputs are the host's", g.name);
         }
@@ -346,9 +350,82 @@ fn quantize_and_dequantize() {
     let dq = |input, output| Op::Dequantize { input, output };
     conform(ex, &unary_graph("quantize_u8", DType::F32, DType::U8, (-4.0, 4.0), q), 0.0);
     conform(ex, &unary_graph("quantize_i8", DType::F32, DType::I8, (-3.0, 3.0), q), 0.0);
+    // u16 over a range the inputs (±4.5) exceed, then back: saturation, and the grid's steps.
+    let mut g = Graph::new("quantize_u16_saturating");
+    let x = g.input("x", &[16, 96], DType::F32, None);
+    let xq = g.unary("xq", x, DType::U16, Some(Quant::u16_range(-1.0, 1.5)), q);
+    let y = g.unary("y", xq, DType::F32, None, dq);
+    g.mark_output(y);
+    conform(ex, &g, 1e-3);
     for d in [DType::U8, DType::I8, DType::I32] {
         conform(ex, &unary_graph(&format!("dequantize_{d:?}"), d, DType::F32, (0.0, 0.0), dq), 1e-6);
     }
+}
+
+/// Shadow W8A16 inside a graph: an activation `x` made by an op, its clip range's part and the
+/// rest beyond it on two u16 grids, through one per-channel weight. What the library does to it:
+/// when a Quantize reads an op's output directly, the graph optimizer gives that output the
+/// Quantize's encoding, so every other reader sees it clipped (the rest `x - dequantize(
+/// quantize(x))` is zero on the library where the host has 1137 of 1536 values beyond the range).
+/// Clamping first (`Op::Clamp`, QNN's ReluMinMax) keeps `x` float for its other readers.
+#[test]
+fn outliers_beyond_a_clip_range_survive_on_the_library() {
+    let Some(ex) = htp() else { return };
+    let (q, dq) = (|input, output| Op::Quantize { input, output }, |input, output| Op::Dequantize { input, output });
+    let rest_of = |clamp: bool| {
+        let mut g = Graph::new(format!("rest_{}", if clamp { "clamped" } else { "saturated" }));
+        let x0 = g.input("x0", &[16, 96], DType::F32, None);
+        let x1 = g.input("x1", &[16, 96], DType::F32, None);
+        let x = g.binary("x", x0, x1, DType::F32, None, mul); // ±20: mostly beyond [-1, 1.5]
+        let grid = Some(Quant::u16_range(-1.0, 1.5));
+        let inside = match clamp {
+            true => g.op("c", DType::F32, None, |output| Op::Clamp { input: x, lo: -1.0, hi: 1.5, output }, &[16, 96]),
+            false => {
+                let xq = g.unary("xq", x, DType::U16, grid, q);
+                g.unary("c", xq, DType::F32, None, dq)
+            }
+        };
+        let m1 = g.constant("m1", &[1], StaticData::F32(Arc::new(vec![-1.0])), None);
+        let neg = g.binary("neg", inside, m1, DType::F32, None, mul);
+        let rest = g.binary("rest", x, neg, DType::F32, None, add);
+        g.mark_output(rest);
+        g
+    };
+    let beyond = |g: &Graph, ex: &dyn Fn(&Graph, &[&TensorData]) -> Vec<TensorData>| -> usize {
+        let mut rng = StdRng::seed_from_u64(42);
+        let inputs: Vec<TensorData> = g.inputs.iter().map(|&i| random_data(&mut rng, g.tensor(i))).collect();
+        let TensorData::F32(r) = &ex(g, &inputs.iter().collect::<Vec<_>>())[0] else { panic!("F32") };
+        r.iter().filter(|v| v.abs() > 0.01).count()
+    };
+    let host = |g: &Graph, refs: &[&TensorData]| HostExecutor::new().prepare(g).unwrap().execute(refs).unwrap();
+    let lib = |g: &Graph, refs: &[&TensorData]| ex.prepare(g).unwrap().execute(refs).unwrap();
+    let saturated = rest_of(false);
+    let (h, l) = (beyond(&saturated, &host), beyond(&saturated, &lib));
+    eprintln!("rest after a saturating Quantize: {h} values beyond the range on the host, {l} on the library");
+    assert!(h > 1000 && l == 0, "the library's folding of a Quantize into its producer changed: host {h}, library {l}");
+    let clamped = rest_of(true);
+    conform(ex, &clamped, 2e-3);
+    assert_eq!(beyond(&clamped, &lib), h, "after a Clamp the library keeps every outlier");
+
+    // The two parts through one per-channel weight, summed (the graph's FullyConnected lowering
+    // creates the weight's per-tensor form once for both).
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut g = Graph::new("split_fully_connected");
+    let x = g.input("x", &[32, 96], DType::F32, None);
+    let c = g.op("c", DType::F32, None, |output| Op::Clamp { input: x, lo: -1.0, hi: 1.5, output }, &[32, 96]);
+    let cq = g.unary("cq", c, DType::U16, Some(Quant::u16_range(-1.0, 1.5)), q);
+    let m1 = g.constant("m1", &[1], StaticData::F32(Arc::new(vec![-1.0])), None);
+    let neg = g.binary("neg", c, m1, DType::F32, None, mul);
+    let r = g.binary("r", x, neg, DType::F32, None, add);
+    let rq = g.unary("rq", r, DType::U16, Some(Quant::u16_range(-3.5, 3.0)), q);
+    let w: Vec<i8> = (0..64 * 96).map(|_| rng.random_range(-127..=127)).collect();
+    let wt = g.constant_per_channel("w", &[64, 96], Arc::new(w), Arc::new((0..64).map(|i| 1e-3 + 1e-4 * i as f32).collect()));
+    let y1 = g.fully_connected("y1", cq, wt, None, DType::F32, None);
+    let y2 = g.fully_connected("y2", rq, wt, None, DType::F32, None);
+    let y = g.binary("y", y1, y2, DType::F32, None, add);
+    g.mark_output(y);
+    // FP16 output of a sum over 96 terms: the bound of a float chain.
+    conform(ex, &g, 1e-2);
 }
 
 #[test]
@@ -447,6 +524,12 @@ fn layout_broadcast_and_norm_ops() {
     eprintln!("rms_norm: library against exact host: max {:.2e} of max |y| {max:.1}; bit-exact {:.1}%, worst {steps} FP16 step(s)", off / max, 100.0 * share);
     assert!(a.iter().all(|v| v.is_finite()), "the library's norm overflowed FP16");
     assert!(off <= 2e-3 * max, "the library's RmsNorm is off by {off:e} of max {max}");
+    let model = HostExecutor::with_numerics(Numerics::Htp).prepare(&g).unwrap().execute(&refs).unwrap();
+    let TensorData::F32(c) = &model[0] else { panic!("F32") };
+    let (share, steps) = fp16_agreement(a, c, 0.0);
+    let modelled = a.iter().zip(c).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+    eprintln!("rms_norm: library against the HTP model: max {:.2e}; bit-exact {:.1}%, worst {steps} FP16 step(s)", modelled / max, 100.0 * share);
+    assert!(modelled <= off, "the HTP model is further from the library's RmsNorm ({modelled:e}) than the exact host ({off:e})");
 }
 
 /// Attention inside a graph, as issue 48 would put it on the NPU: a chunk's 32 query rows against

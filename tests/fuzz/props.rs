@@ -269,7 +269,7 @@ pub fn cache_case(dir: &Path, edit: &(Vec<(f64, u8)>, Option<f64>), reseal: bool
 }
 
 /// A valid graph of every op kind: F32 and W8A8 FullyConnected (with bias), MatMul, Quantize,
-/// Dequantize, Add, Mul (also broadcast), Sigmoid, Softmax, RmsNorm, Reshape, Transpose, Concat.
+/// Dequantize, Add, Mul (also broadcast), Sigmoid, Softmax, RmsNorm, Clamp, Reshape, Transpose, Concat.
 pub fn base_graph() -> Graph {
     let mut g = Graph::new("fuzz");
     let q = Quant::u8_range(-1.0, 1.0);
@@ -291,7 +291,8 @@ pub fn base_graph() -> Graph {
     let r = g.op("r", DType::F32, None, |output| Op::Reshape { input: n, output }, &[3, 2]);
     let t = g.op("t", DType::F32, None, |output| Op::Transpose { input: r, perm: vec![1, 0], output }, &[2, 3]);
     let c = g.op("c", DType::F32, None, |output| Op::Concat { a: t, b: a, axis: 0, output }, &[4, 3]);
-    let bm = g.binary("bm", c, b, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
+    let cl = g.op("cl", DType::F32, None, |output| Op::Clamp { input: c, lo: -0.5, hi: 0.5, output }, &[4, 3]);
+    let bm = g.binary("bm", cl, b, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
     g.mark_output(sm);
     g.mark_output(d);
     g.mark_output(bm);
@@ -339,6 +340,7 @@ pub fn edited_graph(edits: &[GraphEdit]) -> Graph {
                     Op::Softmax { output, .. } => Op::Softmax { input: TensorId(v), output },
                     Op::RmsNorm { input, output, .. } => Op::RmsNorm { input, gamma: TensorId(v), epsilon: x as f32, output },
                     Op::Reshape { output, .. } => Op::Reshape { input: TensorId(v), output },
+                    Op::Clamp { input, output, .. } => Op::Clamp { input, lo: x as f32, hi: v as f32 - 3.0, output },
                     Op::Transpose { input, output, .. } => Op::Transpose { input, perm: vec![v % 4, (x as usize) % 4], output },
                     Op::Concat { a, b, output, .. } => Op::Concat { a, b, axis: v, output },
                 };

@@ -249,6 +249,8 @@ pub const QNN_OP_RESHAPE: &core::ffi::CStr = c"Reshape";
 pub const QNN_OP_TRANSPOSE: &core::ffi::CStr = c"Transpose";
 pub const QNN_OP_CONCAT: &core::ffi::CStr = c"Concat";
 pub const QNN_OP_STRIDED_SLICE: &core::ffi::CStr = c"StridedSlice";
+/// `min(max(x, min_value), max_value)`.
+pub const QNN_OP_RELU_MIN_MAX: &core::ffi::CStr = c"ReluMinMax";
 
 /// FullyConnected: BOOL_8 scalar.
 pub const QNN_OP_FULLY_CONNECTED_PARAM_KEEP_DIMS: &core::ffi::CStr = c"keep_dims";
@@ -264,5 +266,9 @@ pub const QNN_OP_SOFTMAX_PARAM_BETA: &core::ffi::CStr = c"beta";
 pub const QNN_OP_RMS_NORM_PARAM_EPSILON: &core::ffi::CStr = c"epsilon";
 /// RmsNorm: u32 tensor param.
 pub const QNN_OP_RMS_NORM_PARAM_AXES: &core::ffi::CStr = c"axes";
+/// ReluMinMax: f32 scalar.
+pub const QNN_OP_RELU_MIN_MAX_PARAM_MIN_VALUE: &core::ffi::CStr = c"min_value";
+/// ReluMinMax: f32 scalar.
+pub const QNN_OP_RELU_MIN_MAX_PARAM_MAX_VALUE: &core::ffi::CStr = c"max_value";
 /// Transpose: u32 tensor param.
 pub const QNN_OP_TRANSPOSE_PARAM_PERM: &core::ffi::CStr = c"perm";

@@ -302,6 +302,9 @@ impl HostGraph {
                 vals[id].as_ref().expect("validated order").to_f32(t.quant)
             }
         };
+        // Tensors holding an FP16 float op's result (HTP numerics), converted as the library
+        // converts them when they are graph outputs.
+        let mut fp16_values = vec![false; g.tensors.len()];
         for step in &self.steps {
             match step {
                 Step::Fc { fc, input, output, m } => {
@@ -310,11 +313,20 @@ impl HostGraph {
                 }
                 Step::Op(op) => {
                     let out = op.output().0;
+                    // The HTP's float ops run in FP16: their F32 operands rounded to it, their
+                    // F32 result too (see `htp_numerics` for which ops this models).
+                    let fp16 = self.htp
+                        && op.inputs().iter().chain([&op.output()]).all(|t| g.tensors[t.0].dtype == DType::F32)
+                        && htp_numerics::fp16_rounded(op, |t| &g.tensors[t.0].shape);
+                    let f32_in = |id: usize| -> Vec<f32> {
+                        let v = f32_of(&vals, id);
+                        if fp16 { htp_numerics::round_all(v) } else { v }
+                    };
                     let y: Vec<f32> = match *op {
-                        Op::Quantize { input, .. } | Op::Dequantize { input, .. } => f32_of(&vals, input.0),
-                        Op::Sigmoid { input, .. } => f32_of(&vals, input.0).into_iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+                        Op::Quantize { input, .. } | Op::Dequantize { input, .. } => f32_in(input.0),
+                        Op::Sigmoid { input, .. } => f32_in(input.0).into_iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
                         Op::Softmax { input, .. } => {
-                            let mut x = f32_of(&vals, input.0);
+                            let mut x = f32_in(input.0);
                             let n = *g.tensors[input.0].shape.last().expect("validated: rank >= 1");
                             // Attention's own softmax kernel, then the division it defers.
                             x.chunks_mut(n).for_each(|row| {
@@ -337,10 +349,10 @@ impl HostGraph {
                                 _ => |x, y| x + y,
                             };
                             let (sa, sb) = (&g.tensors[a.0].shape, &g.tensors[b.0].shape);
-                            broadcast_with(f32_of(&vals, a.0), sa, &f32_of(&vals, b.0), sb, &g.tensors[out].shape, f)
+                            broadcast_with(f32_in(a.0), sa, &f32_in(b.0), sb, &g.tensors[out].shape, f)
                         }
                         Op::RmsNorm { input, gamma, epsilon, .. } => {
-                            let (mut x, w) = (f32_of(&vals, input.0), f32_of(&vals, gamma.0));
+                            let (mut x, w) = (f32_in(input.0), f32_in(gamma.0));
                             // (An empty last axis has nothing to normalize.)
                             x.chunks_mut(w.len().max(1)).for_each(|row| {
                                 let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32 + epsilon).sqrt();
@@ -348,12 +360,13 @@ impl HostGraph {
                             });
                             x
                         }
-                        Op::Reshape { input, .. } => f32_of(&vals, input.0),
-                        Op::Transpose { input, ref perm, .. } => transpose(&f32_of(&vals, input.0), &g.tensors[input.0].shape, perm),
+                        Op::Clamp { input, lo, hi, .. } => f32_in(input.0).into_iter().map(|v| v.clamp(lo, hi)).collect(),
+                        Op::Reshape { input, .. } => f32_in(input.0),
+                        Op::Transpose { input, ref perm, .. } => transpose(&f32_in(input.0), &g.tensors[input.0].shape, perm),
                         Op::Concat { a, b, axis, .. } => {
                             // Row-major: `outer` blocks, each `a`'s then `b`'s slab of the axis.
                             let outer: usize = g.tensors[out].shape[..axis].iter().product();
-                            let (av, bv) = (f32_of(&vals, a.0), f32_of(&vals, b.0));
+                            let (av, bv) = (f32_in(a.0), f32_in(b.0));
                             let (ka, kb) = (av.len() / outer.max(1), bv.len() / outer.max(1));
                             (0..outer).flat_map(|i| av[i * ka..][..ka].iter().chain(&bv[i * kb..][..kb]).copied()).collect()
                         }
@@ -362,18 +375,35 @@ impl HostGraph {
                             let (sa, so) = (&g.tensors[a.0].shape, &g.tensors[out].shape);
                             let r = sa.len();
                             let (m, k, n) = (sa[r - 2], sa[r - 1], so[r - 1]);
-                            let (av, bv) = (f32_of(&vals, a.0), f32_of(&vals, b.0));
+                            let (av, bv) = (f32_in(a.0), f32_in(b.0));
                             let batches: usize = so[..r - 2].iter().product();
                             (0..batches).flat_map(|i| matmul_f32(&av[i * m * k..][..m * k], &bv[i * k * n..][..k * n], m, k, n, transpose_b)).collect()
                         }
                         Op::FullyConnected { .. } => unreachable!("compiled into Step::Fc"),
                     };
                     let spec = &g.tensors[out];
+                    let y = if fp16 && spec.dtype == DType::F32 {
+                        fp16_values[out] = true;
+                        htp_numerics::round_all(y)
+                    } else {
+                        y
+                    };
                     vals[out] = Some(Cow::Owned(TensorData::from_f32(&y, spec.dtype, spec.quant)));
                 }
             }
         }
-        Ok(g.outputs.iter().map(|o| vals[o.0].take().expect("validated: outputs are produced").into_owned()).collect())
+        Ok(g
+            .outputs
+            .iter()
+            .map(|o| {
+                let v = vals[o.0].take().expect("validated: outputs are produced").into_owned();
+                match (fp16_values[o.0], v) {
+                    // The library's FP16 -> F32 output conversion.
+                    (true, TensorData::F32(v)) => TensorData::F32(htp_numerics::fp16_output(v)),
+                    (_, v) => v,
+                }
+            })
+            .collect())
     }
 }
 

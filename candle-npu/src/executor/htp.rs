@@ -715,7 +715,7 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
         Op::Dequantize { .. } | Op::Add { .. } | Op::Mul { .. } | Op::Sigmoid { .. } | Op::Softmax { .. } => true,
         // Cast to FP16 around it (see the translation).
         Op::RmsNorm { .. } => true,
-        Op::Reshape { .. } | Op::Transpose { .. } | Op::Concat { .. } => true,
+        Op::Clamp { .. } | Op::Reshape { .. } | Op::Transpose { .. } | Op::Concat { .. } => true,
     }
 }
 
@@ -958,6 +958,9 @@ struct Builder<'a> {
     lowered: Vec<Box<dyn std::any::Any>>,
     /// Created tensors, by IR tensor index.
     tensors: Vec<Option<Qnn_Tensor_t>>,
+    /// Per-channel weights lowered to one scale (see `op`), by IR tensor index: created once
+    /// however many FullyConnected ops read the weight (a shadow W8A16 input's two parts).
+    per_tensor_weights: Vec<Option<Qnn_Tensor_t>>,
     n_native: usize,
 }
 
@@ -1094,7 +1097,14 @@ impl Builder<'_> {
                         Some(StaticData::I8(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: v.len() as u32 },
                         _ => return Err((0, "per-channel weight without I8 data (validated)".into())),
                     };
-                    let wt = self.create(format!("t{}_{}_pt", weight.0, sanitize(&w.name)), QNN_TENSOR_TYPE_STATIC, QNN_DATATYPE_SFIXED_POINT_8, Qnn_QuantizeParams_t::scale_offset(s0, 0), &w.shape, wdata)?;
+                    let wt = match self.per_tensor_weights[weight.0] {
+                        Some(t) => t,
+                        None => {
+                            let t = self.create(format!("t{}_{}_pt", weight.0, sanitize(&w.name)), QNN_TENSOR_TYPE_STATIC, QNN_DATATYPE_SFIXED_POINT_8, Qnn_QuantizeParams_t::scale_offset(s0, 0), &w.shape, wdata)?;
+                            *self.per_tensor_weights.get_mut(weight.0).expect("an IR id") = Some(t);
+                            t
+                        }
+                    };
                     let mut ins = [self.ir(input)?, wt]; // validated: no bias with per-channel weights
                     let ratio: Box<[f32]> = scales.iter().map(|&s| s / s0).collect();
                     let rt = self.lowered_constant(format!("{base}_scales"), QNN_DATATYPE_FLOAT_32, &[w.shape[0]], ratio)?;
@@ -1174,6 +1184,14 @@ impl Builder<'_> {
             Op::Reshape { input, .. } => {
                 let mut ins = [self.ir(input)?];
                 self.node(base, QNN_OP_RESHAPE, &mut [], &mut ins, &mut out)
+            }
+            Op::Clamp { input, lo, hi, .. } => {
+                let mut params = [
+                    Qnn_Param_t::scalar(QNN_OP_RELU_MIN_MAX_PARAM_MIN_VALUE.as_ptr(), Qnn_Scalar_t::f32(lo)),
+                    Qnn_Param_t::scalar(QNN_OP_RELU_MIN_MAX_PARAM_MAX_VALUE.as_ptr(), Qnn_Scalar_t::f32(hi)),
+                ];
+                let mut ins = [self.ir(input)?];
+                self.node(base, QNN_OP_RELU_MIN_MAX, &mut params, &mut ins, &mut out)
             }
             Op::Transpose { input, ref perm, .. } => {
                 let p: Box<[u32]> = perm.iter().map(|&a| a as u32).collect();
@@ -1315,6 +1333,7 @@ fn add_graph(ctx: &Arc<Context>, graph: &Graph, profiles: Option<Profiles>) -> R
         axis_scales: Vec::new(),
         lowered: Vec::new(),
         tensors: vec![None; graph.tensors.len()],
+        per_tensor_weights: vec![None; graph.tensors.len()],
         n_native: 0,
     };
     for (i, op) in graph.ops.iter().enumerate() {

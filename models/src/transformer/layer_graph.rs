@@ -300,14 +300,23 @@ impl Build {
             Precision::W8A16 => vec![quantize(g, &format!("{point}_u16"), x, model.a16.get(l).ok_or_else(uncalibrated)?[s])],
             _ => {
                 let (p, full) = (&model.points.get(l).ok_or_else(uncalibrated)?[s], model.a16.get(l).ok_or_else(uncalibrated)?[s]);
-                let inside = quantize(g, &format!("{point}_u16"), x, p.quant_u16());
                 let (min, max) = full.float_range(DType::U16);
                 // SCRATCH: split threshold experiment
                 let t: f32 = std::env::var("CANDLE_NPU_SPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(1.0);
-                if (min >= p.lo && max <= p.hi) || (max - min) <= t * (p.hi - p.lo) {
-                    vec![inside]
+                let only: Option<usize> = std::env::var("SCRATCH_SPLIT_STAGE").ok().and_then(|v| v.parse().ok());
+                if min >= p.lo && max <= p.hi {
+                    vec![quantize(g, &format!("{point}_u16"), x, p.quant_u16())]
+                } else if (max - min) <= t * (p.hi - p.lo) || only.is_some_and(|o| o != s) {
+                    vec![quantize(g, &format!("{point}_u16"), x, full)]
                 } else {
-                    let clipped = g.unary(&self.name(&format!("{point}_clipped")), inside, DType::F32, None, |input, output| Op::Dequantize { input, output });
+                    // The clip range's part is clamped before it is quantized, not by the
+                    // quantization's saturation: the HTP's graph optimizer gives an op's output
+                    // the encoding of a Quantize reading it, so every other reader of `x` would
+                    // see it clipped (and the outliers vanish). A clamped tensor loses nothing
+                    // to its u16 encoding but a grid step.
+                    let (lo, hi) = (p.lo, p.hi);
+                    let clipped = g.op(&self.name(&format!("{point}_clipped")), DType::F32, None, |output| Op::Clamp { input: x, lo, hi, output }, &shape);
+                    let inside = quantize(g, &format!("{point}_u16"), clipped, p.quant_u16());
                     let minus = self.scalar(g, &format!("{point}_minus_one"), -1.0);
                     let neg = g.binary(&self.name(&format!("{point}_neg_clipped")), clipped, minus, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
                     let rest = g.binary(&self.name(&format!("{point}_outliers")), x, neg, DType::F32, None, |a, b, output| Op::Add { a, b, output });
