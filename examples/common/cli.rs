@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
 use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail};
-use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Message, Pipeline, Precision, SchedOptions, StopReason};
+use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Message, Pipeline, Precision, PrefillPlan, SchedOptions, StopReason};
 use candle_npu_models::pipeline::{default_profile_path, MAX_THREADS_PER_CORE};
 use clap::{Parser, ValueEnum};
 
@@ -70,6 +70,16 @@ enum TailArg {
     Pad,
     /// Run on the CPU beside the NPU's chunks (HeteroLLM's margin).
     Margin,
+}
+
+/// What one NPU graph holds (`PrefillPlan`).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum PlanArg {
+    /// llm.npu's: four graphs of linears per layer, the CPU between them.
+    Stages,
+    /// One graph per layer: norms, RoPE, attention and the FFN on the NPU (shadow W8A16, its
+    /// outliers on a second u16 grid; docs/npu_layers.md).
+    Layers,
 }
 
 /// The real models scripts/setup.sh fetches.
@@ -230,6 +240,10 @@ struct Args {
     /// What to do with the tokens that do not fill a last chunk (default: the model's).
     #[arg(long, value_enum)]
     tail: Option<TailArg>,
+    /// What one NPU graph holds (default: stages). `layers` prefills with u16 activations (shadow
+    /// W8A16), or in float with --f32-prefill.
+    #[arg(long, value_enum)]
+    plan: Option<PlanArg>,
     /// Threads of the NPU queue (with the host executor: its GEMMs' share of the cores).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
     npu_threads: Option<u16>,
@@ -395,11 +409,15 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if let Some(n) = args.npu_threads {
         sched.npu_threads = Some(n as usize);
     }
+    let layers = matches!(args.plan, Some(PlanArg::Layers));
+    if layers {
+        sched.plan = PrefillPlan::Layers;
+    }
     if args.verify == "npu" && !args.lookup && args.draft_model.is_none() && args.draft_layers.is_none() {
         bail!("--verify npu verifies speculative proposals: give --lookup, --draft-model or --draft-layers with it");
     }
     let opts = LoadOptions {
-        precision: match (args.f32_prefill, args.u16_activations) {
+        precision: match (args.f32_prefill, args.u16_activations || layers) {
             (true, _) => Precision::F32,
             (_, true) => Precision::W8A16Shadow,
             _ => Precision::W8A8,
@@ -581,9 +599,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         );
     }
     let plan = p.model.plan(stats.prompt_tokens)?;
-    let policy = match p.model.policy_set_aside(plan.chunks.len()) {
-        true => format!("{}, chunks in order: the host executor shares the cores", p.model.sched().policy.name()),
-        false => p.model.sched().policy.name().to_string(),
+    let policy = match (p.model.sched().plan, p.model.policy_set_aside(plan.chunks.len())) {
+        (PrefillPlan::Layers, _) => "one graph per layer, chunks in order".to_string(),
+        (_, true) => format!("{}, chunks in order: the host executor shares the cores", p.model.sched().policy.name()),
+        (_, false) => p.model.sched().policy.name().to_string(),
     };
     let sizes: Vec<String> = plan.npu_sizes().iter().rev().map(|&s| format!("{} x {s}", plan.chunks.iter().filter(|c| !c.margin && c.padded_len == s).count())).collect();
     println!(

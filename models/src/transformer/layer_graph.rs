@@ -127,32 +127,40 @@ impl Model {
         Ok(g)
     }
 
+    /// The whole-layer graphs of every layer for chunks of `m` rows over a cache of `cap`,
+    /// prepared on the model's device on first use and kept.
+    pub(super) fn layer_graphs_for(&mut self, m: usize, cap: usize, precision: Precision) -> Result<Arc<Vec<Vec<candle_npu::PreparedGraph>>>> {
+        let key = (GraphSet::Layers { m, cap }, precision);
+        if !self.graphs.contains_key(&key) {
+            let t = std::time::Instant::now();
+            let nl = self.layers.len();
+            let graphs = (0..nl).map(|l| Ok(vec![self.device.prepare(&self.layer_graph(l, m, cap, precision)?)?])).collect::<Result<Vec<_>>>()?;
+            tracing::info!(layers = nl, rows = m, capacity = cap, ?precision, secs = t.elapsed().as_secs_f32(), executor = self.device.executor_name(), "prepared whole-layer graphs");
+            self.graphs.insert(key, Arc::new(graphs));
+        }
+        Ok(self.graphs[&key].clone())
+    }
+
     /// [`super::PrefillPlan::Layers`]' prefill of `tokens` after the tokens the caches hold, in
     /// chunks of `m` rows (the last padded), in order: per chunk and layer one graph
     /// ([`Self::layer_graph`]) over the smallest [`capacity`] holding the tokens before the
     /// chunk, its new keys and values appended to the layer's cache. The logits of every token
     /// (`all_logits`) or of the last, as [`Self::run_plan`]'s. The caller
     /// ([`Self::run_prefill`]) checks the tokens and restores the caches on an error.
-    pub(super) fn run_layers(&mut self, tokens: &[u32], m: usize, precision: Precision, all_logits: bool) -> Result<Tensor> {
+    pub(super) fn run_layers(&mut self, tokens: &[u32], plan: &candle_npu::ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
         let (nkv, hd, nl, h) = (self.cfg.n_kv_head, self.cfg.head_dim, self.layers.len(), self.cfg.hidden);
         let reserve = (self.pos + tokens.len() + KvCache::GROW).min(self.cfg.context_len);
         let mut progress = self.progress.take();
-        let (total, mut done) = (tokens.len().div_ceil(m) * nl, 0);
+        let (total, mut done) = (plan.chunks.len() * nl, 0);
         let mut rows = Vec::with_capacity(if all_logits { tokens.len() * h } else { h });
-        for chunk in tokens.chunks(m) {
+        for c in &plan.chunks {
+            let (chunk, m) = (&tokens[c.start..c.start + c.len], c.padded_len);
             let (start, n) = (self.pos, chunk.len());
             let cap = capacity(start, m);
             let mut ids = chunk.to_vec();
             ids.resize(m, 0);
             let mut x = TensorData::F32(self.embed_rows(&ids)?.flatten_all()?.to_vec1::<f32>()?);
-            let key = (GraphSet::Layers { m, cap }, precision);
-            if !self.graphs.contains_key(&key) {
-                let t = std::time::Instant::now();
-                let graphs = (0..nl).map(|l| Ok(vec![self.device.prepare(&self.layer_graph(l, m, cap, precision)?)?])).collect::<Result<Vec<_>>>()?;
-                tracing::info!(layers = nl, rows = m, capacity = cap, ?precision, secs = t.elapsed().as_secs_f32(), executor = self.device.executor_name(), "prepared whole-layer graphs");
-                self.graphs.insert(key, Arc::new(graphs));
-            }
-            let graphs = self.graphs[&key].clone();
+            let graphs = self.layer_graphs_for(m, cap, precision)?;
             for (l, graph) in graphs.iter().map(|g| &g[0]).enumerate() {
                 let spec = &self.spec.layers[l];
                 let kv = self.kv[l].get_mut().unwrap_or_else(|e| e.into_inner());

@@ -164,7 +164,14 @@ impl Model {
     pub fn prepare_chunked(&mut self, chunk_len: usize) -> Result<()> {
         check_chunk_len(chunk_len, self.cfg.context_len)?;
         self.check_profile(self.precision)?;
-        self.prepare_sets(&self.npu_sets(chunk_len), self.precision)
+        match self.sched.plan {
+            PrefillPlan::Stages => self.prepare_sets(&self.npu_sets(chunk_len), self.precision),
+            // The graphs of a prompt's first chunk, of each size (later capacities on first use).
+            PrefillPlan::Layers => self.npu_sets(chunk_len).into_iter().try_for_each(|set| match set {
+                GraphSet::Npu(m) => self.layer_graphs_for(m, super::layer_graph::capacity(0, m), self.precision).map(|_| ()),
+                _ => Ok(()),
+            }),
+        }
     }
 
     /// The NPU graph sets a prefill in chunks of `chunk_len` may use, prepared together (shared
@@ -239,6 +246,14 @@ impl Model {
     /// sizes, and the rest as [`SchedOptions::tail`] says.
     pub fn plan_chunked(&self, n: usize, chunk_len: usize) -> Result<ChunkPlan> {
         check_chunk_len(chunk_len, self.cfg.context_len)?;
+        if self.sched.plan == PrefillPlan::Layers {
+            // Every row on the NPU: full chunks, then the rest in the smaller sizes, padded.
+            let mut sizes: Vec<usize> = self.sched.small_chunks.iter().copied().filter(|&s| s > 0 && s < chunk_len).collect();
+            sizes.push(chunk_len);
+            sizes.sort_unstable_by(|a, b| b.cmp(a));
+            sizes.dedup();
+            return ChunkPlan::with_sizes(n, &sizes, self.cfg.context_len, Tail::Pad);
+        }
         let (ctx, tail) = (self.cfg.context_len, self.sched.tail);
         let mut sizes = vec![chunk_len];
         let mut best = ChunkPlan::with_sizes(n, &sizes, ctx, tail)?;
@@ -288,7 +303,7 @@ impl Model {
         }
         let r = match self.sched.plan {
             PrefillPlan::Stages => self.run_plan(tokens, plan, precision, all_logits),
-            PrefillPlan::Layers => self.run_layers(tokens, plan.chunk_len, precision, all_logits),
+            PrefillPlan::Layers => self.run_layers(tokens, plan, precision, all_logits),
         };
         if r.is_err() {
             // What a failed prefill appended goes: the cache holds the first `base` tokens again.
