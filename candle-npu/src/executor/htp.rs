@@ -55,7 +55,8 @@
 //! ([`TensorSpec::channel_scales`]) AXIS_SCALE_OFFSET along axis 0 with offsets 0. Ops map to `qti.aisw` ops:
 //! FullyConnected (no `keep_dims` param), MatMul (`transpose_in0 = false`,
 //! `transpose_in1 = transpose_b`), Quantize, Dequantize, ElementWiseAdd, ElementWiseMultiply,
-//! Sigmoid, Softmax (`axis` the last, `beta` 1).
+//! Sigmoid, Softmax (`axis` the last, `beta` 1), RmsNorm (see below), ReluMinMax (the IR's
+//! Clamp), Reshape, Transpose (`perm`), Concat (`axis`); U16 -> UFIXED_POINT_16.
 //!
 //! # What runs, and the lowering
 //!
@@ -92,6 +93,15 @@
 //!   rank 3 with a batch per KV head), a mask added (finite: -30000), Softmax, and the weighted
 //!   sum runs within 3.2e-3 of f64 at worst, 3.6e-4 RMS, of the largest output, a masked cache's
 //!   garbage rows left out (`htp_conformance.rs::attention_with_a_masked_cache_on_the_library`).
+//! * **RmsNorm** runs on FLOAT_16 only (FLOAT_32 fails at finalize, Convert FP32 <-> FP16 too).
+//!   **Lowering:** Cast to FLOAT_16, RmsNorm with an FP16 weight, Cast back: within 7.2e-4 of
+//!   the exact norm, also with a channel whose square overflows FP16.
+//! * **Quantize** to UFIXED_POINT_16 saturates, and rounds its F32 input to FP16 first. **A
+//!   Quantize reading an op's output gives that output its encoding**: every other reader of
+//!   the op's output then sees it clipped to the Quantize's range (the graph optimizer's doing).
+//!   A graph that needs the unclipped value beside a quantized one clamps first (ReluMinMax).
+//! * Elementwise ops broadcast as numpy does (the per-channel lowering's `[N]` scales, RoPE's
+//!   `[rows, 1, head_dim]` tables, a mask over every head's scores).
 //! * **A refused device changes the process.** After a `deviceCreate` the library refuses (an
 //!   unknown SoC), graphs finalized later in the process, on any executor, compute float ops in
 //!   FP32 rather than FP16: the per-channel lowering's FP16 intermediate is gone, so the HTP
