@@ -44,7 +44,7 @@ impl ChatRow {
 }
 
 /// The prefills the chat section can compare with F32 (`--chat-rows`).
-pub const ROWS: [&str; 16] = [
+pub const ROWS: [&str; 17] = [
     "w8a8",
     "float",
     "htp",
@@ -61,6 +61,7 @@ pub const ROWS: [&str; 16] = [
     "htp-layers-w8a16",
     "layers-w8a16-shadow",
     "htp-layers-w8a16-shadow",
+    "layers-w8a16-shadow-residual",
 ];
 
 /// The prefills the chat section compares with F32, those of `which` (names of [`ROWS`]):
@@ -75,7 +76,8 @@ pub const ROWS: [&str; 16] = [
 /// INT8 residual (`LoadOptions::residual`); `w8a16-shadow-residual` and its `htp-` row, both;
 /// `f32`, a second F32 prefill: what the measures give with nothing changed; `layers-w8a16`,
 /// `layers-w8a16-shadow` and their `htp-` rows, W8A16 and shadow W8A16 with each layer one graph
-/// (`PrefillPlan::Layers`: shadow W8A16's outliers on a second u16 grid inside the graph).
+/// (`PrefillPlan::Layers`: shadow W8A16's outliers on a second u16 grid inside the graph), and
+/// `layers-w8a16-shadow-residual` with the linears of `residual` holding INT8 plus a residual.
 pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, which: &[String], residual: &[String], bar: &ProgressBar) -> Result<Vec<ChatRow>> {
     if let Some(bad) = which.iter().find(|w| !ROWS.contains(&w.as_str())) {
         anyhow::bail!("unknown chat row '{bad}' (one of {})", ROWS.join(", "));
@@ -131,6 +133,12 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
         ("htp-layers-w8a16", Numerics::Htp, LoadOptions { precision: Precision::W8A16, ..Default::default() }, "HTP numerics, W8A16, one graph per layer".to_string()),
         ("layers-w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16 on two u16 grids, one graph per layer".to_string()),
         ("htp-layers-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16 on two u16 grids, one graph per layer".to_string()),
+        (
+            "layers-w8a16-shadow-residual",
+            Numerics::Exact,
+            LoadOptions { precision: Precision::W8A16Shadow, residual: residual.to_vec(), ..Default::default() },
+            format!("host executor, shadow W8A16 on two u16 grids, residual INT8 on {on_residual}, one graph per layer"),
+        ),
     ];
     for (row, numerics, opts, label) in others.into_iter().filter(|row| on(row.0)) {
         let mut p = Pipeline::load(model, None, &NpuDevice::host_with(numerics), opts)?;

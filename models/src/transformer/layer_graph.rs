@@ -29,15 +29,13 @@
 
 use std::sync::Arc;
 
+use candle_core::Tensor;
 use candle_npu::{DType, Error, Graph, Op, Result, StaticData, TensorData, TensorId};
 
-
-use candle_core::Tensor;
-
+use super::stages::{DOWN, GATE_UP, O, QKV};
 use super::{GraphSet, Model, Precision};
 use crate::attention::{rope_tables, KvCache};
 use crate::spec::{Activation, RopeLayout};
-use super::stages::{DOWN, GATE_UP, O, QKV};
 
 /// A masked score: finite and inside FP16's range (the HTP's scores are FP16, and -inf in its
 /// Softmax is not defined), far enough below any real score that its weight is 0 in FP16.
