@@ -71,7 +71,7 @@ fn main() -> Result<()> {
         ("four stages, shadow W8A16", false, Precision::W8A16Shadow),
         ("one graph per layer, F32", true, Precision::F32),
         ("one graph per layer, W8A16", true, Precision::W8A16),
-        ("one graph per layer, shadow W8A16 (outliers on a second u16 grid)", true, Precision::W8A16Shadow),
+        ("one graph per layer, shadow W8A16 (outliers through float weights)", true, Precision::W8A16Shadow),
     ];
     let mut profile = None;
     for (label, whole, precision) in plans {

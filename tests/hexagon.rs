@@ -457,8 +457,8 @@ fn fp16_steps_apart(a: &[f32], b: &[f32]) -> (f32, usize) {
 
 /// Issue 48's plan through the library: SmolLM2's first two layers, each one graph (norms,
 /// linears, RoPE, attention over a masked cache, FFN), 40 tokens in two chunks of 32 (the second
-/// against a cache of 32 rows, 8 of them free), F32, W8A16 and shadow W8A16 (its outliers on a
-/// second u16 grid), against the host executor and the HTP numerics model.
+/// against a cache of 32 rows, 8 of them free), F32, W8A16 and shadow W8A16 (its outliers through
+/// float weights), against the host executor and the HTP numerics model.
 #[test]
 fn whole_layer_graphs_run_on_the_library() {
     if !library_present() {

@@ -80,7 +80,7 @@ fn w8a16_whole_layer_graphs_compute_the_four_stage_w8a16_prefill() {
     assert_eq!(w8a8.model.position(), 0, "a failed prefill leaves the cache as it was");
 }
 
-/// Shadow W8A16 with its outliers on a second u16 grid inside the graph (whole layers) against
+/// Shadow W8A16 with its outliers through float weights inside the graph (whole layers) against
 /// the same clip ranges with the outliers in float on the CPU (four stages): as close to F32.
 #[test]
 fn shadow_w8a16_whole_layer_graphs_keep_the_outliers_on_the_npu() {
@@ -91,6 +91,6 @@ fn shadow_w8a16_whole_layer_graphs_keep_the_outliers_on_the_npu() {
     let whole = prefill(&mut p, &tokens, PrefillPlan::Layers);
     let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill_chunked(&tokens, 16).unwrap());
     let (e_whole, e_four) = (rel_max_err(&whole, &f32), rel_max_err(&four, &f32));
-    eprintln!("SmolLM2 shadow W8A16 against F32, max |logit diff| / max |logit|: outliers on the NPU's second grid {e_whole:.2e}, in float on the CPU {e_four:.2e}");
+    eprintln!("SmolLM2 shadow W8A16 against F32, max |logit diff| / max |logit|: outliers through float weights in the graph {e_whole:.2e}, in float on the CPU {e_four:.2e}");
     assert!(e_whole <= 1.5 * e_four, "outliers on the NPU {e_whole:e} from F32, on the CPU {e_four:e}");
 }

@@ -499,14 +499,6 @@ impl ShadowLinear {
     /// INT8 weights (per channel or per tensor) for a quantized one. The output is F32; the
     /// bias is added by [`ShadowLinear::finish`] on the CPU.
     pub fn add_to_graph(&self, g: &mut Graph, suffix: &str, x: TensorId) -> Result<TensorId> {
-        self.add_to_graph_parts(g, suffix, &[x])
-    }
-
-    /// [`Self::add_to_graph`] of an input given as the sum of `parts` (one type, each quantized
-    /// on its own grid: a whole-layer graph's shadow W8A16 input, the clip range's values and
-    /// the outliers' rest): one FullyConnected per part through one weight constant, summed.
-    pub fn add_to_graph_parts(&self, g: &mut Graph, suffix: &str, parts: &[TensorId]) -> Result<TensorId> {
-        let x = *parts.first().ok_or_else(|| Error::Internal(format!("{}: a linear of no input parts", self.name)))?;
         let wname = format!("{}{suffix}.weight", self.name);
         let w = match g.tensor(x).dtype {
             DType::F32 => g.constant(&wname, &[self.n, self.k], StaticData::F32(Arc::new(self.source.matrix()?)), None),
@@ -519,15 +511,10 @@ impl ShadowLinear {
                 w
             }
         };
-        let add = |a, b, output| Op::Add { a, b, output };
-        let mut y = g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None);
-        for (i, &part) in parts.iter().enumerate().skip(1) {
-            let yp = g.fully_connected(&format!("{}{suffix}.part{i}", self.name), part, w, None, DType::F32, None);
-            y = g.binary(&format!("{}{suffix}.parts{i}", self.name), y, yp, DType::F32, None, add);
-        }
+        let y = g.fully_connected(&format!("{}{suffix}", self.name), x, w, None, DType::F32, None);
         Ok(match (&self.residual, g.tensor(x).dtype) {
             (Some(r), dt) if dt != DType::F32 => {
-                let yr = r.add_to_graph_parts(g, suffix, parts)?;
+                let yr = r.add_to_graph(g, suffix, x)?;
                 g.binary(&format!("{}{suffix}.sum", self.name), y, yr, DType::F32, None, |a, b, output| Op::Add { a, b, output })
             }
             _ => y,

@@ -76,7 +76,7 @@ pub const ROWS: [&str; 17] = [
 /// INT8 residual (`LoadOptions::residual`); `w8a16-shadow-residual` and its `htp-` row, both;
 /// `f32`, a second F32 prefill: what the measures give with nothing changed; `layers-w8a16`,
 /// `layers-w8a16-shadow` and their `htp-` rows, W8A16 and shadow W8A16 with each layer one graph
-/// (`PrefillPlan::Layers`: shadow W8A16's outliers on a second u16 grid inside the graph), and
+/// (`PrefillPlan::Layers`: shadow W8A16's outliers through float weights inside the graph), and
 /// `layers-w8a16-shadow-residual` with the linears of `residual` holding INT8 plus a residual.
 pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, which: &[String], residual: &[String], bar: &ProgressBar) -> Result<Vec<ChatRow>> {
     if let Some(bad) = which.iter().find(|w| !ROWS.contains(&w.as_str())) {
@@ -131,13 +131,13 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
         ("htp-w8a16-shadow", Numerics::Htp, w8a16_shadow.clone(), "HTP numerics, shadow W8A16".to_string()),
         ("layers-w8a16", Numerics::Exact, LoadOptions { precision: Precision::W8A16, ..Default::default() }, "host executor, W8A16, one graph per layer".to_string()),
         ("htp-layers-w8a16", Numerics::Htp, LoadOptions { precision: Precision::W8A16, ..Default::default() }, "HTP numerics, W8A16, one graph per layer".to_string()),
-        ("layers-w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16 on two u16 grids, one graph per layer".to_string()),
-        ("htp-layers-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16 on two u16 grids, one graph per layer".to_string()),
+        ("layers-w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16, outliers through float weights, one graph per layer".to_string()),
+        ("htp-layers-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16, outliers through float weights, one graph per layer".to_string()),
         (
             "layers-w8a16-shadow-residual",
             Numerics::Exact,
             LoadOptions { precision: Precision::W8A16Shadow, residual: residual.to_vec(), ..Default::default() },
-            format!("host executor, shadow W8A16 on two u16 grids, residual INT8 on {on_residual}, one graph per layer"),
+            format!("host executor, shadow W8A16, outliers through float weights, residual INT8 on {on_residual}, one graph per layer"),
         ),
     ];
     for (row, numerics, opts, label) in others.into_iter().filter(|row| on(row.0)) {

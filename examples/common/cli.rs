@@ -78,7 +78,7 @@ enum PlanArg {
     /// llm.npu's: four graphs of linears per layer, the CPU between them.
     Stages,
     /// One graph per layer: norms, RoPE, attention and the FFN on the NPU (shadow W8A16, its
-    /// outliers on a second u16 grid; docs/npu_layers.md).
+    /// outliers through float weights in the graph; docs/npu_layers.md).
     Layers,
 }
 

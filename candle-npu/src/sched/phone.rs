@@ -144,8 +144,9 @@ pub struct WholePlan {
     /// The output table inside the graphs (every row's logits: AI Hub's and mllm's), with this
     /// many bytes per weight; `None`: the last row's logits on the CPU (this project's).
     pub lm_head_bytes: Option<f64>,
-    /// Extra linear MACs per layer, as a share of the layer's (shadow W8A16's second grid).
-    pub extra_macs: f64,
+    /// Linear MACs per layer run again with FP16 activations and FP16 weights, as a share of
+    /// the layer's: shadow W8A16's outliers through the float weights at its split points.
+    pub fp16_share: f64,
 }
 
 /// A predicted prefill.
@@ -175,13 +176,15 @@ pub fn predict_whole(shape: &ModelShape, plan: &WholePlan, tokens: usize, rates:
         let layers = shape.n_layer as f64;
         let kv = 2.0 * (s.n_kv_head * s.head_dim * cap) as f64 * plan.kv_bytes * layers;
         let lm_rows = if plan.lm_head_bytes.is_some() { plan.rows as f64 } else { 0.0 };
+        // The FP16 part is priced as A16 MACs slowed by the FP16 factor.
+        let fp16_macs = plan.rows as f64 * shape.layer_macs() * layers * plan.fp16_share * rates.fp16_slowdown;
         let call = GraphCall {
             launches: plan.graphs_per_chunk,
-            macs: plan.rows as f64 * shape.layer_macs() * layers * (1.0 + plan.extra_macs) + lm_rows * lm_macs,
+            macs: plan.rows as f64 * shape.layer_macs() * layers + fp16_macs + lm_rows * lm_macs,
             activations: plan.activations,
             scores: (plan.rows * (cap + if plan.capacity.is_none() { plan.rows } else { 0 }) * s.n_head) as f64 * layers,
             head_dim: s.head_dim,
-            bytes: shape.layer_macs() * layers * plan.weight_bytes + kv + plan.lm_head_bytes.map_or(0.0, |b| lm_macs * b),
+            bytes: shape.layer_macs() * layers * (plan.weight_bytes + 2.0 * plan.fp16_share) + kv + plan.lm_head_bytes.map_or(0.0, |b| lm_macs * b),
         };
         npu += rates.call_secs(&call);
         start += plan.rows;
@@ -235,7 +238,7 @@ mod tests {
             weight_bytes: 0.5,
             kv_bytes: 1.0,
             lm_head_bytes: Some(1.0),
-            extra_macs: 0.0,
+            fp16_share: 0.0,
         };
         let p = predict_whole(&llama_1b(), &plan, 128, &HtpRates::SNAPDRAGON_8_GEN_3.snapdragon_8_elite(), 91e9);
         let ms = p.secs * 1e3;
@@ -251,7 +254,7 @@ mod tests {
     fn the_mllm_anchor_is_reproduced_within_a_quarter() {
         let qwen3 = ModelShape { layer: LayerShape { hidden: 2048, ffn: 6144, n_head: 16, n_kv_head: 8, head_dim: 128 }, n_layer: 28, vocab: 151936 };
         let bytes = 0.5 + 0.5 / 16.0;
-        let plan = WholePlan { rows: 32, capacity: Some(1024), graphs_per_chunk: 1, activations: Activations::A16, weight_bytes: bytes, kv_bytes: 1.0, lm_head_bytes: Some(bytes), extra_macs: 0.0 };
+        let plan = WholePlan { rows: 32, capacity: Some(1024), graphs_per_chunk: 1, activations: Activations::A16, weight_bytes: bytes, kv_bytes: 1.0, lm_head_bytes: Some(bytes), fp16_share: 0.0 };
         for launch in [0.3e-3, 2e-3] {
             let p = predict_whole(&qwen3, &plan, 640, &HtpRates::SNAPDRAGON_8_GEN_3.with_launch(launch), 91e9);
             assert!((p.tokens_per_sec / 758.28 - 1.0).abs() < 0.25, "{} tok/s at {launch} s per launch", p.tokens_per_sec);

@@ -23,9 +23,9 @@
 //! of one batch of a rank-3 MatMul (Reshape and Transpose), as the CPU kernel tiles them.
 //! Activations are F32 (the HTP computes them in FP16), quantized to u16 before each group of
 //! linears: over the point's calibrated range ([`Precision::W8A16`]), or as shadow W8A16
-//! ([`Precision::W8A16Shadow`]) with the outliers on the NPU: u16 over the clip range, and the
-//! rest beyond it on a second u16 grid through the same weights, where llm.npu computes it in
-//! float on the CPU. No op needs the CPU.
+//! ([`Precision::W8A16Shadow`]) with the outliers on the NPU: u16 over the clip range into the
+//! INT8 weights, and the rest beyond it, `x - clamp(x)`, through the float weights (FP16 on the
+//! HTP), as llm.npu's shadow path multiplies them on the CPU. No op needs the CPU.
 
 use std::sync::Arc;
 
@@ -37,11 +37,14 @@ use super::{GraphSet, Model, Precision};
 use crate::attention::{rope_tables, KvCache};
 use crate::spec::{Activation, RopeLayout};
 
-/// Shadow W8A16 splits a point onto two u16 grids only where its calibrated range is more than
-/// this many times its clip range; elsewhere one u16 grid over the whole range serves (a step at
-/// most 8/65535 of the clip range). On SmolLM2's chat eval (120 conversations, 2026-11-28) the
-/// split everywhere and the split beyond 8x gave one first-token KL from F32 (0.0162 and 0.0161;
-/// one grid everywhere 0.0166): beyond 8x leaves a third of the layers' MACs split, not all.
+/// Shadow W8A16 splits a point (its clip range's part into the INT8 weights, the outliers beyond
+/// it through the float weights) only where its calibrated range is more than this many times
+/// its clip range; elsewhere one u16 grid over the whole range serves (a step at most 8/65535 of
+/// the clip range). SmolLM2's profile splits a third of its layers' MACs at 8x (the FFN's down
+/// projections, mostly), every point at 1x; with both splits onto a second u16 grid (INT8
+/// weights) the chat eval's first-token KL from F32 was the same (0.0161 and 0.0162, 120
+/// conversations, 2026-11-28): the outliers' error is the INT8 weights', which the float
+/// weights remove (0.0071 at 8x, `docs/chat.md`).
 pub const SPLIT_RANGE: f32 = 8.0;
 
 /// A masked score: finite and inside FP16's range (the HTP's scores are FP16, and -inf in its
@@ -300,9 +303,9 @@ impl Build {
 
     /// The linears of stage `s` on `x`, each with its bias: their F32 outputs, in the stage's
     /// order. Their input: `x` itself (F32); u16 over the point's whole calibrated range
-    /// (W8A16); or shadow W8A16's split, u16 over the clip range and, where the calibrated range
-    /// is more than [`SPLIT_RANGE`] times it, the rest `x - clamp(x)` (the outliers; zero
-    /// elsewhere) on a second u16 grid over what lies beyond, both through the same weights.
+    /// (W8A16); or shadow W8A16's split where the calibrated range is more than [`SPLIT_RANGE`]
+    /// times the clip range: u16 over the clip range into the INT8 weights, plus the rest
+    /// `x - clamp(x)` (the outliers; zero elsewhere) through the float weights.
     fn linears(&self, g: &mut Graph, model: &Model, l: usize, s: usize, x: TensorId) -> Result<Vec<TensorId>> {
         let point = super::STAGES[s].point;
         let uncalibrated = || Error::Input(format!("layer {l} has no {:?} ranges: calibrate first", self.precision));
@@ -330,15 +333,20 @@ impl Build {
                     let minus = self.scalar(g, &format!("{point}_minus_one"), -1.0);
                     let neg = g.binary(&self.name(&format!("{point}_neg_clipped")), clipped, minus, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
                     let rest = g.binary(&self.name(&format!("{point}_outliers")), x, neg, DType::F32, None, |a, b, output| Op::Add { a, b, output });
-                    let q = candle_npu::Quant::u16_range(min - p.lo, max - p.hi);
-                    vec![inside, quantize(g, &format!("{point}_outliers_u16"), rest, q)]
+                    vec![inside, rest]
                 }
             }
         };
         model.layers[l].stages[s]
             .iter()
             .map(|lin| {
-                let y = lin.add_to_graph_parts(g, "", &parts)?;
+                let mut y = lin.add_to_graph(g, "", parts[0])?;
+                if let Some(&rest) = parts.get(1) {
+                    // The outliers through the float weights (FP16 on the HTP), as llm.npu's
+                    // shadow path multiplies them on the CPU.
+                    let yr = lin.add_to_graph(g, ".outliers", rest)?;
+                    y = g.binary(&format!("{}.with_outliers", lin.name()), y, yr, DType::F32, None, |a, b, output| Op::Add { a, b, output });
+                }
                 Ok(match lin.bias() {
                     Some(b) => {
                         let bias = g.constant(&format!("{}.bias", lin.name()), &[b.len()], StaticData::F32(Arc::new(b.to_vec())), None);

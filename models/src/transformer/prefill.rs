@@ -54,7 +54,7 @@ pub enum PrefillPlan {
     /// Issue 48's: each layer one graph ([`Model::layer_graph`]): norms, linears, RoPE,
     /// attention over a masked cache of fixed capacity, the FFN and the residual adds, the
     /// chunks in order, every row (the last chunk padded) on the NPU. F32, W8A16, or shadow
-    /// W8A16 with its outliers on a second u16 grid inside the graph.
+    /// W8A16 with its outliers through float weights inside the graph.
     Layers,
 }
 
