@@ -11,10 +11,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_npu::{HtpConfig, NpuDevice, Numerics};
+use candle_npu::{HtpConfig, NpuDevice, Numerics, Tail};
 use candle_npu_models::transformer::argmax;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
-use candle_npu::Tail;
 use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
