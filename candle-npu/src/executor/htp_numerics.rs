@@ -94,7 +94,8 @@ pub fn fp16_rounded<'g>(op: &crate::graph::Op, shape: impl Fn(crate::graph::Tens
     }
 }
 
-/// FP16 values as the library returns them in an F32 graph output ([`up`] each).
+/// FP16 values as the library returns them in an F32 graph output: each one f32 step away from
+/// zero (its FP16 -> FP32 conversion).
 pub fn fp16_output(mut v: Vec<f32>) -> Vec<f32> {
     v.iter_mut().for_each(|x| *x = up(*x));
     v
