@@ -336,18 +336,9 @@ impl HostGraph {
                             x
                         }
                         Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
-                            let f: fn(f32, f32) -> f32 = match op {
-                                Op::Mul { .. } => |x, y| x * y,
-                                // Proven on equal shapes only: a broadcast sum lands up to 4
-                                // FP16 steps from it (`htp_conformance.rs`).
-                                _ if self.htp
-                                    && g.tensors[a.0].shape == g.tensors[b.0].shape
-                                    && [a.0, b.0, out].iter().all(|&t| g.tensors[t].dtype == DType::F32) =>
-                                {
-                                    htp_numerics::add_f32
-                                }
-                                _ => |x, y| x + y,
-                            };
+                            // (Under the HTP's numerics an equal-shape F32 sum is `fp16`: its
+                            // operands and result rounded around an exact sum.)
+                            let f: fn(f32, f32) -> f32 = if matches!(op, Op::Mul { .. }) { |x, y| x * y } else { |x, y| x + y };
                             let (sa, sb) = (&g.tensors[a.0].shape, &g.tensors[b.0].shape);
                             broadcast_with(f32_in(a.0), sa, &f32_in(b.0), sb, &g.tensors[out].shape, f)
                         }
@@ -435,26 +426,8 @@ fn broadcast_with(mut a: Vec<f32>, sa: &[usize], b: &[f32], sb: &[usize], out: &
         }
         st
     };
-    let (ta, tb) = (strides(sa), strides(sb));
-    let n: usize = out.iter().product();
-    let mut idx = vec![0usize; out.len()];
-    let (mut ia, mut ib) = (0usize, 0usize);
-    let mut y = Vec::with_capacity(n);
-    for _ in 0..n {
-        y.push(f(a[ia], b[ib]));
-        // Odometer over the output's index, moving both operands' offsets with it.
-        for d in (0..out.len()).rev() {
-            idx[d] += 1;
-            ia += ta[d];
-            ib += tb[d];
-            if idx[d] < out[d] {
-                break;
-            }
-            ia -= ta[d] * out[d];
-            ib -= tb[d] * out[d];
-            idx[d] = 0;
-        }
-    }
+    let mut y = Vec::with_capacity(out.iter().product());
+    walk(out, [&strides(sa), &strides(sb)], |ia, ib| y.push(f(a[ia], b[ib])));
     y
 }
 
@@ -465,22 +438,29 @@ fn transpose(x: &[f32], shape: &[usize], perm: &[usize]) -> Vec<f32> {
         stride[i] = stride[i + 1] * shape[i + 1];
     }
     let (dims, steps): (Vec<usize>, Vec<usize>) = perm.iter().map(|&p| (shape[p], stride[p])).unzip();
-    let mut idx = vec![0usize; dims.len()];
-    let mut at = 0usize;
     let mut y = Vec::with_capacity(x.len());
-    for _ in 0..x.len() {
-        y.push(x[at]);
+    walk(&dims, [&steps, &steps], |at, _| y.push(x[at]));
+    y
+}
+
+/// Calls `f` with two operands' offsets at each index of `dims`, in row-major order: an
+/// odometer over the index moving each offset by its operand's stride per axis.
+fn walk(dims: &[usize], strides: [&[usize]; 2], mut f: impl FnMut(usize, usize)) {
+    let n: usize = dims.iter().product();
+    let mut idx = vec![0usize; dims.len()];
+    let mut at = [0usize; 2];
+    for _ in 0..n {
+        f(at[0], at[1]);
         for d in (0..dims.len()).rev() {
             idx[d] += 1;
-            at += steps[d];
+            at.iter_mut().zip(strides).for_each(|(o, s)| *o += s[d]);
             if idx[d] < dims[d] {
                 break;
             }
-            at -= steps[d] * dims[d];
+            at.iter_mut().zip(strides).for_each(|(o, s)| *o -= s[d] * dims[d]);
             idx[d] = 0;
         }
     }
-    y
 }
 
 #[cfg(test)]

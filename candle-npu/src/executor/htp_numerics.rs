@@ -105,13 +105,6 @@ pub fn fp16_output(mut v: Vec<f32>) -> Vec<f32> {
     v
 }
 
-/// An F32 ElementWiseAdd of two F32 tensors as the library computes it: FP16 inputs, an FP16
-/// sum, and the library's FP16 -> F32 output step.
-#[inline]
-pub fn add_f32(x: f32, y: f32) -> f32 {
-    up(h(h(x) + h(y)))
-}
-
 /// The per-column factors of a per-channel FullyConnected with an F32 output as the HTP lowering
 /// applies them: the accumulator scale `s_x · s0` (`s0` the smallest channel scale) and the FP16
 /// channel ratios `h(s_n / s0)`.
