@@ -169,14 +169,27 @@ impl Model {
             ids.resize(m, 0);
             let mut x = TensorData::F32(self.embed_rows(&ids)?.flatten_all()?.to_vec1::<f32>()?);
             let graphs = self.layer_graphs_for(m, cap, precision)?;
+            // The chunk's masks and RoPE tables, once per window and per base (Gemma 3's local
+            // and global layers differ in both; every other model's layers share one of each).
+            let (mut masks, mut tables) = (Vec::new(), Vec::new());
+            for l in &self.spec.layers {
+                if !masks.iter().any(|(w, _)| *w == l.window) {
+                    masks.push((l.window, TensorData::F32(mask(start, m, n, cap, l.window))));
+                }
+                if !tables.iter().any(|(b, _, _)| *b == l.rope_base) {
+                    let (cos, sin) = head_tables(self.spec.rope, self.spec.rope_dims, hd, l.rope_base, start, m);
+                    tables.push((l.rope_base, TensorData::F32(cos), TensorData::F32(sin)));
+                }
+            }
             for (l, graph) in graphs.iter().map(|g| &g[0]).enumerate() {
                 let spec = &self.spec.layers[l];
                 let kv = self.kv[l].get_mut().unwrap_or_else(|e| e.into_inner());
                 let (kc, vc) = kv.padded(cap, nkv, hd);
-                let (cos, sin) = head_tables(self.spec.rope, self.spec.rope_dims, hd, spec.rope_base, start, m);
-                let mask = mask(start, m, n, cap, spec.window);
-                let inputs = [x, TensorData::F32(kc), TensorData::F32(vc), TensorData::F32(mask), TensorData::F32(cos), TensorData::F32(sin)];
-                let mut out = graph.execute(&inputs.iter().collect::<Vec<_>>())?.into_iter();
+                let mask = &masks.iter().find(|(w, _)| *w == spec.window).expect("one per window").1;
+                let (_, cos, sin) = tables.iter().find(|(b, _, _)| *b == spec.rope_base).expect("one per base");
+                let (kc, vc) = (TensorData::F32(kc), TensorData::F32(vc));
+                let inputs = [&x, &kc, &vc, mask, cos, sin];
+                let mut out = graph.execute(&inputs)?.into_iter();
                 let (Some(y), Some(TensorData::F32(k)), Some(TensorData::F32(v))) = (out.next(), out.next(), out.next()) else {
                     return Err(Error::Internal(format!("layer graph {} returned other outputs than the stream, keys and values", graph.name())));
                 };
