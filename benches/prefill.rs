@@ -55,7 +55,7 @@ fn row_kernels(c: &mut Criterion) {
 fn prefill(c: &mut Criterion) {
     use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
     let dev = candle_npu::NpuDevice::host();
-    let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::Q8_0, ..Default::default() };
     let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts).expect("SmolLM2 (run scripts/setup.sh)");
     p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).expect("quant profile");
     let mut text = vec![];

@@ -157,7 +157,7 @@ fn main() -> Result<()> {
             other => bail!("unknown model {other}: smollm2, qwen or gemma"),
         };
         let load = |decode_weights| -> Result<Pipeline> {
-            let opts = LoadOptions { precision: Precision::W8A8, decode_weights, ..Default::default() };
+            let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights, ..Default::default() };
             let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
             p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
             Ok(p)

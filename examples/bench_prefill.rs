@@ -163,7 +163,7 @@ fn main() -> Result<()> {
     let lens = args.lens.clone();
     let max = lens.iter().copied().max().unwrap_or(0);
     let dev = NpuDevice::host();
-    let opts = LoadOptions { precision: Precision::W8A8, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::W8A8), ..Default::default() };
     let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts.clone())?;
     p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
     let text = heldout(&p, max.max(2048))?;

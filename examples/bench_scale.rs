@@ -90,7 +90,7 @@ fn is_synthetic(path: &Path) -> bool {
 }
 
 fn load(path: &Path) -> Result<Pipeline> {
-    let opts = LoadOptions { precision: Precision::W8A8, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::W8A8), ..Default::default() };
     Ok(Pipeline::load(path, None, &NpuDevice::host(), opts)?)
 }
 

@@ -244,7 +244,7 @@ fn drafts(args: &Args) -> Result<()> {
     for name in &args.models {
         let (path, mut p) = load_calibrated(name)?;
         for &n in &args.draft_layers {
-            let opts = LoadOptions { precision: candle_npu_models::Precision::F32, layers: Some(n), ..Default::default() };
+            let opts = LoadOptions { precision: Some(candle_npu_models::Precision::F32), layers: Some(n), ..Default::default() };
             p.set_draft(Pipeline::load(&path, None, &NpuDevice::host(), opts)?)?;
             for task in &args.tasks {
                 let prompt = task_prompt(&p, task)?;

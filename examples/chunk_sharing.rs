@@ -122,7 +122,7 @@ fn main() -> Result<()> {
     }
     // Graph descriptions come from a host pipeline (calibration included); every measurement
     // prepares them on its own fresh Hexagon executor.
-    let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::Q8_0, ..Default::default() };
     let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
     p.ensure_profile(args.profile.as_deref(), CalibrationSet::default(), |i, n| {
         eprint!("\rcalibrating {i}/{n}");

@@ -26,7 +26,7 @@ use candle_npu::{ClipMethod, NpuDevice, Numerics, PointStats, QuantProfile, Tail
 use candle_npu_models::assets::{self, MmluQuestion};
 use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
 use candle_npu_models::transformer::mean_nll;
-use candle_npu_models::{CalibrationSet, CalibrationSource, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
+use candle_npu_models::{CalibrationSet, CalibrationSource, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use clap::Parser;
 
 #[path = "common/chat_section.rs"]
@@ -404,7 +404,7 @@ fn load(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: 
 }
 
 fn load_with(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: WeightQuant, decode_weights: DecodeWeights) -> Result<Pipeline> {
-    Pipeline::load(path, None, dev, LoadOptions { precision, decode_weights, weights, ..Default::default() }).with_context(|| format!("loading {}", path.display()))
+    Pipeline::load(path, None, dev, LoadOptions { precision: Some(precision), decode_weights, weights, ..Default::default() }).with_context(|| format!("loading {}", path.display()))
 }
 
 fn print_decode(model: &std::path::Path, rows: &[DecodeRow], f32_ppl: &[f64]) {
@@ -621,6 +621,15 @@ fn main() -> Result<()> {
         suite.chunk_len = 250;
         htp_rows.push(suite.row(&format!("HTP numerics, default plan (chunks of 250, a {margin_len}-row CPU margin)"), &mut h, Path::Npu)?);
         suite.chunk_len = args.chunk_len;
+        drop(h);
+        // Each layer one graph (issue 48), shadow W8A16 with the outliers through float weights:
+        // on the host, and on the HTP's numerics in padded chunks.
+        for (numerics, label) in [(Numerics::Exact, "host executor, whole layers, shadow W8A16"), (Numerics::Htp, "HTP numerics, whole layers, shadow W8A16, padded")] {
+            let mut w = load(&model_path, &NpuDevice::host_with(numerics), Precision::W8A16Shadow, WeightQuant::PerChannel)?;
+            w.model.set_profile(shadow.clone())?;
+            w.model.set_sched(SchedOptions { tail: Tail::Pad, plan: PrefillPlan::Layers, ..Default::default() })?;
+            htp_rows.push(suite.row(&format!("{label} (chunks of {})", args.chunk_len), &mut w, Path::Npu)?);
+        }
     }
 
     // The pruning curve, on held-out Wikipedia.

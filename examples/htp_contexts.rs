@@ -114,7 +114,7 @@ fn main() -> Result<()> {
 }
 
 fn measure(args: &Args, name: &str, path: &Path) -> Result<()> {
-    let opts = LoadOptions { precision: Precision::W8A8, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::W8A8), ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts.clone())?;
     p.ensure_profile(None, CalibrationSet::default(), |i, n| eprint!("\rcalibrating {name} {i}/{n}"))?;
     let profile = p.model.profile().context("a profile")?.clone();
@@ -171,7 +171,7 @@ fn measure(args: &Args, name: &str, path: &Path) -> Result<()> {
         let first = if args.first_chunk && !(way.weight_sharing && cfg!(target_arch = "x86_64")) {
             eprint!("\r{name}, {}: first chunk              ", way.name);
             let htp = NpuDevice::hexagon(config)?;
-            let sched = SchedOptions { small_chunks: args.sizes[1..].to_vec(), ..SchedOptions::for_device(&htp) };
+            let sched = SchedOptions { small_chunks: args.sizes[1..].to_vec(), ..SchedOptions::for_device(&htp, Precision::W8A8) };
             let mut x = Pipeline::load(path, None, &htp, LoadOptions { chunk_len: Some(args.sizes[0]), sched: Some(sched), ..opts.clone() })?;
             x.model.set_profile(profile.clone())?;
             let t = Instant::now();

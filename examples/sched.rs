@@ -309,7 +309,7 @@ fn main() -> Result<()> {
     candle_npu_models::memory::limit_malloc_arenas(1);
     let on = |s: &str| args.sections.iter().any(|x| x == s);
     let dev = NpuDevice::host();
-    let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::Q8_0, ..Default::default() };
     let mut p = Pipeline::load(&assets::smollm2(), None, &dev, opts)?;
     p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
     let max_len = args.lens.iter().copied().max().unwrap_or(0).max(300);

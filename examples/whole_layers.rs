@@ -47,7 +47,7 @@ fn main() -> Result<()> {
         ExecutorKind::Hexagon => NpuDevice::hexagon(HtpConfig::default())?,
         ExecutorKind::HtpModel => NpuDevice::host_with(Numerics::Htp),
     };
-    let load = |dev: &NpuDevice, precision| Pipeline::load(&path, None, dev, LoadOptions { precision, decode_weights: DecodeWeights::Q8_0, ..Default::default() });
+    let load = |dev: &NpuDevice, precision: Precision| Pipeline::load(&path, None, dev, LoadOptions { precision: Some(precision), decode_weights: DecodeWeights::Q8_0, ..Default::default() });
     let mut reference = load(&NpuDevice::host(), Precision::F32)?;
     let prompt = reference.heldout_tokens(args.tokens)?;
     let want: Vec<f32> = reference.model.prefill_chunked(&prompt, args.chunk_len)?.to_vec1()?;

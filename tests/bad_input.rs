@@ -25,7 +25,7 @@ use candle_npu_models::{assets, families, DecodeWeights, LoadOptions, Model, Pre
 use props::{scratch, set, write_gguf, Metadata, Tensors, VOCAB};
 
 fn float_opts() -> LoadOptions {
-    LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() }
+    LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() }
 }
 
 fn load(path: &Path) -> candle_npu::Result<Model> {
@@ -206,7 +206,7 @@ fn bad_quant_profiles_are_errors_that_leave_the_model_as_it_was() {
     let good = m.calibrate(&seqs, |_| {}).unwrap().finish(m.model_id().to_string(), candle_npu::ClipMethod::Budget { fraction: 1e-2 });
     // A W8A8 model of the same file, with that profile.
     let g = Arc::new(Gguf::open(&dir.join("m.gguf")).unwrap());
-    let mut w8 = families::load_gguf(g, &NpuDevice::host(), LoadOptions { precision: Precision::W8A8, ..float_opts() }).unwrap();
+    let mut w8 = families::load_gguf(g, &NpuDevice::host(), LoadOptions { precision: Some(Precision::W8A8), ..float_opts() }).unwrap();
     w8.set_profile(good.clone()).unwrap();
     let before: Vec<f32> = w8.prefill_chunked(&seqs[0], 16).unwrap().to_vec1().unwrap();
     type Edit = fn(&mut QuantProfile);

@@ -19,7 +19,7 @@ fn reference() -> serde_json::Value {
 }
 
 fn load(file: &str) -> Pipeline {
-    let opts = LoadOptions { precision: Precision::F32, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::F32), ..Default::default() };
     Pipeline::load(&assets::dir().join(file), None, &NpuDevice::host(), opts).unwrap()
 }
 

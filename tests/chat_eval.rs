@@ -1,7 +1,7 @@
 //! The chat eval in CI (`candle_npu_models::chat_eval`; the whole set is `eval --sections chat`,
-//! `docs/chat.md`): SmolLM2's W8A8 prefill, as users run it by default, on a fixed subset of the
-//! conversations, on the host executor and on the HTP's numerics (padded chunks, as on a real
-//! NPU), against the F32 prefill: no answer derails (the subset's kinds: a greeting, a fact, a
+//! `docs/chat.md`): SmolLM2's default prefill on a fixed subset of the conversations, on the host
+//! executor (shadow W8A8, four stages per layer) and on the HTP's numerics (each layer one graph,
+//! shadow W8A16, padded chunks, as on a real NPU), against the F32 prefill: no answer derails (the subset's kinds: a greeting, a fact, a
 //! JSON system prompt, code, French, Japanese, two multi-turn ones). And a padded chunk's rows
 //! are computed independently of the real rows beside them.
 
@@ -9,7 +9,7 @@ mod common;
 
 use candle_npu::{NpuDevice, Numerics, Tail};
 use candle_npu_models::chat_eval::{self, Conversation};
-use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
+use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
 /// The subset: one conversation of each kind the eval holds. Not the issue's example
@@ -27,9 +27,10 @@ fn subset() -> Vec<Conversation> {
     SUBSET.iter().map(|id| all.iter().find(|c| c.id == *id).unwrap_or_else(|| panic!("no conversation {id}")).clone()).collect()
 }
 
-fn w8a8(device: &NpuDevice) -> Pipeline {
-    let mut p = smollm2(device, Precision::W8A8, DecodeWeights::Checkpoint);
-    // The default calibration, as a user's first run (not a profile another test left).
+/// SmolLM2 at `precision` on `device`, with the default calibration, as a user's first run (not
+/// a profile another test left).
+fn calibrated(device: &NpuDevice, precision: Precision) -> Pipeline {
+    let mut p = smollm2(device, precision, DecodeWeights::Checkpoint);
     let profile = p.calibrate(CalibrationSet::default(), |_, _| {}).unwrap();
     p.model.set_profile(profile).unwrap();
     p
@@ -40,9 +41,12 @@ fn no_chat_answer_derails_on_the_host_or_the_htp_numerics() {
     let convs = subset();
     let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Checkpoint);
     let refs: Vec<_> = convs.iter().map(|c| chat_eval::reference(&mut f32p, c).unwrap()).collect();
-    let mut htp = w8a8(&NpuDevice::host_with(Numerics::Htp));
-    htp.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() }).unwrap();
-    for (name, mut p) in [("host executor", w8a8(&NpuDevice::host())), ("HTP numerics, padded", htp)] {
+    // Each device's default: shadow W8A8 in llm.npu's stages on the host executor; on the HTP's
+    // numerics, each layer one graph, shadow W8A16 with its outliers through float weights.
+    let htp_dev = NpuDevice::host_with(Numerics::Htp);
+    let htp = calibrated(&htp_dev, Precision::for_device(&htp_dev));
+    assert_eq!(htp.model.sched().plan, PrefillPlan::Layers, "the HTP's default plan");
+    for (name, mut p) in [("host executor", calibrated(&NpuDevice::host(), Precision::W8A8)), ("HTP numerics, whole layers", htp)] {
         let mut same = 0;
         for (c, r) in convs.iter().zip(&refs) {
             let o = chat_eval::measure(&mut p, &mut f32p, r).unwrap();
@@ -51,7 +55,7 @@ fn no_chat_answer_derails_on_the_host_or_the_htp_numerics() {
             eprintln!("{name} {}: kl {:.4}, {} tokens agree: {text:?} (F32 {want:?})", c.id, o.kl, o.agree);
             assert!(o.derail.is_none(), "{name}, {}: derailed ({:?}): {text:?} where F32 answers {want:?}", c.id, o.derail);
             // First-token KL of SmolLM2's W8A8 on the whole set: median 0.007, largest 0.032
-            // (docs/chat.md); 0.1 is a distribution moved well beyond that.
+            // (docs/chat.md; whole layers lower); 0.1 is a distribution moved well beyond that.
             assert!(o.kl < 0.1, "{name}, {}: first-token KL {}", c.id, o.kl);
             same += o.same as usize;
         }
@@ -72,7 +76,7 @@ fn residual_weights_keep_the_issue_s_example_from_derailing() {
     let r = chat_eval::reference(&mut f32p, &bob).unwrap();
     let residual: Vec<String> = candle_npu_models::transformer::linear_names().map(String::from).collect();
     for (device, padded) in [(NpuDevice::host(), false), (NpuDevice::host_with(Numerics::Htp), true)] {
-        let opts = LoadOptions { residual: residual.clone(), ..Default::default() };
+        let opts = LoadOptions { precision: Some(Precision::W8A8), residual: residual.clone(), ..Default::default() };
         let mut p = Pipeline::load(&candle_npu_models::assets::smollm2(), None, &device, opts).unwrap();
         let profile = p.calibrate(CalibrationSet::default(), |_, _| {}).unwrap();
         p.model.set_profile(profile).unwrap();
@@ -93,7 +97,7 @@ fn residual_weights_keep_the_issue_s_example_from_derailing() {
 /// 0.38 in logits).
 #[test]
 fn a_padded_chunk_s_row_does_not_depend_on_the_real_rows_beside_it() {
-    let mut p = w8a8(&NpuDevice::host_with(Numerics::Htp));
+    let mut p = calibrated(&NpuDevice::host_with(Numerics::Htp), Precision::W8A8);
     p.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() }).unwrap();
     let tokens = heldout_tokens(&p, 48);
     let vocab = p.model.config().vocab;

@@ -32,7 +32,7 @@ fn one_device_and_its_models_from_several_threads() {
     let (profile, _) = props::profile_setup(&dir);
     let device = NpuDevice::host();
     let load = || {
-        let opts = candle_npu_models::LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::F32, ..Default::default() };
+        let opts = candle_npu_models::LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::F32, ..Default::default() };
         let mut m = candle_npu_models::families::load_gguf(Arc::new(candle_npu_models::gguf::Gguf::open(&path).unwrap()), &device, opts).unwrap();
         m.set_profile(profile.clone()).unwrap();
         m

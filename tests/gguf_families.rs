@@ -23,7 +23,7 @@ fn dequantize_all() {
 /// Our pipeline on `path` (F32 prefill, F32 decode) and `n` tokens of held-out Wikipedia text
 /// (after the BOS the tokenizer adds, for Gemma).
 fn ours(path: &Path, n: usize) -> (Pipeline, Vec<u32>) {
-    let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
     let p = Pipeline::load(path, None, &NpuDevice::host(), opts).unwrap();
     let toks = p.heldout_tokens(n).unwrap();
     assert_eq!(toks.len(), n);

@@ -10,7 +10,7 @@ mod common;
 use candle_npu::{Contexts, DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
 use candle_npu::executor::htp_numerics::fp16_step;
 use candle_npu_models::transformer::argmax;
-use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Precision, SchedOptions};
+use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
 /// Every prompt position's logits, flattened `[len * vocab]`, with SmolLM2's default plan or
@@ -127,7 +127,7 @@ fn qwen_and_gemma_prefills_follow_the_htp_numerics_model() {
     }
     use candle_npu_models::{assets, LoadOptions, Pipeline};
     for (name, path) in [("Qwen2.5-Coder", assets::qwen25_coder_05b().unwrap()), ("Gemma 3", assets::gemma3_270m().unwrap())] {
-        let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, ..Default::default() };
+        let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::Q8_0, ..Default::default() };
         let c = check_prefill(name, |dev| Pipeline::load(&path, None, dev, opts.clone()).unwrap(), 40, false);
         // SmolLM2's thresholds, for the same reason (see above). Measured on these 40 tokens:
         // (2026-11-28) Qwen top-1 agreement 0.925 (37 of 40), logits at most 0.32 apart; Gemma
@@ -144,10 +144,10 @@ fn answer(p: &mut candle_npu_models::Pipeline, question: &str, n: usize) -> Stri
     p.generate(question, &GenerateOptions { sample_len: n, ..Default::default() }, |_| {}).unwrap().0
 }
 
-/// The README's question through the library with the default Hexagon plan (a real NPU pads the
-/// last rows onto the HTP: `SchedOptions::for_device`): the host executor's answer, and the
-/// tokens the HTP numerics model predicts for the same plan. (With an HTP chunk and a CPU margin
-/// it answered "L'Étoile, la Marseillaise,": its first answer token is a 0.15-logit tie.)
+/// The README's question through the library with the default Hexagon plan (each layer one
+/// graph, shadow W8A16, the last chunk padded: `SchedOptions::for_device`): the host executor's
+/// answer, and the tokens the HTP numerics model predicts for the same plan. Then llm.npu's plan
+/// (W8A8 stage graphs, selectable) with the model split by a small context budget.
 #[test]
 fn readme_question_on_the_default_hexagon_plan() {
     if !library_present() {
@@ -163,40 +163,44 @@ fn readme_question_on_the_default_hexagon_plan() {
     assert!(host_text.contains("Paris"), "host executor: {host_text:?}");
 
     let model_dev = NpuDevice::host_with(Numerics::Htp);
-    let mut m = smollm2(&model_dev, Precision::W8A8, DecodeWeights::Q8_0);
+    let mut m = smollm2(&model_dev, Precision::for_device(&model_dev), DecodeWeights::Q8_0);
+    assert_eq!((m.model.precision(), m.model.sched().plan), (Precision::W8A16Shadow, PrefillPlan::Layers), "the HTP numerics model's default");
     m.model.set_profile(profile.clone()).unwrap();
-    m.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() }).unwrap();
     let predicted = answer(&mut m, question, 8);
 
     let cache = std::env::temp_dir().join(format!("candle-npu-readme-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&cache);
     let htp = NpuDevice::hexagon(HtpConfig { cache_dir: Some(cache.clone()), ..Default::default() }).unwrap();
-    let mut x = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
-    assert_eq!(x.model.sched().tail, Tail::Pad, "a real NPU's default plan pads");
+    let mut x = smollm2(&htp, Precision::for_device(&htp), DecodeWeights::Q8_0);
+    let sched = x.model.sched().clone();
+    assert_eq!((x.model.precision(), sched.plan, sched.tail), (Precision::W8A16Shadow, PrefillPlan::Layers, Tail::Pad), "a real NPU's default plan");
     x.model.set_profile(profile.clone()).unwrap();
-    let h_profile = profile;
     let text = answer(&mut x, question, 8);
     eprintln!("hexagon, default plan: {text:?}; host: {host_text:?}");
-    assert_eq!(htp.stats().fallbacks, 0);
-    // The x86 default (chunks of 32 rows, no smaller size): the model's stage graphs in one
-    // context, one cache entry.
-    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1, "one context binary");
-    std::fs::remove_dir_all(&cache).unwrap();
-    std::fs::create_dir_all(&cache).unwrap();
+    let stats = htp.stats();
+    assert_eq!(stats.fallbacks, 0);
+    // One graph per layer (a 37-token prompt: two 32-row chunks, both over a 32-row cache).
+    let layers = x.model.config().n_layer as u64;
+    assert_eq!((stats.graphs_prepared, stats.executions), (layers, 2 * layers), "graphs prepared and run");
     assert_eq!(htp.margin_device().stats().executions, 0, "no CPU margin");
     assert!(text.contains("Paris"), "hexagon: {text:?}");
     assert_eq!(text, predicted, "the answer the HTP numerics model predicts");
+    drop(x);
+    std::fs::remove_dir_all(&cache).unwrap();
+    std::fs::create_dir_all(&cache).unwrap();
 
-    // The model split by a small context budget (HtpConfig::context_budget; its 120 graphs need
-    // up to about 1.3 GB): contexts by layer range, the same answer.
+    // llm.npu's plan (W8A8 stage graphs, 120 of them needing up to about 1.3 GB), the model split
+    // by a small context budget (HtpConfig::context_budget): contexts by layer range.
     let htp = NpuDevice::hexagon(HtpConfig { cache_dir: Some(cache.clone()), context_budget: 400 << 20, ..Default::default() }).unwrap();
     let mut x = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
-    x.model.set_profile(h_profile).unwrap();
+    assert_eq!(x.model.sched().plan, PrefillPlan::Stages, "W8A8 runs llm.npu's stages");
+    x.model.set_profile(profile).unwrap();
     let split = answer(&mut x, question, 8);
     let contexts = std::fs::read_dir(&cache).unwrap().count();
     std::fs::remove_dir_all(&cache).unwrap();
+    assert_eq!(htp.stats().fallbacks, 0);
     assert!(contexts >= 3, "{contexts} context binaries");
-    assert_eq!(split, text, "the model in {contexts} contexts answers as in one");
+    assert!(split.contains("Paris"), "hexagon, W8A8 stages in {contexts} contexts: {split:?}");
 }
 
 /// Prepares SmolLM2's W8A8 stage graphs for chunks of 64 and 32 rows (240 graphs) on a fresh
@@ -205,7 +209,7 @@ fn prepare_on_fresh_executor(config: &HtpConfig, profile: &QuantProfile) -> Devi
     let htp = NpuDevice::hexagon(config.clone()).unwrap();
     let mut p = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     p.model.set_profile(profile.clone()).unwrap();
-    p.model.set_sched(SchedOptions { small_chunks: vec![32], ..SchedOptions::for_device(&htp) }).unwrap();
+    p.model.set_sched(SchedOptions { small_chunks: vec![32], ..SchedOptions::for_device(&htp, Precision::W8A8) }).unwrap();
     p.model.prepare_chunked(64).unwrap();
     htp.stats()
 }
@@ -465,8 +469,8 @@ fn whole_layer_graphs_run_on_the_library() {
         return;
     }
     let path = candle_npu_models::assets::smollm2();
-    let load = |dev: &NpuDevice, precision| {
-        let opts = candle_npu_models::LoadOptions { precision, decode_weights: DecodeWeights::Q8_0, layers: Some(2), ..Default::default() };
+    let load = |dev: &NpuDevice, precision: Precision| {
+        let opts = candle_npu_models::LoadOptions { precision: Some(precision), decode_weights: DecodeWeights::Q8_0, layers: Some(2), ..Default::default() };
         candle_npu_models::Pipeline::load(&path, None, dev, opts).unwrap()
     };
     let mut h = load(&NpuDevice::host(), Precision::W8A16);
@@ -481,7 +485,7 @@ fn whole_layer_graphs_run_on_the_library() {
             lib.model.set_profile(profile.clone()).unwrap();
         }
         for p in [&mut host, &mut lib] {
-            p.model.set_sched(SchedOptions { plan: candle_npu_models::PrefillPlan::Layers, ..Default::default() }).unwrap();
+            p.model.set_sched(SchedOptions { plan: PrefillPlan::Layers, ..Default::default() }).unwrap();
         }
         let t = std::time::Instant::now();
         let got: Vec<f32> = lib.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
@@ -493,7 +497,7 @@ fn whole_layer_graphs_run_on_the_library() {
         if precision != Precision::F32 {
             model.model.set_profile(profile.clone()).unwrap();
         }
-        model.model.set_sched(SchedOptions { plan: candle_npu_models::PrefillPlan::Layers, ..Default::default() }).unwrap();
+        model.model.set_sched(SchedOptions { plan: PrefillPlan::Layers, ..Default::default() }).unwrap();
         let modelled: Vec<f32> = model.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
         let err_model = rel_max_err(&got, &modelled);
         eprintln!("{precision:?}: library against the HTP numerics model {err_model:.2e}, against the exact host {err:.2e}");

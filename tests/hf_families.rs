@@ -88,7 +88,7 @@ fn base_config(model_type: &str) -> serde_json::Value {
 }
 
 fn ours(dir: &Path) -> Model {
-    let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
     hf::load(dir, &NpuDevice::host(), opts).unwrap()
 }
 
@@ -230,7 +230,7 @@ fn phi3_and_mistral_prefills_run_on_the_htp_library() {
     for (name, config, fused) in [("phi3", phi3, true), ("mistral", mistral, false)] {
         let dir = tmpdir(&format!("{name}-htp"));
         write_model(&dir, config, fused, 3);
-        let opts = LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::F32, chunk_len: Some(32), ..Default::default() };
+        let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::F32, chunk_len: Some(32), ..Default::default() };
         let mut host = hf::load(&dir, &NpuDevice::host(), opts.clone()).unwrap();
         let seqs: Vec<Vec<u32>> = (0..4).map(|i| seq(64, 100 + i)).collect();
         let profile = host.calibrate(&seqs, |_| {}).unwrap().finish(host.model_id().to_string(), ClipMethod::Budget { fraction: 1e-2 });

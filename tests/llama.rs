@@ -73,7 +73,7 @@ fn naive_w8a8_baseline_stays_far_from_f32() {
         &assets::smollm2(),
         None,
         &dev,
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerTensor, ..Default::default() },
+        LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::Q8_0, weights: WeightQuant::PerTensor, ..Default::default() },
     )
     .unwrap();
     let seqs = p.calibration_sequences(wikipedia()).unwrap();

@@ -48,7 +48,7 @@ fn check(
     r32: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
     r16: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
 ) {
-    let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts).unwrap();
     let toks = p.heldout_tokens(300).unwrap();
     for len in [37usize, 300] {
@@ -92,7 +92,7 @@ fn checkpoint_decode_weights_match_candle_quantized_qwen2() {
     let path = assets::qwen25_coder_05b().unwrap();
     let mut r = build(path.clone(), "", |c, f| qwen2::ModelWeights::from_gguf(c, f, &Device::Cpu).unwrap());
     let mut p = build(path.clone(), "", |_, _| {
-        let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::Checkpoint, ..Default::default() };
+        let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::Checkpoint, ..Default::default() };
         Pipeline::load(&assets::qwen25_coder_05b().unwrap(), None, &NpuDevice::host(), opts).unwrap()
     });
     let toks = p.heldout_tokens(37).unwrap();

@@ -264,7 +264,7 @@ fn a_session_is_not_saved_over_the_pipeline_s_own_files() {
     let model = dir.join("m.gguf");
     std::fs::copy(assets::smollm2(), &model).unwrap();
     let size = std::fs::metadata(&model).unwrap().len();
-    let p = Pipeline::load(&model, None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, ..Default::default() }).unwrap();
+    let p = Pipeline::load(&model, None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::F32), ..Default::default() }).unwrap();
     let s = p.session();
     for target in [model.clone(), dir.join(".").join("m.gguf")] {
         let e = s.save(&p, &target).unwrap_err().to_string();

@@ -14,7 +14,7 @@ fn total_price(items: &[Item], tax_rate: f64) -> f64 {\n    let subtotal: f64 = 
 
 fn load(path: &std::path::Path) -> Pipeline {
     // F32 prefill: no calibration needed; decode (what speculation changes) is the CPU path.
-    Pipeline::load(path, None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, ..Default::default() }).unwrap()
+    Pipeline::load(path, None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::F32), ..Default::default() }).unwrap()
 }
 
 /// Two turns with `speculative`; the answers and the first turn's speculation stats.
@@ -151,7 +151,7 @@ fn prompt_lookup_verified_on_the_npu_takes_the_npus_tokens() {
 
 /// A draft for SmolLM2, on the CPU only: the model itself (its first `layers`, or all).
 fn smollm2_draft(layers: Option<usize>) -> Pipeline {
-    Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, layers, ..Default::default() }).unwrap()
+    Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::F32), layers, ..Default::default() }).unwrap()
 }
 
 /// Proposals of a draft model give the plain decode's output too, greedy and sampled, over two
@@ -194,12 +194,12 @@ fn bad_drafts_are_errors() {
     let opts = GenerateOptions { sample_len: 4, speculative: Speculative::draft(), ..Default::default() };
     let e = p.generate("Hello", &opts, |_| {}).unwrap_err().to_string();
     assert!(e.contains("draft model") && e.contains("set_draft"), "{e}");
-    let gemma = Pipeline::load(&assets::gemma3_270m().unwrap(), None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, ..Default::default() }).unwrap();
+    let gemma = Pipeline::load(&assets::gemma3_270m().unwrap(), None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::F32), ..Default::default() }).unwrap();
     let e = p.set_draft(gemma).unwrap_err().to_string();
     assert!(e.contains("does not share the tokenizer") && e.contains("gemma"), "{e}");
     assert!(p.draft().is_none());
     for layers in [0, 31] {
-        let e = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), LoadOptions { precision: Precision::F32, layers: Some(layers), ..Default::default() }).err().unwrap().to_string();
+        let e = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::F32), layers: Some(layers), ..Default::default() }).err().unwrap().to_string();
         assert!(e.contains(&format!("first {layers} layers")) && e.contains("1 to 30"), "{e}");
     }
 }

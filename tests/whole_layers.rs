@@ -11,7 +11,7 @@ use common::*;
 /// The model at `path` on the host executor, its first `layers` layers (`None`: all).
 fn load(path: &std::path::Path, precision: Precision, decode_weights: DecodeWeights, layers: Option<usize>) -> Pipeline {
     assert!(path.exists(), "{} missing: run scripts/setup.sh first", path.display());
-    Pipeline::load(path, None, &NpuDevice::host(), LoadOptions { precision, decode_weights, layers, ..Default::default() }).unwrap()
+    Pipeline::load(path, None, &NpuDevice::host(), LoadOptions { precision: Some(precision), decode_weights, layers, ..Default::default() }).unwrap()
 }
 
 /// The last token's logits of `tokens` in chunks of 16, with `plan`.

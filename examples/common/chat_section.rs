@@ -114,29 +114,29 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
     }
     // Each of the other rows on a pipeline of its own, with the first profile; on the HTP's
     // numerics, in padded chunks as on a real NPU.
-    let w8a16 = LoadOptions { precision: Precision::W8A16, ..Default::default() };
-    let w8a16_shadow = LoadOptions { precision: Precision::W8A16Shadow, ..Default::default() };
+    let w8a16 = LoadOptions { precision: Some(Precision::W8A16), ..Default::default() };
+    let w8a16_shadow = LoadOptions { precision: Some(Precision::W8A16Shadow), ..Default::default() };
     let wide = LoadOptions { residual: residual.to_vec(), ..Default::default() };
     let on_residual = residual.join(",");
     let others = [
-        ("htp", Numerics::Htp, LoadOptions::default(), "HTP numerics, shadow W8A8".to_string()),
+        ("htp", Numerics::Htp, LoadOptions { precision: Some(Precision::W8A8), ..Default::default() }, "HTP numerics, shadow W8A8".to_string()),
         ("w8a16", Numerics::Exact, w8a16.clone(), "host executor, W8A16".to_string()),
         ("residual", Numerics::Exact, wide.clone(), format!("host executor, shadow W8A8, residual INT8 on {on_residual}")),
         ("htp-residual", Numerics::Htp, wide.clone(), format!("HTP numerics, shadow W8A8, residual INT8 on {on_residual}")),
-        ("w8a16-shadow-residual", Numerics::Exact, LoadOptions { precision: Precision::W8A16Shadow, ..wide.clone() }, format!("host executor, shadow W8A16, residual INT8 on {on_residual}")),
-        ("htp-w8a16-shadow-residual", Numerics::Htp, LoadOptions { precision: Precision::W8A16Shadow, ..wide }, format!("HTP numerics, shadow W8A16, residual INT8 on {on_residual}")),
+        ("w8a16-shadow-residual", Numerics::Exact, LoadOptions { precision: Some(Precision::W8A16Shadow), ..wide.clone() }, format!("host executor, shadow W8A16, residual INT8 on {on_residual}")),
+        ("htp-w8a16-shadow-residual", Numerics::Htp, LoadOptions { precision: Some(Precision::W8A16Shadow), ..wide }, format!("HTP numerics, shadow W8A16, residual INT8 on {on_residual}")),
         ("htp-w8a16", Numerics::Htp, w8a16, "HTP numerics, W8A16".to_string()),
-        ("f32", Numerics::Exact, LoadOptions { precision: Precision::F32, ..Default::default() }, "F32 prefill again (the measures' floor)".to_string()),
+        ("f32", Numerics::Exact, LoadOptions { precision: Some(Precision::F32), ..Default::default() }, "F32 prefill again (the measures' floor)".to_string()),
         ("w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16".to_string()),
         ("htp-w8a16-shadow", Numerics::Htp, w8a16_shadow.clone(), "HTP numerics, shadow W8A16".to_string()),
-        ("layers-w8a16", Numerics::Exact, LoadOptions { precision: Precision::W8A16, ..Default::default() }, "host executor, W8A16, one graph per layer".to_string()),
-        ("htp-layers-w8a16", Numerics::Htp, LoadOptions { precision: Precision::W8A16, ..Default::default() }, "HTP numerics, W8A16, one graph per layer".to_string()),
+        ("layers-w8a16", Numerics::Exact, LoadOptions { precision: Some(Precision::W8A16), ..Default::default() }, "host executor, W8A16, one graph per layer".to_string()),
+        ("htp-layers-w8a16", Numerics::Htp, LoadOptions { precision: Some(Precision::W8A16), ..Default::default() }, "HTP numerics, W8A16, one graph per layer".to_string()),
         ("layers-w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16, outliers through float weights, one graph per layer".to_string()),
         ("htp-layers-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16, outliers through float weights, one graph per layer".to_string()),
         (
             "layers-w8a16-shadow-residual",
             Numerics::Exact,
-            LoadOptions { precision: Precision::W8A16Shadow, residual: residual.to_vec(), ..Default::default() },
+            LoadOptions { precision: Some(Precision::W8A16Shadow), residual: residual.to_vec(), ..Default::default() },
             format!("host executor, shadow W8A16, outliers through float weights, residual INT8 on {on_residual}, one graph per layer"),
         ),
     ];
@@ -173,7 +173,7 @@ pub fn float_activations(profile: &QuantProfile) -> QuantProfile {
 
 /// The profile of the default calibration for `model` with `chats` windows of conversations.
 pub fn profile(model: &Path, chats: usize) -> Result<QuantProfile> {
-    let mut q = Pipeline::load(model, None, &NpuDevice::host(), LoadOptions { precision: Precision::W8A8, ..Default::default() })?;
+    let mut q = Pipeline::load(model, None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::W8A8), ..Default::default() })?;
     Ok(q.calibrate(CalibrationSet { chats, ..CalibrationSet::default() }, |_, _| {})?)
 }
 

@@ -194,7 +194,7 @@ struct Args {
     /// tokens, so a prompt cannot end its turn and write the assistant's.
     #[arg(long)]
     parse_special: bool,
-    /// Float prefill (no quantization), e.g. to compare against W8A8.
+    /// Float prefill (no quantization), e.g. to compare against the 8-bit prefill.
     #[arg(long, conflicts_with = "u16_activations")]
     f32_prefill: bool,
     /// u16 activations over the clip ranges, outliers still on the CPU's shadow path (W8A16
@@ -240,8 +240,9 @@ struct Args {
     /// What to do with the tokens that do not fill a last chunk (default: the model's).
     #[arg(long, value_enum)]
     tail: Option<TailArg>,
-    /// What one NPU graph holds (default: stages). `layers` prefills with u16 activations (shadow
-    /// W8A16), or in float with --f32-prefill.
+    /// What one NPU graph holds (default: the device's, `SchedOptions::for_device`: layers on
+    /// the HTP and its numerics model, stages on the host executor). `layers` prefills with u16
+    /// activations (shadow W8A16), or in float with --f32-prefill; `stages` with W8A8.
     #[arg(long, value_enum)]
     plan: Option<PlanArg>,
     /// Threads of the NPU queue (with the host executor: its GEMMs' share of the cores).
@@ -391,7 +392,15 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if let Some(out) = &args.save_session {
         candle_npu::fs::check_not_an_input(out, "--save-session", &reads)?;
     }
-    let mut sched = SchedOptions::for_device(&device);
+    // The precision: given, else the plan's (llm.npu's stages: shadow W8A8; whole layers: shadow
+    // W8A16), else the device's; then the device's schedule for it.
+    let precision = match (args.f32_prefill, args.u16_activations, args.plan) {
+        (true, _, _) => Precision::F32,
+        (_, true, _) | (_, _, Some(PlanArg::Layers)) => Precision::W8A16Shadow,
+        (_, _, Some(PlanArg::Stages)) => Precision::W8A8,
+        _ => Precision::for_device(&device),
+    };
+    let mut sched = SchedOptions::for_device(&device, precision);
     if let Some(policy) = args.policy {
         sched.policy = match policy {
             PolicyArg::InOrder => Policy::InOrder,
@@ -409,19 +418,16 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if let Some(n) = args.npu_threads {
         sched.npu_threads = Some(n as usize);
     }
-    let layers = matches!(args.plan, Some(PlanArg::Layers));
-    if layers {
-        sched.plan = PrefillPlan::Layers;
+    match args.plan {
+        Some(PlanArg::Layers) => sched.plan = PrefillPlan::Layers,
+        Some(PlanArg::Stages) => sched.plan = PrefillPlan::Stages,
+        None => {}
     }
     if args.verify == "npu" && !args.lookup && args.draft_model.is_none() && args.draft_layers.is_none() {
         bail!("--verify npu verifies speculative proposals: give --lookup, --draft-model or --draft-layers with it");
     }
     let opts = LoadOptions {
-        precision: match (args.f32_prefill, args.u16_activations || layers) {
-            (true, _) => Precision::F32,
-            (_, true) => Precision::W8A16Shadow,
-            _ => Precision::W8A8,
-        },
+        precision: Some(precision),
         decode_weights: match args.decode_weights {
             DecodeFormat::Q8_0 => DecodeWeights::Q8_0,
             DecodeFormat::Checkpoint => DecodeWeights::Checkpoint,
@@ -471,7 +477,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if drafting {
         let t = Instant::now();
         let draft_path = args.draft_model.clone().unwrap_or_else(|| path.clone());
-        let opts = LoadOptions { precision: Precision::F32, layers: args.draft_layers.map(|n| n as usize), ..Default::default() };
+        let opts = LoadOptions { precision: Some(Precision::F32), layers: args.draft_layers.map(|n| n as usize), ..Default::default() };
         let draft = Pipeline::load(&draft_path, None, &NpuDevice::host(), opts).with_context(|| format!("loading the draft {}", draft_path.display()))?;
         p.set_draft(draft)?;
         eprintln!("draft {} ({} layers) loaded in {:.1}s ({})", draft_path.display(), p.draft().map_or(0, |d| d.config().n_layer), t.elapsed().as_secs_f32(), candle_npu_models::memory::describe());

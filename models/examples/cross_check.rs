@@ -123,7 +123,7 @@ fn relative_diff(a: &[f32], b: &[f32]) -> f32 {
 /// The logits of the model in F32 (prefill and decode, F32 weights: no quantizer anywhere) for the
 /// prompt and then each of `tokens` but the last, forced: one row per step of the W8A8 run.
 fn f32_logits(path: &std::path::Path, prompt: &[u32], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-    let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts)?;
     let mut rows = vec![p.model.prefill(prompt)?.to_vec1::<f32>()?];
     for &t in &tokens[..tokens.len().saturating_sub(1)] {

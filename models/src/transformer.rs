@@ -77,6 +77,20 @@ pub enum Precision {
     W8A16Shadow,
 }
 
+impl Precision {
+    /// The precision a model takes on `device` when none is given: shadow W8A16 on the HTP and
+    /// on the host executor with its numerics (each layer one graph, the outliers through float
+    /// weights inside it: [`PrefillPlan::Layers`]), shadow W8A8 on the host executor (llm.npu's
+    /// four stages per layer, the host's fastest: the reference). Why, measured: `docs/chat.md`
+    /// and `docs/accuracy.md` (accuracy), `docs/phone_model.md` (speed on a phone).
+    pub fn for_device(device: &NpuDevice) -> Precision {
+        match device.numerics() {
+            candle_npu::Numerics::Htp => Precision::W8A16Shadow,
+            candle_npu::Numerics::Exact => Precision::W8A8,
+        }
+    }
+}
+
 /// The chunk length a model takes on `device` when none is given (the library's and the
 /// command line's): 256, the paper's; 32 on the HTP library's x86 emulator, whose 0.3-1 GMAC/s
 /// takes minutes over a 256-row chunk of even SmolLM2 (about 12 s over 32 rows).
@@ -91,8 +105,9 @@ pub fn default_chunk_len(device: &NpuDevice) -> usize {
 /// The executor is the [`NpuDevice`] the model is loaded onto.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// Arithmetic of the NPU stages in prefill (W8A8 with shadow outliers by default).
-    pub precision: Precision,
+    /// Arithmetic of the NPU graphs in prefill. `None`: [`Precision::for_device`] of the device
+    /// loaded onto (shadow W8A16 on the HTP and its numerics model, shadow W8A8 on the host).
+    pub precision: Option<Precision>,
     /// How the CPU's decode copy of the weights is stored.
     pub decode_weights: DecodeWeights,
     /// How the NPU's INT8 weights are scaled (per output channel by default).
@@ -116,7 +131,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: Precision::W8A8, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, residual: vec![], chunk_len: None, sched: None, layers: None }
+        LoadOptions { precision: None, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, residual: vec![], chunk_len: None, sched: None, layers: None }
     }
 }
 
@@ -316,8 +331,10 @@ impl Model {
         }
         // Before the weights are read and quantized, not after.
         let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or_else(|| default_chunk_len(&device).min(cfg.context_len)), cfg.context_len)?;
-        let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device));
+        let precision = opts.precision.unwrap_or_else(|| Precision::for_device(&device));
+        let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device, precision));
         sched.validate(cfg.context_len)?;
+        sched.check_precision(precision)?;
         let vector = |name: String| ckpt.vector(&names(&name).name);
         // The tables and the final norm first: their shapes tell a wrong config before the layers'
         // quantization takes its seconds.
@@ -397,7 +414,7 @@ impl Model {
             spec,
             model_id,
             device,
-            precision: opts.precision,
+            precision,
             embed,
             final_norm,
             lm_head,

@@ -8,7 +8,7 @@ use candle_npu_models::{assets, DecodeWeights, LoadOptions, Pipeline, Precision}
 pub fn smollm2(device: &NpuDevice, precision: Precision, decode_weights: DecodeWeights) -> Pipeline {
     let path = assets::smollm2();
     assert!(path.exists(), "{} missing: run scripts/setup.sh first", path.display());
-    Pipeline::load(&path, None, device, LoadOptions { precision, decode_weights, ..Default::default() }).expect("load SmolLM2")
+    Pipeline::load(&path, None, device, LoadOptions { precision: Some(precision), decode_weights, ..Default::default() }).expect("load SmolLM2")
 }
 
 /// `n` tokens of held-out Wikipedia text (articles never used for calibration).

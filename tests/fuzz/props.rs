@@ -142,7 +142,7 @@ pub fn tiny_gguf(path: &Path) -> Vec<u8> {
 }
 
 pub fn load(path: &Path, precision: Precision) -> candle_npu::Result<Model> {
-    let opts = LoadOptions { precision, decode_weights: DecodeWeights::F32, ..Default::default() };
+    let opts = LoadOptions { precision: Some(precision), decode_weights: DecodeWeights::F32, ..Default::default() };
     families::load_gguf(Arc::new(Gguf::open(path)?), &NpuDevice::host(), opts)
 }
 
@@ -471,7 +471,7 @@ pub fn tiny_model_files(dir: &Path) -> (PathBuf, PathBuf) {
 /// The tiny model with [`tiny_tokenizer_json`], on the host, F32.
 pub fn tiny_pipeline(dir: &Path) -> Pipeline {
     let (model, tok) = tiny_model_files(dir);
-    let opts = LoadOptions { precision: Precision::F32, decode_weights: DecodeWeights::F32, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
     Pipeline::load(&model, Some(&tok), &NpuDevice::host(), opts).unwrap()
 }
 

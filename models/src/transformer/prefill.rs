@@ -82,7 +82,7 @@ impl SchedOptions {
         Ok(())
     }
 
-    /// The defaults for prefills on `device`. With the host executor as the NPU, the rows after
+    /// The defaults for prefills of `precision` on `device`. With the host executor as the NPU, the rows after
     /// the last chunk are a CPU margin: the same arithmetic on the same cores, without padding.
     /// Beside a real NPU they are padded onto it (`Tail::Pad`), for two measured reasons:
     /// - **One arithmetic per prompt.** A margin computes its rows on the HTP numerics model,
@@ -97,9 +97,27 @@ impl SchedOptions {
     ///   prompt, all margin otherwise) to 1.00x the margin's at 20-1500 tokens for SmolLM2,
     ///   Gemma 3 and Qwen2.5-Coder, two cases excepted (Qwen at 100 and 300 tokens: 1.14x and
     ///   1.03x); `examples/sched.rs --sections tail` prints the table (`docs/accuracy.md`).
-    pub fn for_device(device: &NpuDevice) -> Self {
+    ///
+    /// The plan: each layer one graph ([`PrefillPlan::Layers`]) on the HTP and on its numerics
+    /// model, for every precision that has whole-layer graphs (all but W8A8); llm.npu's stages
+    /// on the host executor, whose fastest plan they are (whole layers run 2-3x slower there,
+    /// `examples/whole_layers.rs`).
+    pub fn for_device(device: &NpuDevice, precision: Precision) -> Self {
         let tail = if device.on_host() { Tail::Margin } else { Tail::Pad };
-        SchedOptions { tail, ..Default::default() }
+        let htp = device.numerics() == candle_npu::Numerics::Htp;
+        let plan = if htp && precision != Precision::W8A8 { PrefillPlan::Layers } else { PrefillPlan::Stages };
+        SchedOptions { tail, plan, ..Default::default() }
+    }
+
+    /// Whether this plan can run `precision`: whole layers cannot run W8A8 (its outliers run on
+    /// the CPU between the linears).
+    pub fn check_precision(&self, precision: Precision) -> Result<()> {
+        if self.plan == PrefillPlan::Layers && precision == Precision::W8A8 {
+            return Err(Error::Input(
+                "a whole-layer prefill plan (PrefillPlan::Layers, --plan layers) computes F32, W8A16 or shadow W8A16, not W8A8: choose one of those, or PrefillPlan::Stages".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -562,6 +580,7 @@ impl Model {
     /// comparisons of schedules on one loaded model); checked as at load.
     pub fn set_sched(&mut self, sched: SchedOptions) -> Result<()> {
         sched.validate(self.cfg.context_len)?;
+        sched.check_precision(self.precision)?;
         self.sched = sched;
         Ok(())
     }
