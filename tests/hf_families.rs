@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_npu::NpuDevice;
 use candle_npu_models::transformer::argmax;
-use candle_npu_models::{hf, DecodeWeights, LoadOptions, Model, Precision};
+use candle_npu_models::{hf, DecodeWeights, LoadOptions, Model, Precision, PrefillPlan, SchedOptions};
 use common::*;
 use rand::{Rng, SeedableRng};
 
@@ -217,6 +217,35 @@ fn mistral_with_a_sliding_window_matches_candle_transformers() {
 /// the QNN HTP library (x86 emulator) with the Hexagon default plan (40 tokens: two 32-row
 /// chunks, the last padded): every stage graph prepared (in one context) and executed there
 /// with no host fallback, and the logits those of the HTP numerics model.
+/// Each layer as one graph (the HTP's default plan) on Phi-3's partial RoPE and fused weights
+/// and Mistral's sliding window (24 under a 40-token prompt in chunks of 16: the window ends
+/// inside the cache): F32 whole-layer graphs give every position the four-stage prefill's
+/// logits, and fill the caches decode reads.
+#[test]
+fn phi3_and_mistral_whole_layer_graphs_compute_the_four_stage_prefill() {
+    let mut phi3 = base_config("phi3");
+    phi3["partial_rotary_factor"] = serde_json::json!(0.5);
+    let mut mistral = base_config("mistral");
+    mistral["sliding_window"] = serde_json::json!(24);
+    for (name, config, fused) in [("phi3", phi3, true), ("mistral", mistral, false)] {
+        let dir = tmpdir(&format!("{name}-layers"));
+        write_model(&dir, config, fused, 5);
+        let mut m = ours(&dir);
+        let prompt = seq(40, 9);
+        let mut run = |plan| -> (Vec<f32>, Vec<f32>) {
+            m.set_sched(SchedOptions { plan, ..Default::default() }).unwrap();
+            let all = m.prefill_all_logits_chunked(&prompt, 16).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            (all, m.decode(prompt[0]).unwrap().to_vec1().unwrap())
+        };
+        let (want, want_next) = run(PrefillPlan::Stages);
+        let (got, got_next) = run(PrefillPlan::Layers);
+        let (err, next) = (rel_max_err(&got, &want), rel_max_err(&got_next, &want_next));
+        eprintln!("{name}: whole-layer F32 graphs against four stages, every position {err:.2e}, the next decode {next:.2e}");
+        // Two F32 forwards summing in other orders (as the real models': about 1e-6).
+        assert!(err < 1e-4 && next < 1e-4, "{name}: prefill {err:e}, decode {next:e}");
+    }
+}
+
 #[test]
 fn phi3_and_mistral_prefills_run_on_the_htp_library() {
     use candle_npu::{ClipMethod, HtpConfig, Numerics};
@@ -252,6 +281,25 @@ fn phi3_and_mistral_prefills_run_on_the_htp_library() {
         // FP16-step differences move later u8 roundings, as on the real models (SmolLM2: up to
         // about one logit in twenty). 5e-2 leaves room for another seed's near roundings.
         assert!(err < 5e-2, "{name}: library vs model {err}");
+
+        // The HTP's default plan: each layer one graph, shadow W8A16.
+        let opts = LoadOptions { precision: None, ..opts };
+        let run = |dev: &NpuDevice| -> Vec<f32> {
+            let mut m = hf::load(&dir, dev, opts.clone()).unwrap();
+            assert_eq!((m.precision(), m.sched().plan), (Precision::W8A16Shadow, PrefillPlan::Layers), "{name}: the default on {}", dev.executor_name());
+            m.set_profile(profile.clone()).unwrap();
+            m.prefill_all_logits(&prompt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let want = run(&NpuDevice::host_with(Numerics::Htp));
+        let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
+        let got = run(&htp);
+        let s = htp.stats();
+        assert_eq!((s.fallbacks, s.graphs_prepared, s.executions), (0, LAYERS as u64, 2 * LAYERS as u64), "{name}: a graph per layer, two chunks");
+        let err = rel_max_err(&got, &want);
+        eprintln!("{name}: whole layers, library vs HTP numerics model, relative max logit error {err:.2e}");
+        // u16 activations: the library's unmodelled FP16 differences are not amplified by an
+        // 8-bit grid (SmolLM2's whole layers: 1.0-2.3e-3, tests/hexagon.rs).
+        assert!(err < 2e-2, "{name}: whole layers, library vs model {err}");
     }
 }
 
