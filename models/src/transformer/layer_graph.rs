@@ -4,7 +4,7 @@
 //! same arithmetic written for the CPU).
 //!
 //! The graph of layer `l` for chunks of `m` rows and a cache capacity `cap` takes
-//! - `x` `[m, hidden]`: the residual stream;
+//! - `x` `[m, hidden]`: the residual stream, times [`STREAM_SCALE`] (FP16's range);
 //! - `k_cache`, `v_cache` `[kv_heads, cap, head_dim]`: the layer's cache as the CPU holds it
 //!   ([`KvCache`]), the tokens held first in each head, whatever after them;
 //! - `mask` `[m, cap + m]`: 0 where a row sees a key (the cache's tokens, then the chunk's own
@@ -13,7 +13,7 @@
 //! - `cos`, `sin` `[m, 1, head_dim]`: RoPE's tables over a whole head (each angle at both
 //!   dimensions of its pair), broadcast over the heads;
 //!
-//! and returns the stream after the layer `[m, hidden]`, and the chunk's keys (after RoPE) and
+//! and returns the stream after the layer `[m, hidden]` (at the same scale), and the chunk's keys (after RoPE) and
 //! values `[m, kv_heads, head_dim]`, which the CPU appends to the cache for the next chunk and
 //! for decode.
 //!
@@ -46,6 +46,16 @@ use crate::spec::{Activation, RopeLayout};
 /// conversations, 2026-11-28): the outliers' error is the INT8 weights', which the float
 /// weights remove (0.0071 at 8x, `docs/chat.md`).
 pub const SPLIT_RANGE: f32 = 8.0;
+
+/// The scale the residual stream is carried at through the whole-layer graphs: the HTP computes
+/// float tensors in FP16 (largest finite 65504), and Gemma 3 270M's stream reaches 1.04e5 (F32,
+/// a Wikipedia sentence, 2026-11-29; SmolLM2's 2.2e4, Qwen2.5-Coder's 1e3): unscaled, its first
+/// row turned infinite at layer 7 and the prefill's perplexity went from 1.00x F32 to 5x. The
+/// CPU multiplies the embeddings by it and divides the last layer's stream by it; inside, each
+/// branch's output is multiplied by it before its residual add (folded into Gemma's post-norm
+/// weights), and the norms of the stream take its square into their epsilon, so every norm's
+/// output is what it was. A power of two: exact wherever FP16 is normal.
+pub const STREAM_SCALE: f32 = 1.0 / 64.0;
 
 /// A masked score: finite and inside FP16's range (the HTP's scores are FP16, and -inf in its
 /// Softmax is not defined), far enough below any real score that its weight is 0 in FP16.
@@ -83,14 +93,14 @@ impl Model {
         let b = Build { l, precision, eps };
 
         // Attention.
-        let h = b.norm(&mut g, "attn_norm", x, &layer.attn_norm)?;
+        let h = b.norm(&mut g, "attn_norm", x, &layer.attn_norm, STREAM_SCALE, 1.0)?;
         let qkv = b.linears(&mut g, self, l, QKV, h)?;
         let (q, k, v) = (qkv[0], qkv[1], qkv[2]);
         let mut q = b.reshape(&mut g, "q_heads", q, &[m, nh, hd]);
         let mut k = b.reshape(&mut g, "k_heads", k, &[m, nkv, hd]);
         if let Some(n) = &layer.qk_norm {
-            q = b.norm(&mut g, "attn_q_norm", q, &n.q)?;
-            k = b.norm(&mut g, "attn_k_norm", k, &n.k)?;
+            q = b.norm(&mut g, "attn_q_norm", q, &n.q, 1.0, 1.0)?;
+            k = b.norm(&mut g, "attn_k_norm", k, &n.k, 1.0, 1.0)?;
         }
         let rotation = g.constant(&format!("blk.{l}.rope_rotation"), &[hd, hd], StaticData::F32(Arc::new(rotation(spec.rope, spec.rope_dims, hd))), None);
         let q = b.rope(&mut g, "q", q, rotation, cos, sin, spec.attn_scale as f32);
@@ -113,21 +123,23 @@ impl Model {
         let att = b.reshape(&mut g, "attention_groups", att, &[nkv, group, m, hd]);
         let att = b.transpose(&mut g, "attention_by_row", att, &[2, 0, 1, 3]);
         let att = b.reshape(&mut g, "attention_rows", att, &[m, nh * hd]);
-        let mut o = b.linears(&mut g, self, l, O, att)?[0];
-        if let Some((post, _)) = &layer.post_norms {
-            o = b.norm(&mut g, "post_attention_norm", o, post)?;
-        }
+        let o = b.linears(&mut g, self, l, O, att)?[0];
+        let o = match &layer.post_norms {
+            Some((post, _)) => b.norm(&mut g, "post_attention_norm", o, post, 1.0, STREAM_SCALE)?,
+            None => b.scaled(&mut g, "attn_out_scaled", o, STREAM_SCALE),
+        };
         let x = g.binary(&b.name("attn_residual"), x, o, DType::F32, None, |a, b, output| Op::Add { a, b, output });
 
         // FFN.
-        let h = b.norm(&mut g, "ffn_norm", x, &layer.ffn_norm)?;
+        let h = b.norm(&mut g, "ffn_norm", x, &layer.ffn_norm, STREAM_SCALE, 1.0)?;
         let gu = b.linears(&mut g, self, l, GATE_UP, h)?;
         let act = b.activation(&mut g, spec.activation, gu[0]);
         let hidden_act = g.binary(&b.name("ffn_act_up"), act, gu[1], DType::F32, None, |a, b, output| Op::Mul { a, b, output });
-        let mut d = b.linears(&mut g, self, l, DOWN, hidden_act)?[0];
-        if let Some((_, post)) = &layer.post_norms {
-            d = b.norm(&mut g, "post_ffw_norm", d, post)?;
-        }
+        let d = b.linears(&mut g, self, l, DOWN, hidden_act)?[0];
+        let d = match &layer.post_norms {
+            Some((_, post)) => b.norm(&mut g, "post_ffw_norm", d, post, 1.0, STREAM_SCALE)?,
+            None => b.scaled(&mut g, "ffn_out_scaled", d, STREAM_SCALE),
+        };
         let y = g.binary(&b.name("ffn_residual"), x, d, DType::F32, None, |a, b, output| Op::Add { a, b, output });
         g.mark_output(y);
         g.mark_output(k);
@@ -167,7 +179,7 @@ impl Model {
             let cap = capacity(start, m);
             let mut ids = chunk.to_vec();
             ids.resize(m, 0);
-            let mut x = TensorData::F32(self.embed_rows(&ids)?.flatten_all()?.to_vec1::<f32>()?);
+            let mut x = TensorData::F32(self.embed_rows(&ids)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(|v| v * STREAM_SCALE).collect());
             let graphs = self.layer_graphs_for(m, cap, precision)?;
             // The chunk's masks and RoPE tables, once per window and per base (Gemma 3's local
             // and global layers differ in both; every other model's layers share one of each).
@@ -201,7 +213,8 @@ impl Model {
                 }
             }
             self.pos += n;
-            let TensorData::F32(stream) = x else { return Err(Error::Internal("a layer graph's stream is F32".into())) };
+            let TensorData::F32(mut stream) = x else { return Err(Error::Internal("a layer graph's stream is F32".into())) };
+            stream.iter_mut().for_each(|v| *v /= STREAM_SCALE);
             match all_logits {
                 true => rows.extend_from_slice(&stream[..n * h]),
                 false => rows = stream[(n - 1) * h..n * h].to_vec(),
@@ -306,11 +319,19 @@ impl Build {
         g.constant(&self.name(what), &[1], StaticData::F32(Arc::new(vec![v])), None)
     }
 
-    /// RMSNorm of `x` over its last axis by the checkpoint's weight `w`.
-    fn norm(&self, g: &mut Graph, what: &str, x: TensorId, w: &candle_core::Tensor) -> Result<TensorId> {
-        let gamma = g.constant(&self.name(&format!("{what}.weight")), w.dims(), StaticData::F32(Arc::new(w.to_vec1::<f32>()?)), None);
+    /// `x` times the constant `v`.
+    fn scaled(&self, g: &mut Graph, what: &str, x: TensorId, v: f32) -> TensorId {
+        let c = self.scalar(g, &format!("{what}_by"), v);
+        g.binary(&self.name(what), x, c, DType::F32, None, |a, b, output| Op::Mul { a, b, output })
+    }
+
+    /// RMSNorm of `x` over its last axis by the checkpoint's weight `w` times `out_scale`, `x`
+    /// carried at `in_scale` (its epsilon scaled by `in_scale²`: the same normalized values).
+    fn norm(&self, g: &mut Graph, what: &str, x: TensorId, w: &candle_core::Tensor, in_scale: f32, out_scale: f32) -> Result<TensorId> {
+        let w: Vec<f32> = w.to_vec1::<f32>()?.into_iter().map(|v| v * out_scale).collect();
+        let gamma = g.constant(&self.name(&format!("{what}.weight")), &[w.len()], StaticData::F32(Arc::new(w)), None);
         let shape = g.tensor(x).shape.clone();
-        let eps = self.eps;
+        let eps = self.eps * in_scale * in_scale;
         Ok(g.op(&self.name(what), DType::F32, None, |output| Op::RmsNorm { input: x, gamma, epsilon: eps, output }, &shape))
     }
 
