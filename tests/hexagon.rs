@@ -462,7 +462,8 @@ fn fp16_steps_apart(a: &[f32], b: &[f32]) -> (f32, usize) {
 /// Issue 48's plan through the library: SmolLM2's first two layers, each one graph (norms,
 /// linears, RoPE, attention over a masked cache, FFN), 40 tokens in two chunks of 32 (the second
 /// against a cache of 32 rows, 8 of them free), F32, W8A16 and shadow W8A16 (its outliers through
-/// float weights), against the host executor and the HTP numerics model.
+/// float weights), against the host executor and the HTP numerics model; and Gemma 3's stream,
+/// beyond FP16 unless scaled.
 #[test]
 fn whole_layer_graphs_run_on_the_library() {
     if !library_present() {
@@ -515,4 +516,26 @@ fn whole_layer_graphs_run_on_the_library() {
         // two layers; measured 1.1e-3 (F32) and 2.3e-3 (W8A16).
         assert!(err < 1e-2 && same, "{precision:?}: {err:e}, same top token {same}");
     }
+
+    // Gemma 3's residual stream passes FP16's largest value (1e5 in F32): its 18 layers in F32
+    // whole-layer graphs, the stream carried at STREAM_SCALE, through the library near both the
+    // model and the exact host (measured 2.7e-3 and 2.1e-3). Unscaled, the library's logits were
+    // 1.4e-1 from the exact host's and the model's NaN (the library's FP16 overflow stays
+    // finite; the model's is infinite).
+    let path = candle_npu_models::assets::gemma3_270m().unwrap();
+    let gemma = |dev: &NpuDevice| {
+        let opts = candle_npu_models::LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
+        let mut p = candle_npu_models::Pipeline::load(&path, None, dev, opts).unwrap();
+        p.model.set_sched(SchedOptions { plan: PrefillPlan::Layers, ..Default::default() }).unwrap();
+        p
+    };
+    let prompt = heldout_tokens(&gemma(&NpuDevice::host()), 40);
+    let mut all = |dev: &NpuDevice| -> Vec<f32> { gemma(dev).model.prefill_all_logits_chunked(&prompt, 32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+    let got = all(&htp);
+    let (modelled, exact) = (all(&NpuDevice::host_with(Numerics::Htp)), all(&NpuDevice::host()));
+    assert!(got.iter().all(|v| v.is_finite()), "Gemma 3: non-finite logits through the library");
+    let (err_model, err) = (rel_max_err(&got, &modelled), rel_max_err(&got, &exact));
+    eprintln!("Gemma 3, F32 whole layers, every position: library against the HTP numerics model {err_model:.2e}, against the exact host {err:.2e}");
+    assert!(err_model < 1e-2 && err < 1e-2, "Gemma 3: library {err_model:e} from the model, {err:e} from the exact host");
+    assert_eq!(htp.stats().fallbacks, 0);
 }
