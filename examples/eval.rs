@@ -68,8 +68,9 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "0.9,0.99,0.999,1")]
     coverages: Vec<f64>,
     /// Parts to run: rows (the table), curve (pruning), hot (hot-set coverages), decode (the
-    /// decode weight formats: candle CPU perplexity and decode speed), htp (shadow W8A8 on the
-    /// HTP library's numerics, padded and with the default plan's CPU margin, beside the host's),
+    /// decode weight formats: candle CPU perplexity and decode speed), htp (the prefill plans on
+    /// the HTP library's numerics: shadow W8A8 stages padded and with a CPU margin, and the
+    /// default, whole layers with shadow W8A16; each beside the host's),
     /// calibration (accuracy and time of the default calibration against its size), chat (the
     /// chat eval: conversations in the model's template against the F32 prefill; alone only).
     #[arg(long, value_delimiter = ',', default_value = "rows,curve,hot")]
@@ -604,7 +605,7 @@ fn main() -> Result<()> {
         rows.push(suite.row("shadow W8A8, INT8 + residual weights on every linear", &mut wide, Path::Npu)?);
     }
 
-    // Shadow W8A8 on the HTP's numerics (the host executor in its HTP mode, proven against the
+    // The prefill plans on the HTP's numerics (the host executor in its HTP mode, proven against the
     // library in candle-npu/tests/htp_conformance.rs and tests/hexagon.rs), beside the host's.
     let mut htp_rows = vec![];
     if do_htp {
@@ -613,18 +614,18 @@ fn main() -> Result<()> {
         let mut h = load(&model_path, &NpuDevice::host_with(Numerics::Htp), Precision::W8A8, WeightQuant::PerChannel)?;
         h.model.set_profile(shadow.clone())?;
         h.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() })?;
-        htp_rows.push(suite.row(&format!("HTP numerics, padded (chunks of {})", args.chunk_len), &mut h, Path::Npu)?);
-        // The default plan: chunks, then 32-row chunks, then a CPU margin. A window of 512 tokens
+        htp_rows.push(suite.row(&format!("HTP numerics, shadow W8A8 stages, padded (chunks of {})", args.chunk_len), &mut h, Path::Npu)?);
+        // llm.npu's plan with a margin: chunks, then 32-row chunks, then a CPU margin. A window of 512 tokens
         // in chunks of 250 leaves a 12-row margin (with chunks of 256 there would be none).
         h.model.set_sched(SchedOptions::default())?;
         let margin_len = WINDOW - WINDOW / 250 * 250;
         suite.chunk_len = 250;
-        htp_rows.push(suite.row(&format!("HTP numerics, default plan (chunks of 250, a {margin_len}-row CPU margin)"), &mut h, Path::Npu)?);
+        htp_rows.push(suite.row(&format!("HTP numerics, shadow W8A8 stages, chunks of 250 and a {margin_len}-row CPU margin"), &mut h, Path::Npu)?);
         suite.chunk_len = args.chunk_len;
         drop(h);
-        // Each layer one graph (issue 48), shadow W8A16 with the outliers through float weights:
-        // on the host, and on the HTP's numerics in padded chunks.
-        for (numerics, label) in [(Numerics::Exact, "host executor, whole layers, shadow W8A16"), (Numerics::Htp, "HTP numerics, whole layers, shadow W8A16, padded")] {
+        // The HTP's default plan (`SchedOptions::for_device`): each layer one graph, shadow W8A16
+        // with the outliers through float weights; on the host, and on the HTP's numerics.
+        for (numerics, label) in [(Numerics::Exact, "host executor, whole layers, shadow W8A16"), (Numerics::Htp, "HTP numerics, the default plan: whole layers, shadow W8A16, padded")] {
             let mut w = load(&model_path, &NpuDevice::host_with(numerics), Precision::W8A16Shadow, WeightQuant::PerChannel)?;
             w.model.set_profile(shadow.clone())?;
             w.model.set_sched(SchedOptions { tail: Tail::Pad, plan: PrefillPlan::Layers, ..Default::default() })?;
@@ -729,7 +730,7 @@ fn main() -> Result<()> {
         println!("\ncold-channel column reads (shadow unpruned, all domains): {}", s.cold_reads.unwrap_or(0));
     }
     if do_htp {
-        println!("\n{}, shadow W8A8 on the HTP's numerics; {} x {WINDOW}-token windows per domain; ppl x F32 (Wikipedia / SOTU / Moby Dick; F32 {:.2} / {:.2} / {:.2}):\n",
+        println!("\n{}, the prefill plans on the HTP's numerics; {} x {WINDOW}-token windows per domain; ppl x F32 (Wikipedia / SOTU / Moby Dick; F32 {:.2} / {:.2} / {:.2}):\n",
             model_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), args.windows, f32_ppl[0], f32_ppl[1], f32_ppl[2]);
         println!("| prefill | ppl x F32 | top-1 agreement with F32 |");
         println!("|---|---|---|");
