@@ -5,6 +5,7 @@
 //! ```text
 //! cargo run --release --example whole_layers -- --executor hexagon --tokens 64
 //! ```
+//! `--prepare-only --soc 69` finalizes the device's default plan's graphs for that SoC instead.
 //! On x86 `hexagon` is Qualcomm's emulator: its times are not a phone's (the phone model,
 //! `examples/sched.rs --sections phone`, prices the plans); its numerics are the HTP's.
 use std::path::PathBuf;
@@ -37,6 +38,14 @@ struct Args {
     /// Rows of every graph (the prompt's last chunk padded).
     #[arg(long, default_value_t = 32)]
     chunk_len: usize,
+    /// The SoC the Hexagon executor finalizes for (QNN's SoC model: 57 is the Snapdragon 8
+    /// Gen 3, 69 the 8 Elite).
+    #[arg(long, default_value_t = 57)]
+    soc: u32,
+    /// Only prepare (finalize) the device's default plan's graphs for a first chunk, and say how
+    /// many were prepared on the executor and how many fell back to the host; no table.
+    #[arg(long)]
+    prepare_only: bool,
 }
 
 fn main() -> Result<()> {
@@ -44,10 +53,31 @@ fn main() -> Result<()> {
     let path = args.model.clone().unwrap_or_else(assets::smollm2);
     let device = match args.executor {
         ExecutorKind::Host => NpuDevice::host(),
-        ExecutorKind::Hexagon => NpuDevice::hexagon(HtpConfig::default())?,
+        ExecutorKind::Hexagon => NpuDevice::hexagon(HtpConfig { soc_model: args.soc, cache_dir: None, ..Default::default() })?,
         ExecutorKind::HtpModel => NpuDevice::host_with(Numerics::Htp),
     };
     let load = |dev: &NpuDevice, precision: Precision| Pipeline::load(&path, None, dev, LoadOptions { precision: Some(precision), decode_weights: DecodeWeights::Q8_0, ..Default::default() });
+    if args.prepare_only {
+        let precision = Precision::for_device(&device);
+        let mut p = load(&device, precision)?;
+        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        p.model.set_chunk_len(args.chunk_len)?;
+        let t = Instant::now();
+        p.model.prepare()?;
+        let s = device.stats();
+        println!(
+            "{}: {precision:?}, {:?} plan, chunks of {}, SoC {}: {} graphs prepared on {} in {:.1} s, {} fallbacks to the host",
+            path.file_name().unwrap_or_default().to_string_lossy(),
+            p.model.sched().plan,
+            args.chunk_len,
+            args.soc,
+            s.graphs_prepared,
+            device.executor_name(),
+            t.elapsed().as_secs_f64(),
+            s.fallbacks
+        );
+        return Ok(());
+    }
     let mut reference = load(&NpuDevice::host(), Precision::F32)?;
     let prompt = reference.heldout_tokens(args.tokens)?;
     let want: Vec<f32> = reference.model.prefill_chunked(&prompt, args.chunk_len)?.to_vec1()?;
@@ -65,12 +95,12 @@ fn main() -> Result<()> {
     );
     println!("| plan | graphs per chunk | CPU steps between graphs per chunk | prefill s | max abs logit diff / max abs logit | top token the reference's |\n|---|---|---|---|---|---|");
     let plans = [
-        ("four stages, shadow W8A8 (default)", false, Precision::W8A8),
+        ("four stages, shadow W8A8 (llm.npu's; the host's default)", false, Precision::W8A8),
         ("four stages, W8A16", false, Precision::W8A16),
         ("four stages, shadow W8A16", false, Precision::W8A16Shadow),
         ("one graph per layer, F32", true, Precision::F32),
         ("one graph per layer, W8A16", true, Precision::W8A16),
-        ("one graph per layer, shadow W8A16 (outliers through float weights)", true, Precision::W8A16Shadow),
+        ("one graph per layer, shadow W8A16, outliers through float weights (the HTP's default)", true, Precision::W8A16Shadow),
     ];
     let mut profile = None;
     for (label, whole, precision) in plans {
