@@ -238,12 +238,12 @@ fn phone_projections(json: bool) -> Result<()> {
     // `None`: llm.npu's stages with the CPU rates of `Rates::SNAPDRAGON_8_GEN_3` (calibrated on
     // llm.npu's split) or `_KERNELS` (our aarch64 kernels' llvm-mca estimates, docs/aarch64.md).
     let plans: [(&str, Option<WholePlan>, Rates); 5] = [
-        ("stages, shadow W8A8 (llm.npu's; today's default)", None, cpu),
+        ("stages, shadow W8A8 (llm.npu's; the host's default)", None, cpu),
         ("stages, shadow W8A8, CPU at our kernels' llvm-mca rates", None, Rates::SNAPDRAGON_8_GEN_3_KERNELS),
         ("layers, W8A16", Some(layers(Activations::A16, 0.0)), cpu),
         // SmolLM2's profile splits a third of its linears' MACs at `layer_graph::SPLIT_RANGE`
         // (8x); the other models' shares are not measured: SmolLM2's is taken for them.
-        ("layers, shadow W8A16 (a third of the MACs again in FP16: SmolLM2's share)", Some(layers(Activations::A16, 0.333)), cpu),
+        ("layers, shadow W8A16 (the HTP's default; a third of the MACs again in FP16: SmolLM2's share)", Some(layers(Activations::A16, 0.333)), cpu),
         ("layers, shadow W8A16 (every linear again in FP16: the bound)", Some(layers(Activations::A16, 1.0)), cpu),
     ];
     let n = 1024;
