@@ -181,7 +181,7 @@ struct Args {
     seed: u64,
     /// Rows of the static NPU graphs; the prompt is cut into chunks of this length. Default:
     /// 256, except 32 for `--executor hexagon` on x86, where the HTP is an emulator (~0.3-1
-    /// GMAC/s: a 32-row chunk of SmolLM2 takes about 12 s there, a 256-row one minutes).
+    /// GMAC/s: a 32-row chunk of SmolLM2 takes 30-70 s there, a 256-row one minutes).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_CHUNK_LEN as i64))]
     chunk_len: Option<u32>,
     #[arg(long, value_enum, default_value = "host")]

@@ -93,7 +93,7 @@ impl Precision {
 
 /// The chunk length a model takes on `device` when none is given (the library's and the
 /// command line's): 256, the paper's; 32 on the HTP library's x86 emulator, whose 0.3-1 GMAC/s
-/// takes minutes over a 256-row chunk of even SmolLM2 (about 12 s over 32 rows).
+/// takes minutes over a 256-row chunk of even SmolLM2 (30-70 s over 32 rows, 2026-11-29).
 pub fn default_chunk_len(device: &NpuDevice) -> usize {
     match !device.on_host() && cfg!(target_arch = "x86_64") {
         true => 32,

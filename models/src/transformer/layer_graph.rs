@@ -226,6 +226,51 @@ impl Model {
     }
 }
 
+/// How shadow W8A16 feeds a stage's linears in a whole-layer graph (`Model::feed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Feed {
+    /// The calibrated range is the clip range: u16 over it.
+    Clip,
+    /// The calibrated range is at most [`SPLIT_RANGE`] times the clip range: u16 over all of it.
+    Full,
+    /// Beyond that: u16 over the clip range into the INT8 weights, the outliers beyond it through
+    /// the float weights (FP16 on the HTP).
+    Split,
+}
+
+impl Model {
+    /// How shadow W8A16 feeds stage `s` of layer `l` (`None`: not calibrated).
+    fn feed(&self, l: usize, s: usize) -> Option<Feed> {
+        let (p, full) = (self.points.get(l)?.get(s)?, self.a16.get(l)?.get(s)?);
+        let (min, max) = full.float_range(DType::U16);
+        Some(if min >= p.lo && max <= p.hi {
+            Feed::Clip
+        } else if max - min <= SPLIT_RANGE * (p.hi - p.lo) {
+            Feed::Full
+        } else {
+            Feed::Split
+        })
+    }
+
+    /// The share of the layers' linear MACs that shadow W8A16's whole-layer graphs run a second
+    /// time through float weights (their split points', [`SPLIT_RANGE`]), from the model's
+    /// profile: what the phone model prices in FP16 (`sched --sections phone`). `None` without a
+    /// profile.
+    pub fn split_mac_share(&self) -> Option<f64> {
+        let (mut split, mut all) = (0usize, 0usize);
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (s, stage) in layer.stages.iter().enumerate() {
+                let macs: usize = stage.iter().map(|lin| lin.dims().0 * lin.dims().1).sum();
+                all += macs;
+                if self.feed(l, s)? == Feed::Split {
+                    split += macs;
+                }
+            }
+        }
+        Some(split as f64 / all.max(1) as f64)
+    }
+}
+
 /// The cache capacity of a chunk whose first row is position `start`: the tokens before it
 /// rounded up to a power of two, at least the chunk's rows (a few graphs per layer cover a
 /// context; an early chunk does not attend over the whole of it).
@@ -350,12 +395,10 @@ impl Build {
             Precision::W8A16 => vec![quantize(g, &format!("{point}_u16"), x, model.a16.get(l).ok_or_else(uncalibrated)?[s])],
             _ => {
                 let (p, full) = (&model.points.get(l).ok_or_else(uncalibrated)?[s], model.a16.get(l).ok_or_else(uncalibrated)?[s]);
-                let (min, max) = full.float_range(DType::U16);
-                if min >= p.lo && max <= p.hi {
-                    vec![quantize(g, &format!("{point}_u16"), x, p.quant_u16())]
-                } else if max - min <= SPLIT_RANGE * (p.hi - p.lo) {
-                    vec![quantize(g, &format!("{point}_u16"), x, full)]
-                } else {
+                match model.feed(l, s).ok_or_else(uncalibrated)? {
+                    Feed::Clip => vec![quantize(g, &format!("{point}_u16"), x, p.quant_u16())],
+                    Feed::Full => vec![quantize(g, &format!("{point}_u16"), x, full)],
+                    Feed::Split => {
                     // The clip range's part is clamped before it is quantized, not by the
                     // quantization's saturation: the HTP's graph optimizer gives an op's output
                     // the encoding of a Quantize reading it, so every other reader of `x` would
@@ -368,6 +411,7 @@ impl Build {
                     let neg = g.binary(&self.name(&format!("{point}_neg_clipped")), clipped, minus, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
                     let rest = g.binary(&self.name(&format!("{point}_outliers")), x, neg, DType::F32, None, |a, b, output| Op::Add { a, b, output });
                     vec![inside, rest]
+                    }
                 }
             }
         };
