@@ -530,7 +530,7 @@ fn whole_layer_graphs_run_on_the_library() {
         p
     };
     let prompt = heldout_tokens(&gemma(&NpuDevice::host()), 40);
-    let mut all = |dev: &NpuDevice| -> Vec<f32> { gemma(dev).model.prefill_all_logits_chunked(&prompt, 32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+    let all = |dev: &NpuDevice| -> Vec<f32> { gemma(dev).model.prefill_all_logits_chunked(&prompt, 32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
     let got = all(&htp);
     let (modelled, exact) = (all(&NpuDevice::host_with(Numerics::Htp)), all(&NpuDevice::host()));
     assert!(got.iter().all(|v| v.is_finite()), "Gemma 3: non-finite logits through the library");
