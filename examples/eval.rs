@@ -103,6 +103,10 @@ struct Args {
     /// `scripts/chat_anchor.py`.
     #[arg(long)]
     chat_dump: Option<PathBuf>,
+    /// The htp section's plans: `stages` (shadow W8A8, padded and with a CPU margin) and
+    /// `layers` (the HTP's default: whole layers, shadow W8A16).
+    #[arg(long, value_delimiter = ',', default_value = "stages,layers")]
+    htp_plans: Vec<String>,
     /// Print everything as one JSON object on stdout instead of the tables.
     #[arg(long)]
     json: bool,
@@ -467,6 +471,9 @@ fn main() -> Result<()> {
     let on = |s: &str| args.sections.iter().any(|x| x == s);
     let (do_rows, do_curve, do_hot, do_decode, do_htp) = (on("rows"), on("curve"), on("hot"), on("decode"), on("htp"));
     let (do_calibration, do_chat) = (on("calibration"), on("chat"));
+    if let Some(bad) = args.htp_plans.iter().find(|p| !["stages", "layers"].contains(&p.as_str())) {
+        bail!("--htp-plans: unknown plan '{bad}' (stages, layers)");
+    }
     if let Some(bad) = args.sections.iter().find(|s| !["rows", "curve", "hot", "decode", "htp", "calibration", "chat"].contains(&s.as_str())) {
         bail!("unknown section '{bad}' (rows, curve, hot, decode, htp, calibration, chat)");
     }
@@ -608,7 +615,8 @@ fn main() -> Result<()> {
     // The prefill plans on the HTP's numerics (the host executor in its HTP mode, proven against the
     // library in candle-npu/tests/htp_conformance.rs and tests/hexagon.rs), beside the host's.
     let mut htp_rows = vec![];
-    if do_htp {
+    let htp_plan = |p: &str| args.htp_plans.iter().any(|x| x == p);
+    if do_htp && htp_plan("stages") {
         q.model.set_profile(shadow.clone())?;
         htp_rows.push(suite.row("host executor, shadow W8A8", &mut q, Path::Npu)?);
         let mut h = load(&model_path, &NpuDevice::host_with(Numerics::Htp), Precision::W8A8, WeightQuant::PerChannel)?;
@@ -622,7 +630,8 @@ fn main() -> Result<()> {
         suite.chunk_len = 250;
         htp_rows.push(suite.row(&format!("HTP numerics, shadow W8A8 stages, chunks of 250 and a {margin_len}-row CPU margin"), &mut h, Path::Npu)?);
         suite.chunk_len = args.chunk_len;
-        drop(h);
+    }
+    if do_htp && htp_plan("layers") {
         // The HTP's default plan (`SchedOptions::for_device`): each layer one graph, shadow W8A16
         // with the outliers through float weights; on the host, and on the HTP's numerics.
         for (numerics, label) in [(Numerics::Exact, "host executor, whole layers, shadow W8A16"), (Numerics::Htp, "HTP numerics, the default plan: whole layers, shadow W8A16, padded")] {
