@@ -114,8 +114,8 @@ pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
 
 /// A Hugging Face `tokenizer.json`: an HF folder's tokenizer, or one given in place of a GGUF's own.
 ///
-/// Read by `tokenizers` under [`guarded`] (a charsmap or a decoder it cannot take panics in it),
-/// then tried once ([`check_usable`]): what would fail on every prompt fails here, naming the file.
+/// Read by `tokenizers` under `guarded` (a charsmap or a decoder it cannot take panics in it),
+/// then tried once (`check_usable`): what would fail on every prompt fails here, naming the file.
 pub fn from_file(path: &Path) -> Result<Tokenizer> {
     // The largest published ones (Gemma 3's 262K tokens with their merges) are ~33 MB.
     const TOKENIZER_LIMIT: u64 = 128 * candle_npu::fs::MIB;

@@ -71,7 +71,7 @@
 //!   6 row streams and prefetches them), and a register holds 4 rows' 4 K (sdot) or 2 rows' 8 K
 //!   (smmla) as the instruction takes them;
 //! - a tile of mr x [`NR`] outputs keeps its accumulators in registers over a block of K, K cut
-//!   into equal blocks ([`k_block`]): the weight micro-panel stays in L1 while `MC` rows of
+//!   into equal blocks (`k_block`): the weight micro-panel stays in L1 while `MC` rows of
 //!   activations stream through from L2. x86 (Zen 3: 32 KiB L1d, 512 KiB L2 per core): blocks of
 //!   at most 640 K (a 10 KiB micro-panel), 264 rows (330 KiB of i16). Arm (a phone's big core:
 //!   Cortex-X3/X4, A715/A720: 64 KiB L1d, 0.5-2 MiB L2): at most 1024 K (a 16 KiB micro-panel, a

@@ -253,7 +253,7 @@ impl Model {
     }
 
     /// The share of the layers' linear MACs that shadow W8A16's whole-layer graphs run a second
-    /// time through float weights (their split points', [`SPLIT_RANGE`]), from the model's
+    /// time through float weights (their split points', `SPLIT_RANGE`), from the model's
     /// profile: what the phone model prices in FP16 (`sched --sections phone`). `None` without a
     /// profile.
     pub fn split_mac_share(&self) -> Option<f64> {
