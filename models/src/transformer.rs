@@ -89,6 +89,12 @@ impl Precision {
             candle_npu::Numerics::Exact => Precision::W8A8,
         }
     }
+
+    /// Whether a layer can be one graph at this precision ([`PrefillPlan::Layers`]): all but
+    /// W8A8, whose 8-bit grid needs the CPU's float outliers between the linears.
+    pub fn has_whole_layers(self) -> bool {
+        self != Precision::W8A8
+    }
 }
 
 /// The chunk length a model takes on `device` when none is given (the library's and the

@@ -67,7 +67,7 @@ impl Model {
     /// INT8 linears, from the profile's ranges). W8A8 has none: its 8-bit grid needs the CPU's
     /// float outliers between the linears.
     pub fn layer_graph(&self, l: usize, m: usize, cap: usize, precision: Precision) -> Result<Graph> {
-        if precision == Precision::W8A8 {
+        if !precision.has_whole_layers() {
             return Err(Error::Input("a whole-layer graph computes F32, W8A16 or shadow W8A16, not W8A8: its shadow outliers run on the CPU between the linears".into()));
         }
         if l >= self.layers.len() || m == 0 || cap == 0 {
@@ -399,18 +399,18 @@ impl Build {
                     Feed::Clip => vec![quantize(g, &format!("{point}_u16"), x, p.quant_u16())],
                     Feed::Full => vec![quantize(g, &format!("{point}_u16"), x, full)],
                     Feed::Split => {
-                    // The clip range's part is clamped before it is quantized, not by the
-                    // quantization's saturation: the HTP's graph optimizer gives an op's output
-                    // the encoding of a Quantize reading it, so every other reader of `x` would
-                    // see it clipped (and the outliers vanish). A clamped tensor loses nothing
-                    // to its u16 encoding but a grid step.
-                    let (lo, hi) = (p.lo, p.hi);
-                    let clipped = g.op(&self.name(&format!("{point}_clipped")), DType::F32, None, |output| Op::Clamp { input: x, lo, hi, output }, &shape);
-                    let inside = quantize(g, &format!("{point}_u16"), clipped, p.quant_u16());
-                    let minus = self.scalar(g, &format!("{point}_minus_one"), -1.0);
-                    let neg = g.binary(&self.name(&format!("{point}_neg_clipped")), clipped, minus, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
-                    let rest = g.binary(&self.name(&format!("{point}_outliers")), x, neg, DType::F32, None, |a, b, output| Op::Add { a, b, output });
-                    vec![inside, rest]
+                        // The clip range's part is clamped before it is quantized, not by the
+                        // quantization's saturation: the HTP's graph optimizer gives an op's output
+                        // the encoding of a Quantize reading it, so every other reader of `x` would
+                        // see it clipped (and the outliers vanish). A clamped tensor loses nothing
+                        // to its u16 encoding but a grid step.
+                        let (lo, hi) = (p.lo, p.hi);
+                        let clipped = g.op(&self.name(&format!("{point}_clipped")), DType::F32, None, |output| Op::Clamp { input: x, lo, hi, output }, &shape);
+                        let inside = quantize(g, &format!("{point}_u16"), clipped, p.quant_u16());
+                        let minus = self.scalar(g, &format!("{point}_minus_one"), -1.0);
+                        let neg = g.binary(&self.name(&format!("{point}_neg_clipped")), clipped, minus, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
+                        let rest = g.binary(&self.name(&format!("{point}_outliers")), x, neg, DType::F32, None, |a, b, output| Op::Add { a, b, output });
+                        vec![inside, rest]
                     }
                 }
             }

@@ -105,14 +105,14 @@ impl SchedOptions {
     pub fn for_device(device: &NpuDevice, precision: Precision) -> Self {
         let tail = if device.on_host() { Tail::Margin } else { Tail::Pad };
         let htp = device.numerics() == candle_npu::Numerics::Htp;
-        let plan = if htp && precision != Precision::W8A8 { PrefillPlan::Layers } else { PrefillPlan::Stages };
+        let plan = if htp && precision.has_whole_layers() { PrefillPlan::Layers } else { PrefillPlan::Stages };
         SchedOptions { tail, plan, ..Default::default() }
     }
 
     /// Whether this plan can run `precision`: whole layers cannot run W8A8 (its outliers run on
     /// the CPU between the linears).
     pub fn check_precision(&self, precision: Precision) -> Result<()> {
-        if self.plan == PrefillPlan::Layers && precision == Precision::W8A8 {
+        if self.plan == PrefillPlan::Layers && !precision.has_whole_layers() {
             return Err(Error::Input(
                 "a whole-layer prefill plan (PrefillPlan::Layers, --plan layers) computes F32, W8A16 or shadow W8A16, not W8A8: choose one of those, or PrefillPlan::Stages".into(),
             ));
