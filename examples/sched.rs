@@ -225,56 +225,49 @@ fn phone_projections(json: bool) -> Result<()> {
     // This project's plans.
     // The real models with the share of their MACs shadow W8A16 splits (their default
     // calibration's profile, made here if missing); the shapes without weights take SmolLM2's.
-    let mut models: Vec<(String, ModelShape, Option<f64>)> = vec![];
+    let mut models: Vec<(String, ModelShape, f64, &str)> = vec![];
     for (name, path) in real_models()? {
         let mut p = Pipeline::load(&path, None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::W8A16Shadow), ..Default::default() })?;
         p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
         let c = p.model.config();
-        models.push((name.into(), ModelShape { layer: p.model.layer_shape(), n_layer: c.n_layer, vocab: c.vocab }, p.model.split_mac_share()));
+        let share = p.model.split_mac_share().with_context(|| format!("{name}: no profile after calibration"))?;
+        models.push((name.into(), ModelShape { layer: p.model.layer_shape(), n_layer: c.n_layer, vocab: c.vocab }, share, "its profile's splits"));
     }
     let smollm2_share = models[0].2;
-    models.extend([("Llama-3.2-1B", llama_1b), ("Qwen3-1.7B", qwen3), ("Qwen1.5-1.8B", qwen15), ("Qwen2.5-3B", qwen25_3b)].map(|(n, m)| (n.into(), m, None)));
+    models.extend([("Llama-3.2-1B", llama_1b), ("Qwen3-1.7B", qwen3), ("Qwen1.5-1.8B", qwen15), ("Qwen2.5-3B", qwen25_3b)].map(|(n, m)| (n.into(), m, smollm2_share, "SmolLM2's share")));
     // One graph per layer per chunk of 256 over the smallest power-of-two cache capacity that holds
     // the tokens before it, INT8 weights, an f32 cache (issue 49 makes it f16), the last row's
     // logits on the CPU; shadow W8A16 runs the linears of its split points again in FP16 (the
     // outliers through float weights).
     let layers = |a, fp16_share| WholePlan { rows: 256, capacity: None, graphs_per_chunk: 0, activations: a, weight_bytes: 1.0, kv_bytes: 4.0, lm_head_bytes: None, fp16_share };
-    // `None`: llm.npu's stages with the CPU rates of `Rates::SNAPDRAGON_8_GEN_3` (calibrated on
-    // llm.npu's split) or `_KERNELS` (our aarch64 kernels' llvm-mca estimates, docs/aarch64.md).
-    // The HTP's default (shadow W8A16) is priced at the model's own split share (`NaN`: filled
-    // in per model below).
-    let plans: [(&str, Option<WholePlan>, Rates); 5] = [
-        ("stages, shadow W8A8 (llm.npu's; the host's default)", None, cpu),
-        ("stages, shadow W8A8, CPU at our kernels' llvm-mca rates", None, Rates::SNAPDRAGON_8_GEN_3_KERNELS),
-        ("layers, W8A16", Some(layers(Activations::A16, 0.0)), cpu),
-        ("layers, shadow W8A16 (the HTP's default)", Some(layers(Activations::A16, f64::NAN)), cpu),
-        ("layers, shadow W8A16 (every linear again in FP16: the bound)", Some(layers(Activations::A16, 1.0)), cpu),
-    ];
     let n = 1024;
     if !json {
         println!("\n## This project's plans on the phone model, Snapdragon 8 Gen 3, {n} tokens: tok/s (NPU / CPU busy share), graphs per chunk");
         println!("| model | plan | launch 0.3 ms | launch 2 ms | graphs per chunk |\n|---|---|---|---|---|");
     }
-    for (name, m, share) in &models {
+    for (name, m, share, whose) in &models {
+        // `None`: llm.npu's stages with the CPU rates of `Rates::SNAPDRAGON_8_GEN_3` (calibrated
+        // on llm.npu's split) or `_KERNELS` (our aarch64 kernels' llvm-mca estimates,
+        // docs/aarch64.md). The HTP's default (shadow W8A16) at the model's own split share.
+        let plans: [(String, Option<WholePlan>, Rates); 5] = [
+            ("stages, shadow W8A8 (llm.npu's; the host's default)".into(), None, cpu),
+            ("stages, shadow W8A8, CPU at our kernels' llvm-mca rates".into(), None, Rates::SNAPDRAGON_8_GEN_3_KERNELS),
+            ("layers, W8A16".into(), Some(layers(Activations::A16, 0.0)), cpu),
+            (format!("layers, shadow W8A16 (the HTP's default; {:.0}% of the MACs again in FP16: {whose})", 100.0 * share), Some(layers(Activations::A16, *share)), cpu),
+            ("layers, shadow W8A16 (every linear again in FP16: the bound)".into(), Some(layers(Activations::A16, 1.0)), cpu),
+        ];
         for (label, plan, cpu) in &plans {
-            let mut plan = *plan;
-            let mut label = label.to_string();
-            if let Some(p) = plan.as_mut().filter(|p| p.fp16_share.is_nan()) {
-                p.fp16_share = share.or(smollm2_share).unwrap_or(1.0 / 3.0);
-                let whose = if share.is_some() { "its profile's splits" } else { "SmolLM2's share" };
-                label = format!("{}; {:.0}% of the MACs again in FP16: {whose})", label.trim_end_matches(')'), 100.0 * p.fp16_share);
-            }
             let mut cells = vec![];
             let mut graphs = 0;
             for &l in &launches {
                 let r = v75.with_launch(l);
                 let p = match plan {
                     None => stages_on(m, n, r, *cpu)?,
-                    Some(plan) => predict_whole(m, &WholePlan { graphs_per_chunk: m.n_layer, ..plan }, n, &r, cpu.cpu_macs),
+                    Some(plan) => predict_whole(m, &WholePlan { graphs_per_chunk: m.n_layer, ..*plan }, n, &r, cpu.cpu_macs),
                 };
                 graphs = p.graphs_per_chunk;
                 if json {
-                    emit(name, "8 Gen 3", &label, n, l, &p, None);
+                    emit(name, "8 Gen 3", label, n, l, &p, None);
                 }
                 cells.push(format!("{:.0} ({:.0}% / {:.0}%)", p.tokens_per_sec, 100.0 * p.npu_busy, 100.0 * p.cpu_busy));
             }
