@@ -87,6 +87,20 @@ fn base_config(model_type: &str) -> serde_json::Value {
     })
 }
 
+/// Phi-3 (fused weights, partial RoPE) and Mistral (a sliding window of 24) with seeded weights
+/// `seed`, written into folders named `<family>-<what>`: each family's name and folder.
+fn phi3_and_mistral(what: &str, seed: u64) -> [(&'static str, PathBuf); 2] {
+    let mut phi3 = base_config("phi3");
+    phi3["partial_rotary_factor"] = serde_json::json!(0.5);
+    let mut mistral = base_config("mistral");
+    mistral["sliding_window"] = serde_json::json!(24);
+    [("phi3", phi3, true), ("mistral", mistral, false)].map(|(name, config, fused)| {
+        let dir = tmpdir(&format!("{name}-{what}"));
+        write_model(&dir, config, fused, seed);
+        (name, dir)
+    })
+}
+
 fn ours(dir: &Path) -> Model {
     let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
     hf::load(dir, &NpuDevice::host(), opts).unwrap()
@@ -223,13 +237,7 @@ fn mistral_with_a_sliding_window_matches_candle_transformers() {
 /// logits, and fill the caches decode reads.
 #[test]
 fn phi3_and_mistral_whole_layer_graphs_compute_the_four_stage_prefill() {
-    let mut phi3 = base_config("phi3");
-    phi3["partial_rotary_factor"] = serde_json::json!(0.5);
-    let mut mistral = base_config("mistral");
-    mistral["sliding_window"] = serde_json::json!(24);
-    for (name, config, fused) in [("phi3", phi3, true), ("mistral", mistral, false)] {
-        let dir = tmpdir(&format!("{name}-layers"));
-        write_model(&dir, config, fused, 5);
+    for (name, dir) in phi3_and_mistral("layers", 5) {
         let mut m = ours(&dir);
         let prompt = seq(40, 9);
         let mut run = |plan| -> (Vec<f32>, Vec<f32>) {
@@ -252,13 +260,7 @@ fn phi3_and_mistral_prefills_run_on_the_htp_library() {
     if !library_present() {
         return;
     }
-    let mut phi3 = base_config("phi3");
-    phi3["partial_rotary_factor"] = serde_json::json!(0.5);
-    let mut mistral = base_config("mistral");
-    mistral["sliding_window"] = serde_json::json!(24);
-    for (name, config, fused) in [("phi3", phi3, true), ("mistral", mistral, false)] {
-        let dir = tmpdir(&format!("{name}-htp"));
-        write_model(&dir, config, fused, 3);
+    for (name, dir) in phi3_and_mistral("htp", 3) {
         let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::F32, chunk_len: Some(32), ..Default::default() };
         let mut host = hf::load(&dir, &NpuDevice::host(), opts.clone()).unwrap();
         let seqs: Vec<Vec<u32>> = (0..4).map(|i| seq(64, 100 + i)).collect();
