@@ -352,6 +352,9 @@ pub struct ShadowLinear {
     cold_reads: AtomicU64,
     /// The identity of the INT8 weight in graphs ([`Graph::set_data_id`]): it never changes.
     npu_id: u64,
+    /// The identity of the float weight in graphs (F32 prefill, shadow W8A16's outliers): the
+    /// host executor packs it once for every graph size.
+    float_id: u64,
     /// The host executor's packed copy of the INT8 weight, while a prepared graph holds it
     /// ([`ShadowLinear::attach_packed`]): cold columns are read from it.
     packed: Mutex<Weak<PackedI8>>,
@@ -477,6 +480,7 @@ impl ShadowLinear {
             shadow: true,
             cold_reads: AtomicU64::new(0),
             npu_id: crate::graph::next_data_id(),
+            float_id: crate::graph::next_data_id(),
             packed: Mutex::new(Weak::new()),
             residual,
         })
@@ -501,7 +505,11 @@ impl ShadowLinear {
     pub fn add_to_graph(&self, g: &mut Graph, suffix: &str, x: TensorId) -> Result<TensorId> {
         let wname = format!("{}{suffix}.weight", self.name);
         let w = match g.tensor(x).dtype {
-            DType::F32 => g.constant(&wname, &[self.n, self.k], StaticData::F32(Arc::new(self.source.matrix()?)), None),
+            DType::F32 => {
+                let w = g.constant(&wname, &[self.n, self.k], StaticData::F32(Arc::new(self.source.matrix()?)), None);
+                g.set_data_id(w, self.float_id);
+                w
+            }
             _ => {
                 let w = match &self.npu.scales {
                     Scales::PerChannel(s) => g.constant_per_channel(&wname, &[self.n, self.k], self.npu.values()?, s.clone()),

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use super::htp_numerics::{self, ChannelScales, Numerics};
 use super::{ExecutableGraph, Executor};
 use crate::error::Result;
-use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorKind};
+use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId, TensorKind};
 use crate::kernels::rows::dequantize_row;
 use crate::kernels::{matmul_f32, PackedF32, PackedI8};
 
@@ -37,26 +37,33 @@ impl HostExecutor {
     }
 }
 
-/// The INT8 weights packed so far in this process, by (data identity, n, k), held weakly: graphs
-/// of several chunk lengths (and every host executor) share one packed copy of a weight whose
-/// constant has a [`crate::graph::TensorSpec::data_id`]; packing does not depend on the rows, and
-/// a copy per graph size would multiply the resident weights. Identities are never reused, so
+/// The weights packed so far in this process, by (data identity, n, k, rounded to FP16), held
+/// weakly: graphs of several chunk lengths and cache capacities (and every host executor) share
+/// one packed copy of a weight whose constant has a [`crate::graph::TensorSpec::data_id`];
+/// packing does not depend on the rows, and a copy per graph size would multiply the resident
+/// weights (the whole-layer plan prepares a set per capacity). Identities are never reused, so
 /// an entry cannot alias other data; dead entries are dropped on the next insertion.
 static PACKED: Mutex<Vec<(PackKey, Weak<PackedI8>)>> = Mutex::new(Vec::new());
+static PACKED_F32: Mutex<Vec<(PackKey, Weak<PackedF32>)>> = Mutex::new(Vec::new());
 
-/// (data identity, n, k) of a packed weight.
-type PackKey = (u64, usize, usize);
+/// (data identity, n, k, FP16-rounded) of a packed weight.
+type PackKey = (u64, usize, usize, bool);
 
-fn pack_i8(d: &[i8], n: usize, k: usize, id: Option<u64>) -> Arc<PackedI8> {
-    let Some(id) = id else { return Arc::new(PackedI8::new(d, n, k)) };
-    let mut cache = PACKED.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = cache.iter().find(|(key, _)| *key == (id, n, k)).and_then(|e| e.1.upgrade()) {
+/// The packed copy of the weight `key` names from `cache`, else `pack()`'s, kept there.
+fn shared<T>(cache: &Mutex<Vec<(PackKey, Weak<T>)>>, key: Option<PackKey>, pack: impl FnOnce() -> T) -> Arc<T> {
+    let Some(key) = key else { return Arc::new(pack()) };
+    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = cache.iter().find(|(k, _)| *k == key).and_then(|e| e.1.upgrade()) {
         return p;
     }
     cache.retain(|(_, p)| p.strong_count() > 0);
-    let p = Arc::new(PackedI8::new(d, n, k));
-    cache.push(((id, n, k), Arc::downgrade(&p)));
+    let p = Arc::new(pack());
+    cache.push((key, Arc::downgrade(&p)));
     p
+}
+
+fn pack_i8(d: &[i8], n: usize, k: usize, id: Option<u64>) -> Arc<PackedI8> {
+    shared(&PACKED, id.map(|id| (id, n, k, false)), || PackedI8::new(d, n, k))
 }
 
 impl Executor for HostExecutor {
@@ -91,10 +98,10 @@ impl Executor for HostExecutor {
                     let bias = bias.map(|b| graph.tensor(b).data.clone().expect("validated constant"));
                     let fc = match w.data.as_ref().expect("validated constant") {
                         StaticData::F32(d) => match self.numerics {
-                            Numerics::Exact => Fc::F32 { w: PackedF32::new(d, n, k), bias, fp16: false },
+                            Numerics::Exact => Fc::F32 { w: shared(&PACKED_F32, w.data_id.map(|id| (id, n, k, false)), || PackedF32::new(d, n, k)), bias, fp16: false },
                             // FP16 weights and bias, as the HTP holds them.
                             Numerics::Htp => Fc::F32 {
-                                w: PackedF32::new(&htp_numerics::round_all(d.to_vec()), n, k),
+                                w: shared(&PACKED_F32, w.data_id.map(|id| (id, n, k, true)), || PackedF32::new(&htp_numerics::round_all(d.to_vec()), n, k)),
                                 bias: bias.map(|b| match b {
                                     StaticData::F32(b) => StaticData::F32(Arc::new(htp_numerics::round_all(b.to_vec()))),
                                     other => other,
@@ -140,7 +147,7 @@ impl Executor for HostExecutor {
 
 enum Fc {
     /// `fp16`: inputs and outputs rounded to FP16 (the HTP's float compute).
-    F32 { w: PackedF32, bias: Option<StaticData>, fp16: bool },
+    F32 { w: Arc<PackedF32>, bias: Option<StaticData>, fp16: bool },
         /// W8A8 (U8/I8 activations) and W8A16 (U16 activations): I8 weights.
     W8A8 { data_id: Option<u64>, w: Arc<PackedI8>, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
 }
@@ -281,35 +288,59 @@ impl ExecutableGraph for HostGraph {
     }
 }
 
+/// A tensor's value while a graph runs: an input borrowed from the caller, or a result (shared:
+/// a Reshape's result is its input's value).
+#[derive(Clone)]
+enum Val<'a> {
+    Input(&'a TensorData),
+    Result(Arc<TensorData>),
+}
+
+impl Val<'_> {
+    fn data(&self) -> &TensorData {
+        match self {
+            Val::Input(d) => d,
+            Val::Result(d) => d,
+        }
+    }
+}
+
 impl HostGraph {
     /// Runs the steps; `rows` replaces every FullyConnected's row count (see `execute_rows`).
+    /// A value is dropped after its last reader, F32 operands are read in place, and under the
+    /// HTP's numerics a value already rounded to FP16 is not rounded again (rounding is
+    /// idempotent: the same bits as rounding every operand).
     fn run(&self, inputs: &[&TensorData], rows: Option<usize>) -> Result<Vec<TensorData>> {
         let g = &self.graph;
-        // Inputs are borrowed, never copied.
-        let mut vals: Vec<Option<Cow<TensorData>>> = vec![None; g.tensors.len()];
+        let mut vals: Vec<Option<Val>> = vec![None; g.tensors.len()];
         for (&id, &data) in g.inputs.iter().zip(inputs) {
-            vals[id.0] = Some(Cow::Borrowed(data));
+            vals[id.0] = Some(Val::Input(data));
         }
-        let f32_of = |vals: &[Option<Cow<TensorData>>], id: usize| -> Vec<f32> {
-            let t = &g.tensors[id];
-            if t.kind == TensorKind::Static {
-                match t.data.as_ref().expect("constant") {
-                    StaticData::F32(d) => d.to_vec(),
-                    StaticData::I8(d) => TensorData::I8(d.to_vec()).to_f32(t.quant),
-                    StaticData::I32(d) => TensorData::I32(d.to_vec()).to_f32(t.quant),
-                }
-            } else {
-                vals[id].as_ref().expect("validated order").to_f32(t.quant)
-            }
-        };
-        // Tensors holding an FP16 float op's result (HTP numerics), converted as the library
-        // converts them when they are graph outputs.
-        let mut fp16_values = vec![false; g.tensors.len()];
-        for step in &self.steps {
+        // The step after which each tensor is read no more (outputs: never dropped).
+        let mut last_read = vec![0usize; g.tensors.len()];
+        for (i, step) in self.steps.iter().enumerate() {
             match step {
+                Step::Fc { input, .. } => last_read[*input] = i,
+                Step::Op(op) => op.inputs().iter().for_each(|t| last_read[t.0] = i),
+            }
+        }
+        g.outputs.iter().for_each(|o| last_read[o.0] = usize::MAX);
+        // Tensors holding FP16 values (an FP16 float op's result under the HTP's numerics): their
+        // readers need not round them, and as graph outputs the library converts them.
+        let mut fp16_values = vec![false; g.tensors.len()];
+        for (i, step) in self.steps.iter().enumerate() {
+            let (out, y) = match step {
                 Step::Fc { fc, input, output, m } => {
-                    let y = self.run_fc(fc, vals[*input].as_ref().expect("validated order"), rows.unwrap_or(*m), *output);
-                    vals[*output] = Some(Cow::Owned(y));
+                    let x = vals[*input].as_ref().expect("validated order").data();
+                    let y = match fc {
+                        Fc::F32 { fp16: true, .. } if !fp16_values[*input] => {
+                            let TensorData::F32(x) = x else { unreachable!("validated") };
+                            self.run_fc(fc, &TensorData::F32(htp_numerics::round_all(x.clone())), rows.unwrap_or(*m), *output)
+                        }
+                        _ => self.run_fc(fc, x, rows.unwrap_or(*m), *output),
+                    };
+                    fp16_values[*output] = matches!(fc, Fc::F32 { fp16: true, .. });
+                    (*output, Val::Result(Arc::new(y)))
                 }
                 Step::Op(op) => {
                     let out = op.output().0;
@@ -318,68 +349,38 @@ impl HostGraph {
                     let fp16 = self.htp
                         && op.inputs().iter().chain([&op.output()]).all(|t| g.tensors[t.0].dtype == DType::F32)
                         && htp_numerics::fp16_rounded(op, |t| &g.tensors[t.0].shape);
-                    let f32_in = |id: usize| -> Vec<f32> {
-                        let v = f32_of(&vals, id);
-                        if fp16 { htp_numerics::round_all(v) } else { v }
-                    };
-                    let y: Vec<f32> = match *op {
-                        Op::Quantize { input, .. } | Op::Dequantize { input, .. } => f32_in(input.0),
-                        Op::Sigmoid { input, .. } => f32_in(input.0).into_iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
-                        Op::Softmax { input, .. } => {
-                            let mut x = f32_in(input.0);
-                            let n = *g.tensors[input.0].shape.last().expect("validated: rank >= 1");
-                            // Attention's own softmax kernel, then the division it defers.
-                            x.chunks_mut(n).for_each(|row| {
-                                let sum = crate::kernels::rows::softmax_numerators(row, 1.0);
-                                row.iter_mut().for_each(|v| *v /= sum);
-                            });
-                            x
-                        }
-                        Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
-                            // (Under the HTP's numerics an equal-shape F32 sum is `fp16`: its
-                            // operands and result rounded around an exact sum.)
-                            let f: fn(f32, f32) -> f32 = if matches!(op, Op::Mul { .. }) { |x, y| x * y } else { |x, y| x + y };
-                            let (sa, sb) = (&g.tensors[a.0].shape, &g.tensors[b.0].shape);
-                            broadcast_with(f32_in(a.0), sa, &f32_in(b.0), sb, &g.tensors[out].shape, f)
-                        }
-                        Op::RmsNorm { input, gamma, epsilon, .. } => {
-                            let (mut x, w) = (f32_in(input.0), f32_in(gamma.0));
-                            // (An empty last axis has nothing to normalize.)
-                            x.chunks_mut(w.len().max(1)).for_each(|row| {
-                                let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32 + epsilon).sqrt();
-                                row.iter_mut().zip(&w).for_each(|(v, g)| *v *= inv * g);
-                            });
-                            x
-                        }
-                        Op::Clamp { input, lo, hi, .. } => f32_in(input.0).into_iter().map(|v| v.clamp(lo, hi)).collect(),
-                        Op::Reshape { input, .. } => f32_in(input.0),
-                        Op::Transpose { input, ref perm, .. } => transpose(&f32_in(input.0), &g.tensors[input.0].shape, perm),
-                        Op::Concat { a, b, axis, .. } => {
-                            // Row-major: `outer` blocks, each `a`'s then `b`'s slab of the axis.
-                            let outer: usize = g.tensors[out].shape[..axis].iter().product();
-                            let (av, bv) = (f32_in(a.0), f32_in(b.0));
-                            let (ka, kb) = (av.len() / outer.max(1), bv.len() / outer.max(1));
-                            (0..outer).flat_map(|i| av[i * ka..][..ka].iter().chain(&bv[i * kb..][..kb]).copied()).collect()
-                        }
-                        Op::MatMul { a, b, transpose_b, .. } => {
-                            // Batch by batch (validated: one batch dimension at most, equal on both).
-                            let (sa, so) = (&g.tensors[a.0].shape, &g.tensors[out].shape);
-                            let r = sa.len();
-                            let (m, k, n) = (sa[r - 2], sa[r - 1], so[r - 1]);
-                            let (av, bv) = (f32_in(a.0), f32_in(b.0));
-                            let batches: usize = so[..r - 2].iter().product();
-                            (0..batches).flat_map(|i| matmul_f32(&av[i * m * k..][..m * k], &bv[i * k * n..][..k * n], m, k, n, transpose_b)).collect()
-                        }
-                        Op::FullyConnected { .. } => unreachable!("compiled into Step::Fc"),
-                    };
                     let spec = &g.tensors[out];
-                    let y = if fp16 && spec.dtype == DType::F32 {
-                        fp16_values[out] = true;
-                        htp_numerics::round_all(y)
-                    } else {
-                        y
-                    };
-                    vals[out] = Some(Cow::Owned(TensorData::from_f32(&y, spec.dtype, spec.quant)));
+                    match *op {
+                        // The input's value itself, when it needs no rounding.
+                        Op::Reshape { input, .. } if !fp16 || fp16_values[input.0] => {
+                            fp16_values[out] = fp16_values[input.0];
+                            (out, vals[input.0].clone().expect("validated order"))
+                        }
+                        _ => {
+                            let operand = |id: usize| operand(g, &vals, id, fp16 && !fp16_values[id]);
+                            let mut y = op_f32(g, op, operand);
+                            if fp16 && spec.dtype == DType::F32 {
+                                fp16_values[out] = true;
+                                htp_numerics::round_slice(&mut y);
+                            }
+                            let y = match spec.dtype {
+                                DType::F32 => TensorData::F32(y),
+                                DType::U16 => TensorData::U16(quantize_u16(&y, spec.quant.expect("validated"))),
+                                dtype => TensorData::from_f32(&y, dtype, spec.quant),
+                            };
+                            (out, Val::Result(Arc::new(y)))
+                        }
+                    }
+                }
+            };
+            vals[out] = Some(y);
+            let read = match &self.steps[i] {
+                Step::Fc { input, .. } => vec![TensorId(*input)],
+                Step::Op(op) => op.inputs(),
+            };
+            for t in read {
+                if last_read[t.0] == i {
+                    vals[t.0] = None;
                 }
             }
         }
@@ -387,7 +388,10 @@ impl HostGraph {
             .outputs
             .iter()
             .map(|o| {
-                let v = vals[o.0].take().expect("validated: outputs are produced").into_owned();
+                let v = match vals[o.0].take().expect("validated: outputs are produced") {
+                    Val::Input(d) => d.clone(),
+                    Val::Result(d) => Arc::try_unwrap(d).unwrap_or_else(|d| (*d).clone()),
+                };
                 match (fp16_values[o.0], v) {
                     // The library's FP16 -> F32 output conversion.
                     (true, TensorData::F32(v)) => TensorData::F32(htp_numerics::fp16_output(v)),
@@ -398,6 +402,118 @@ impl HostGraph {
     }
 }
 
+/// Tensor `id`'s values as f32: an F32 value or constant in place, a quantized one dequantized;
+/// `round`: rounded to FP16 (a copy).
+fn operand<'v>(g: &'v Graph, vals: &'v [Option<Val>], id: usize, round: bool) -> Cow<'v, [f32]> {
+    let t = &g.tensors[id];
+    let v: Cow<[f32]> = if t.kind == TensorKind::Static {
+        match t.data.as_ref().expect("constant") {
+            StaticData::F32(d) => Cow::Borrowed(&d[..]),
+            StaticData::I8(d) => Cow::Owned(TensorData::I8(d.to_vec()).to_f32(t.quant)),
+            StaticData::I32(d) => Cow::Owned(TensorData::I32(d.to_vec()).to_f32(t.quant)),
+        }
+    } else {
+        match vals[id].as_ref().expect("validated order").data() {
+            TensorData::F32(d) => Cow::Borrowed(&d[..]),
+            other => Cow::Owned(other.to_f32(t.quant)),
+        }
+    };
+    match round {
+        true => {
+            let mut v = v.into_owned();
+            htp_numerics::round_slice(&mut v);
+            Cow::Owned(v)
+        }
+        false => v,
+    }
+}
+
+/// The f32 result of a non-FullyConnected op on its operands' values (`x(id)`).
+fn op_f32<'v>(g: &Graph, op: &Op, x: impl Fn(usize) -> Cow<'v, [f32]>) -> Vec<f32> {
+    let out = op.output().0;
+    match *op {
+        Op::Quantize { input, .. } | Op::Dequantize { input, .. } | Op::Reshape { input, .. } => x(input.0).into_owned(),
+        Op::Sigmoid { input, .. } => x(input.0).iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect(),
+        Op::Softmax { input, .. } => {
+            let mut y = x(input.0).into_owned();
+            let n = *g.tensors[input.0].shape.last().expect("validated: rank >= 1");
+            // Attention's own softmax kernel, then the division it defers.
+            y.chunks_mut(n.max(1)).for_each(|row| {
+                let sum = crate::kernels::rows::softmax_numerators(row, 1.0);
+                row.iter_mut().for_each(|v| *v /= sum);
+            });
+            y
+        }
+        Op::Add { a, b, .. } | Op::Mul { a, b, .. } => {
+            // (Under the HTP's numerics an equal-shape F32 sum is `fp16`: its operands and
+            // result rounded around an exact sum.)
+            let (sa, sb) = (&g.tensors[a.0].shape, &g.tensors[b.0].shape);
+            match op {
+                Op::Mul { .. } => broadcast_with(&x(a.0), sa, &x(b.0), sb, &g.tensors[out].shape, |x, y| x * y),
+                _ => broadcast_with(&x(a.0), sa, &x(b.0), sb, &g.tensors[out].shape, |x, y| x + y),
+            }
+        }
+        Op::RmsNorm { input, gamma, epsilon, .. } => {
+            let (mut y, w) = (x(input.0).into_owned(), x(gamma.0));
+            // (An empty last axis has nothing to normalize.)
+            y.chunks_mut(w.len().max(1)).for_each(|row| {
+                let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32 + epsilon).sqrt();
+                row.iter_mut().zip(w.iter()).for_each(|(v, g)| *v *= inv * g);
+            });
+            y
+        }
+        Op::Clamp { input, lo, hi, .. } => x(input.0).iter().map(|v| v.clamp(lo, hi)).collect(),
+        Op::Transpose { input, ref perm, .. } => transpose(&x(input.0), &g.tensors[input.0].shape, perm),
+        Op::Concat { a, b, axis, .. } => {
+            // Row-major: `outer` blocks, each `a`'s then `b`'s slab of the axis.
+            let outer: usize = g.tensors[out].shape[..axis].iter().product();
+            let (av, bv) = (x(a.0), x(b.0));
+            let (ka, kb) = (av.len() / outer.max(1), bv.len() / outer.max(1));
+            let mut y = Vec::with_capacity(av.len() + bv.len());
+            for i in 0..outer {
+                y.extend_from_slice(&av[i * ka..][..ka]);
+                y.extend_from_slice(&bv[i * kb..][..kb]);
+            }
+            y
+        }
+        Op::MatMul { a, b, transpose_b, .. } => {
+            // Batch by batch (validated: one batch dimension at most, equal on both).
+            let (sa, so) = (&g.tensors[a.0].shape, &g.tensors[out].shape);
+            let r = sa.len();
+            let (m, k, n) = (sa[r - 2], sa[r - 1], so[r - 1]);
+            let (av, bv) = (x(a.0), x(b.0));
+            let batches: usize = so[..r - 2].iter().product();
+            let mut y = Vec::with_capacity(batches * m * n);
+            for i in 0..batches {
+                y.extend(matmul_f32(&av[i * m * k..][..m * k], &bv[i * k * n..][..k * n], m, k, n, transpose_b));
+            }
+            y
+        }
+        Op::FullyConnected { .. } => unreachable!("compiled into Step::Fc"),
+    }
+}
+
+/// Quantizes `values` to u16 under `q` as [`TensorData::from_f32`] does (round half away from
+/// zero, saturate), without a call to `roundf` per value: the whole-layer graphs quantize every
+/// linear's input to u16.
+fn quantize_u16(values: &[f32], q: Quant) -> Vec<u16> {
+    // Clamped first to a range that rounds and shifts to the same saturated value; NaN becomes
+    // 0, as `round() as i64` makes it. Then every step is exact in i32 (|y| <= 2^17) and
+    // vectorizes: truncation, the exact fraction, half away from zero.
+    let (lo, hi, off) = (q.offset as f32 - 1.0, 65536.0 + q.offset as f32, q.offset);
+    values
+        .iter()
+        .map(|&v| {
+            let y = v / q.scale;
+            let y = if y.is_nan() { 0.0 } else { y.max(lo).min(hi) };
+            let a = y.abs();
+            let t = a as i32;
+            let r = t + (a - t as f32 >= 0.5) as i32;
+            let r = if y < 0.0 { -r } else { r };
+            (r - off).clamp(0, 65535) as u16
+        })
+        .collect()
+}
 /// The accumulators' allocation as the f32 values `each` wrote into it ([`dequantize_row`]
 /// rewrites every i32 as an f32's bits): the stage outputs are the largest buffers of a
 /// prefill, and a second one per GEMM would be written once and freed.
@@ -409,11 +525,11 @@ fn dequantized(acc: Vec<i32>) -> Vec<f32> {
     unsafe { Vec::from_raw_parts(acc.as_mut_ptr().cast::<f32>(), acc.len(), acc.capacity()) }
 }
 
-/// `f(a, b)` elementwise over the broadcast shape `out` (validated: `a` and `b` broadcast to it).
-fn broadcast_with(mut a: Vec<f32>, sa: &[usize], b: &[f32], sb: &[usize], out: &[usize], f: fn(f32, f32) -> f32) -> Vec<f32> {
+/// `f(a, b)` elementwise over the broadcast shape `out` (validated: `a` and `b` broadcast to it),
+/// a contiguous run of the output at a time.
+fn broadcast_with(a: &[f32], sa: &[usize], b: &[f32], sb: &[usize], out: &[usize], f: impl Fn(f32, f32) -> f32) -> Vec<f32> {
     if sa == sb {
-        a.iter_mut().zip(b).for_each(|(x, &y)| *x = f(*x, y));
-        return a;
+        return a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect();
     }
     // Each operand's stride per output axis, 0 where it is broadcast (missing or 1).
     let strides = |s: &[usize]| -> Vec<usize> {
@@ -426,9 +542,37 @@ fn broadcast_with(mut a: Vec<f32>, sa: &[usize], b: &[f32], sb: &[usize], out: &
         }
         st
     };
+    let (dims, [st_a, st_b]) = merged(out, [strides(sa), strides(sb)]);
+    let (inner, (ia, ib)) = (*dims.last().unwrap_or(&1), (*st_a.last().unwrap_or(&0), *st_b.last().unwrap_or(&0)));
     let mut y = Vec::with_capacity(out.iter().product());
-    walk(out, [&strides(sa), &strides(sb)], |ia, ib| y.push(f(a[ia], b[ib])));
+    walk(&dims[..dims.len().saturating_sub(1)], [&st_a, &st_b], |oa, ob| match (ia, ib) {
+        (1, 1) => y.extend(a[oa..][..inner].iter().zip(&b[ob..][..inner]).map(|(&x, &v)| f(x, v))),
+        (1, 0) => y.extend(a[oa..][..inner].iter().map(|&x| f(x, b[ob]))),
+        (0, 1) => y.extend(b[ob..][..inner].iter().map(|&v| f(a[oa], v))),
+        _ => y.extend((0..inner).map(|j| f(a[oa + j * ia], b[ob + j * ib]))),
+    });
     y
+}
+
+/// `dims` with adjacent axes merged where both operands step through them as one (each stride
+/// the next axis' stride times its size), so that the last axis is the longest run an inner loop
+/// can take.
+fn merged(dims: &[usize], strides: [Vec<usize>; 2]) -> (Vec<usize>, [Vec<usize>; 2]) {
+    let (mut d, mut s): (Vec<usize>, [Vec<usize>; 2]) = (Vec::new(), [Vec::new(), Vec::new()]);
+    for (i, &n) in dims.iter().enumerate() {
+        if n == 1 {
+            continue;
+        }
+        let joins = !d.is_empty() && (0..2).all(|o| s[o][s[o].len() - 1] == strides[o][i] * n);
+        if joins {
+            *d.last_mut().expect("not empty") *= n;
+            (0..2).for_each(|o| *s[o].last_mut().expect("not empty") = strides[o][i]);
+        } else {
+            d.push(n);
+            (0..2).for_each(|o| s[o].push(strides[o][i]));
+        }
+    }
+    (d, s)
 }
 
 /// `x` of shape `shape` with its axes permuted: output axis `i` is input axis `perm[i]`.
@@ -438,13 +582,19 @@ fn transpose(x: &[f32], shape: &[usize], perm: &[usize]) -> Vec<f32> {
         stride[i] = stride[i + 1] * shape[i + 1];
     }
     let (dims, steps): (Vec<usize>, Vec<usize>) = perm.iter().map(|&p| (shape[p], stride[p])).unzip();
+    let (dims, [steps, _]) = merged(&dims, [steps.clone(), steps]);
+    let (inner, step) = (*dims.last().unwrap_or(&1), *steps.last().unwrap_or(&1));
     let mut y = Vec::with_capacity(x.len());
-    walk(&dims, [&steps, &steps], |at, _| y.push(x[at]));
+    walk(&dims[..dims.len().saturating_sub(1)], [&steps, &steps], |at, _| match step {
+        1 => y.extend_from_slice(&x[at..][..inner]),
+        _ => y.extend((0..inner).map(|j| x[at + j * step])),
+    });
     y
 }
 
 /// Calls `f` with two operands' offsets at each index of `dims`, in row-major order: an
-/// odometer over the index moving each offset by its operand's stride per axis.
+/// odometer over the index moving each offset by its operand's stride per axis (`strides` may
+/// hold more axes than `dims`: the first `dims.len()` are used).
 fn walk(dims: &[usize], strides: [&[usize]; 2], mut f: impl FnMut(usize, usize)) {
     let n: usize = dims.iter().product();
     let mut idx = vec![0usize; dims.len()];
@@ -479,6 +629,69 @@ mod tests {
         let y = g.fully_connected("fc", x, wt, None, DType::F32, None);
         g.mark_output(y);
         g
+    }
+
+    /// Element `i` of a row-major tensor of shape `out` read from an operand of shape `s`
+    /// broadcast to it: the index arithmetic written out, one element at a time.
+    fn at(i: usize, out: &[usize], s: &[usize]) -> usize {
+        let (mut rest, mut off, mut step) = (i, 0, 1);
+        for j in (0..out.len()).rev() {
+            let (n, k) = (out[j], (rest % out[j]));
+            rest /= n;
+            if let Some(&d) = (j + s.len()).checked_sub(out.len()).and_then(|t| s.get(t)) {
+                off += if d == 1 { 0 } else { k * step };
+                step *= d;
+            }
+        }
+        off
+    }
+
+    /// The run-at-a-time broadcast and transpose against one element at a time, on the shapes
+    /// the whole-layer graphs use (a mask over heads, RoPE tables over heads, a scalar) and others.
+    #[test]
+    fn broadcast_and_transpose_follow_the_index_arithmetic() {
+        let vals = |n: usize| (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<f32>>();
+        for (sa, sb) in [
+            (vec![3, 3, 8, 24], vec![8, 24]),
+            (vec![8, 9, 64], vec![8, 1, 64]),
+            (vec![5, 7], vec![1]),
+            (vec![1, 7], vec![5, 1]),
+            (vec![2, 1, 4, 1], vec![3, 1, 5]),
+            (vec![6], vec![6]),
+        ] {
+            let r = sa.len().max(sb.len());
+            let pad = |s: &Vec<usize>| [vec![1; r - s.len()], s.clone()].concat();
+            let out: Vec<usize> = pad(&sa).iter().zip(pad(&sb)).map(|(&x, y)| x.max(y)).collect();
+            let (a, b) = (vals(sa.iter().product()), vals(sb.iter().product::<usize>() + 3)[3..].to_vec());
+            let want: Vec<f32> = (0..out.iter().product()).map(|i| a[at(i, &out, &sa)] * 2.0 + b[at(i, &out, &sb)]).collect();
+            assert_eq!(broadcast_with(&a, &sa, &b, &sb, &out, |x, y| x * 2.0 + y), want, "{sa:?} with {sb:?}");
+        }
+        for (shape, perm) in [(vec![8, 3, 3, 16], vec![1, 2, 0, 3]), (vec![3, 3, 8, 16], vec![2, 0, 1, 3]), (vec![8, 3, 16], vec![1, 0, 2]), (vec![4, 5], vec![1, 0]), (vec![2, 3, 4], vec![2, 1, 0])] {
+            let x = vals(shape.iter().product());
+            let dims: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+            let want: Vec<f32> = (0..x.len())
+                .map(|i| {
+                    // Output index -> input index.
+                    let (mut rest, mut idx) = (i, vec![0; dims.len()]);
+                    for j in (0..dims.len()).rev() {
+                        idx[perm[j]] = rest % dims[j];
+                        rest /= dims[j];
+                    }
+                    x[idx.iter().zip(&shape).fold(0, |o, (&k, &n)| o * n + k)]
+                })
+                .collect();
+            assert_eq!(transpose(&x, &shape, &perm), want, "{shape:?} by {perm:?}");
+        }
+    }
+
+    /// u16 quantization without `roundf` gives `from_f32`'s values: ties, saturation, NaN.
+    #[test]
+    fn quantize_u16_is_from_f32() {
+        let mut v: Vec<f32> = (0..200_000).map(|i| (i as f32 - 100_000.0) * 0.013).collect();
+        v.extend([0.5, 1.5, -0.5, 2.5 * 0.02, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30]);
+        for q in [Quant { scale: 0.02, offset: -32768 }, Quant { scale: 0.001, offset: 0 }, Quant { scale: 1.0, offset: -65535 }, Quant { scale: 0.5, offset: 7 }] {
+            assert_eq!(TensorData::U16(quantize_u16(&v, q)), TensorData::from_f32(&v, DType::U16, Some(q)), "{q:?}");
+        }
     }
 
     fn holders(id: u64) -> usize {
