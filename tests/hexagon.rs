@@ -10,7 +10,7 @@ mod common;
 use candle_npu::{Contexts, DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
 use candle_npu::executor::htp_numerics::fp16_step;
 use candle_npu_models::transformer::argmax;
-use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, Precision, PrefillPlan, SchedOptions};
+use candle_npu_models::{chat_eval, CalibrationSet, DecodeWeights, GenerateOptions, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
 /// Every prompt position's logits, flattened `[len * vocab]`, with SmolLM2's default plan or
@@ -185,6 +185,9 @@ fn readme_question_on_the_default_hexagon_plan() {
     assert_eq!(htp.margin_device().stats().executions, 0, "no CPU margin");
     assert!(text.contains("Paris"), "hexagon: {text:?}");
     assert_eq!(text, predicted, "the answer the HTP numerics model predicts");
+    chats_through_the_library(&mut x, &mut m);
+    assert_eq!(htp.stats().graphs_prepared, layers, "the chats ran on the README question's graphs");
+    assert_eq!(htp.stats().fallbacks, 0);
     drop(x);
     std::fs::remove_dir_all(&cache).unwrap();
     std::fs::create_dir_all(&cache).unwrap();
@@ -201,6 +204,31 @@ fn readme_question_on_the_default_hexagon_plan() {
     assert_eq!(htp.stats().fallbacks, 0);
     assert!(contexts >= 3, "{contexts} context binaries");
     assert!(split.contains("Paris"), "hexagon, W8A8 stages in {contexts} contexts: {split:?}");
+}
+
+/// Short conversations of the chat eval (`models/data/chat_eval.jsonl`), each at most 64 tokens
+/// in SmolLM2's template, so two 32-row chunks over a 32-row cache (the graphs the README's
+/// question prepared): the issue's example (a system prompt, then "My name is Bob and I live in
+/// Tokyo.", a four-way tie of first tokens within 0.11 logits in SmolLM2's own F32 prefill), code,
+/// Chinese, several turns.
+const LIBRARY_CHATS: &[&str] = &["intro-bob-tokyo", "py-fizzbuzz", "zh-ni-hao-capabilities", "riddle-keys"];
+
+/// [`LIBRARY_CHATS`] through the library (`x`) and through the HTP numerics model (`m`), both
+/// on the default plan: the same 16 greedy answer tokens (decode on the CPU after either
+/// prefill), and no answer derailed (judged by the F32 prefill, `chat_eval::measure`).
+fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle_npu_models::Pipeline) {
+    let all = chat_eval::conversations().unwrap();
+    let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Checkpoint);
+    for id in LIBRARY_CHATS {
+        let c = all.iter().find(|c| c.id == *id).unwrap_or_else(|| panic!("no conversation {id}"));
+        let r = chat_eval::reference(&mut f32p, c).unwrap();
+        assert!(r.prompt.len() <= 64, "{id}: {} tokens, more than two 32-row chunks over a 32-row cache", r.prompt.len());
+        let (on_library, on_model) = (chat_eval::measure(x, &mut f32p, &r).unwrap(), chat_eval::measure(m, &mut f32p, &r).unwrap());
+        let text = x.decode_text(&on_library.answer).unwrap();
+        eprintln!("{id}: library kl {:.4}, numerics model kl {:.4}: {text:?}", on_library.kl, on_model.kl);
+        assert_eq!(on_library.answer, on_model.answer, "{id}: the library's answer {text:?} against the numerics model's {:?}", m.decode_text(&on_model.answer).unwrap());
+        assert!(on_library.derail.is_none(), "{id}: derailed ({:?}) through the library: {text:?}", on_library.derail);
+    }
 }
 
 /// Prepares SmolLM2's W8A8 stage graphs for chunks of 64 and 32 rows (240 graphs) on a fresh
