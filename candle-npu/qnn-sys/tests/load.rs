@@ -1088,8 +1088,11 @@ fn fc_weight_encodings_on(lib: &'static QnnLibrary, soc: u32) {
         let off = steps_off(&ok(lpbq(4, false, 4), act, out));
         assert!(off <= 1.0, "W4 LPBQ {act:#x}: {off} steps off");
     }
-    // ... not into an F32 output (as per-channel weights: "could not create op"), not packed.
+    // ... not into an F32 output from u8 or u16 (as per-channel weights: "could not create
+    // op"; 2026-11-29: a whole-layer graph's u16 -> F32 linears cannot take LPBQ as they are),
+    // not packed.
     refused(lpbq(4, false, 4), u8_, f32_, "graphFinalize");
+    refused(lpbq(4, false, 4), u16_, f32_, "graphFinalize");
     refused(lpbq(4, true, 4), u16_, u16_, "tensorCreateGraphTensor");
     // 8-bit values, or 8-bit block scales, overflow the 8-bit expansion: they run, wrongly.
     for enc in [lpbq(8, false, 4), lpbq(4, false, 8)] {
