@@ -26,7 +26,7 @@ use candle_npu::{ClipMethod, NpuDevice, Numerics, PointStats, QuantProfile, Tail
 use candle_npu_models::assets::{self, MmluQuestion};
 use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
 use candle_npu_models::transformer::mean_nll;
-use candle_npu_models::{CalibrationSet, CalibrationSource, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
+use candle_npu_models::{CalibrationSet, CalibrationSource, DecodeWeights, KvType, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use clap::Parser;
 
 #[path = "common/chat_section.rs"]
@@ -41,6 +41,10 @@ use serde_json::json;
 #[derive(Parser)]
 #[command(about = "Accuracy suite: perplexity on three domains, top-1 agreement, MMLU, pruning curve, domain shift")]
 struct Args {
+    /// How the pipelines of the rows, decode and htp sections hold their KV cache: `f32` or
+    /// `f16` (`KvType`).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+    kv_cache: String,
     /// Windows of 512 tokens per text domain.
     #[arg(long, default_value_t = 3)]
     windows: usize,
@@ -408,8 +412,12 @@ fn load(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: 
     load_with(path, dev, precision, weights, DecodeWeights::Q8_0)
 }
 
+/// `--kv-cache`: how every pipeline of the run holds its KV cache.
+static KV: std::sync::OnceLock<KvType> = std::sync::OnceLock::new();
+
 fn load_with(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: WeightQuant, decode_weights: DecodeWeights) -> Result<Pipeline> {
-    Pipeline::load(path, None, dev, LoadOptions { precision: Some(precision), decode_weights, weights, ..Default::default() }).with_context(|| format!("loading {}", path.display()))
+    let kv = KV.get().copied().unwrap_or_default();
+    Pipeline::load(path, None, dev, LoadOptions { precision: Some(precision), decode_weights, weights, kv, ..Default::default() }).with_context(|| format!("loading {}", path.display()))
 }
 
 fn print_decode(model: &std::path::Path, rows: &[DecodeRow], f32_ppl: &[f64]) {
@@ -468,6 +476,7 @@ struct HotPoint {
 fn main() -> Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let mut args = Args::parse();
+    KV.set(if args.kv_cache == "f16" { KvType::F16 } else { KvType::F32 }).expect("set once");
     let on = |s: &str| args.sections.iter().any(|x| x == s);
     let (do_rows, do_curve, do_hot, do_decode, do_htp) = (on("rows"), on("curve"), on("hot"), on("decode"), on("htp"));
     let (do_calibration, do_chat) = (on("calibration"), on("chat"));

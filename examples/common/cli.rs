@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
 use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail};
-use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Message, Pipeline, Precision, PrefillPlan, SchedOptions, StopReason};
+use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, KvType, LoadOptions, Message, Pipeline, Precision, PrefillPlan, SchedOptions, StopReason};
 use candle_npu_models::pipeline::{default_profile_path, MAX_THREADS_PER_CORE};
 use clap::{Parser, ValueEnum};
 
@@ -41,6 +41,13 @@ enum QnnContexts {
     Size,
     #[value(name = "per-model")]
     Model,
+}
+
+/// The KV cache's type (see `KvType`).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum KvArg {
+    F32,
+    F16,
 }
 
 /// Weights of the CPU decode path (see `DecodeWeights`).
@@ -209,6 +216,9 @@ struct Args {
     /// Weights of the CPU decode path (docs/memory.md, "Decode weights", has the measurements).
     #[arg(long, value_enum, default_value = "checkpoint")]
     decode_weights: DecodeFormat,
+    /// How the KV cache holds keys and values: f32, or f16 at half the memory (docs/memory.md).
+    #[arg(long, value_enum, default_value = "f32")]
+    kv_cache: KvArg,
     /// Quant profile file (default: next to the model; calibrated and saved when missing).
     #[arg(long)]
     profile: Option<PathBuf>,
@@ -435,6 +445,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         chunk_len,
         sched: Some(sched),
         residual: args.residual.clone(),
+        kv: match args.kv_cache {
+            KvArg::F32 => KvType::F32,
+            KvArg::F16 => KvType::F16,
+        },
         ..Default::default()
     };
     let t = Instant::now();

@@ -3,10 +3,11 @@
 //! why it stays on the CPU while the position-free linears run as shared static graphs.
 
 use candle_core::{Device, Tensor};
+use half::f16;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use candle_npu::kernels::attention::{self as kernel, HeadKv, Partial, Scratch};
+use candle_npu::kernels::attention::{self as kernel, HeadKv, KvRows, Partial, Scratch};
 use candle_npu::kernels::claim;
 use candle_npu::kernels::rows::{rows_per_task, with_f32};
 use candle_npu::{Error, Result};
@@ -69,14 +70,111 @@ impl Rows {
     }
 }
 
+/// How a [`KvCache`] holds its keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvType {
+    /// f32, as computed: the reference.
+    #[default]
+    F32,
+    /// f16 (llama.cpp's default): half the memory; attention widens each tile to f32, so only
+    /// the values held are rounded (2^-11 relative), never a sum.
+    F16,
+}
+
+/// Keys or values of every head, `[kv_heads, capacity, head_dim]`, in the cache's [`KvType`].
+#[derive(Clone)]
+enum Store {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Store::F32(Vec::new())
+    }
+}
+
+impl Store {
+    fn empty(t: KvType) -> Self {
+        match t {
+            KvType::F32 => Store::F32(Vec::new()),
+            KvType::F16 => Store::F16(Vec::new()),
+        }
+    }
+
+    fn kind(&self) -> KvType {
+        match self {
+            Store::F32(_) => KvType::F32,
+            Store::F16(_) => KvType::F16,
+        }
+    }
+
+    /// A store of `values` zeros of the same type, or the allocation's error.
+    fn zeros(&self, values: usize) -> std::result::Result<Self, std::collections::TryReserveError> {
+        fn z<T: Clone>(values: usize, zero: T) -> std::result::Result<Vec<T>, std::collections::TryReserveError> {
+            let mut t = Vec::new();
+            t.try_reserve_exact(values)?;
+            t.resize(values, zero);
+            Ok(t)
+        }
+        Ok(match self {
+            Store::F32(_) => Store::F32(z(values, 0f32)?),
+            Store::F16(_) => Store::F16(z(values, f16::ZERO)?),
+        })
+    }
+
+    /// Values `at..at + len` of `src` (same type) copied to `at2..`.
+    fn copy_from(&mut self, at2: usize, src: &Store, at: usize, len: usize) {
+        match (self, src) {
+            (Store::F32(d), Store::F32(s)) => d[at2..][..len].copy_from_slice(&s[at..][..len]),
+            (Store::F16(d), Store::F16(s)) => d[at2..][..len].copy_from_slice(&s[at..][..len]),
+            _ => unreachable!("one cache's stores have one type"),
+        }
+    }
+
+    /// `x` written at `at` (rounded to f16 in an f16 store).
+    fn write(&mut self, at: usize, x: &[f32]) {
+        use half::slice::HalfFloatSliceExt;
+        match self {
+            Store::F32(d) => d[at..][..x.len()].copy_from_slice(x),
+            Store::F16(d) => d[at..][..x.len()].convert_from_f32_slice(x),
+        }
+    }
+
+    /// Values `r` as f32, appended to `out`.
+    fn read(&self, r: Range<usize>, out: &mut Vec<f32>) {
+        match self {
+            Store::F32(d) => out.extend_from_slice(&d[r]),
+            Store::F16(d) => out.extend(d[r].iter().map(|v| v.to_f32())),
+        }
+    }
+
+    /// Values `r` into `out` (as long), as f32.
+    fn read_into(&self, r: Range<usize>, out: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        match self {
+            Store::F32(d) => out.copy_from_slice(&d[r]),
+            Store::F16(d) => d[r].convert_to_f32_slice(out),
+        }
+    }
+
+    fn rows(&self, r: Range<usize>) -> KvRows<'_> {
+        match self {
+            Store::F32(d) => KvRows::F32(&d[r]),
+            Store::F16(d) => KvRows::F16(&d[r]),
+        }
+    }
+}
+
 /// One layer's keys and values, `[kv_heads, capacity, head_dim]` each (a head's keys are one
-/// contiguous matrix for the score GEMM), filled to `len`. Grown in place: appending a chunk by
-/// concatenation would copy the whole cache per chunk and leave every earlier size free in the
-/// heap (measured on SmolLM2: 60 MiB resident after a 700-token prefill whose cache holds 32 MiB).
+/// contiguous matrix for the score GEMM), filled to `len`, as f32 or f16 ([`KvType`]). Grown in
+/// place: appending a chunk by concatenation would copy the whole cache per chunk and leave every
+/// earlier size free in the heap (measured on SmolLM2: 60 MiB resident after a 700-token prefill
+/// whose cache holds 32 MiB).
 #[derive(Default, Clone)]
 pub struct KvCache {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Store,
+    v: Store,
     heads: usize,
     head_dim: usize,
     cap: usize,
@@ -87,9 +185,33 @@ impl KvCache {
     /// Tokens the capacity grows by when it must grow and no reservation says more.
     pub const GROW: usize = 256;
 
-    /// Drop the tokens and the memory.
+    /// An empty cache holding its values as `t`.
+    pub fn new(t: KvType) -> Self {
+        KvCache { k: Store::empty(t), v: Store::empty(t), ..Default::default() }
+    }
+
+    /// How the values are held.
+    pub fn kind(&self) -> KvType {
+        self.k.kind()
+    }
+
+    /// The cache with its values held as `t` (converted: f32 to f16 rounds them).
+    pub fn into_type(self, t: KvType) -> Self {
+        if self.kind() == t {
+            return self;
+        }
+        let mut out = KvCache::new(t);
+        if self.len > 0 {
+            let (k, v) = self.head_major();
+            // Room for exactly the tokens held; the next append grows it as usual.
+            out.append_heads(&k, &v, self.len, self.heads, self.head_dim).expect("a cache of the tokens already held fits again");
+        }
+        out
+    }
+
+    /// Drop the tokens and the memory (the type stays).
     pub fn clear(&mut self) {
-        *self = KvCache::default();
+        *self = KvCache::new(self.kind());
     }
 
     /// Keep the first `n` tokens (fewer are kept as they are).
@@ -107,6 +229,15 @@ impl KvCache {
         self.len == 0
     }
 
+    /// Bytes the values take (capacity included).
+    pub fn bytes(&self) -> usize {
+        let per = match self.kind() {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        };
+        2 * self.heads * self.cap * self.head_dim * per
+    }
+
     /// Append `n` tokens of `k`, `v` (`[n, kv_heads, head_dim]`); room for `reserve` tokens in
     /// all is made at once when known (a prefill's length), else the capacity grows by `GROW`
     /// tokens (not by a factor: after a long prompt, +50% would be the job's peak; a copy per 256
@@ -120,18 +251,19 @@ impl KvCache {
             let cap = need.max(reserve).max(self.cap + Self::GROW);
             let (len, old_cap) = (self.len, self.cap);
             let values = heads.checked_mul(cap).and_then(|x| x.checked_mul(head_dim));
+            let bytes_per = match self.kind() {
+                KvType::F32 => 8,
+                KvType::F16 => 4,
+            };
             let oom = || Error::OutOfMemory {
                 what: format!("a layer's KV cache of {cap} tokens ({heads} KV heads of {head_dim})"),
-                bytes: values.map_or(u64::MAX, |n| 8 * n as u64),
+                bytes: values.map_or(u64::MAX, |n| bytes_per * n as u64),
             };
             let values = values.ok_or_else(oom)?;
-            let grow = |old: &[f32]| -> Result<Vec<f32>> {
-                let mut t = Vec::new();
-                t.try_reserve_exact(values).map_err(|_| oom())?;
-                t.resize(values, 0f32);
+            let grow = |old: &Store| -> Result<Store> {
+                let mut t = old.zeros(values).map_err(|_| oom())?;
                 for h in 0..heads.min(self.heads) {
-                    let src = &old[h * old_cap * head_dim..][..len * head_dim];
-                    t[h * cap * head_dim..][..len * head_dim].copy_from_slice(src);
+                    t.copy_from(h * cap * head_dim, old, h * old_cap * head_dim, len * head_dim);
                 }
                 Ok(t)
             };
@@ -141,12 +273,30 @@ impl KvCache {
         for (dst, src) in [(&mut self.k, k), (&mut self.v, v)] {
             for (t, row) in src.chunks_exact(heads * head_dim).take(n).enumerate() {
                 for (h, x) in row.chunks_exact(head_dim).enumerate() {
-                    dst[(h * self.cap + self.len + t) * head_dim..][..head_dim].copy_from_slice(x);
+                    dst.write((h * self.cap + self.len + t) * head_dim, x);
                 }
             }
         }
         self.len = need;
         Ok(())
+    }
+
+    /// Append `n` tokens of `heads` heads of `hd` given head-major (`[heads, n, hd]` keys, then
+    /// values), as [`Self::into_type`] and [`Self::from_bytes`] have them.
+    fn append_heads(&mut self, k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize) -> Result<()> {
+        let token_major = |x: &[f32]| -> Vec<f32> { (0..n).flat_map(|t| (0..heads).flat_map(move |h| x[(h * n + t) * hd..][..hd].iter().copied())).collect() };
+        self.append(&token_major(k), &token_major(v), n, heads, hd, n)
+    }
+
+    /// Every head's keys, then every head's values, as f32 (`[heads, len, head_dim]` each).
+    fn head_major(&self) -> (Vec<f32>, Vec<f32>) {
+        let mut out = (Vec::new(), Vec::new());
+        for (src, dst) in [(&self.k, &mut out.0), (&self.v, &mut out.1)] {
+            for h in 0..self.heads {
+                src.read(h * self.cap * self.head_dim..(h * self.cap + self.len) * self.head_dim, dst);
+            }
+        }
+        out
     }
 
     /// (heads, head_dim) of the tokens held.
@@ -155,28 +305,33 @@ impl KvCache {
     }
 
     /// Every head's keys, then every head's values, `len` tokens each, as little-endian f32
-    /// bytes (the saved form of a prompt's KV, see `crate::session`).
+    /// bytes (the saved form of a prompt's KV, see `crate::session`; an f16 cache's values
+    /// widened, exactly).
     pub fn write_to(&self, out: &mut impl std::io::Write) -> std::io::Result<()> {
-        for data in [&self.k, &self.v] {
-            for h in 0..self.heads {
-                let rows = &data[h * self.cap * self.head_dim..][..self.len * self.head_dim];
-                let bytes: Vec<u8> = rows.iter().flat_map(|x| x.to_le_bytes()).collect();
-                out.write_all(&bytes)?;
-            }
+        let (k, v) = self.head_major();
+        for data in [k, v] {
+            let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            out.write_all(&bytes)?;
         }
         Ok(())
     }
 
-    /// A cache of `len` tokens from [`KvCache::write_to`]'s bytes; `None` unless they are
-    /// exactly `2 * heads * len * head_dim` f32 values.
-    pub fn from_bytes(bytes: &[u8], heads: usize, head_dim: usize, len: usize) -> Option<Self> {
+    /// A cache of `len` tokens from [`KvCache::write_to`]'s bytes, held as `t`; `None` unless
+    /// they are exactly `2 * heads * len * head_dim` f32 values.
+    pub fn from_bytes(bytes: &[u8], heads: usize, head_dim: usize, len: usize, t: KvType) -> Option<Self> {
         let half = heads.checked_mul(len)?.checked_mul(head_dim)?;
         if bytes.len() != half.checked_mul(8)? {
             return None;
         }
         let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         let (k, v) = values.split_at(half);
-        Some(KvCache { k: k.to_vec(), v: v.to_vec(), heads, head_dim, cap: len, len })
+        let mut c = KvCache::new(t);
+        if len == 0 {
+            (c.heads, c.head_dim) = (heads, head_dim);
+            return Some(c);
+        }
+        c.append_heads(k, v, len, heads, head_dim).ok()?;
+        Some(c)
     }
 
     /// Keys and values as a graph's cache inputs: `[heads, cap, head_dim]` each, the tokens held
@@ -187,7 +342,8 @@ impl KvCache {
         let n = self.len.min(cap) * head_dim;
         for (dst, src) in [(&mut out.0, &self.k), (&mut out.1, &self.v)] {
             for h in 0..self.heads.min(heads) {
-                dst[h * cap * head_dim..][..n].copy_from_slice(&src[h * self.cap * self.head_dim..][..n]);
+                let at = h * self.cap * self.head_dim;
+                src.read_into(at..at + n, &mut dst[h * cap * head_dim..][..n]);
             }
         }
         out
@@ -196,7 +352,7 @@ impl KvCache {
     /// The tokens of head `h`: `[len, head_dim]` keys and values.
     fn head_kv(&self, h: usize) -> HeadKv<'_> {
         let range = h * self.cap * self.head_dim..(h * self.cap + self.len) * self.head_dim;
-        HeadKv { keys: &self.k[range.clone()], values: &self.v[range], first: 0, head_dim: self.head_dim }
+        HeadKv { keys: self.k.rows(range.clone()), values: self.v.rows(range), first: 0, head_dim: self.head_dim }
     }
 }
 
@@ -447,6 +603,35 @@ pub(crate) fn rope_tables(dims: usize, base: f32, start: usize, n: usize) -> (Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An f16 cache holds each value rounded to f16, through growth, conversion, the graph's
+    /// padded inputs and the saved bytes, in half the bytes.
+    #[test]
+    fn an_f16_cache_holds_the_rounded_values() {
+        let (heads, hd) = (3, 8);
+        let vals = |n: usize, s: f32| (0..n * heads * hd).map(|i| ((i as f32 + s) * 0.731).sin() * 3.0).collect::<Vec<f32>>();
+        let (mut c32, mut c16) = (KvCache::new(KvType::F32), KvCache::new(KvType::F16));
+        // Two appends, the second past the first's reservation: the cache grows.
+        for (n, s, reserve) in [(5, 0.0, 5), (300, 1.0, 0)] {
+            let (k, v) = (vals(n, s), vals(n, s + 0.5));
+            c32.append(&k, &v, n, heads, hd, reserve).unwrap();
+            c16.append(&k, &v, n, heads, hd, reserve).unwrap();
+        }
+        let round = |v: Vec<f32>| v.into_iter().map(|x| f16::from_f32(x).to_f32()).collect::<Vec<f32>>();
+        let (k32, v32) = c32.head_major();
+        assert_eq!(c16.head_major(), (round(k32.clone()), round(v32.clone())));
+        assert_eq!(c32.clone().into_type(KvType::F16).head_major(), c16.head_major(), "converted as appended");
+        assert_eq!(c16.bytes() * 2, c32.bytes());
+        let (p32, p16) = (c32.padded(512, heads, hd), c16.padded(512, heads, hd));
+        assert_eq!((round(p32.0), round(p32.1)), p16);
+        let mut bytes = vec![];
+        c16.write_to(&mut bytes).unwrap();
+        let back = KvCache::from_bytes(&bytes, heads, hd, 305, KvType::F16).unwrap();
+        assert_eq!((back.kind(), back.len(), back.head_major()), (KvType::F16, 305, c16.head_major()));
+        let mut cleared = back;
+        cleared.clear();
+        assert_eq!((cleared.kind(), cleared.len()), (KvType::F16, 0), "clearing keeps the type");
+    }
 
     /// A KV cache that cannot be allocated is an error saying what it was for, where Rust's
     /// allocation failure handler would abort the process with "memory allocation failed".

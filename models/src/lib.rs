@@ -42,6 +42,7 @@ pub use session::Session;
 pub use speculative::{SpeculationStats, Speculative, Verify};
 pub use pipeline::{CalibrationSet, CalibrationSource, Pipeline, TextStream};
 pub use spec::{Config, FamilySpec};
+pub use attention::KvType;
 pub use transformer::{prefill_dag, LoadOptions, Model, Precision, PrefillPlan, SchedOptions};
 
 /// The README's Rust examples, compiled as doctests (`no_run`: they need a model).

@@ -428,7 +428,7 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Vec
         if out_of_range.is_none() {
             out_of_range = buf.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).find(|x| !(x.abs() <= KV_LIMIT)).map(|x| (layer, x));
         }
-        caches.push(KvCache::from_bytes(&buf, h.kv_heads, h.head_dim, len).ok_or_else(|| bad("a layer of the wrong size".into()))?);
+        caches.push(KvCache::from_bytes(&buf, h.kv_heads, h.head_dim, len, model.kv_type()).ok_or_else(|| bad("a layer of the wrong size".into()))?);
     }
     let mut digest = [0u8; 32];
     f.read_exact(&mut digest).map_err(io)?;

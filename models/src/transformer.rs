@@ -47,7 +47,7 @@ use candle_npu::{
     QuantProfile, Result, ShadowLinear, Tail, TensorData, TensorId, WeightQuant,
 };
 
-use crate::attention::{attend, KvCache, QkNorm, Rows};
+use crate::attention::{attend, KvCache, KvType, QkNorm, Rows};
 use crate::checkpoint::{Checkpoint, NameMap};
 pub use crate::spec::{Config, FamilySpec};
 
@@ -133,11 +133,14 @@ pub struct LoadOptions {
     /// Only the first `n` layers (1 up to the model's), then the final norm and the output: the
     /// model's own draft for speculative decoding ([`crate::Pipeline::set_draft`]). `None`: all.
     pub layers: Option<usize>,
+    /// How the KV cache holds keys and values (prefill attention, decode, saved sessions):
+    /// f32 by default, f16 at half the memory (`docs/memory.md`).
+    pub kv: KvType,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: None, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, residual: vec![], chunk_len: None, sched: None, layers: None }
+        LoadOptions { precision: None, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, residual: vec![], chunk_len: None, sched: None, layers: None, kv: KvType::F32 }
     }
 }
 
@@ -433,7 +436,7 @@ impl Model {
             weights: opts.weights,
             shadow_time: std::time::Duration::ZERO,
             graphs: HashMap::new(),
-            kv: (0..n).map(|_| Mutex::default()).collect(),
+            kv: (0..n).map(|_| Mutex::new(KvCache::new(opts.kv))).collect(),
             sched,
             npu_pool: None,
             last_run: None,
@@ -511,14 +514,21 @@ impl Model {
     /// checked by the caller) and the position with theirs.
     pub(crate) fn set_kv_caches(&mut self, caches: Vec<KvCache>) {
         self.pos = caches.first().map_or(0, KvCache::len);
-        self.kv = caches.into_iter().map(Mutex::new).collect();
+        let t = self.kv_type();
+        self.kv = caches.into_iter().map(|c| Mutex::new(c.into_type(t))).collect();
+    }
+
+    /// How the KV cache holds keys and values ([`LoadOptions::kv`]).
+    pub fn kv_type(&self) -> KvType {
+        self.kv.first().map_or(KvType::F32, |kv| kv.lock().unwrap_or_else(|e| e.into_inner()).kind())
     }
 
     /// The KV caches, taken out (a [`crate::Session`]'s, back from a turn): the model is left
     /// with empty ones, at position 0.
     pub(crate) fn take_kv_caches(&mut self) -> Vec<KvCache> {
         self.pos = 0;
-        self.kv.iter_mut().map(|kv| std::mem::take(kv.get_mut().unwrap_or_else(|e| e.into_inner()))).collect()
+        let t = self.kv_type();
+        self.kv.iter_mut().map(|kv| std::mem::replace(kv.get_mut().unwrap_or_else(|e| e.into_inner()), KvCache::new(t))).collect()
     }
 
     /// Forget the KV cache.

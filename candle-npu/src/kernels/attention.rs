@@ -45,13 +45,64 @@ use super::rows::{exp, exp_shifted, row_max};
 /// core), so only the tile's overhead could show. 512 keys: 384 KB of scores for 192 rows.
 pub const KEY_BLOCK: usize = 512;
 
+/// Rows of keys or values as a cache holds them: f32, or f16 (half the memory, llama.cpp's
+/// default; each tile's rows are widened to f32 before its products, so every sum stays f32 and
+/// only the values held are rounded).
+#[derive(Clone, Copy)]
+pub enum KvRows<'a> {
+    /// As computed.
+    F32(&'a [f32]),
+    /// Rounded to f16 (nearest, ties to even).
+    F16(&'a [half::f16]),
+}
+
+impl<'a> KvRows<'a> {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            KvRows::F32(v) => v.len(),
+            KvRows::F16(v) => v.len(),
+        }
+    }
+
+    /// No values held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values `r`.
+    fn range(&self, r: Range<usize>) -> KvRows<'a> {
+        match self {
+            KvRows::F32(v) => KvRows::F32(&v[r]),
+            KvRows::F16(v) => KvRows::F16(&v[r]),
+        }
+    }
+
+    /// The values as f32: in place, or widened into `buf` (F16C on x86_64, the FP16
+    /// conversions on aarch64, through `half`'s slice conversion).
+    fn as_f32<'b>(&self, buf: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        use half::slice::HalfFloatSliceExt;
+        match self {
+            KvRows::F32(v) => v,
+            KvRows::F16(v) => {
+                buf.resize(v.len(), 0.0);
+                v.convert_to_f32_slice(buf);
+                buf
+            }
+        }
+    }
+}
+
 /// The keys and values of one KV head, `[len, head_dim]` each, position `first + i` at row `i`.
 #[derive(Clone, Copy)]
 pub struct HeadKv<'a> {
     /// Keys, row-major.
-    pub keys: &'a [f32],
+    pub keys: KvRows<'a>,
     /// Values, row-major.
-    pub values: &'a [f32],
+    pub values: KvRows<'a>,
     /// The position of the first row.
     pub first: usize,
     /// Values per key (the head's dimension).
@@ -63,6 +114,19 @@ impl HeadKv<'_> {
     fn positions(&self) -> Range<usize> {
         self.first..self.first + self.keys.len() / self.head_dim
     }
+}
+
+std::thread_local! {
+    /// A tile's keys and values widened from f16 ([`KvRows::as_f32`]), per thread.
+    static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `f` on the keys and values `range` of `kv` as f32 slices.
+fn with_f32_kv<R>(kv: &HeadKv<'_>, range: Range<usize>, f: impl FnOnce(&[f32], &[f32]) -> R) -> R {
+    if let (KvRows::F32(k), KvRows::F32(v)) = (kv.keys, kv.values) {
+        return f(&k[range.clone()], &v[range]);
+    }
+    WIDE.with_borrow_mut(|(kb, vb)| f(kv.keys.range(range.clone()).as_f32(kb), kv.values.range(range).as_f32(vb)))
 }
 
 /// Attention over some of the keys, not yet normalized: per row the largest scaled score seen
@@ -185,7 +249,13 @@ pub fn attend_tile(
         return;
     }
     let n = b1 - b0;
-    let (keys, values) = (&kv.keys[(b0 - held.start) * hd..][..n * hd], &kv.values[(b0 - held.start) * hd..][..n * hd]);
+    let at = (b0 - held.start) * hd;
+    with_f32_kv(&kv, at..at + n * hd, |keys, values| tile_products(q, keys, values, rows, hd, n, b0, b1, span, scale, tile, scores));
+}
+
+/// [`attend_tile`] on the tile's keys and values (`[n, hd]`, positions `b0..b1`) as f32.
+#[allow(clippy::too_many_arguments)]
+fn tile_products(q: &[f32], keys: &[f32], values: &[f32], rows: usize, hd: usize, n: usize, b0: usize, b1: usize, span: &dyn Fn(usize) -> Range<usize>, scale: f32, tile: &mut Partial, scores: &mut Vec<f32>) {
     // Fewer rows than the GEMM's blocked kernel takes: zero rows after them (their scores are
     // zeros, never exponentiated, and their outputs are dropped).
     let m = rows.max(GEMM_MIN_ROWS);
@@ -244,16 +314,17 @@ pub fn attend_tile_one(q: &[f32], kv: HeadKv<'_>, span: Range<usize>, scale: f32
     }
     let n = seen.len();
     let at = (seen.start - held.start) * hd;
-    let (keys, values) = (&kv.keys[at..][..n * hd], &kv.values[at..][..n * hd]);
-    scores.resize(rows * n, 0.0);
-    let s = &mut scores[..rows * n];
-    dots(q, keys, hd, s);
-    for (r, row) in s.chunks_exact_mut(n).enumerate() {
-        let m = scale * row_max(row);
-        tile.sum[r] = exp_shifted(row, scale, m);
-        tile.max[r] = m;
-    }
-    weighted_sum(s, values, hd, &mut tile.out);
+    with_f32_kv(&kv, at..at + n * hd, |keys, values| {
+        scores.resize(rows * n, 0.0);
+        let s = &mut scores[..rows * n];
+        dots(q, keys, hd, s);
+        for (r, row) in s.chunks_exact_mut(n).enumerate() {
+            let m = scale * row_max(row);
+            tile.sum[r] = exp_shifted(row, scale, m);
+            tile.max[r] = m;
+        }
+        weighted_sum(s, values, hd, &mut tile.out);
+    })
 }
 
 /// `s[r * n + j] = q_r . k_j` for the rows of `q` and the `n` keys (`[n, hd]`).
@@ -622,6 +693,34 @@ mod tests {
         (0..n).map(|_| rng.random_range(-spread..spread)).collect()
     }
 
+    /// f16 keys and values give the bits of f32 ones holding the same (rounded) values: the
+    /// widening is exact and every sum after it is the f32 path's, in the prefill tiles and in
+    /// decode's one-position kernel, across key blocks.
+    #[test]
+    fn f16_rows_compute_as_f32_rows_of_their_values() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for (hd, len, rows) in [(64usize, 2 * KEY_BLOCK + 7, 9usize), (8, 300, 3), (64, 40, 3)] {
+            let to16 = |v: Vec<f32>| v.into_iter().map(half::f16::from_f32).collect::<Vec<_>>();
+            let (k16, v16) = (to16(random(&mut rng, len * hd, 2.0)), to16(random(&mut rng, len * hd, 2.0)));
+            let (k32, v32): (Vec<f32>, Vec<f32>) = (k16.iter().map(|v| v.to_f32()).collect(), v16.iter().map(|v| v.to_f32()).collect());
+            let q = random(&mut rng, rows * hd, 1.0);
+            let span = |r: usize| r..len - r;
+            let run = |kv: HeadKv<'_>| {
+                let mut acc = Partial::default();
+                acc.reset(rows, hd);
+                attend(&q, kv, &span, 0.3, &mut acc, &mut Scratch::default());
+                let mut one = Partial::default();
+                one.reset(rows, hd);
+                let mut scores = vec![];
+                attend_tile_one(&q, kv, 0..len, 0.3, KEY_BLOCK, &mut one, &mut scores);
+                (acc.out, acc.max, one.out, one.sum)
+            };
+            let wide = run(HeadKv { keys: KvRows::F32(&k32), values: KvRows::F32(&v32), first: 0, head_dim: hd });
+            let half = run(HeadKv { keys: KvRows::F16(&k16), values: KvRows::F16(&v16), first: 0, head_dim: hd });
+            assert_eq!(half, wide, "hd {hd}, {len} keys");
+        }
+    }
+
     /// Every row against the definition, for spans that start and end inside, on and across
     /// key blocks (causal ends, sliding windows, a span of one key, an empty one), with scores
     /// large enough that an unshifted exponent would overflow.
@@ -635,7 +734,7 @@ mod tests {
             let q = random(&mut rng, spans.len() * hd, spread);
             let mut acc = Partial::default();
             acc.reset(spans.len(), hd);
-            attend(&q, HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd }, &|r| spans[r].clone(), 0.3, &mut acc, &mut Scratch::default());
+            attend(&q, HeadKv { keys: KvRows::F32(&keys), values: KvRows::F32(&values), first: 0, head_dim: hd }, &|r| spans[r].clone(), 0.3, &mut acc, &mut Scratch::default());
             let mut got = vec![f32::NAN; spans.len() * hd];
             acc.normalized_into(&mut got);
             for (r, span) in spans.iter().enumerate() {
@@ -665,7 +764,7 @@ mod tests {
         let run = |keys_held: usize| {
             let mut acc = Partial::default();
             acc.reset(40, hd);
-            let kv = HeadKv { keys: &keys[..keys_held * hd], values: &values[..keys_held * hd], first: 0, head_dim: hd };
+            let kv = HeadKv { keys: KvRows::F32(&keys[..keys_held * hd]), values: KvRows::F32(&values[..keys_held * hd]), first: 0, head_dim: hd };
             attend(&q, kv, &span, 0.2, &mut acc, &mut Scratch::default());
             let mut out = vec![0f32; 40 * hd];
             acc.normalized_into(&mut out);
@@ -693,7 +792,7 @@ mod tests {
             let run = |rows: usize| {
                 let mut acc = Partial::default();
                 acc.reset(rows, hd);
-                let kv = HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd };
+                let kv = HeadKv { keys: KvRows::F32(&keys), values: KvRows::F32(&values), first: 0, head_dim: hd };
                 attend(&q[..rows * hd], kv, &span, 0.2, &mut acc, &mut Scratch::default());
                 let mut out = vec![0f32; rows * hd];
                 acc.normalized_into(&mut out);
@@ -716,7 +815,7 @@ mod tests {
         let fold = |range: Range<usize>| {
             let mut acc = Partial::default();
             acc.reset(rows, hd);
-            let kv = HeadKv { keys: &keys[range.start * hd..range.end * hd], values: &values[range.start * hd..range.end * hd], first: range.start, head_dim: hd };
+            let kv = HeadKv { keys: KvRows::F32(&keys[range.start * hd..range.end * hd]), values: KvRows::F32(&values[range.start * hd..range.end * hd]), first: range.start, head_dim: hd };
             attend(&q, kv, &span, 0.125, &mut acc, &mut Scratch::default());
             acc
         };
@@ -743,7 +842,7 @@ mod tests {
         let (hd, len, rows) = (64, 5 * KEY_BLOCK + 3, 4);
         let (keys, values) = (random(&mut rng, len * hd, 2.0), random(&mut rng, len * hd, 1.0));
         let q = random(&mut rng, rows * hd, 2.0);
-        let kv = HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd };
+        let kv = HeadKv { keys: KvRows::F32(&keys), values: KvRows::F32(&values), first: 0, head_dim: hd };
         let span = |r: usize| (r * 100)..len - r;
         let mut whole = Partial::default();
         whole.reset(rows, hd);
@@ -776,7 +875,7 @@ mod tests {
         for (hd, rows, len, span) in [(64usize, 3usize, 700usize, 0..700), (8, 9, 37, 3..30), (12, 7, 520, 100..513), (64, 1, 1, 0..1), (256, 4, 600, 88..600)] {
             let (keys, values) = (random(&mut rng, len * hd, 2.0), random(&mut rng, len * hd, 1.0));
             let q = random(&mut rng, rows * hd, 2.0);
-            let kv = HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd };
+            let kv = HeadKv { keys: KvRows::F32(&keys), values: KvRows::F32(&values), first: 0, head_dim: hd };
             let (mut one, mut gemm) = (Partial::default(), Partial::default());
             one.reset(rows, hd);
             gemm.reset(rows, hd);
@@ -890,6 +989,6 @@ mod tests {
     fn wrong_sizes_panic_naming_them() {
         let mut acc = Partial::default();
         acc.reset(2, 4);
-        attend(&[0.0; 7], HeadKv { keys: &[0.0; 8], values: &[0.0; 8], first: 0, head_dim: 4 }, &|_| 0..2, 1.0, &mut acc, &mut Scratch::default());
+        attend(&[0.0; 7], HeadKv { keys: KvRows::F32(&[0.0; 8]), values: KvRows::F32(&[0.0; 8]), first: 0, head_dim: 4 }, &|_| 0..2, 1.0, &mut acc, &mut Scratch::default());
     }
 }
