@@ -5,7 +5,7 @@ mod common;
 
 use candle_npu::NpuDevice;
 use candle_npu_models::transformer::argmax;
-use candle_npu_models::{assets, CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Message, Pipeline, Precision, StopReason};
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, GenerateOptions, KvType, LoadOptions, Message, Pipeline, Precision, StopReason};
 use common::*;
 use sha2::Digest;
 
@@ -208,6 +208,30 @@ fn a_saved_session_restores_the_same_kv() {
     let other = p.calibrate(set, |_, _| {}).unwrap();
     p.model.set_profile(other).unwrap();
     refused(&mut p, &path, "profile");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// With an f16 KV cache (`LoadOptions::kv`) a conversation's cache is f16 through its turns, a
+/// save and a restore: the restored conversation answers as the live one, and the model's cache
+/// stays f16 (a restore widens nothing it holds).
+#[test]
+fn an_f16_kv_cache_stays_f16_through_a_saved_session() {
+    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::Q8_0, kv: KvType::F16, ..Default::default() };
+    let mut p = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), opts).unwrap();
+    assert_eq!(p.model.kv_type(), KvType::F16);
+    let dir = std::env::temp_dir().join(format!("candle-npu-session-f16-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("turn1.kv");
+    let gen = GenerateOptions { sample_len: 6, ..Default::default() };
+    let mut s = p.session();
+    s.send(&mut p, "What is the capital of France?", &gen, |_| {}).unwrap();
+    s.save(&p, &path).unwrap();
+    let live = s.send(&mut p, "And of Spain?", &gen, |_| {}).unwrap();
+    assert_eq!(p.model.kv_type(), KvType::F16, "after a session's turns");
+    let mut r = p.restore_session(&path).unwrap();
+    let restored = r.send(&mut p, "And of Spain?", &gen, |_| {}).unwrap();
+    assert_eq!(restored.0, live.0, "the restored conversation answers as the live one");
+    assert_eq!(p.model.kv_type(), KvType::F16, "after a restore");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
