@@ -67,7 +67,13 @@ fn w8a16_whole_layer_graphs_compute_the_four_stage_w8a16_prefill() {
     let mut p = load(&assets::smollm2(), Precision::W8A16, DecodeWeights::Q8_0, None);
     p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
     let four = prefill(&mut p, &tokens, PrefillPlan::Stages);
+    let hot = p.model.hot_bytes();
     let whole = prefill(&mut p, &tokens, PrefillPlan::Layers);
+    // Whole layers run no CPU shadow path: its hot columns go, and come back with the stages,
+    // which compute the same bits with them (they are a speed structure).
+    assert!(hot > 0 && p.model.hot_bytes() == 0, "hot columns: {hot} bytes with the stages, {} with whole layers", p.model.hot_bytes());
+    assert_eq!(prefill(&mut p, &tokens, PrefillPlan::Stages), four, "the stages again");
+    assert_eq!(p.model.hot_bytes(), hot);
     let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill_chunked(&tokens, 16).unwrap());
     let (e_whole, e_four, apart) = (rel_max_err(&whole, &f32), rel_max_err(&four, &f32), rel_max_err(&whole, &four));
     eprintln!("SmolLM2 W8A16 against F32, max |logit diff| / max |logit|: whole-layer graphs {e_whole:.2e}, four stages {e_four:.2e}; apart {apart:.2e}");
@@ -89,7 +95,13 @@ fn shadow_w8a16_whole_layer_graphs_keep_the_outliers_on_the_npu() {
     p.ensure_profile(None, CalibrationSet::default(), |_, _| {}).unwrap();
     let tokens = heldout_tokens(&p, 40);
     let four = prefill(&mut p, &tokens, PrefillPlan::Stages);
+    let hot = p.model.hot_bytes();
     let whole = prefill(&mut p, &tokens, PrefillPlan::Layers);
+    // Whole layers run no CPU shadow path: its hot columns go, and come back with the stages,
+    // which compute the same bits with them (they are a speed structure).
+    assert!(hot > 0 && p.model.hot_bytes() == 0, "hot columns: {hot} bytes with the stages, {} with whole layers", p.model.hot_bytes());
+    assert_eq!(prefill(&mut p, &tokens, PrefillPlan::Stages), four, "the stages again");
+    assert_eq!(p.model.hot_bytes(), hot);
     let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill_chunked(&tokens, 16).unwrap());
     let (e_whole, e_four) = (rel_max_err(&whole, &f32), rel_max_err(&four, &f32));
     eprintln!("SmolLM2 shadow W8A16 against F32, max |logit diff| / max |logit|: outliers through float weights in the graph {e_whole:.2e}, in float on the CPU {e_four:.2e}");

@@ -450,12 +450,19 @@ impl Model {
         &self.spec
     }
 
+    /// Bytes of the linears' hot columns (the CPU shadow path's contiguous INT8 columns): held
+    /// while the plan has that path ([`SchedOptions`]' `plan`: llm.npu's stages), none for
+    /// whole layers.
+    pub fn hot_bytes(&self) -> usize {
+        self.linears().map(|l| l.hot_bytes()).sum()
+    }
+
     /// What the model's weights take, in bytes, by part: a line for logs and the examples.
     pub fn weight_bytes(&self) -> String {
         let mb = |b: usize| b as f64 / 1e6;
         let decode: usize = self.linears().map(|l| l.decode().bytes()).sum();
         let int8: usize = self.linears().map(|l| l.int8_bytes()).sum();
-        let hot: usize = self.linears().map(|l| l.hot_bytes()).sum();
+        let hot = self.hot_bytes();
         let embed = self.embed.bytes();
         let output = if self.tied { 0 } else { self.lm_head.bytes() };
         format!(

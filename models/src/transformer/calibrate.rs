@@ -6,8 +6,9 @@ use super::*;
 
 impl Model {
     /// Use a calibrated profile for W8A8 prefill (it must belong to this model's weights): its
-    /// clip ranges become the NPU inputs' quantization, its hot channels the float columns each
-    /// linear keeps. Every shadow path is on; see [`Model::prune_shadow`].
+    /// clip ranges become the NPU inputs' quantization, its hot channels the INT8 columns each
+    /// linear keeps contiguous for the CPU's shadow path (while the plan has one:
+    /// [`Self::shadow_columns`]). Every shadow path is on; see [`Model::prune_shadow`].
     pub fn set_profile(&mut self, profile: QuantProfile) -> Result<()> {
         if profile.model_id != self.model_id {
             return Err(Error::Input(format!("quant profile was calibrated for model {}, this model is {}", profile.model_id, self.model_id)));
@@ -32,7 +33,7 @@ impl Model {
             for (s, lins) in layer.stages.iter_mut().enumerate() {
                 let p = profile.point(&point(l, STAGES[s].point))?;
                 for lin in lins.iter_mut() {
-                    lin.set_hot(&p.hot)?;
+                    lin.set_hot(if self.sched.plan == PrefillPlan::Stages { &p.hot } else { &[] })?;
                 }
                 row16[s] = Quant::u16_range(p.min, p.max);
             }
@@ -44,6 +45,24 @@ impl Model {
         self.points.clear();
         self.shadow_on.clear();
         self.set_shadow_layers(&vec![true; self.layers.len()])
+    }
+
+    /// Keeps each linear's hot columns (its profile's hot channels' INT8 columns, contiguous)
+    /// while `plan` runs the shadow path on the CPU (llm.npu's stages), and drops them for whole
+    /// layers, whose outliers run in the graphs: a speed structure of the CPU's outlier products
+    /// (results are the same with any hot set), 58 MB on SmolLM2 and 270 MB on Qwen2.5-Coder
+    /// (`docs/memory.md`) that a phone running whole layers would hold for nothing.
+    pub(super) fn shadow_columns(&mut self, plan: PrefillPlan) -> Result<()> {
+        let Some(profile) = &self.profile else { return Ok(()) };
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            for (s, lins) in layer.stages.iter_mut().enumerate() {
+                let p = profile.point(&point(l, STAGES[s].point))?;
+                for lin in lins.iter_mut() {
+                    lin.set_hot(if plan == PrefillPlan::Stages { &p.hot } else { &[] })?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Run the shadow path of the layers where `on[l]` and prune it elsewhere. A pruned layer's

@@ -581,6 +581,9 @@ impl Model {
     pub fn set_sched(&mut self, sched: SchedOptions) -> Result<()> {
         sched.validate(self.cfg.context_len)?;
         sched.check_precision(self.precision)?;
+        if sched.plan != self.sched.plan {
+            self.shadow_columns(sched.plan)?;
+        }
         self.sched = sched;
         Ok(())
     }
