@@ -86,6 +86,9 @@ struct Args {
     /// The chat section on the first N conversations only (a quick look; 0: all).
     #[arg(long, default_value_t = 0)]
     chat_limit: usize,
+    /// The chat section on these conversations only (their ids, `models/data/chat_eval.jsonl`).
+    #[arg(long, value_delimiter = ',')]
+    chat_ids: Vec<String>,
     /// The chat section's calibrations, in windows of conversations beside the default text's
     /// (`CalibrationSet::chats`); the first is also run with float activations and on the HTP's
     /// numerics.
@@ -809,6 +812,12 @@ fn main() -> Result<()> {
 /// The chat section: the default profile, the F32 references, each prefill's outcomes.
 fn chat(args: &Args, model_path: &std::path::Path, f32p: &mut Pipeline, bar: &ProgressBar) -> Result<()> {
     let mut convs = candle_npu_models::chat_eval::conversations()?;
+    if let Some(id) = args.chat_ids.iter().find(|id| !convs.iter().any(|c| &c.id == *id)) {
+        bail!("--chat-ids: no conversation {id} in the chat set");
+    }
+    if !args.chat_ids.is_empty() {
+        convs.retain(|c| args.chat_ids.contains(&c.id));
+    }
     if args.chat_limit > 0 {
         convs.truncate(args.chat_limit);
     }
