@@ -208,19 +208,14 @@ fn readme_question_on_the_default_hexagon_plan() {
 
 /// Short conversations of the chat eval (`models/data/chat_eval.jsonl`), each at most 64 tokens
 /// in SmolLM2's template, so two 32-row chunks over a 32-row cache (the graphs the README's
-/// question prepared): code, Chinese, several turns, French. Not the issue's example
-/// ("intro-bob-tokyo"): its first token is a four-way tie within 0.11 logits in SmolLM2's own F32
-/// prefill, and the library and the numerics model fall on either side of it (2026-11-29: the
-/// library katakana, the model "Konnichiwa!"; `docs/chat.md`).
-const LIBRARY_CHATS: &[&str] = &["py-fizzbuzz", "zh-ni-hao-capabilities", "riddle-keys", "fr-salutation"];
+/// question prepared): the issue's example (a system prompt, then "My name is Bob and I live in
+/// Tokyo.", a four-way tie of first tokens within 0.11 logits in SmolLM2's own F32 prefill), code,
+/// Chinese, several turns.
+const LIBRARY_CHATS: &[&str] = &["intro-bob-tokyo", "py-fizzbuzz", "zh-ni-hao-capabilities", "riddle-keys"];
 
 /// [`LIBRARY_CHATS`] through the library (`x`) and through the HTP numerics model (`m`), both
-/// on the default plan, judged by the F32 prefill (`chat_eval::measure`): the library's
-/// first-token distribution as far from F32's as the model's (what the chat eval measures on the
-/// model holds for the library), the same first token, no answer derailed. Their later greedy
-/// tokens may part: 2.7e-3 of the largest logit apart, library and model decide a near tie in
-/// the CPU's decode differently (py-fizzbuzz parted at its 13th token, 2026-11-29; how many of
-/// the 16 agree is printed).
+/// on the default plan: the same 16 greedy answer tokens (decode on the CPU after either
+/// prefill), and no answer derailed (judged by the F32 prefill, `chat_eval::measure`).
 fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle_npu_models::Pipeline) {
     let all = chat_eval::conversations().unwrap();
     let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Checkpoint);
@@ -230,12 +225,8 @@ fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle
         assert!(r.prompt.len() <= 64, "{id}: {} tokens, more than two 32-row chunks over a 32-row cache", r.prompt.len());
         let (on_library, on_model) = (chat_eval::measure(x, &mut f32p, &r).unwrap(), chat_eval::measure(m, &mut f32p, &r).unwrap());
         let text = x.decode_text(&on_library.answer).unwrap();
-        let agree = on_library.answer.iter().zip(&on_model.answer).take_while(|(a, b)| a == b).count();
-        eprintln!("{id}: library kl {:.4}, numerics model kl {:.4}, {agree} tokens the same: {text:?}", on_library.kl, on_model.kl);
-        // The model's first-token KL on SmolLM2's whole set: median 0.004, p95 0.01; these
-        // conversations' library and model KLs were within 0.0007 of each other (2026-11-29).
-        assert!((on_library.kl - on_model.kl).abs() < 0.002, "{id}: first-token KL {} on the library, {} on the numerics model", on_library.kl, on_model.kl);
-        assert_eq!(on_library.answer[0], on_model.answer[0], "{id}: the first token");
+        eprintln!("{id}: library kl {:.4}, numerics model kl {:.4}: {text:?}", on_library.kl, on_model.kl);
+        assert_eq!(on_library.answer, on_model.answer, "{id}: the library's answer {text:?} against the numerics model's {:?}", m.decode_text(&on_model.answer).unwrap());
         assert!(on_library.derail.is_none(), "{id}: derailed ({:?}) through the library: {text:?}", on_library.derail);
     }
 }

@@ -7,8 +7,9 @@ use super::*;
 impl Model {
     /// Use a calibrated profile for W8A8 prefill (it must belong to this model's weights): its
     /// clip ranges become the NPU inputs' quantization, its hot channels the INT8 columns each
-    /// linear keeps contiguous for the CPU's shadow path (while the plan has one:
-    /// [`Self::shadow_columns`]). Every shadow path is on; see [`Model::prune_shadow`].
+    /// linear keeps contiguous for the CPU's shadow path (while the plan has one: llm.npu's
+    /// stages; whole layers run their outliers in the graphs). Every shadow path is on; see
+    /// [`Model::prune_shadow`].
     pub fn set_profile(&mut self, profile: QuantProfile) -> Result<()> {
         if profile.model_id != self.model_id {
             return Err(Error::Input(format!("quant profile was calibrated for model {}, this model is {}", profile.model_id, self.model_id)));

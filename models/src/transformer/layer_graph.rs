@@ -30,7 +30,7 @@
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use candle_npu::{DType, Error, Graph, Op, Quant, Result, StaticData, TensorData, TensorId};
+use candle_npu::{DType, Error, Graph, Op, Result, StaticData, TensorData, TensorId};
 
 use super::stages::{DOWN, GATE_UP, O, QKV};
 use super::{GraphSet, Model, Precision};
@@ -45,16 +45,15 @@ use crate::spec::{Activation, RopeLayout};
 /// weights) the chat eval's first-token KL from F32 was the same (0.0161 and 0.0162, 120
 /// conversations, 2026-11-28): the outliers' error is the INT8 weights', which the float
 /// weights remove (0.0071 at 8x, `docs/chat.md`).
+///
+/// A point not split has no float path: its u16 grid spans exactly the calibrated range, and an
+/// input the calibration text never produced saturates there. Gemma 3 on the chat eval's Hindi
+/// conversations (calibrated on English) reached a first-token KL of 0.35-1.06 from F32 (W8A8
+/// stages: 0.003-0.022), its answers still not derailed. Grids over 4x the range removed that
+/// and lowered every model's KL (SmolLM2's whole set 0.0076 -> 0.0043), but moved two near ties
+/// to worse answers (an emoji loop; the example through the library): not kept
+/// (2026-11-29, `docs/chat.md`).
 pub const SPLIT_RANGE: f32 = 8.0;
-
-/// Where shadow W8A16 quantizes a point without a float path for its outliers (its calibrated
-/// range is its clip range, or within [`SPLIT_RANGE`] times it), the u16 grid spans this many
-/// times that range: the calibration's text sets the ranges, an input it never held reaches
-/// beyond them, and there a grid saturates with nothing to catch the rest. Gemma 3 on the chat
-/// eval's Hindi conversations (calibrated on English text) went to a first-token KL of 0.35-1.06
-/// at 1x, 0.002-0.010 at 4x (every point split, the float path catching all: 0.001-0.006;
-/// W8A8 stages 0.003-0.022; 2026-11-29, `docs/chat.md`). The grid keeps 14 of u16's 16 bits.
-pub const HEADROOM: f32 = 4.0;
 
 /// The scale the residual stream is carried at through the whole-layer graphs: the HTP computes
 /// float tensors in FP16 (largest finite 65504), and Gemma 3 270M's stream reaches 1.04e5 (F32,
@@ -238,10 +237,9 @@ impl Model {
 /// How shadow W8A16 feeds a stage's linears in a whole-layer graph (`Model::feed`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Feed {
-    /// The calibrated range is the clip range: u16 over it ([`HEADROOM`] times).
+    /// The calibrated range is the clip range: u16 over it.
     Clip,
-    /// The calibrated range is at most [`SPLIT_RANGE`] times the clip range: u16 over all of it
-    /// ([`HEADROOM`] times).
+    /// The calibrated range is at most [`SPLIT_RANGE`] times the clip range: u16 over all of it.
     Full,
     /// Beyond that: u16 over the clip range into the INT8 weights, the outliers beyond it through
     /// the float weights (FP16 on the HTP).
@@ -406,11 +404,8 @@ impl Build {
             _ => {
                 let (p, full) = (&model.points.get(l).ok_or_else(uncalibrated)?[s], model.a16.get(l).ok_or_else(uncalibrated)?[s]);
                 match model.feed(l, s).ok_or_else(uncalibrated)? {
-                    Feed::Clip => vec![quantize(g, &format!("{point}_u16"), x, Quant::u16_range(p.lo * HEADROOM, p.hi * HEADROOM))],
-                    Feed::Full => {
-                        let (min, max) = full.float_range(DType::U16);
-                        vec![quantize(g, &format!("{point}_u16"), x, Quant::u16_range(min * HEADROOM, max * HEADROOM))]
-                    }
+                    Feed::Clip => vec![quantize(g, &format!("{point}_u16"), x, p.quant_u16())],
+                    Feed::Full => vec![quantize(g, &format!("{point}_u16"), x, full)],
                     Feed::Split => {
                         // The clip range's part is clamped before it is quantized, not by the
                         // quantization's saturation: the HTP's graph optimizer gives an op's output
