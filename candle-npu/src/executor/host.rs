@@ -88,7 +88,7 @@ impl Executor for HostExecutor {
 
     fn prepare(&self, graph: &Graph) -> Result<Box<dyn ExecutableGraph>> {
         graph.validate()?;
-        let steps = graph
+        let steps: Vec<Step> = graph
             .ops
             .iter()
             .map(|op| match *op {
@@ -141,7 +141,12 @@ impl Executor for HostExecutor {
                 graph.tensors[weight.0].data = None;
             }
         }
-        Ok(Box::new(HostGraph { graph, steps, htp: self.numerics == Numerics::Htp }))
+        let mut last_read = vec![0usize; graph.tensors.len()];
+        for (i, step) in steps.iter().enumerate() {
+            step.inputs().iter().for_each(|t| last_read[t.0] = i);
+        }
+        graph.outputs.iter().for_each(|o| last_read[o.0] = usize::MAX);
+        Ok(Box::new(HostGraph { graph, steps, htp: self.numerics == Numerics::Htp, last_read }))
     }
 }
 
@@ -165,19 +170,32 @@ enum Step {
     Op(Op),
 }
 
+impl Step {
+    /// The tensors the step reads (a FullyConnected's weight and bias are in its `Fc`).
+    fn inputs(&self) -> Vec<TensorId> {
+        match self {
+            Step::Fc { input, .. } => vec![TensorId(*input)],
+            Step::Op(op) => op.inputs(),
+        }
+    }
+}
+
 struct HostGraph {
     graph: Graph,
     steps: Vec<Step>,
     htp: bool,
+    /// Per tensor, the step after which no step reads it (graph outputs: `usize::MAX`, kept).
+    last_read: Vec<usize>,
 }
 
 impl HostGraph {
-    fn run_fc(&self, fc: &Fc, x: &TensorData, m: usize, out: usize) -> TensorData {
+    /// `x_rounded`: `x` already holds FP16 values (an FP16 float FC need not round it again).
+    fn run_fc(&self, fc: &Fc, x: &TensorData, x_rounded: bool, m: usize, out: usize) -> TensorData {
         let spec = &self.graph.tensors[out];
         match fc {
             Fc::F32 { w, bias, fp16 } => {
                 let TensorData::F32(x) = x else { unreachable!("validated") };
-                let mut y = match fp16 {
+                let mut y = match fp16 & !x_rounded {
                     true => w.matmul(&htp_numerics::round_all(x.clone()), m),
                     false => w.matmul(x, m),
                 };
@@ -316,15 +334,6 @@ impl HostGraph {
         for (&id, &data) in g.inputs.iter().zip(inputs) {
             vals[id.0] = Some(Val::Input(data));
         }
-        // The step after which each tensor is read no more (outputs: never dropped).
-        let mut last_read = vec![0usize; g.tensors.len()];
-        for (i, step) in self.steps.iter().enumerate() {
-            match step {
-                Step::Fc { input, .. } => last_read[*input] = i,
-                Step::Op(op) => op.inputs().iter().for_each(|t| last_read[t.0] = i),
-            }
-        }
-        g.outputs.iter().for_each(|o| last_read[o.0] = usize::MAX);
         // Tensors holding FP16 values (an FP16 float op's result under the HTP's numerics): their
         // readers need not round them, and as graph outputs the library converts them.
         let mut fp16_values = vec![false; g.tensors.len()];
@@ -332,13 +341,7 @@ impl HostGraph {
             let (out, y) = match step {
                 Step::Fc { fc, input, output, m } => {
                     let x = vals[*input].as_ref().expect("validated order").data();
-                    let y = match fc {
-                        Fc::F32 { fp16: true, .. } if !fp16_values[*input] => {
-                            let TensorData::F32(x) = x else { unreachable!("validated") };
-                            self.run_fc(fc, &TensorData::F32(htp_numerics::round_all(x.clone())), rows.unwrap_or(*m), *output)
-                        }
-                        _ => self.run_fc(fc, x, rows.unwrap_or(*m), *output),
-                    };
+                    let y = self.run_fc(fc, x, fp16_values[*input], rows.unwrap_or(*m), *output);
                     // (FP16 values too, but not marked: as a graph output the library's FP16 -> F32
                     // step was never modelled for them, and the stage graphs' proofs stand on that.)
                     fp16_values[*output] = false;
@@ -367,7 +370,6 @@ impl HostGraph {
                             }
                             let y = match spec.dtype {
                                 DType::F32 => TensorData::F32(y),
-                                DType::U16 => TensorData::U16(quantize_u16(&y, spec.quant.expect("validated"))),
                                 dtype => TensorData::from_f32(&y, dtype, spec.quant),
                             };
                             (out, Val::Result(Arc::new(y)))
@@ -376,12 +378,8 @@ impl HostGraph {
                 }
             };
             vals[out] = Some(y);
-            let read = match &self.steps[i] {
-                Step::Fc { input, .. } => vec![TensorId(*input)],
-                Step::Op(op) => op.inputs(),
-            };
-            for t in read {
-                if last_read[t.0] == i {
+            for t in step.inputs() {
+                if self.last_read[t.0] == i {
                     vals[t.0] = None;
                 }
             }
@@ -495,27 +493,6 @@ fn op_f32<'v>(g: &Graph, op: &Op, x: impl Fn(usize) -> Cow<'v, [f32]>) -> Vec<f3
     }
 }
 
-/// Quantizes `values` to u16 under `q` as [`TensorData::from_f32`] does (round half away from
-/// zero, saturate), without a call to `roundf` per value: the whole-layer graphs quantize every
-/// linear's input to u16.
-fn quantize_u16(values: &[f32], q: Quant) -> Vec<u16> {
-    // Clamped first to a range that rounds and shifts to the same saturated value; NaN becomes
-    // 0, as `round() as i64` makes it. Then every step is exact in i32 (|y| <= 2^17) and
-    // vectorizes: truncation, the exact fraction, half away from zero.
-    let (lo, hi, off) = (q.offset as f32 - 1.0, 65536.0 + q.offset as f32, q.offset);
-    values
-        .iter()
-        .map(|&v| {
-            let y = v / q.scale;
-            let y = if y.is_nan() { 0.0 } else { y.max(lo).min(hi) };
-            let a = y.abs();
-            let t = a as i32;
-            let r = t + (a - t as f32 >= 0.5) as i32;
-            let r = if y < 0.0 { -r } else { r };
-            (r - off).clamp(0, 65535) as u16
-        })
-        .collect()
-}
 /// The accumulators' allocation as the f32 values `each` wrote into it ([`dequantize_row`]
 /// rewrites every i32 as an f32's bits): the stage outputs are the largest buffers of a
 /// prefill, and a second one per GEMM would be written once and freed.
@@ -683,16 +660,6 @@ mod tests {
                 })
                 .collect();
             assert_eq!(transpose(&x, &shape, &perm), want, "{shape:?} by {perm:?}");
-        }
-    }
-
-    /// u16 quantization without `roundf` gives `from_f32`'s values: ties, saturation, NaN.
-    #[test]
-    fn quantize_u16_is_from_f32() {
-        let mut v: Vec<f32> = (0..200_000).map(|i| (i as f32 - 100_000.0) * 0.013).collect();
-        v.extend([0.5, 1.5, -0.5, 2.5 * 0.02, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30]);
-        for q in [Quant { scale: 0.02, offset: -32768 }, Quant { scale: 0.001, offset: 0 }, Quant { scale: 1.0, offset: -65535 }, Quant { scale: 0.5, offset: 7 }] {
-            assert_eq!(TensorData::U16(quantize_u16(&v, q)), TensorData::from_f32(&v, DType::U16, Some(q)), "{q:?}");
         }
     }
 
