@@ -81,6 +81,16 @@ pub enum KvType {
     F16,
 }
 
+impl KvType {
+    /// Bytes per value held.
+    pub fn size(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+}
+
 /// Keys or values of every head, `[kv_heads, capacity, head_dim]`, in the cache's [`KvType`].
 #[derive(Clone)]
 enum Store {
@@ -143,10 +153,9 @@ impl Store {
 
     /// Values `r` as f32, appended to `out`.
     fn read(&self, r: Range<usize>, out: &mut Vec<f32>) {
-        match self {
-            Store::F32(d) => out.extend_from_slice(&d[r]),
-            Store::F16(d) => out.extend(d[r].iter().map(|v| v.to_f32())),
-        }
+        let at = out.len();
+        out.resize(at + r.len(), 0.0);
+        self.read_into(r, &mut out[at..]);
     }
 
     /// Values `r` into `out` (as long), as f32.
@@ -231,11 +240,7 @@ impl KvCache {
 
     /// Bytes the values take (capacity included).
     pub fn bytes(&self) -> usize {
-        let per = match self.kind() {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
-        };
-        2 * self.heads * self.cap * self.head_dim * per
+        2 * self.heads * self.cap * self.head_dim * self.kind().size()
     }
 
     /// Append `n` tokens of `k`, `v` (`[n, kv_heads, head_dim]`); room for `reserve` tokens in
@@ -251,10 +256,8 @@ impl KvCache {
             let cap = need.max(reserve).max(self.cap + Self::GROW);
             let (len, old_cap) = (self.len, self.cap);
             let values = heads.checked_mul(cap).and_then(|x| x.checked_mul(head_dim));
-            let bytes_per = match self.kind() {
-                KvType::F32 => 8,
-                KvType::F16 => 4,
-            };
+            // Keys and values: two stores of `values`.
+            let bytes_per = 2 * self.kind().size() as u64;
             let oom = || Error::OutOfMemory {
                 what: format!("a layer's KV cache of {cap} tokens ({heads} KV heads of {head_dim})"),
                 bytes: values.map_or(u64::MAX, |n| bytes_per * n as u64),
