@@ -29,13 +29,10 @@ impl Model {
             }
         }
         let mut a16 = Vec::with_capacity(self.layers.len());
-        for (l, layer) in self.layers.iter_mut().enumerate() {
+        for l in 0..self.layers.len() {
             let mut row16 = [Quant::symmetric(1.0); N_STAGES];
-            for (s, lins) in layer.stages.iter_mut().enumerate() {
-                let p = profile.point(&point(l, STAGES[s].point))?;
-                for lin in lins.iter_mut() {
-                    lin.set_hot(if self.sched.plan == PrefillPlan::Stages { &p.hot } else { &[] })?;
-                }
+            for (s, stage) in STAGES.iter().enumerate() {
+                let p = profile.point(&point(l, stage.point))?;
                 row16[s] = Quant::u16_range(p.min, p.max);
             }
             a16.push(row16);
@@ -43,6 +40,7 @@ impl Model {
         self.graphs.retain(|k, _| k.1 == Precision::F32);
         self.a16 = a16;
         self.profile = Some(profile);
+        self.shadow_columns(self.sched.plan)?;
         self.points.clear();
         self.shadow_on.clear();
         self.set_shadow_layers(&vec![true; self.layers.len()])
