@@ -29,7 +29,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_npu::{Contexts, Graph, HtpConfig, NpuDevice, Origin, PreparedGraph, ProfilingLevel};
+use candle_npu::{Contexts, Graph, HtpConfig, NpuDevice, Origin, PreparedGraph, ProfilingLevel, WeightQuant};
 use candle_npu_models::{assets, CalibrationSet, LoadOptions, Pipeline, Precision, SchedOptions};
 use clap::Parser;
 
@@ -51,6 +51,17 @@ struct Args {
     /// Loads from the cache per way, each in a new executor: the median is reported.
     #[arg(long, default_value_t = 3)]
     load_rounds: usize,
+    /// `stages`: llm.npu's W8A8 stage graphs; `layers`: the HTP's default, each layer one graph
+    /// (shadow W8A16, a KV capacity of twice the first size).
+    #[arg(long, default_value = "stages")]
+    plan: String,
+    /// The NPU's weights: `int8` (per channel) or `lpbq` (4-bit, blocks of 32; `layers` only:
+    /// the HTP takes them from u16 activations).
+    #[arg(long, default_value = "int8")]
+    npu_weights: String,
+    /// Which ways to measure (numbers 1-4 of the table's order).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    ways: Vec<usize>,
 }
 
 /// One way of holding the graphs.
@@ -98,9 +109,20 @@ fn main() -> Result<()> {
     if !lib.exists() {
         bail!("{} absent: run scripts/setup.sh", lib.display());
     }
+    if !matches!(args.plan.as_str(), "stages" | "layers") || !matches!(args.npu_weights.as_str(), "int8" | "lpbq") {
+        bail!("--plan is stages or layers, --npu-weights int8 or lpbq");
+    }
+    if args.npu_weights == "lpbq" && args.plan == "stages" {
+        bail!("LPBQ weights need u16 activations: --plan layers");
+    }
+    if let Some(w) = args.ways.iter().find(|&&w| !(1..=WAYS.len()).contains(&w)) {
+        bail!("--ways {w}: ways are 1 to {}", WAYS.len());
+    }
     println!(
-        "W8A8 stage graphs of {:?} rows, SoC {}, QNN HTP {} (x86 emulator: bytes carry over to a phone, times do not)\n",
+        "{} graphs of {:?} rows, {} weights, SoC {}, QNN HTP {} (x86 emulator: bytes carry over to a phone, times do not)\n",
+        if args.plan == "layers" { "Whole-layer (shadow W8A16)" } else { "W8A8 stage" },
         args.sizes,
+        args.npu_weights,
         args.soc,
         lib.display()
     );
@@ -114,19 +136,24 @@ fn main() -> Result<()> {
 }
 
 fn measure(args: &Args, name: &str, path: &Path) -> Result<()> {
-    let opts = LoadOptions { precision: Some(Precision::W8A8), ..Default::default() };
+    let precision = if args.plan == "layers" { Precision::W8A16Shadow } else { Precision::W8A8 };
+    let weights = if args.npu_weights == "lpbq" { WeightQuant::Lpbq { block: 32 } } else { WeightQuant::PerChannel };
+    let opts = LoadOptions { precision: Some(precision), weights, ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts.clone())?;
     p.ensure_profile(None, CalibrationSet::default(), |i, n| eprint!("\rcalibrating {name} {i}/{n}"))?;
     let profile = p.model.profile().context("a profile")?.clone();
     let mut graphs: Vec<Graph> = Vec::new();
     for &m in &args.sizes {
         for l in 0..p.model.config().n_layer {
-            graphs.extend(p.model.layer_graphs(l, m, Precision::W8A8)?);
+            match args.plan.as_str() {
+                "layers" => graphs.push(p.model.layer_graph(l, m, 2 * args.sizes[0], precision)?),
+                _ => graphs.extend(p.model.layer_graphs(l, m, precision)?),
+            }
         }
     }
     let weights: f64 = graphs.iter().flat_map(|g| &g.tensors).filter(|t| t.data.is_some()).map(|t| t.size_in_bytes() as f64).sum();
     let tokens: Vec<u32> = (0..32).map(|i| 1000 + 37 * i).collect();
-    for (w, way) in WAYS.iter().enumerate() {
+    for (w, way) in WAYS.iter().enumerate().filter(|(w, _)| args.ways.contains(&(w + 1))) {
         let dir = std::env::temp_dir().join(format!("candle-npu-htp-contexts-{}-{name}-{w}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let config = HtpConfig {
@@ -171,7 +198,7 @@ fn measure(args: &Args, name: &str, path: &Path) -> Result<()> {
         let first = if args.first_chunk && !(way.weight_sharing && cfg!(target_arch = "x86_64")) {
             eprint!("\r{name}, {}: first chunk              ", way.name);
             let htp = NpuDevice::hexagon(config)?;
-            let sched = SchedOptions { small_chunks: args.sizes[1..].to_vec(), ..SchedOptions::for_device(&htp, Precision::W8A8) };
+            let sched = SchedOptions { small_chunks: args.sizes[1..].to_vec(), ..SchedOptions::for_device(&htp, precision) };
             let mut x = Pipeline::load(path, None, &htp, LoadOptions { chunk_len: Some(args.sizes[0]), sched: Some(sched), ..opts.clone() })?;
             x.model.set_profile(profile.clone())?;
             let t = Instant::now();

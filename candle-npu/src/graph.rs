@@ -138,6 +138,15 @@ impl StaticData {
     }
 }
 
+/// The block scales of an LPBQ weight `[N, K]` ([`TensorSpec::block_scales`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockScales {
+    /// Inputs per block (a divisor of `K`).
+    pub block: usize,
+    /// `[N, K / block]`, each in 1..=15 (4 bits: the HTP expands `value * scale` into 8 bits).
+    pub scales: Vec<u8>,
+}
+
 /// A fresh process-unique identity for constant data ([`Graph::set_data_id`]).
 pub fn next_data_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -166,6 +175,11 @@ pub struct TensorSpec {
     /// each output row's own range: measured on SmolLM2, per-tensor INT8 weights raise perplexity
     /// by 6.8%, per-channel by 0.35%.
     pub channel_scales: Option<Arc<Vec<f32>>>,
+    /// LPBQ (QNN's BLOCKWISE_EXPANSION) of a per-channel I8 weight: `data` holds the INT8 values
+    /// the HTP computes with, each a 4-bit value times its block's 4-bit scale
+    /// ([`crate::quant::Lpbq::expand`]); the HTP is given the 4-bit values and these scales, half
+    /// the bytes. Every executor computes the same INT8 weight; only the HTP's encoding differs.
+    pub block_scales: Option<Arc<BlockScales>>,
     /// A process-unique identity of a constant's data (see [`Graph::set_data_id`]): an executor
     /// that transforms constants (the host packs INT8 weights for its GEMM) keeps one transformed
     /// copy per identity, shared by every graph that uses it, whatever the graph's row count.
@@ -449,6 +463,7 @@ impl Graph {
             kind: TensorKind::Input,
             data: None,
             channel_scales: None,
+            block_scales: None,
             data_id: None,
         });
         self.inputs.push(id);
@@ -465,6 +480,7 @@ impl Graph {
             kind: TensorKind::Static,
             data: Some(data),
             channel_scales: None,
+            block_scales: None,
             data_id: None,
         })
     }
@@ -473,6 +489,14 @@ impl Graph {
     pub fn constant_per_channel(&mut self, name: &str, shape: &[usize], data: Arc<Vec<i8>>, scales: Arc<Vec<f32>>) -> TensorId {
         let id = self.constant(name, shape, StaticData::I8(data), None);
         self.tensors[id.0].channel_scales = Some(scales);
+        id
+    }
+
+    /// An LPBQ weight `[N, K]`: the INT8 per-channel weight `data` (under `scales`), each value a
+    /// multiple of its block's scale in `blocks` ([`TensorSpec::block_scales`]).
+    pub fn constant_lpbq(&mut self, name: &str, shape: &[usize], data: Arc<Vec<i8>>, scales: Arc<Vec<f32>>, blocks: Arc<BlockScales>) -> TensorId {
+        let id = self.constant_per_channel(name, shape, data, scales);
+        self.tensors[id.0].block_scales = Some(blocks);
         id
     }
 
@@ -492,6 +516,7 @@ impl Graph {
             kind: TensorKind::Intermediate,
             data: None,
             channel_scales: None,
+            block_scales: None,
             data_id: None,
         })
     }
@@ -584,6 +609,10 @@ impl Graph {
                 Some(s) => field(&mut h, &s.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect::<Vec<u8>>()),
                 None => field(&mut h, b"-"),
             }
+            match &t.block_scales {
+                Some(b) => field(&mut h, &[&(b.block as u64).to_le_bytes()[..], &b.scales].concat()),
+                None => field(&mut h, b"-"),
+            }
             // Constants are hashed in slices so that a 100 MB weight is never copied whole.
             fn words<const N: usize, T: Copy>(h: &mut Sha256, v: &[T], le: impl Fn(T) -> [u8; N]) {
                 h.update(((v.len() * N) as u64).to_le_bytes());
@@ -617,6 +646,35 @@ impl Graph {
 
     fn invalid_tensor(&self, shapes: String, reason: impl Into<String>) -> Error {
         Error::InvalidGraph { graph: self.name.clone(), op: "-".into(), shapes, reason: reason.into() }
+    }
+
+    /// An LPBQ weight: a per-channel I8 `[N, K]` constant whose every value is a 4-bit value
+    /// ([-8, 7]) times its block's scale (1..=15), over whole blocks of `K`.
+    fn validate_blocks(&self, t: &TensorSpec, b: &BlockScales) -> Result<()> {
+        let [n, k] = t.shape[..] else {
+            return Err(self.invalid_tensor(t.to_string(), "block scales need a weight [N, K]"));
+        };
+        if t.channel_scales.is_none() || b.block == 0 || k % b.block != 0 || b.scales.len() != n * (k / b.block) {
+            return Err(self.invalid_tensor(
+                t.to_string(),
+                format!("LPBQ needs per-channel scales and one block scale per {} inputs of each row ({} given)", b.block, b.scales.len()),
+            ));
+        }
+        let Some(StaticData::I8(q)) = &t.data else {
+            return Err(self.invalid_tensor(t.to_string(), "LPBQ needs I8 constant data"));
+        };
+        let blocks = k / b.block;
+        let bad = q.iter().enumerate().position(|(i, &v)| {
+            let s = b.scales[(i / k) * blocks + (i % k) / b.block] as i32;
+            !(1..=15).contains(&s) || v as i32 % s != 0 || !(-8..=7).contains(&(v as i32 / s))
+        });
+        match bad {
+            Some(i) => Err(self.invalid_tensor(
+                t.to_string(),
+                format!("value {} at [{}, {}] is not a 4-bit value times its block scale {} (1..=15)", q[i], i / k, i % k, b.scales[(i / k) * blocks + (i % k) / b.block]),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// What must hold before anything is looked up by id (a graph's fields are public, and the
@@ -709,6 +767,9 @@ impl Graph {
                     ));
                 }
             }
+            if let Some(b) = &t.block_scales {
+                self.validate_blocks(t, b)?;
+            }
             if t.dtype.is_quantized() && t.quant.is_none() && t.channel_scales.is_none() {
                 return Err(self.invalid_tensor(t.to_string(), "quantized tensor without scale/offset"));
             }
@@ -751,8 +812,11 @@ impl Graph {
                     if (w8a8 || w8a16) && x.quant.is_none() {
                         return Err(self.invalid(op, "a quantized input needs one scale and offset (per tensor)"));
                     }
-                    if w8a16 && (bias.is_some() || o.dtype != DType::F32) {
-                        return Err(self.invalid(op, "W8A16 takes no bias and has an F32 output (its accumulator exceeds 32 bits)"));
+                    if w8a16 && (bias.is_some() || !matches!(o.dtype, DType::F32 | DType::U16)) {
+                        return Err(self.invalid(op, "W8A16 takes no bias and has an F32 or U16 output (its accumulator exceeds 32 bits)"));
+                    }
+                    if w.block_scales.is_some() && !matches!(o.dtype, DType::U8 | DType::U16) {
+                        return Err(self.invalid(op, "LPBQ weights need a U8 or U16 output (the HTP refuses an F32 or I32 one)"));
                     }
                     if (w8a8 || w8a16) && w.quant.is_some_and(|q| q.offset != 0) {
                         return Err(self.invalid(op, "weights must be symmetric (offset 0)"));

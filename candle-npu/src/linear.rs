@@ -18,7 +18,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorId};
+use crate::graph::{BlockScales, DType, Graph, Op, Quant, StaticData, TensorId};
 use crate::device::PreparedGraph;
 use crate::kernels::gemv::{BlockFormat, BlockMatrix};
 use crate::kernels::{prefetch, PackedI8};
@@ -104,6 +104,30 @@ pub enum DecodeWeights {
 struct NpuWeight {
     int8: Int8,
     scales: Scales,
+    /// `WeightQuant::Lpbq`'s graph form: the INT8 values are 4-bit values times its block scales.
+    lpbq: Option<LpbqLayout>,
+}
+
+/// An LPBQ weight in graphs: its block scales, and the output rows of each FullyConnected it is
+/// cut into ([`lpbq_parts`]) with that part's data identity ([`Graph::set_data_id`]).
+struct LpbqLayout {
+    blocks: Arc<BlockScales>,
+    parts: Vec<(std::ops::Range<usize>, u64)>,
+}
+
+/// The output rows of the FullyConnected ops an LPBQ weight `[n, k]` is cut into: 256 each, the
+/// last the rest. Measured on the library (QNN 2.40's x86 HTP, SoC 57, u16 into u16,
+/// 2026-11-29; `htp_conformance`'s random weights): wider 4-bit FullyConnected ops are refused on
+/// some shapes (QNN 1002 at finalize, "could not create op": [576 -> 776], [640 -> 864], [896 ->
+/// 1152], [1536 -> 2048]) and run with wrong values on others, up to the whole output range off,
+/// with no pattern of size found ([896 -> 384], [896 -> 448], [1024 -> 448], [1152 -> 288],
+/// [1536 -> 288 .. 512], [2048 -> 640] wrong; [896 -> 512], [896 -> 896], [768 -> 448], [1120
+/// -> 1024] right). 256 outputs ran right for every input width tried (576 to 4864), and every
+/// real model's parts are proven on the library (`htp_conformance::lpbq_weights_on_the_library`).
+const LPBQ_PART_ROWS: usize = 256;
+
+fn lpbq_parts(n: usize) -> Vec<std::ops::Range<usize>> {
+    (0..n).step_by(LPBQ_PART_ROWS).map(|r| r..(r + LPBQ_PART_ROWS).min(n)).collect()
 }
 
 /// Where the INT8 values are held.
@@ -139,19 +163,20 @@ impl Scales {
 const Q8_0_BLOCK: usize = 34;
 
 impl NpuWeight {
-    fn quantize(w: &[f32], n: usize, k: usize, weights: WeightQuant) -> Result<(Vec<i8>, Scales)> {
+    fn quantize(w: &[f32], n: usize, k: usize, weights: WeightQuant) -> Result<(Vec<i8>, Scales, Option<Arc<BlockScales>>)> {
         Ok(match weights {
             WeightQuant::PerChannel | WeightQuant::PerChannelResidual => {
                 let (q, s) = quantize_weight_i8_per_channel(w, n, k);
-                (q, Scales::PerChannel(Arc::new(s)))
+                (q, Scales::PerChannel(Arc::new(s)), None)
             }
             WeightQuant::PerTensor => {
                 let (q, s) = quantize_weight_i8(w);
-                (q, Scales::PerTensor(s))
+                (q, Scales::PerTensor(s), None)
             }
             WeightQuant::Lpbq { block } => {
                 let l = quantize_weight_lpbq(w, n, k, block)?;
-                (l.expand(), Scales::PerChannel(Arc::new(l.channel_scales)))
+                let q = l.expand();
+                (q, Scales::PerChannel(Arc::new(l.channel_scales)), Some(Arc::new(BlockScales { block, scales: l.block_scales })))
             }
         })
     }
@@ -407,7 +432,7 @@ impl ShadowLinear {
         if let Some(i) = bias.iter().flatten().position(|v| !v.is_finite()) {
             return Err(Error::Input(format!("{name}: bias has a non-finite value at [{i}]")));
         }
-        let (q, scales) = NpuWeight::quantize(&data, n, k, weights).map_err(|e| match e {
+        let (q, scales, blocks) = NpuWeight::quantize(&data, n, k, weights).map_err(|e| match e {
             Error::Input(m) => Error::Input(format!("{name}: {m}")),
             e => e,
         })?;
@@ -457,7 +482,8 @@ impl ShadowLinear {
                 (Int8::Raw(Arc::new(q)), DecodeMatrix::F32(Tensor::from_vec(deq, (n, k), &Device::Cpu)?))
             }
         };
-        let npu = NpuWeight { int8, scales };
+        let lpbq = blocks.map(|blocks| LpbqLayout { blocks, parts: lpbq_parts(n).into_iter().map(|r| (r, crate::graph::next_data_id())).collect() });
+        let npu = NpuWeight { int8, scales, lpbq };
         let residual = match residual_data {
             Some(d) => {
                 let src = Arc::new(ResidualSource(source.clone()));
@@ -510,6 +536,7 @@ impl ShadowLinear {
                 g.set_data_id(w, self.float_id);
                 w
             }
+            _ if self.npu.lpbq.is_some() => return self.add_lpbq(g, suffix, x),
             _ => {
                 let w = match &self.npu.scales {
                     Scales::PerChannel(s) => g.constant_per_channel(&wname, &[self.n, self.k], self.npu.values()?, s.clone()),
@@ -527,6 +554,70 @@ impl ShadowLinear {
             }
             _ => y,
         })
+    }
+
+    /// [`Self::add_to_graph`] for an LPBQ weight. The HTP takes a 4-bit FullyConnected only into
+    /// an output of its input's type (u16: the HTP's default plan), so each part
+    /// ([`lpbq_parts`]) goes into U16 over the largest output its input's grid can give
+    /// ([`Self::lpbq_output_quant`]), is dequantized, and the parts are concatenated.
+    fn add_lpbq(&self, g: &mut Graph, suffix: &str, x: TensorId) -> Result<TensorId> {
+        let lpbq = self.npu.lpbq.as_ref().expect("an LPBQ weight");
+        let Scales::PerChannel(scales) = &self.npu.scales else {
+            return Err(Error::Internal(format!("{}: LPBQ without per-channel scales", self.name)));
+        };
+        let (name, m, k) = (format!("{}{suffix}", self.name), g.tensor(x).shape[0], self.k);
+        let q = self.npu.values()?;
+        let blocks = k / lpbq.blocks.block;
+        let mut out: Option<TensorId> = None;
+        for (i, (rows, id)) in lpbq.parts.iter().enumerate() {
+            let part = |what: &str| if lpbq.parts.len() == 1 { format!("{name}{what}") } else { format!("{name}.part{i}{what}") };
+            let w = g.constant_lpbq(
+                &part(".weight"),
+                &[rows.len(), k],
+                Arc::new(q[rows.start * k..rows.end * k].to_vec()),
+                Arc::new(scales[rows.clone()].to_vec()),
+                Arc::new(BlockScales { block: lpbq.blocks.block, scales: lpbq.blocks.scales[rows.start * blocks..rows.end * blocks].to_vec() }),
+            );
+            g.set_data_id(w, *id);
+            let quant = self.lpbq_output_quant(g.tensor(x), &q, rows.clone())?;
+            let yq = g.fully_connected(&part(".u16"), x, w, None, DType::U16, Some(quant));
+            let y = g.unary(&part(""), yq, DType::F32, None, |input, output| Op::Dequantize { input, output });
+            out = Some(match out {
+                None => y,
+                Some(a) => {
+                    let cols = g.tensor(a).shape[1] + rows.len();
+                    let what = if rows.end == self.n { name.clone() } else { format!("{name}.to{}", rows.end) };
+                    g.op(&what, DType::F32, None, |output| Op::Concat { a, b: y, axis: 1, output }, &[m, cols])
+                }
+            });
+        }
+        out.ok_or_else(|| Error::Internal(format!("{name}: an LPBQ weight of no rows")))
+    }
+
+    /// The U16 grid of LPBQ output rows `rows` ([`Self::add_lpbq`]): symmetric over
+    /// `max_n s_n * sum_k |q[n, k]| * max |x|`, the largest output any input on `x`'s grid can
+    /// give, so it never saturates (the shadow path adds what lies beyond the input's grid).
+    /// Its step is that bound over 32767: on a random `[576 -> 96]` weight 1/14 of the largest
+    /// output's own bound (the bound sums |w| where outputs sum signed terms), so about 12 bits
+    /// of the largest output, FP16's precision.
+    fn lpbq_output_quant(&self, x: &crate::graph::TensorSpec, q: &[i8], rows: std::ops::Range<usize>) -> Result<Quant> {
+        let xq = x.quant.ok_or_else(|| Error::Internal(format!("{}: a quantized input without scale/offset", self.name)))?;
+        let levels = match x.dtype {
+            DType::U16 => 65535.0,
+            DType::I8 => 127.0,
+            _ => 255.0,
+        };
+        let lo = (if x.dtype == DType::I8 { -128.0 } else { 0.0 } + xq.offset as f64) * xq.scale as f64;
+        let hi = (levels + xq.offset as f64) * xq.scale as f64;
+        let x_max = lo.abs().max(hi.abs());
+        let bound = q[rows.start * self.k..rows.end * self.k]
+            .chunks(self.k)
+            .zip(&self.row_scales[rows])
+            .map(|(row, &s)| row.iter().map(|&v| (v as i64).abs()).sum::<i64>() as f64 * s as f64)
+            .fold(0f64, f64::max)
+            * x_max;
+        let bound = if bound > 0.0 && bound.is_finite() { bound } else { 1.0 };
+        Ok(Quant { scale: (bound / 32767.0) as f32, offset: -32768 })
     }
 
     /// Reads cold columns from `graph`'s packed copy of this linear's INT8 weight while the graph

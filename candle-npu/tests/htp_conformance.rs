@@ -921,6 +921,69 @@ fn residual_int8_weights_on_the_library() {
     assert!(errors[1] < errors[0] / 4.0, "residual {:e} against INT8 {:e}", errors[1], errors[0]);
 }
 
+/// [`candle_npu::WeightQuant::Lpbq`] on the library, on every linear shape of the three real
+/// models: a 4-bit LPBQ weight (blocks of 32) as `ShadowLinear` builds it from u16 activations
+/// (the HTP's default plan; from u8 ones the library refuses a U16 output, qnn-sys'
+/// `fc_weight_encodings`): FullyConnected ops of at most 768 outputs (wider ones it refuses on
+/// some shapes), each into U16 over the bound no input on the grid can pass, dequantized and
+/// concatenated. The library, the exact host and the HTP numerics model (both computing the
+/// INT8 weight LPBQ expands into) agree to the output grid's step, and the output is the LPBQ
+/// weight's product: the 4-bit encoding is the one the HTP ran.
+#[test]
+fn lpbq_weights_on_the_library() {
+    use candle_npu::{DecodeWeights, InMemoryWeight, ShadowLinear, WeightQuant};
+    let Some(ex) = htp() else { return };
+    let m = 32;
+    // [K -> N]: SmolLM2 (q and o, k and v, gate and up, down), Gemma 3 270M, Qwen2.5-Coder-0.5B.
+    let shapes = [(576, 576), (576, 192), (576, 1536), (1536, 576), (640, 1024), (640, 256), (1024, 640), (640, 2048), (2048, 640), (896, 896), (896, 128), (896, 4864), (4864, 896)];
+    let mut rng = StdRng::seed_from_u64(45);
+    for (k, n) in shapes {
+        let w: Vec<f32> = (0..n * k).map(|i| rng.random_range(-0.05f32..0.05) * (1.0 + (i / k % 10) as f32)).collect();
+        let src = Arc::new(InMemoryWeight { name: "w".into(), w: Arc::new(w.clone()), n, k });
+        let lin = ShadowLinear::new("l", src, None, WeightQuant::Lpbq { block: 32 }, DecodeWeights::Q8_0).unwrap();
+        let lpbq = candle_npu::quant::quantize_weight_lpbq(&w, n, k, 32).unwrap().dequantize();
+        let xq = Quant::u16_range(-2.0, 2.0);
+        let mut g = Graph::new(format!("lpbq_{k}_{n}"));
+        let input = g.input("x", &[m, k], DType::U16, Some(xq));
+        let y = lin.add_to_graph(&mut g, "", input).unwrap();
+        g.mark_output(y);
+        // Each output column's grid step (parts have their own bounds).
+        let mut step = vec![0f32; n];
+        let mut col = 0;
+        for op in g.ops.iter().filter(|op| matches!(op, Op::FullyConnected { .. })) {
+            let t = g.tensor(op.output());
+            step[col..col + t.shape[1]].fill(t.quant.expect("a U16 output").scale);
+            col += t.shape[1];
+        }
+        assert_eq!(col, n, "the parts cover the outputs");
+        let xu: Vec<u16> = (0..m * k).map(|_| rng.random_range(0..=65535u16)).collect();
+        let xf: Vec<f32> = xu.iter().map(|&q| (q as f32 + xq.offset as f32) * xq.scale).collect();
+        let xs = TensorData::U16(xu);
+        let exact: Vec<f32> = (0..m * n).map(|i| (0..k).map(|c| xf[i / n * k + c] * lpbq[i % n * k + c]).sum()).collect();
+        let run = |e: &dyn Executor| match e.prepare(&g).unwrap_or_else(|e| panic!("{e}")).execute(&[&xs]).unwrap().remove(0) {
+            TensorData::F32(v) => v,
+            other => panic!("F32 output, got {:?}", other.dtype()),
+        };
+        let (lib, host, model) = (run(ex), run(&HostExecutor::new()), run(&HostExecutor::with_numerics(Numerics::Htp)));
+        // In steps of each output's grid, beyond the Dequantize's FP16 rounding of the value
+        // (2^-11 of it: a few steps where the grid's bound is far above the outputs).
+        let off = |a: &[f32], b: &[f32]| {
+            a.iter().zip(b).enumerate().fold(0f32, |worst, (i, (p, q))| worst.max(((p - q).abs() - fp16_step(q.abs())).max(0.0) / step[i % n]))
+        };
+        let max = exact.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let parts = g.ops.iter().filter(|op| matches!(op, Op::FullyConnected { .. })).count();
+        eprintln!(
+            "{}: {parts} part(s), step {:e} of largest output {max:e}: library {} steps beyond FP16 from the LPBQ product, host {}, model {}; library from model {}",
+            g.name, step[0], off(&lib, &exact), off(&host, &exact), off(&model, &exact), off(&lib, &model)
+        );
+        // The host rounds the exact product to the grid (half a step); the library is within
+        // the 0.71 steps `fc_weight_encodings` measured for LPBQ into u16.
+        assert!(off(&host, &exact) <= 0.5 + 1e-3, "{}: host {} steps", g.name, off(&host, &exact));
+        assert!(off(&lib, &exact) <= 1.0, "{}: library {} steps from the LPBQ product", g.name, off(&lib, &exact));
+        assert!(off(&lib, &model) <= 1.5, "{}: library {} steps from the model", g.name, off(&lib, &model));
+    }
+}
+
 /// RoPE inside a graph with the ops the HTP has: `x * cos + rotate(x) * sin`, where `rotate` is
 /// a FullyConnected with a constant matrix of ±1 (exact in FP16) that pairs each dimension with
 /// its partner: neighbours (GGUF's Llama layout) or halves (NeoX: Qwen, Gemma). The tables are

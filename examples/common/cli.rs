@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
-use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail};
+use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail, WeightQuant};
 use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, KvType, LoadOptions, Message, Pipeline, Precision, PrefillPlan, SchedOptions, StopReason};
 use candle_npu_models::pipeline::{default_profile_path, MAX_THREADS_PER_CORE};
 use clap::{Parser, ValueEnum};
@@ -48,6 +48,16 @@ enum QnnContexts {
 enum KvArg {
     F32,
     F16,
+}
+
+/// The NPU's weights (see `WeightQuant`).
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum NpuWeightsArg {
+    /// INT8, one scale per output channel.
+    Int8,
+    /// 4-bit LPBQ in blocks of 32 (half the NPU's weight bytes; requantized from a 4-bit file it
+    /// raises perplexity by a third on SmolLM2: docs/npu_weights.md).
+    Lpbq,
 }
 
 /// Weights of the CPU decode path (see `DecodeWeights`).
@@ -213,6 +223,9 @@ struct Args {
     /// `blk.3.ffn_down` (one layer's).
     #[arg(long, value_delimiter = ',')]
     residual: Vec<String>,
+    /// The NPU's weights: INT8 per channel, or 4-bit LPBQ (docs/npu_weights.md).
+    #[arg(long, value_enum, default_value = "int8")]
+    npu_weights: NpuWeightsArg,
     /// Weights of the CPU decode path (docs/memory.md, "Decode weights", has the measurements).
     #[arg(long, value_enum, default_value = "checkpoint")]
     decode_weights: DecodeFormat,
@@ -445,6 +458,10 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         chunk_len,
         sched: Some(sched),
         residual: args.residual.clone(),
+        weights: match args.npu_weights {
+            NpuWeightsArg::Int8 => WeightQuant::PerChannel,
+            NpuWeightsArg::Lpbq => WeightQuant::Lpbq { block: 32 },
+        },
         kv: match args.kv_cache {
             KvArg::F32 => KvType::F32,
             KvArg::F16 => KvType::F16,

@@ -341,6 +341,12 @@ impl Model {
         // Before the weights are read and quantized, not after.
         let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or_else(|| default_chunk_len(&device).min(cfg.context_len)), cfg.context_len)?;
         let precision = opts.precision.unwrap_or_else(|| Precision::for_device(&device));
+        if matches!(opts.weights, WeightQuant::Lpbq { .. }) && precision == Precision::W8A8 {
+            // Not offered on the host either: the host executor computes what the NPU would.
+            return Err(Error::Input(
+                "4-bit LPBQ weights need u16 activations (W8A16 or shadow W8A16, `--u16-activations`): the HTP takes a 4-bit weight from u8 activations only into an 8-bit output (docs/npu_weights.md)".into(),
+            ));
+        }
         let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device, precision));
         sched.validate(cfg.context_len)?;
         sched.check_precision(precision)?;

@@ -1093,6 +1093,8 @@ fn fc_weight_encodings_on(lib: &'static QnnLibrary, soc: u32) {
     // not packed.
     refused(lpbq(4, false, 4), u8_, f32_, "graphFinalize");
     refused(lpbq(4, false, 4), u16_, f32_, "graphFinalize");
+    // ... nor from u8 into u16 (2026-11-29): a 4-bit linear's output takes its input's width.
+    refused(lpbq(4, false, 4), u8_, u16_, "graphFinalize");
     refused(lpbq(4, true, 4), u16_, u16_, "tensorCreateGraphTensor");
     // 8-bit values, or 8-bit block scales, overflow the 8-bit expansion: they run, wrongly.
     for enc in [lpbq(8, false, 4), lpbq(4, false, 8)] {

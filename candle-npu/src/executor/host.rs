@@ -206,7 +206,8 @@ impl HostGraph {
             }
             Fc::W8A8 { w, x_quant, w_scale, signed_input, bias, .. } => {
                 if let TensorData::U16(x) = x {
-                    // W8A16 (validated: no bias, F32 output): exact i64 accumulator, scaled once.
+                    // W8A16 (validated: no bias; an F32 output, or U16 for LPBQ weights): exact i64
+                    // accumulator, scaled once.
                     let acc = w.matmul_u16(x, m, x_quant.offset);
                     let col: Vec<f64> = match w_scale {
                         WScale::PerTensor(s) => vec![x_quant.scale as f64 * *s as f64; w.n],
@@ -217,8 +218,11 @@ impl HostGraph {
                             return TensorData::F32(y);
                         }
                     };
-                    let y = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| (a as f64 * c) as f32));
-                    return TensorData::F32(y.collect());
+                    let y: Vec<f32> = acc.chunks_exact(w.n).flat_map(|row| row.iter().zip(&col).map(|(&a, &c)| (a as f64 * c) as f32)).collect();
+                    return match spec.dtype {
+                        DType::F32 => TensorData::F32(y),
+                        dtype => TensorData::from_f32(&y, dtype, spec.quant),
+                    };
                 }
                 // What each finished accumulator row becomes.
                 enum Finish<'a> {
