@@ -1125,6 +1125,38 @@ mod tests {
         g
     }
 
+    /// An LPBQ weight's values must be 4-bit values times their block's scale, into a U8 or U16
+    /// output; the fingerprint tells block scales apart.
+    #[test]
+    fn lpbq_weights_are_checked() {
+        let build = |values: Vec<i8>, scales: Vec<u8>, out: DType| {
+            let mut g = Graph::new("lpbq");
+            let x = g.input("x", &[2, 64], DType::U16, Some(Quant::u16_range(-1.0, 1.0)));
+            let blocks = Arc::new(BlockScales { block: 32, scales });
+            let w = g.constant_lpbq("w", &[2, 64], Arc::new(values), Arc::new(vec![0.1, 0.2]), blocks);
+            let y = g.fully_connected("y", x, w, None, out, (out == DType::U16).then(|| Quant::u16_range(-9.0, 9.0)));
+            g.mark_output(y);
+            g
+        };
+        // Block scales 3, 1 / 15, 2: values multiples of them within [-8, 7] of them.
+        let mut v: Vec<i8> = (0..128).map(|i| [-24i8, 21, -8, 7, -120, 105, -16, 14][(i / 32) * 2 + i % 2]).collect();
+        let scales = vec![3, 1, 15, 2];
+        build(v.clone(), scales.clone(), DType::U16).validate().unwrap();
+        let fp = build(v.clone(), scales.clone(), DType::U16).fingerprint();
+        assert_ne!(fp, build(v.iter().map(|&q| q / 3 * 3).collect::<Vec<_>>(), vec![3, 3, 15, 2], DType::U16).fingerprint());
+        let reason = |g: Graph| match g.validate() {
+            Err(Error::InvalidGraph { reason, .. }) => reason,
+            other => panic!("expected InvalidGraph, got {other:?}"),
+        };
+        assert!(reason(build(v.clone(), scales.clone(), DType::F32)).contains("U8 or U16 output"));
+        assert!(reason(build(v.clone(), vec![3, 1, 15], DType::U16)).contains("one block scale per 32"));
+        assert!(reason(build(v.clone(), vec![3, 1, 16, 2], DType::U16)).contains("1..=15"));
+        v[0] = -25; // the first block's scale is 3: not a multiple of it
+        assert!(reason(build(v.clone(), scales.clone(), DType::U16)).contains("at [0, 0]"));
+        v[0] = -27; // a multiple of 3, but -9 is not a 4-bit value
+        assert!(reason(build(v, scales, DType::U16)).contains("at [0, 0]"));
+    }
+
     #[test]
     fn valid_graphs_pass() {
         fc_graph(DType::F32, DType::F32).validate().unwrap();

@@ -877,7 +877,7 @@ mod tests {
         let src = weight(n, k);
         for wq in [WeightQuant::PerChannel, WeightQuant::PerTensor] {
             let lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Q8_0).unwrap();
-            let (want, scales) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq).unwrap();
+            let (want, scales, _) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq).unwrap();
             assert!(matches!(lin.npu.int8, Int8::Q8_0(_)), "K = 64 is whole blocks");
             assert_eq!(*lin.npu.values().unwrap(), want);
             // Decode multiplies by those values times the f16-rounded channel scale.
@@ -936,7 +936,7 @@ mod tests {
                 let src = block_source(format, n, k, false);
                 let lin = ShadowLinear::new("l", src.clone(), None, wq, DecodeWeights::Checkpoint).unwrap();
                 assert!(matches!(lin.npu.int8, Int8::Blocks(_)), "{format:?}");
-                let (want, _) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq).unwrap();
+                let (want, _, _) = NpuWeight::quantize(&src.matrix().unwrap(), n, k, wq).unwrap();
                 assert_eq!(*lin.npu.values().unwrap(), want, "{format:?} {wq:?}");
                 let cs = [0, 5, 31, 32, 200, 255];
                 let cols = lin.npu.columns(&cs, n, k).unwrap();
@@ -970,6 +970,39 @@ mod tests {
         // A block that does not divide the width is an input error naming the linear.
         let err = ShadowLinear::new("l", weight(3, 40), None, WeightQuant::Lpbq { block: 32 }, DecodeWeights::Q8_0).unwrap_err();
         assert!(matches!(&err, Error::Input(m) if m.starts_with("l: LPBQ")), "{err}");
+    }
+
+    /// An LPBQ linear's graph: FullyConnected ops of at most 256 outputs covering every row, each
+    /// into U16 over a bound no input on the grid passes; on the host it gives the LPBQ weight's
+    /// product within half a step of each part's grid. From u8 activations the host runs it
+    /// too (the HTP does not, `Model::load` refuses that plan).
+    #[test]
+    fn lpbq_graphs_cut_the_outputs_and_give_the_lpbq_product() {
+        use crate::executor::Executor;
+        use crate::graph::TensorData;
+        let (m, n, k) = (3, 600, 64);
+        let src = weight(n, k);
+        let lin = ShadowLinear::new("l", src.clone(), None, WeightQuant::Lpbq { block: 32 }, DecodeWeights::Q8_0).unwrap();
+        let lpbq = quantize_weight_lpbq(&src.matrix().unwrap(), n, k, 32).unwrap().dequantize();
+        let xq = Quant::u16_range(-3.0, 3.0);
+        let mut g = Graph::new("lpbq");
+        let x = g.input("x", &[m, k], DType::U16, Some(xq));
+        let y = lin.add_to_graph(&mut g, "", x).unwrap();
+        g.mark_output(y);
+        let fcs: Vec<&crate::graph::TensorSpec> = g.ops.iter().filter(|op| matches!(op, Op::FullyConnected { .. })).map(|op| g.tensor(op.output())).collect();
+        assert_eq!(fcs.iter().map(|t| t.shape[1]).collect::<Vec<_>>(), [256, 256, 88]);
+        let xs: Vec<u16> = (0..m * k).map(|i| (i * 7919 % 65536) as u16).collect();
+        let xf: Vec<f32> = xs.iter().map(|&q| (q as f32 + xq.offset as f32) * xq.scale).collect();
+        let got = crate::HostExecutor::new().prepare(&g).unwrap().execute(&[&TensorData::U16(xs)]).unwrap().remove(0);
+        let TensorData::F32(got) = got else { panic!("an F32 output") };
+        for (i, &v) in got.iter().enumerate() {
+            let (r, c) = (i / n, i % n);
+            let want: f32 = (0..k).map(|j| xf[r * k + j] * lpbq[c * k + j]).sum();
+            let step = fcs[c / 256].quant.unwrap().scale;
+            assert!((v - want).abs() <= 0.5 * step + 1e-4 * want.abs(), "[{r}, {c}]: {v} against {want} (step {step})");
+            // The bound holds every output of the grid's inputs, with room.
+            assert!(want.abs() < 32767.0 * step);
+        }
     }
 
     #[test]
