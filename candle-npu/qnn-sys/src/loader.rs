@@ -22,7 +22,9 @@ pub const ENV_ASSETS: &str = "CANDLE_NPU_ASSETS";
 /// The folders searched for `libQnnHtp.so`, in order:
 /// 1. `$CANDLE_NPU_QNN_LIB_DIR`;
 /// 2. `$CANDLE_NPU_ASSETS/qnn/onnxruntime_qnn` (where `scripts/setup.sh` unpacks the
-///    `onnxruntime-qnn` wheel; its sibling `onnxruntime_qnn.libs` must stay next to it, for RPATH);
+///    `onnxruntime-qnn` wheel; its sibling `onnxruntime_qnn.libs` must stay next to it, for RPATH),
+///    or `assets/qnn/onnxruntime_qnn` in the current folder when the variable is unset (the models'
+///    default too: a binary run from the checkout finds both);
 /// 3. the running program's own folder (an app shipped with its QNN libraries beside it);
 /// 4. each folder of `LD_LIBRARY_PATH` (as a QNN SDK's `envsetup.sh`, or an Android shell, sets it).
 ///
@@ -32,7 +34,7 @@ pub fn lib_dir_candidates() -> Vec<PathBuf> {
     let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
     let mut dirs = vec![];
     dirs.extend(var(ENV_QNN_LIB_DIR).map(PathBuf::from));
-    dirs.extend(var(ENV_ASSETS).map(|a| PathBuf::from(a).join("qnn").join("onnxruntime_qnn")));
+    dirs.push(var(ENV_ASSETS).map_or_else(|| PathBuf::from("assets"), PathBuf::from).join("qnn").join("onnxruntime_qnn"));
     dirs.extend(std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)));
     if let Some(paths) = var("LD_LIBRARY_PATH") {
         dirs.extend(std::env::split_paths(&paths).filter(|p| !p.as_os_str().is_empty()));
