@@ -102,6 +102,10 @@ struct Args {
     /// The linears of the chat section's `residual` rows that hold INT8 plus an INT8 residual.
     #[arg(long, value_delimiter = ',', default_value = "attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down")]
     chat_residual: Vec<String>,
+    /// The htp section's LPBQ row: the linears holding 4-bit LPBQ weights (names as for
+    /// `--chat-residual`); default every linear.
+    #[arg(long, value_delimiter = ',')]
+    lpbq: Vec<String>,
     /// The chat section's `residual` row once per layer, with only that layer's linears of
     /// `--chat-residual` holding the residual: which layers carry the INT8 weights' drift.
     #[arg(long)]
@@ -648,10 +652,16 @@ fn main() -> Result<()> {
         }
         // 4-bit NPU weights (issue 49): LPBQ in blocks of 32, the only blockwise form the HTP
         // takes, requantized from the file (docs/npu_weights.md), on the same plan.
-        let mut w4 = load(&model_path, &NpuDevice::host_with(Numerics::Htp), Precision::W8A16Shadow, WeightQuant::Lpbq { block: 32 })?;
+        let kv = KV.get().copied().unwrap_or_default();
+        let (weights, lpbq, which) = match args.lpbq.is_empty() {
+            true => (WeightQuant::Lpbq { block: 32 }, vec![], "every linear".to_string()),
+            false => (WeightQuant::PerChannel, args.lpbq.clone(), args.lpbq.join(", ")),
+        };
+        let opts = LoadOptions { precision: Some(Precision::W8A16Shadow), decode_weights: DecodeWeights::Q8_0, weights, lpbq, kv, ..Default::default() };
+        let mut w4 = Pipeline::load(&model_path, None, &NpuDevice::host_with(Numerics::Htp), opts)?;
         w4.model.set_profile(shadow.clone())?;
         w4.model.set_sched(SchedOptions { tail: Tail::Pad, plan: PrefillPlan::Layers, ..Default::default() })?;
-        htp_rows.push(suite.row(&format!("HTP numerics, the default plan with LPBQ 4-bit weights (chunks of {})", args.chunk_len), &mut w4, Path::Npu)?);
+        htp_rows.push(suite.row(&format!("HTP numerics, the default plan with LPBQ 4-bit weights on {which} (chunks of {})", args.chunk_len), &mut w4, Path::Npu)?);
     }
 
     // The pruning curve, on held-out Wikipedia.

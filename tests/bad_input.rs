@@ -73,6 +73,21 @@ fn residual_weights_for_an_unknown_linear_are_refused_with_the_names() {
 }
 
 #[test]
+fn lpbq_weights_are_refused_for_unknown_linears_beside_a_residual_and_with_u8_activations() {
+    let dir = scratch("lpbq");
+    let path = write_gguf(&dir.join("m.gguf"), |_, _| {});
+    let names = |n: &[&str]| n.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+    let with = |lpbq: &[&str], residual: &[&str], precision| LoadOptions { lpbq: names(lpbq), residual: names(residual), precision: Some(precision), ..float_opts() };
+    let open = || Arc::new(Gguf::open(&path).unwrap());
+    let load = |o| families::load_gguf(open(), &NpuDevice::host(), o);
+    error_naming(load(with(&["ffn_upp"], &[], Precision::W8A16Shadow)), "LPBQ weights for 'ffn_upp'", None);
+    error_naming(load(with(&["ffn_up"], &["ffn_up"], Precision::W8A16Shadow)), "'ffn_up' is asked for both LPBQ and residual", None);
+    error_naming(load(with(&["ffn_up"], &[], Precision::W8A8)), "4-bit LPBQ weights need u16 activations", None);
+    load(with(&["ffn_up", "blk.0.attn_q"], &["ffn_down"], Precision::W8A16Shadow)).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
 fn damaged_model_metadata_is_an_error_naming_it() {
     let dir = scratch("md");
     type Edit = fn(&mut Metadata, &mut Tensors);

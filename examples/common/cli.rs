@@ -50,16 +50,6 @@ enum KvArg {
     F16,
 }
 
-/// The NPU's weights (see `WeightQuant`).
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum NpuWeightsArg {
-    /// INT8, one scale per output channel.
-    Int8,
-    /// 4-bit LPBQ in blocks of 32 (half the NPU's weight bytes; requantized from a 4-bit file it
-    /// raises perplexity by a third on SmolLM2: docs/npu_weights.md).
-    Lpbq,
-}
-
 /// Weights of the CPU decode path (see `DecodeWeights`).
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum DecodeFormat {
@@ -223,9 +213,11 @@ struct Args {
     /// `blk.3.ffn_down` (one layer's).
     #[arg(long, value_delimiter = ',')]
     residual: Vec<String>,
-    /// The NPU's weights: INT8 per channel, or 4-bit LPBQ (docs/npu_weights.md).
-    #[arg(long, value_enum, default_value = "int8")]
-    npu_weights: NpuWeightsArg,
+    /// Linears whose NPU weight is 4-bit LPBQ (half INT8's bytes; needs `--u16-activations` or
+    /// the HTP's default plan; requantized from a 4-bit file it costs perplexity:
+    /// docs/npu_weights.md), named as for `--residual`, or `all`.
+    #[arg(long, value_delimiter = ',')]
+    lpbq: Vec<String>,
     /// Weights of the CPU decode path (docs/memory.md, "Decode weights", has the measurements).
     #[arg(long, value_enum, default_value = "checkpoint")]
     decode_weights: DecodeFormat,
@@ -458,10 +450,11 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         chunk_len,
         sched: Some(sched),
         residual: args.residual.clone(),
-        weights: match args.npu_weights {
-            NpuWeightsArg::Int8 => WeightQuant::PerChannel,
-            NpuWeightsArg::Lpbq => WeightQuant::Lpbq { block: 32 },
+        weights: match args.lpbq.iter().any(|l| l == "all") {
+            true => WeightQuant::Lpbq { block: 32 },
+            false => WeightQuant::PerChannel,
         },
+        lpbq: args.lpbq.iter().filter(|l| *l != "all").cloned().collect(),
         kv: match args.kv_cache {
             KvArg::F32 => KvType::F32,
             KvArg::F16 => KvType::F16,

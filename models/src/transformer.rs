@@ -123,6 +123,11 @@ pub struct LoadOptions {
     /// whose NPU weight is INT8 plus an INT8 residual ([`WeightQuant::PerChannelResidual`]:
     /// about INT16's error, twice the bytes and MACs), whatever `weights` says. Empty by default.
     pub residual: Vec<String>,
+    /// Linears (named as in `residual`) whose NPU weight is 4-bit LPBQ in blocks of 32
+    /// ([`WeightQuant::Lpbq`]: half INT8's NPU bytes; requantized from a 4-bit file it costs
+    /// perplexity, `docs/npu_weights.md`), whatever `weights` says. Empty by default; with u16
+    /// activations only.
+    pub lpbq: Vec<String>,
     /// Rows of the NPU graphs a prompt is cut into (the chunk-sharing length), 1 up to the
     /// model's context: checked at load. `None`: [`default_chunk_len`] of the device, or the
     /// model's context where that is shorter. A smaller length pads less on short prompts, a larger one pays the NPU's
@@ -140,7 +145,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: None, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, residual: vec![], chunk_len: None, sched: None, layers: None, kv: KvType::F32 }
+        LoadOptions { precision: None, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, residual: vec![], lpbq: vec![], chunk_len: None, sched: None, layers: None, kv: KvType::F32 }
     }
 }
 
@@ -331,17 +336,22 @@ impl Model {
             Some((l, role)) => l.parse::<usize>().is_ok_and(|l| l < cfg.n_layer) && roles.contains(&role),
             None => roles.contains(&r),
         };
-        if let Some(bad) = opts.residual.iter().find(|r| !known(r)) {
-            return Err(Error::Input(format!(
-                "residual weights for '{bad}': a layer's linears are {}, in every layer, or one layer's as blk.L.<linear> with L below {}",
-                roles.join(", "),
-                cfg.n_layer
-            )));
+        for (what, list) in [("residual", &opts.residual), ("LPBQ", &opts.lpbq)] {
+            if let Some(bad) = list.iter().find(|r| !known(r)) {
+                return Err(Error::Input(format!(
+                    "{what} weights for '{bad}': a layer's linears are {}, in every layer, or one layer's as blk.L.<linear> with L below {}",
+                    roles.join(", "),
+                    cfg.n_layer
+                )));
+            }
+        }
+        if let Some(both) = opts.lpbq.iter().find(|r| opts.residual.contains(r)) {
+            return Err(Error::Input(format!("'{both}' is asked for both LPBQ and residual weights: one form per linear")));
         }
         // Before the weights are read and quantized, not after.
         let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or_else(|| default_chunk_len(&device).min(cfg.context_len)), cfg.context_len)?;
         let precision = opts.precision.unwrap_or_else(|| Precision::for_device(&device));
-        if matches!(opts.weights, WeightQuant::Lpbq { .. }) && precision == Precision::W8A8 {
+        if (matches!(opts.weights, WeightQuant::Lpbq { .. }) || !opts.lpbq.is_empty()) && precision == Precision::W8A8 {
             // Not offered on the host either: the host executor computes what the NPU would.
             return Err(Error::Input(
                 "4-bit LPBQ weights need u16 activations (W8A16 or shadow W8A16, `--u16-activations`): the HTP takes a 4-bit weight from u8 activations only into an 8-bit output (docs/npu_weights.md)".into(),
@@ -386,9 +396,11 @@ impl Model {
                     true => Some(vector(format!("{full}.bias"))?.to_vec1::<f32>()?),
                     false => None,
                 };
-                let weights = match opts.residual.iter().any(|r| r == def.name || *r == full) {
-                    true => WeightQuant::PerChannelResidual,
-                    false => opts.weights,
+                let named = |list: &[String]| list.iter().any(|r| r == def.name || *r == full);
+                let weights = match (named(&opts.residual), named(&opts.lpbq)) {
+                    (true, _) => WeightQuant::PerChannelResidual,
+                    (_, true) => WeightQuant::Lpbq { block: 32 },
+                    _ => opts.weights,
                 };
                 ShadowLinear::new(full, src, b, weights, opts.decode_weights)
             };
