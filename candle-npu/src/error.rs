@@ -176,8 +176,41 @@ pub enum Error {
     },
 }
 
+/// So that `?` on a `candle_npu` call works in a function returning `candle_core::Result`, as a
+/// candle model's constructors and forwards do (`candle_npu::nn` layers in a candle model): a
+/// candle error comes back as itself, every other one wrapped (its message kept).
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Candle(e) => e,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
 impl Error {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io { path: path.into(), source }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    /// A candle function can `?` this crate's errors: candle's own come back unchanged, the
+    /// others keep their message.
+    #[test]
+    fn errors_convert_into_candle_errors() {
+        fn candle_side(e: Error) -> candle_core::Result<()> {
+            Err(e)?;
+            Ok(())
+        }
+        let msg = candle_side(Error::Input("a prompt of 0 tokens".into())).unwrap_err().to_string();
+        assert!(msg.contains("a prompt of 0 tokens"), "{msg}");
+        let shape = candle_core::Tensor::zeros((2, 3), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap().reshape((4, 2)).unwrap_err();
+        let want = shape.to_string();
+        let back = candle_side(Error::Candle(shape)).unwrap_err();
+        assert_eq!(back.to_string(), want);
     }
 }
