@@ -466,3 +466,28 @@ fn an_interactive_turn_cut_by_the_full_context_says_so() {
     assert!(err.contains("new tokens after") && err.contains("tokens is full; the conversation ends here"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `--interactive` without `--prompt` waits for the user: the first line typed is the first turn
+/// (no built-in question answered first), and no line at all is an error saying so.
+#[test]
+fn interactive_without_a_prompt_takes_the_first_turn_from_stdin() {
+    use std::io::Write;
+    let dir = scratch("interactive-first");
+    let (model, tok) = props::tiny_model_files(&dir);
+    let run = |input: &[u8]| {
+        let args = ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "4", "--interactive"];
+        let mut child = Command::new(llama_example()).args(args).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, out, err) = run(b"hello there\nand more\n");
+    assert!(ok, "{err}");
+    assert!(!out.contains("capital of France"), "answered the built-in question: {out}");
+    // The first turn's statistics, then the second turn's (prefilling only its own tokens).
+    assert!(out.contains("prompt tokens processed"), "{out}");
+    assert!(err.contains("new tokens after"), "the second turn: {err}");
+    let (ok, _, err) = run(b"");
+    assert!(!ok && err.contains("no first turn typed"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -133,8 +133,10 @@ struct Args {
     /// tokenizer.json to use instead of the GGUF's own tokenizer.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    #[arg(long, default_value = "What is the capital of France?")]
-    prompt: String,
+    /// The first turn (default: "What is the capital of France?", or with `--interactive` the
+    /// first line typed).
+    #[arg(long)]
+    prompt: Option<String>,
     /// Tokens to generate (0: the prefill alone, e.g. to time it).
     #[arg(long, short = 'n', default_value_t = 64)]
     sample_len: usize,
@@ -477,7 +479,19 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
 
     // The prompt and the options checked against the model before the calibration, which can
     // take minutes.
-    let tokens = p.encode_with(&args.prompt, !args.no_chat_template, args.parse_special)?;
+    let mut input = std::io::stdin().lock();
+    let prompt = match (&args.prompt, args.interactive) {
+        (Some(prompt), _) => prompt.clone(),
+        (None, false) => DEFAULT_PROMPT.to_string(),
+        (None, true) => {
+            eprint!("> ");
+            match read_turn(&mut input, 1) {
+                Some(line) => line,
+                None => bail!("no first turn typed (an empty line or end of input ends the conversation)"),
+            }
+        }
+    };
+    let tokens = p.encode_with(&prompt, !args.no_chat_template, args.parse_special)?;
     let context = p.model.config().context_len;
     p.model.plan(tokens.len()).context("the prompt")?;
 
@@ -535,9 +549,9 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     if args.no_chat_template {
         p.jinja = None;
         p.template = candle_npu_models::chat::ChatTemplate::None;
-        print!("{}", args.prompt);
-    } else {
-        println!("> {}", args.prompt);
+        print!("{prompt}");
+    } else if args.prompt.is_some() || !args.interactive {
+        println!("> {prompt}");
     }
     let gen = GenerateOptions {
         sample_len: args.sample_len,
@@ -561,7 +575,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         Some(path) => p.restore_session(path)?,
         None => p.session(),
     };
-    let first: Vec<Message> = args.system.iter().map(Message::system).chain([Message::user(&args.prompt)]).collect();
+    let first: Vec<Message> = args.system.iter().map(Message::system).chain([Message::user(&prompt)]).collect();
     let print = |text: &str| {
         print!("{text}");
         let _ = std::io::stdout().flush();
@@ -570,31 +584,14 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     let (_, stats) = session.chat(&mut p, &first, &gen, print)?;
     println!();
     if args.interactive {
-        let (mut bytes, mut n) = (Vec::new(), 0);
-        let mut input = std::io::stdin().lock();
+        let mut n = if args.prompt.is_some() { 0 } else { 1 };
         loop {
             eprint!("> ");
-            bytes.clear();
             n += 1;
-            // Bytes, then text: a line that is not UTF-8 (or a read that fails) ends the
-            // conversation as a failed turn does, and it is still saved below.
-            let line = match std::io::BufRead::read_until(&mut input, b'\n', &mut bytes).map(|_| std::str::from_utf8(&bytes)) {
-                Ok(Ok(line)) => line,
-                Ok(Err(e)) => {
-                    eprintln!("error: standard input, line {n}: not UTF-8 text (invalid byte 0x{:02x} at byte {}); the conversation ends here", bytes[e.valid_up_to()], e.valid_up_to() + 1);
-                    break;
-                }
-                Err(e) => {
-                    eprintln!("error: reading standard input: {e}; the conversation ends here");
-                    break;
-                }
-            };
-            if line.trim().is_empty() {
-                break;
-            }
+            let Some(line) = read_turn(&mut input, n) else { break };
             // A turn that fails (a prompt too long for what is left of the context, say) ends
             // the conversation, which is still saved below.
-            match session.send(&mut p, line.trim_end_matches(['\r', '\n']), &gen, print) {
+            match session.send(&mut p, &line, &gen, print) {
                 Ok((_, s)) => {
                     println!();
                     eprintln!("({} new tokens after {} kept; first token after {:.2}s)", s.prompt_tokens, s.cached_tokens, s.ttft.as_secs_f64());
@@ -678,5 +675,30 @@ QNN profile (QNN's own times; on x86 these are emulator times):"
     println!("|---|---|---|---|---|");
     for (stage, (n, prep, execs, exec)) in stages {
         println!("| {stage} | {n} | {:.1} | {execs} | {:.1} |", prep as f64 / 1e3, exec as f64 / 1e3);
+    }
+}
+
+/// The first turn when none is given.
+const DEFAULT_PROMPT: &str = "What is the capital of France?";
+
+/// Line `n` of standard input as a turn, without its line end; `None` for an empty line or the
+/// end of input (the conversation's end). Bytes, then text: a line that is not UTF-8 (or a read
+/// that fails) ends the conversation too, said on stderr, as a failed turn does.
+fn read_turn(input: &mut impl std::io::BufRead, n: usize) -> Option<String> {
+    let mut bytes = Vec::new();
+    let line = match input.read_until(b'\n', &mut bytes).map(|_| std::str::from_utf8(&bytes)) {
+        Ok(Ok(line)) => line,
+        Ok(Err(e)) => {
+            eprintln!("error: standard input, line {n}: not UTF-8 text (invalid byte 0x{:02x} at byte {}); the conversation ends here", bytes[e.valid_up_to()], e.valid_up_to() + 1);
+            return None;
+        }
+        Err(e) => {
+            eprintln!("error: reading standard input: {e}; the conversation ends here");
+            return None;
+        }
+    };
+    match line.trim().is_empty() {
+        true => None,
+        false => Some(line.trim_end_matches(['\r', '\n']).to_string()),
     }
 }
