@@ -761,9 +761,10 @@ mod x86 {
         }
     }
 
-    /// An f16 (its bits) as f32, with F16C's `vcvtph2ps`: exact, subnormals included.
+    /// An f16 (its bits) as f32, with F16C's `vcvtph2ps`: exact, subnormals included. The
+    /// x86_64 kernels' one conversion of a block's f16 scales (`formats` uses it too).
     #[inline(always)]
-    unsafe fn f16_to_f32(bits: u16) -> f32 {
+    pub(super) unsafe fn f16_to_f32(bits: u16) -> f32 {
         // SAFETY: the caller has F16C.
         unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
     }

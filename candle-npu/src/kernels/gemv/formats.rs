@@ -194,7 +194,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::super::hsum8 as hsum;
-    use super::super::x86::PREFETCH;
+    use super::super::x86::{f16_to_f32, PREFETCH};
     use super::{k_scales, Kind, Q8Activation, QK};
 
     /// # Safety
@@ -303,12 +303,6 @@ mod x86 {
             let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
             _mm256_and_si256(set, _mm256_set1_epi8(0x10))
         }
-    }
-
-    #[inline(always)]
-    unsafe fn f16_to_f32(bits: u16) -> f32 {
-        // SAFETY: the caller has F16C.
-        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
     }
 
     /// A Q4_0 or Q5_0 block's products with the activation block at `xq`, as f32: with `VNNI`,
