@@ -510,7 +510,7 @@ fn main() -> Result<()> {
     }
     // Checked before the minutes of evaluation the plot comes after.
     if do_curve {
-        candle_npu::cache::check_writable(&args.png).with_context(|| format!("--png {}", args.png.display()))?;
+        candle_npu::fs::check_writable(&args.png).with_context(|| format!("--png {}", args.png.display()))?;
     }
     if !do_rows {
         args.mmlu_per_subject = 0; // the F32 row still runs, for the reference perplexities
@@ -840,7 +840,7 @@ fn chat(args: &Args, model_path: &std::path::Path, f32p: &mut Pipeline, bar: &Pr
     let refs = chat_section::references(f32p, &convs, bar)?;
     if let Some(path) = &args.chat_dump {
         let text = serde_json::to_string(&chat_section::dump(model_path, f32p, &convs, &refs)?)?;
-        candle_npu::cache::write_atomic(path, |f| std::io::Write::write_all(f, text.as_bytes()))?;
+        candle_npu::fs::write_atomic(path, |f| std::io::Write::write_all(f, text.as_bytes()))?;
     }
     let mut rows = chat_section::rows(model_path, &profiles, &refs, f32p, &args.chat_rows, &args.chat_residual, bar)?;
     if args.chat_residual_by_layer {

@@ -256,8 +256,8 @@ fn bad_quant_profiles_are_errors_that_leave_the_model_as_it_was() {
     // Saving into a folder that does not exist: an error naming the path, no file left behind.
     let nowhere = dir.join("no/such/folder/p.json");
     error_naming(good.save(&nowhere), "no/such/folder/p.json", None);
-    error_naming(candle_npu::cache::check_writable(&nowhere), "no/such/folder/p.json", None);
-    error_naming(candle_npu::cache::check_writable(&dir), "is a folder", None);
+    error_naming(candle_npu::fs::check_writable(&nowhere), "no/such/folder/p.json", None);
+    error_naming(candle_npu::fs::check_writable(&dir), "is a folder", None);
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -60,11 +60,11 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::fs::{remove_stale_temporaries, temp_target, write_atomic};
 
 const MAGIC: &[u8; 8] = b"CNPUGRF2";
 /// Side tables are a handful of tensor ids; anything larger is a corrupt length field.
@@ -73,10 +73,7 @@ const MAX_META: u32 = 1 << 16;
 /// address space, so no usable one is larger (SmolLM2's largest graph is 2.6 MB; an FFN layer of
 /// a 70B model, 8192 x 28672 x 2 INT8 weights, 470 MB).
 pub const ENTRY_LIMIT: u64 = 4 << 30;
-/// Age after which a temporary file of an interrupted write is deleted: an hour. A write is one
-/// context binary, at most [`ENTRY_LIMIT`], from memory to a local disk: seconds, a minute on a
-/// slow card; its file's modification time moves with every write, so an hour-old one is dead.
-pub const STALE_TEMP_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+pub use crate::fs::STALE_TEMP_AGE;
 /// The bytes of entries a cache folder keeps by default: 16 GiB. The default folder is the
 /// user's, shared by every model run: this holds the contexts of several (a 3B model's INT8
 /// weights at two graph sizes, without the HTP's weight sharing, are about 6 GB) and keeps a
@@ -180,8 +177,6 @@ pub struct GraphCache {
     /// Bytes of entries kept (see the module's "Size").
     limit: u64,
 }
-
-static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl GraphCache {
     /// A cache in `dir`; the folder is created by the first [`store`](Self::store). Temporary
@@ -309,110 +304,6 @@ impl GraphCache {
     }
 }
 
-/// Deletes the regular files in `dir` whose names `is_temp` takes for [`write_atomic`]'s
-/// temporary files and that were last modified more than [`STALE_TEMP_AGE`] ago: a writer
-/// killed mid-write (SIGKILL, power loss) left them. `what` names the files in the log. Never
-/// fails: a file that cannot be deleted is a warning.
-fn remove_stale_temporaries(dir: &Path, is_temp: impl Fn(&str) -> bool, what: &str) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return; // No folder yet, or unreadable: the write or read that follows will say.
-    };
-    let (mut files, mut bytes) = (0u64, 0u64);
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        if !name.to_str().is_some_and(&is_temp) {
-            continue;
-        }
-        // Not followed: only a regular file of that name is a temporary file of ours.
-        let Ok(meta) = entry.metadata() else { continue };
-        let stale = meta.modified().ok().and_then(|m| m.elapsed().ok()).is_some_and(|age| age > STALE_TEMP_AGE);
-        if !meta.file_type().is_file() || !stale {
-            continue;
-        }
-        match std::fs::remove_file(entry.path()) {
-            Ok(()) => {
-                files += 1;
-                bytes += meta.len();
-            }
-            // Another process may have just removed it too.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(path = %entry.path().display(), "{what}: cannot delete a stale temporary file: {e}"),
-        }
-    }
-    if files > 0 {
-        tracing::info!(dir = %dir.display(), files, bytes, "{what}: deleted the temporary files of interrupted writes");
-    }
-}
-
-/// Write `path` atomically: `write` fills a temporary file in the same folder, which is synced
-/// and renamed into place, so a reader never sees half a file. The temporary name is unique per
-/// process, writer and moment (two containers sharing the folder can have the same pid), and
-/// `create_new` refuses to reuse a name rather than truncate another writer's. Temporary files
-/// of `path` that killed writers left (over [`STALE_TEMP_AGE`] old) are deleted first, as the
-/// graph cache deletes its own.
-///
-/// A file-size limit (`ulimit -f`) is a write error naming `path`, not a SIGXFSZ that ends the
-/// process: the signal is set to be ignored (once, for the process) before the first write.
-///
-/// Only a regular file at `path` is replaced: a folder, a symbolic link (the rename would
-/// replace the link itself), a device (as root, `/dev/null` would become a file), a FIFO or a
-/// socket there is an error naming the path and what is there, checked before writing and again
-/// before the rename. [`crate::fs::check_output_path`] checks the same before long work.
-pub fn write_atomic(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> std::io::Result<()>) -> Result<()> {
-    let replaceable = || match crate::fs::not_replaceable(path) {
-        Ok(None) => Ok(()),
-        Ok(Some(what)) => Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: not replaced"))),
-        Err(e) => Err(e),
-    };
-    replaceable().map_err(|e| Error::io(path, e))?;
-    ignore_sigxfsz();
-    if let Some(target) = path.file_name().and_then(|n| n.to_str()) {
-        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        remove_stale_temporaries(dir, |name| temp_target(name) == Some(target), "atomic write");
-    }
-    let tmp = temp_path(path);
-    let run = || -> std::io::Result<()> {
-        let file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-        let mut f = std::io::BufWriter::new(file);
-        write(&mut f)?;
-        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        replaceable()?;
-        std::fs::rename(&tmp, path)
-    };
-    run().map_err(|e| {
-        if e.kind() != std::io::ErrorKind::AlreadyExists {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        Error::io(path, e)
-    })
-}
-
-/// A temporary name next to `path`, unique per process, writer and moment (two containers
-/// sharing the folder can have the same pid).
-fn temp_path(path: &Path) -> PathBuf {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    dir.join(format!(
-        ".{}.tmp.{}.{}.{nanos}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
-        std::process::id(),
-        TMP_SEQ.fetch_add(1, Ordering::Relaxed)
-    ))
-}
-
-/// The file a temporary file [`temp_path`] made is for, from its name
-/// `.<file>.tmp.<pid>.<seq>.<nanos>` (the three numbers in decimal digits); `None` for any
-/// other name.
-fn temp_target(name: &str) -> Option<&str> {
-    let mut parts = name.rsplitn(4, '.');
-    let numbers = [parts.next(), parts.next(), parts.next()];
-    let digits = |s: Option<&str>| s.is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
-    if !numbers.into_iter().all(digits) {
-        return None;
-    }
-    parts.next()?.strip_prefix('.')?.strip_suffix(".tmp").filter(|t| !t.is_empty())
-}
-
 /// Whether `name` is an entry's file name: `<name>-<24 hex digits>.bin` ([`GraphCache::path`]).
 fn is_entry_name(name: &str) -> bool {
     let Some(stem) = name.strip_suffix(".bin") else { return false };
@@ -424,42 +315,6 @@ fn is_entry_name(name: &str) -> bool {
 /// `.<name>.bin.tmp.<pid>.<seq>.<nanos>`.
 fn is_entry_temp_name(name: &str) -> bool {
     temp_target(name).and_then(|t| t.strip_suffix(".bin")).is_some_and(|entry| !entry.is_empty())
-}
-
-/// Sets SIGXFSZ to be ignored, once per process: a write past a file-size limit then fails with
-/// EFBIG ("File too large"), which [`write_atomic`] reports with the path, instead of ending the
-/// process without a word and leaving its temporary file. Only the default disposition is
-/// changed (a handler the program installed is never touched); like any ignored signal, it
-/// stays ignored in child processes the program starts later.
-fn ignore_sigxfsz() {
-    #[cfg(unix)]
-    {
-        static ONCE: std::sync::Once = std::sync::Once::new();
-        ONCE.call_once(|| {
-            // SAFETY: sigaction(2) reads the disposition into a zeroed struct of its own type;
-            // signal(2) sets SIG_IGN for a valid signal number.
-            unsafe {
-                let mut now: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(libc::SIGXFSZ, std::ptr::null(), &mut now) == 0 && now.sa_sigaction == libc::SIG_DFL {
-                    libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-                }
-            }
-        });
-    }
-}
-
-/// Checks, before long work whose result goes to `path`, that [`write_atomic`] could write it:
-/// `path` is absent or a regular file (not a folder, a symbolic link, a device...), and its
-/// folder exists and takes a new file (one is made and removed).
-pub fn check_writable(path: &Path) -> Result<()> {
-    match crate::fs::not_replaceable(path) {
-        Ok(None) => {}
-        Ok(Some(what)) => return Err(Error::io(path, std::io::Error::other(what))),
-        Err(e) => return Err(Error::io(path, e)),
-    }
-    let tmp = temp_path(path);
-    std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp).map_err(|e| Error::io(path, e))?;
-    std::fs::remove_file(&tmp).map_err(|e| Error::io(&tmp, e))
 }
 
 /// Reads `n` bytes at `*at`, advancing it.
@@ -506,6 +361,7 @@ fn parse(bytes: &[u8], key: &CacheKey) -> std::result::Result<CachedGraph, Strin
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fs::temp_path;
 
     fn tmp_dir(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("candle-npu-cache-{tag}-{}", std::process::id()));

@@ -435,7 +435,7 @@ impl QuantProfile {
     pub fn save(&self, path: &Path) -> Result<()> {
         self.validate().map_err(|reason| Error::Profile { path: path.to_path_buf(), reason: format!("not saved: {reason}") })?;
         let json = serde_json::to_vec_pretty(self).map_err(|e| Error::Profile { path: path.to_path_buf(), reason: e.to_string() })?;
-        crate::cache::write_atomic(path, |f| f.write_all(&json))
+        crate::fs::write_atomic(path, |f| f.write_all(&json))
     }
 
     /// Load a profile and check it was made for `model_id` by a build that reads its format.

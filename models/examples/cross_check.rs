@@ -108,7 +108,7 @@ fn main() -> Result<()> {
     }
     if let Some(out) = &args.record {
         let bytes = serde_json::to_vec(&record)?;
-        candle_npu::cache::write_atomic(out, |w| std::io::Write::write_all(w, &bytes))?;
+        candle_npu::fs::write_atomic(out, |w| std::io::Write::write_all(w, &bytes))?;
         println!("recorded {} steps in {}", record.tokens.len(), out.display());
     }
     Ok(())

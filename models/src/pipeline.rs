@@ -298,7 +298,7 @@ impl Pipeline {
             })?;
         } else {
             // Before the minutes of calibration, not after.
-            candle_npu::cache::check_writable(&path)?;
+            candle_npu::fs::check_writable(&path)?;
             let p = self.calibrate(set, progress)?;
             p.save(&path)?;
             tracing::info!(path = %path.display(), tokens = p.tokens, "saved quant profile");

@@ -13,7 +13,7 @@
 //! The file: 8 magic bytes, a little-endian u32 header length and the header (JSON: format,
 //! model id, what decides the rows' values, layers, KV heads, head size, tokens, messages), then
 //! each layer's keys and values ([`KvCache::write_to`]), then the SHA-256 of all that. Written
-//! atomically ([`candle_npu::cache::write_atomic`]); read only up to the size its header gives;
+//! atomically ([`candle_npu::fs::write_atomic`]); read only up to the size its header gives;
 //! refused, with the reason in one line, for another model, profile or precision.
 
 use std::collections::VecDeque;
@@ -192,7 +192,7 @@ impl Session {
             return Err(Error::KvState { path: path.to_path_buf(), reason: format!("not saved: a conversation of {} bytes, over the {HEADER_LIMIT} a saved one may hold", json.len()) });
         }
         let empty = KvCache::default();
-        candle_npu::cache::write_atomic(path, |f| {
+        candle_npu::fs::write_atomic(path, |f| {
             let mut h = HashingWriter { inner: f, hash: Sha256::new() };
             h.write_all(MAGIC)?;
             h.write_all(&(json.len() as u32).to_le_bytes())?;

@@ -90,7 +90,7 @@ impl Trace {
     /// Writes the JSON atomically: a unique temporary file in the same folder, renamed into place,
     /// so a viewer never reads half a trace.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
-        crate::cache::write_atomic(path.as_ref(), |f| Ok(serde_json::to_writer(f, &self.to_json())?))
+        crate::fs::write_atomic(path.as_ref(), |f| Ok(serde_json::to_writer(f, &self.to_json())?))
     }
 }
 
