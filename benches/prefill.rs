@@ -81,7 +81,7 @@ fn prefill(c: &mut Criterion) {
 /// the same head (3 stacked rows) over the 2048 keys: tiled GEMMs, the one-position kernel
 /// (`attend_tile_one`), and the whole score row at once.
 fn attention(c: &mut Criterion) {
-    use candle_npu::kernels::attention::{attend, HeadKv, Partial, Scratch};
+    use candle_npu::kernels::attention::{attend, HeadKv, KvRows, Partial, Scratch};
     use candle_npu::kernels::{matmul_f32_serial, rows::softmax_numerators};
     let (hd, keys_n, rows) = (64usize, 2048usize, 192usize);
     let val = |i: usize| ((i * 7919) % 2000) as f32 / 1000.0 - 1.0;
@@ -108,7 +108,7 @@ fn attention(c: &mut Criterion) {
             o
         })
     });
-    let kv = HeadKv { keys: &keys, values: &values, first: 0, head_dim: hd };
+    let kv = HeadKv { keys: KvRows::F32(&keys), values: KvRows::F32(&values), first: 0, head_dim: hd };
     let mut scratch = Scratch::default();
     let mut acc = Partial::default();
     g.bench_function("block_tiled", |b| {

@@ -97,7 +97,7 @@ fn ours(p: &mut Pipeline, context: usize, tokens: usize) -> Result<f64> {
     let mut next = 1u32;
     let t = Instant::now();
     for _ in 0..tokens {
-        next = candle_npu_models::transformer::argmax(&p.model.decode(next)?)?;
+        next = candle_npu_models::logits::argmax(&p.model.decode(next)?)?;
     }
     Ok(tokens as f64 / t.elapsed().as_secs_f64())
 }
@@ -107,9 +107,9 @@ fn ours(p: &mut Pipeline, context: usize, tokens: usize) -> Result<f64> {
 fn ours_chat(p: &mut Pipeline, prompt: usize, tokens: usize) -> Result<f64> {
     let prompt: Vec<u32> = (0..prompt as u32).map(|i| 100 + i % 1000).collect();
     let t = Instant::now();
-    let mut next = candle_npu_models::transformer::argmax(&p.model.prefill(&prompt)?)?;
+    let mut next = candle_npu_models::logits::argmax(&p.model.prefill(&prompt)?)?;
     for _ in 0..tokens {
-        next = candle_npu_models::transformer::argmax(&p.model.decode(next)?)?;
+        next = candle_npu_models::logits::argmax(&p.model.decode(next)?)?;
     }
     Ok(t.elapsed().as_secs_f64())
 }

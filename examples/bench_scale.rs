@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_npu::{HtpConfig, NpuDevice};
-use candle_npu_models::transformer::argmax;
+use candle_npu_models::logits::argmax;
 use candle_npu_models::{assets, memory, CalibrationSet, LoadOptions, Pipeline, Precision};
 use clap::Parser;
 

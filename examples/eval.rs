@@ -25,7 +25,7 @@ use candle_core::{Tensor, D};
 use candle_npu::{ClipMethod, NpuDevice, Numerics, PointStats, QuantProfile, Tail, WeightQuant};
 use candle_npu_models::assets::{self, MmluQuestion};
 use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
-use candle_npu_models::transformer::mean_nll;
+use candle_npu_models::logits::mean_nll;
 use candle_npu_models::{CalibrationSet, CalibrationSource, DecodeWeights, KvType, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use clap::Parser;
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_npu::{HtpConfig, NpuDevice, Numerics, Tail};
-use candle_npu_models::transformer::argmax;
+use candle_npu_models::logits::argmax;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use clap::{Parser, ValueEnum};
 

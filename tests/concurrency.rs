@@ -16,10 +16,10 @@ use candle_npu_models::{CalibrationSet, DecodeWeights, Model, Precision};
 /// Prefill of `tokens` then `steps` greedy tokens: what each thread computes.
 fn generate(m: &mut Model, tokens: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
     let logits = m.prefill_chunked(tokens, 4).unwrap();
-    let mut out = vec![candle_npu_models::transformer::argmax(&logits).unwrap()];
+    let mut out = vec![candle_npu_models::logits::argmax(&logits).unwrap()];
     let first: Vec<f32> = logits.to_vec1().unwrap();
     while out.len() < steps {
-        out.push(candle_npu_models::transformer::argmax(&m.decode(*out.last().unwrap()).unwrap()).unwrap());
+        out.push(candle_npu_models::logits::argmax(&m.decode(*out.last().unwrap()).unwrap()).unwrap());
     }
     (out, first)
 }

@@ -9,7 +9,7 @@ mod common;
 
 use candle_npu::{Contexts, DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
 use candle_npu::executor::htp_numerics::fp16_step;
-use candle_npu_models::transformer::argmax;
+use candle_npu_models::logits::argmax;
 use candle_npu_models::{chat_eval, CalibrationSet, DecodeWeights, GenerateOptions, Precision, PrefillPlan, SchedOptions};
 use common::*;
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_npu::NpuDevice;
-use candle_npu_models::transformer::argmax;
+use candle_npu_models::logits::argmax;
 use candle_npu_models::{hf, DecodeWeights, LoadOptions, Model, Precision, PrefillPlan, SchedOptions};
 use common::*;
 use rand::{Rng, SeedableRng};

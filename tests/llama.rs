@@ -8,7 +8,7 @@ use std::sync::{Mutex, OnceLock};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor, D};
 use candle_npu::{Calibrator, ClipMethod, NpuDevice, QuantProfile, WeightQuant};
-use candle_npu_models::transformer::{argmax, mean_nll};
+use candle_npu_models::logits::{argmax, mean_nll};
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
 use common::*;
 

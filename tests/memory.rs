@@ -6,7 +6,7 @@
 mod common;
 
 use candle_npu::NpuDevice;
-use candle_npu_models::transformer::argmax;
+use candle_npu_models::logits::argmax;
 use candle_npu_models::{memory, CalibrationSet, DecodeWeights, Precision};
 use common::*;
 

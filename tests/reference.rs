@@ -9,7 +9,7 @@ mod common;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_npu::NpuDevice;
-use candle_npu_models::transformer::argmax;
+use candle_npu_models::logits::argmax;
 use candle_npu_models::{assets, DecodeWeights, Precision};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use common::*;

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_npu::NpuDevice;
-use candle_npu_models::transformer::argmax;
+use candle_npu_models::logits::argmax;
 use candle_npu_models::{assets, DecodeWeights, LoadOptions, Pipeline, Precision};
 use common::*;
 

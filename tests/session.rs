@@ -4,7 +4,7 @@
 mod common;
 
 use candle_npu::NpuDevice;
-use candle_npu_models::transformer::argmax;
+use candle_npu_models::logits::argmax;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, GenerateOptions, KvType, LoadOptions, Message, Pipeline, Precision, StopReason};
 use common::*;
 use sha2::Digest;

@@ -110,7 +110,7 @@ fn npu_verification_rows_are_the_npus_prefill_of_each_token() {
     let pass: Vec<Vec<f32>> = p.model.extend_rows(&next).unwrap().to_vec2().unwrap();
     let vocab = pass[0].len();
     let max_diff = alone.iter().flatten().zip(pass.iter().flatten()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    let top = |rows: &[Vec<f32>]| rows.iter().map(|r| candle_npu_models::transformer::argmax(&candle_core::Tensor::new(r.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap()).collect::<Vec<_>>();
+    let top = |rows: &[Vec<f32>]| rows.iter().map(|r| candle_npu_models::logits::argmax(&candle_core::Tensor::new(r.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap()).collect::<Vec<_>>();
     eprintln!("NPU pass of {} rows against {} one-token NPU extends: max |logit diff| {max_diff}, vocab {vocab}", next.len(), next.len());
     assert_eq!(top(&pass), top(&alone), "a pass's rows pick other tokens than the NPU's prefill of each");
     assert!(alone == pass, "a pass's rows differ from one-token NPU extends by up to {max_diff}");
@@ -140,7 +140,7 @@ fn prompt_lookup_verified_on_the_npu_takes_the_npus_tokens() {
     let n_prompt = stats.prompt_tokens;
     let mut r = smollm2_npu();
     let rows = r.model.extend_rows(&tokens).unwrap();
-    let picked: Vec<u32> = (n_prompt..tokens.len()).map(|i| candle_npu_models::transformer::argmax(&rows.get(i - 1).unwrap()).unwrap()).collect();
+    let picked: Vec<u32> = (n_prompt..tokens.len()).map(|i| candle_npu_models::logits::argmax(&rows.get(i - 1).unwrap()).unwrap()).collect();
     let same = picked.iter().zip(&tokens[n_prompt..]).filter(|(a, b)| a == b).count();
     eprintln!("NPU prefill of the conversation picks the answer's token at {same} of {} positions", picked.len());
     assert_eq!(same, picked.len(), "the NPU's prefill picks other tokens: {picked:?} against {:?}", &tokens[n_prompt..]);

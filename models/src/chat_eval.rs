@@ -14,7 +14,8 @@
 //! control tokens and system prompt never occur in prose.
 
 use crate::chat::Message;
-use crate::generate::{argmax, logits_f32, mean_nll, penalized, GenerateOptions};
+use crate::generate::{penalized, GenerateOptions};
+use crate::logits::{argmax, logits_f32, mean_nll};
 use crate::pipeline::Pipeline;
 use candle_npu::{Error, Result};
 

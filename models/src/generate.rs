@@ -8,6 +8,7 @@ use candle_core::Tensor;
 use candle_npu::{Error, Result};
 use candle_transformers::generation::Sampling;
 
+use crate::logits::logits_f32;
 use crate::pipeline::Pipeline;
 use crate::speculative::{SpeculationStats, Speculative};
 
@@ -162,39 +163,13 @@ pub(crate) fn penalized(logits: &Tensor, tokens: &[u32], textless: &[u32], opts:
     Ok(Tensor::from_vec(v, logits.shape(), logits.device())?)
 }
 
-/// Mean negative log-likelihood (nats/token) of `tokens` under row-aligned logits
-/// (`logits[i]` predicts `tokens[i + 1]`); `exp` of it is the perplexity.
-pub fn mean_nll(logits: &Tensor, tokens: &[u32]) -> Result<f64> {
-    let lp = candle_nn::ops::log_softmax(logits, candle_core::D::Minus1)?;
-    let lp: Vec<Vec<f32>> = lp.to_vec2()?;
-    if tokens.len() < 2 || lp.len() < tokens.len() - 1 {
-        return Err(Error::Input(format!("need at least 2 tokens and one logit row per token, got {} and {}", tokens.len(), lp.len())));
-    }
-    let mut nll = 0f64;
-    for i in 0..tokens.len() - 1 {
-        let t = tokens[i + 1];
-        let lp = lp[i].get(t as usize).ok_or_else(|| Error::Input(format!("token {t} is beyond the {} logits of a row", lp[i].len())))?;
-        nll -= *lp as f64;
-    }
-    Ok(nll / (tokens.len() - 1) as f64)
-}
-
-/// The logits as one flat `Vec<f32>` (any shape, any float dtype), as samplers take them.
-pub fn logits_f32(logits: &Tensor) -> Result<Vec<f32>> {
-    Ok(logits.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?)
-}
-
-/// Top-1 token.
-pub fn argmax(logits: &Tensor) -> Result<u32> {
-    Ok(logits.argmax(candle_core::D::Minus1)?.to_scalar::<u32>()?)
-}
-
 /// The repeat penalties accepted: 1 is none, and 1.1-1.5 the usual.
 const REPEAT_PENALTY: std::ops::RangeInclusive<f32> = 0.01..=100.0;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::logits::argmax;
 
     #[test]
     fn a_repeat_penalty_that_would_send_logits_to_infinity_is_refused() {

@@ -22,6 +22,7 @@ pub mod gemma3;
 pub mod generate;
 pub mod gguf;
 pub mod hf;
+pub mod logits;
 pub mod llama;
 pub mod memory;
 pub mod mistral;

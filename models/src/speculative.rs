@@ -44,7 +44,7 @@
 
 use candle_npu::{Error, Result};
 
-use crate::generate::argmax;
+use crate::logits::argmax;
 use crate::transformer::Model;
 
 /// How [`crate::GenerateOptions`] proposes tokens to verify.

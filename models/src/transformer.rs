@@ -58,7 +58,6 @@ mod stages;
 
 use prefill::GraphSet;
 pub use prefill::{prefill_dag, PrefillPlan, SchedOptions};
-pub use crate::generate::{argmax, logits_f32, mean_nll};
 pub use stages::{linear_names, point, Dim, LinearDef, StageDef, N_STAGES, STAGES};
 use stages::{DOWN, GATE_UP, O, QKV};
 

@@ -3,6 +3,7 @@
 //! importance, outlier counts per channel), which always run on the host executor.
 
 use super::*;
+use crate::logits::mean_nll;
 
 impl Model {
     /// Use a calibrated profile for W8A8 prefill (it must belong to this model's weights): its
