@@ -356,6 +356,11 @@ impl Model {
                 "4-bit LPBQ weights need u16 activations (W8A16 or shadow W8A16, `--u16-activations`): the HTP takes a 4-bit weight from u8 activations only into an 8-bit output (docs/npu_weights.md)".into(),
             ));
         }
+        if (matches!(opts.weights, WeightQuant::Lpbq { .. }) || !opts.lpbq.is_empty()) && !device.on_host() {
+            tracing::warn!(
+                "4-bit LPBQ weights through the QNN library: SmolLM2's and Gemma 3's whole-layer graphs computed right on the x86 library, Qwen2.5-Coder's did not (docs/npu_weights.md); compare against `--executor htp-model`"
+            );
+        }
         let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device, precision));
         sched.validate(cfg.context_len)?;
         sched.check_precision(precision)?;
