@@ -147,6 +147,13 @@ pub struct BlockScales {
     pub scales: Vec<u8>,
 }
 
+impl BlockScales {
+    /// The scale of value `i` (row-major) of a weight `[N, k]`.
+    pub fn of(&self, i: usize, k: usize) -> u8 {
+        self.scales[(i / k) * (k / self.block) + (i % k) / self.block]
+    }
+}
+
 /// A fresh process-unique identity for constant data ([`Graph::set_data_id`]).
 pub fn next_data_id() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -663,15 +670,14 @@ impl Graph {
         let Some(StaticData::I8(q)) = &t.data else {
             return Err(self.invalid_tensor(t.to_string(), "LPBQ needs I8 constant data"));
         };
-        let blocks = k / b.block;
         let bad = q.iter().enumerate().position(|(i, &v)| {
-            let s = b.scales[(i / k) * blocks + (i % k) / b.block] as i32;
+            let s = b.of(i, k) as i32;
             !(1..=15).contains(&s) || v as i32 % s != 0 || !(-8..=7).contains(&(v as i32 / s))
         });
         match bad {
             Some(i) => Err(self.invalid_tensor(
                 t.to_string(),
-                format!("value {} at [{}, {}] is not a 4-bit value times its block scale {} (1..=15)", q[i], i / k, i % k, b.scales[(i / k) * blocks + (i % k) / b.block]),
+                format!("value {} at [{}, {}] is not a 4-bit value times its block scale {} (1..=15)", q[i], i / k, i % k, b.of(i, k)),
             )),
             None => Ok(()),
         }

@@ -602,14 +602,8 @@ impl ShadowLinear {
     /// of the largest output, FP16's precision.
     fn lpbq_output_quant(&self, x: &crate::graph::TensorSpec, q: &[i8], rows: std::ops::Range<usize>) -> Result<Quant> {
         let xq = x.quant.ok_or_else(|| Error::Internal(format!("{}: a quantized input without scale/offset", self.name)))?;
-        let levels = match x.dtype {
-            DType::U16 => 65535.0,
-            DType::I8 => 127.0,
-            _ => 255.0,
-        };
-        let lo = (if x.dtype == DType::I8 { -128.0 } else { 0.0 } + xq.offset as f64) * xq.scale as f64;
-        let hi = (levels + xq.offset as f64) * xq.scale as f64;
-        let x_max = lo.abs().max(hi.abs());
+        let (lo, hi) = xq.float_range(x.dtype);
+        let x_max = lo.abs().max(hi.abs()) as f64;
         let bound = q[rows.start * self.k..rows.end * self.k]
             .chunks(self.k)
             .zip(&self.row_scales[rows])

@@ -350,13 +350,14 @@ impl Model {
         // Before the weights are read and quantized, not after.
         let chunk_len = prefill::check_chunk_len(opts.chunk_len.unwrap_or_else(|| default_chunk_len(&device).min(cfg.context_len)), cfg.context_len)?;
         let precision = opts.precision.unwrap_or_else(|| Precision::for_device(&device));
-        if (matches!(opts.weights, WeightQuant::Lpbq { .. }) || !opts.lpbq.is_empty()) && precision == Precision::W8A8 {
+        let any_lpbq = matches!(opts.weights, WeightQuant::Lpbq { .. }) || !opts.lpbq.is_empty();
+        if any_lpbq && precision == Precision::W8A8 {
             // Not offered on the host either: the host executor computes what the NPU would.
             return Err(Error::Input(
                 "4-bit LPBQ weights need u16 activations (W8A16 or shadow W8A16, `--u16-activations`): the HTP takes a 4-bit weight from u8 activations only into an 8-bit output (docs/npu_weights.md)".into(),
             ));
         }
-        if (matches!(opts.weights, WeightQuant::Lpbq { .. }) || !opts.lpbq.is_empty()) && !device.on_host() {
+        if any_lpbq && !device.on_host() {
             tracing::warn!(
                 "4-bit LPBQ weights through the QNN library: SmolLM2's and Gemma 3's whole-layer graphs computed right on the x86 library, Qwen2.5-Coder's did not (docs/npu_weights.md); compare against `--executor htp-model`"
             );

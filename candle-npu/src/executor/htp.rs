@@ -1029,43 +1029,32 @@ impl Builder<'_> {
                 TensorKind::Static => QNN_TENSOR_TYPE_STATIC,
             }
         };
-        // LPBQ weights are given as their 4-bit values (8-bit containers), each INT8 value over
-        // its block scale (exact: validated), beside the scales.
-        let lpbq_values: Option<Box<[i8]>> = match (&spec.block_scales, &spec.data) {
-            (Some(b), Some(StaticData::I8(v))) => {
-                let k = spec.shape[1];
-                let blocks = k / b.block;
-                Some(v.iter().enumerate().map(|(i, &q)| q / b.scales[(i / k) * blocks + (i % k) / b.block] as i8).collect())
-            }
-            _ => None,
-        };
         let q = match (&spec.channel_scales, spec.quant) {
-            // LPBQ `[N, K]`: a symmetric scale per output channel, a 4-bit scale per block of K.
-            (Some(scales), _) if spec.block_scales.is_some() => {
-                let b = spec.block_scales.as_ref().expect("matched");
+            // Per-channel weights `[N, K]`: one symmetric scale per output channel, axis 0; LPBQ
+            // adds a 4-bit scale per block of K (BLOCKWISE_EXPANSION).
+            (Some(scales), _) => {
                 let mut so: Box<[Qnn_ScaleOffset_t]> = scales.iter().map(|&scale| Qnn_ScaleOffset_t { scale, offset: 0 }).collect();
-                let mut block_scales: Box<[u8]> = b.scales.clone().into_boxed_slice();
-                let mut be = Box::new(Qnn_BlockwiseExpansion_t {
-                    axis: 0,
-                    scaleOffsets: so.as_mut_ptr(),
-                    numBlocksPerAxis: (spec.shape[1] / b.block) as u32,
-                    blockScaleBitwidth: 4,
-                    blockScaleStorageType: QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_8,
-                    blocksScale: block_scales.as_mut_ptr().cast(),
-                });
-                let q = Qnn_QuantizeParams_t::blockwise_expansion(&mut be);
+                let q = match &spec.block_scales {
+                    None => Qnn_QuantizeParams_t::axis_scale_offset(0, &mut so),
+                    Some(b) => {
+                        let mut block_scales: Box<[u8]> = b.scales.clone().into_boxed_slice();
+                        let mut be = Box::new(Qnn_BlockwiseExpansion_t {
+                            axis: 0,
+                            scaleOffsets: so.as_mut_ptr(),
+                            numBlocksPerAxis: (spec.shape[1] / b.block) as u32,
+                            blockScaleBitwidth: 4,
+                            blockScaleStorageType: QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_8,
+                            blocksScale: block_scales.as_mut_ptr().cast(),
+                        });
+                        let q = Qnn_QuantizeParams_t::blockwise_expansion(&mut be);
+                        self.lowered.push(Box::new(block_scales));
+                        self.lowered.push(be);
+                        q
+                    }
+                };
                 // Boxes keep their heap data in place when moved: the pointers stay valid until
                 // the graph is finalized.
                 self.axis_scales.push(so);
-                self.lowered.push(Box::new(block_scales));
-                self.lowered.push(be);
-                q
-            }
-            // Per-channel weights `[N, K]`: one symmetric scale per output channel, axis 0.
-            (Some(scales), _) => {
-                let mut so: Box<[Qnn_ScaleOffset_t]> = scales.iter().map(|&scale| Qnn_ScaleOffset_t { scale, offset: 0 }).collect();
-                let q = Qnn_QuantizeParams_t::axis_scale_offset(0, &mut so);
-                self.axis_scales.push(so); // the boxed slice does not move: the pointer stays valid
                 q
             }
             (None, Some(q)) if spec.dtype.is_quantized() => Qnn_QuantizeParams_t::scale_offset(q.scale, q.offset),
@@ -1075,13 +1064,16 @@ impl Builder<'_> {
         // overwriting the weights after finalize does not change outputs); `self.graph` is
         // borrowed until then.
         let buf = match &spec.data {
-            Some(StaticData::I8(_)) if lpbq_values.is_some() => {
-                let v = lpbq_values.expect("matched");
-                let buf = Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: v.len() as u32 };
-                self.lowered.push(Box::new(v));
+            Some(StaticData::F32(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: (v.len() * 4) as u32 },
+            // LPBQ weights are given as their 4-bit values (8-bit containers): each INT8 value
+            // over its block scale (exact: validated).
+            Some(StaticData::I8(v)) if spec.block_scales.is_some() => {
+                let (b, k) = (spec.block_scales.as_ref().expect("matched"), spec.shape[1]);
+                let values: Box<[i8]> = v.iter().enumerate().map(|(i, &q)| q / b.of(i, k) as i8).collect();
+                let buf = Qnn_ClientBuffer_t { data: values.as_ptr() as *mut c_void, dataSize: values.len() as u32 };
+                self.lowered.push(Box::new(values));
                 buf
             }
-            Some(StaticData::F32(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: (v.len() * 4) as u32 },
             Some(StaticData::I8(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: v.len() as u32 },
             Some(StaticData::I32(v)) => Qnn_ClientBuffer_t { data: v.as_ptr() as *mut c_void, dataSize: (v.len() * 4) as u32 },
             None => Qnn_ClientBuffer_t::empty(),
