@@ -358,8 +358,8 @@ impl Model {
             ));
         }
         if any_lpbq && !device.on_host() {
-            tracing::warn!(
-                "4-bit LPBQ weights through the QNN library: SmolLM2's and Gemma 3's whole-layer graphs computed right on the x86 library, Qwen2.5-Coder's did not (docs/npu_weights.md); compare against `--executor htp-model`"
+            tracing::info!(
+                "4-bit LPBQ weights through the QNN library: each graph it prepares is checked against the HTP numerics model and prepared again when wrong (its prepare of LPBQ graphs sometimes is; docs/npu_weights.md)"
             );
         }
         let sched = opts.sched.clone().unwrap_or_else(|| SchedOptions::for_device(&device, precision));

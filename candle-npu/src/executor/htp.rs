@@ -122,6 +122,7 @@ use std::time::Instant;
 use qnn_sys::*;
 
 use super::{ExecutableGraph, Executor, GraphProfile, Origin, ProfileEvent};
+use super::htp_check;
 use super::htp_contexts::{plan, Member};
 pub use super::htp_contexts::{address_space, Contexts, DEFAULT_CONTEXT_BUDGET};
 use super::rpcmem::{self, RpcMem, SharedBuffer};
@@ -488,7 +489,7 @@ impl HtpExecutor {
     /// 1000, a weight-shared binary on x86) is sound and would be written again byte for byte:
     /// it is kept, and the context is built in every process, with a warning each time.
     fn prepare_context(&self, graphs: &[&Described], describe: &dyn Fn(usize) -> Result<Graph>) -> Result<Vec<HtpGraph>> {
-        let build = || build_all(&self.rt, graphs, describe, self.weight_sharing(graphs.len()), self.profiles.clone());
+        let build = || self.build_checked(graphs, describe);
         let Some(cache) = &self.cache else { return build() };
         let name = set_name(graphs);
         let key = self.context_cache_key(&graphs.iter().map(|d| d.fingerprint).collect::<Vec<_>>());
@@ -519,6 +520,46 @@ impl HtpExecutor {
         Ok(built)
     }
 }
+
+impl HtpExecutor {
+    /// [`build_all`], and where a graph's build is checked ([`htp_check`]: LPBQ weights), its
+    /// outputs against the HTP numerics model's: a wrong build is logged and the context built
+    /// again, at most [`PREPARE_ATTEMPTS`] times.
+    fn build_checked(&self, graphs: &[&Described], describe: &dyn Fn(usize) -> Result<Graph>) -> Result<Vec<HtpGraph>> {
+        let mut attempt = 1;
+        loop {
+            let built = build_all(&self.rt, graphs, describe, self.weight_sharing(graphs.len()), self.profiles.clone())?;
+            let mut wrong = None;
+            for (d, g) in graphs.iter().zip(&built).filter(|(d, _)| d.checked) {
+                let gap = htp_check::max_gap(&describe(d.index)?, g)?;
+                tracing::debug!(graph = %d.name, gap, attempt, "the library's build against the HTP numerics model");
+                if gap > htp_check::WRONG_BEYOND {
+                    wrong = Some((d.name.clone(), gap));
+                    break;
+                }
+            }
+            let Some((graph, gap)) = wrong else { return Ok(built) };
+            if attempt == PREPARE_ATTEMPTS {
+                return Err(Error::Prepare {
+                    graph,
+                    op: "-".into(),
+                    shapes: "the prepared graph's check".into(),
+                    code: 0,
+                    message: format!(
+                        "the library prepared it wrongly {PREPARE_ATTEMPTS} times (outputs {gap:.3} of their range from the HTP numerics model's; \
+                         a known fault of its prepare with LPBQ weights, see candle_npu::executor::htp_check): load without LPBQ weights"
+                    ),
+                });
+            }
+            tracing::warn!(%graph, gap, attempt, "the library prepared this graph wrongly (its outputs are off the HTP numerics model's; a known fault with LPBQ weights): preparing it again");
+            attempt += 1;
+        }
+    }
+}
+
+/// How many times a context whose build is checked is built before the prepare fails: a graph
+/// with LPBQ weights came back wrong in about one prepare in ten (Qwen2.5-Coder's layers).
+const PREPARE_ATTEMPTS: usize = 4;
 
 /// A cache entry that can be tried; misses and unusable files are logged (the caller rebuilds).
 fn lookup(cache: &GraphCache, name: &str, key: &CacheKey) -> Option<CachedGraph> {
@@ -733,14 +774,15 @@ fn op_supported(graph: &Graph, op: &Op) -> bool {
 }
 
 /// What a context needs of a graph besides its weights: its index for `describe`, its name,
-/// its fingerprint (for the cache key) and its buffers (the tensor ids are set when it is built
-/// or retrieved).
+/// its fingerprint (for the cache key), its buffers (the tensor ids are set when it is built
+/// or retrieved) and whether its build is checked ([`htp_check`]).
 struct Described {
     index: usize,
     name: String,
     fingerprint: [u8; 32],
     inputs: Vec<IoTensor>,
     outputs: Vec<IoTensor>,
+    checked: bool,
 }
 
 impl Described {
@@ -751,6 +793,7 @@ impl Described {
             fingerprint: graph.fingerprint(),
             inputs: io_tensors(graph, &graph.inputs),
             outputs: io_tensors(graph, &graph.outputs),
+            checked: htp_check::needs_check(graph),
         }
     }
 }
@@ -810,6 +853,13 @@ impl Executor for HtpExecutor {
             check_supported(&graph)?;
             described.push(Described::of(&graph, i));
             members.push(Member::of(&graph, self.rt.config.vtcm_mb));
+        }
+        if described.iter().any(|d| d.checked) {
+            // A checked build that is wrong is built again with its whole context: with many
+            // graphs in one, one of them would nearly always be wrong (htp_check).
+            tracing::info!(graphs = n, ?contexts, "graphs with LPBQ weights each in their own QNN context: the library's prepare of them is checked and redone one graph at a time");
+            drop(described);
+            return (0..n).map(|i| self.prepare(&describe(i)?)).collect();
         }
         let groups = plan(&members, contexts, self.rt.config.context_budget)?;
         if groups.len() > 1 {
