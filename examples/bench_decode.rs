@@ -218,7 +218,10 @@ fn main() -> Result<()> {
         }
     }
     if !chat.is_empty() {
-        println!("\nChat end to end: a prompt's prefill and {} generated tokens, from an empty cache, quiet; median of {} rounds", args.chat_tokens, args.rounds);
+        println!(
+            "\nChat end to end: a prompt's prefill and {} generated tokens, from an empty cache, quiet; median of {} rounds",
+            args.chat_tokens, args.rounds
+        );
         println!("\n| model | prompt + generated | ours | llama.cpp | llama.cpp time / ours |");
         println!("|---|---|---|---|---|");
         chat.iter().for_each(|r| println!("{r}"));

@@ -44,7 +44,8 @@ fn bandwidth() -> f64 {
 fn main() -> Result<()> {
     let args = Args::parse();
     let bw = bandwidth();
-    let paths: Vec<GemvPath> = [GemvPath::Avx512, GemvPath::Avx2, GemvPath::I8mm, GemvPath::Dotprod, GemvPath::Neon].into_iter().filter(|p| p.runs_here()).collect();
+    let paths: Vec<GemvPath> =
+        [GemvPath::Avx512, GemvPath::Avx2, GemvPath::I8mm, GemvPath::Dotprod, GemvPath::Neon].into_iter().filter(|p| p.runs_here()).collect();
     println!("One thread; read bandwidth of one thread (sum over 512 MiB, best of 5): {bw:.1} GB/s (the default path: {:?})", GemvPath::detect());
     println!("Weights from memory: copies of the matrix in turn, 512 MiB; best of {} rounds; GB/s of weight bytes (share of the bandwidth)\n", args.rounds);
     let names: Vec<String> = paths.iter().map(|p| format!("{p:?}")).collect();

@@ -23,8 +23,8 @@ use anyhow::Result;
 use candle_core::quantized::{gguf_file, GgmlDType};
 use candle_core::{Device, Tensor};
 use candle_npu::kernels::{Int8Kernel, PackedI8};
-use candle_npu::NpuDevice;
 use candle_npu::sched::Policy;
+use candle_npu::NpuDevice;
 use candle_npu_models::{assets, CalibrationSet, LoadOptions, Pipeline, Precision, SchedOptions};
 use candle_transformers::models::quantized_llama::ModelWeights;
 
@@ -214,7 +214,12 @@ fn main() -> Result<()> {
             }
             _ => llama.as_mut().expect("a row only when running").prefill(n).map(Some),
         })?;
-        print_table(&format!("Prefill, Qwen2.5-Coder-0.5B, tokens/s (best of {REPS} interleaved rounds after a warm-up), {} threads", cores()), &lens, &labels, &tps);
+        print_table(
+            &format!("Prefill, Qwen2.5-Coder-0.5B, tokens/s (best of {REPS} interleaved rounds after a warm-up), {} threads", cores()),
+            &lens,
+            &labels,
+            &tps,
+        );
     }
     if args.table_only {
         return Ok(());

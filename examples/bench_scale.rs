@@ -275,7 +275,17 @@ fn main() -> Result<()> {
         } else {
             None
         };
-        let row = (name.clone(), params, file_mb, holds, rss, llama_rss, [0, 1, 2].map(|j| med(&ours, j)), (!theirs.is_empty()).then(|| [0, 1, 2].map(|j| med(&theirs, j))), contexts);
+        let row = (
+            name.clone(),
+            params,
+            file_mb,
+            holds,
+            rss,
+            llama_rss,
+            [0, 1, 2].map(|j| med(&ours, j)),
+            (!theirs.is_empty()).then(|| [0, 1, 2].map(|j| med(&theirs, j))),
+            contexts,
+        );
         // As it comes, in case a later model fails.
         eprintln!("{name}: {row:?}");
         rows.push(row);
@@ -290,10 +300,7 @@ fn main() -> Result<()> {
         let d = lrss.map_or("-".into(), |v| format!("{:+.0}", rss - v));
         println!("| {name} | {params:.2}B | {file:.0} | {rss:.0} | {l} | {d} | {holds} |");
     }
-    println!(
-        "\nSpeed, tokens/s, median of {} interleaved rounds, {} threads (ours / llama.cpp on the same file)",
-        args.rounds, args.threads
-    );
+    println!("\nSpeed, tokens/s, median of {} interleaved rounds, {} threads (ours / llama.cpp on the same file)", args.rounds, args.threads);
     println!("| model | prefill 256 | prefill 1024 | decode (64 in context) |");
     println!("|---|---|---|---|");
     for (name, .., ours, theirs, _) in &rows {
@@ -304,7 +311,10 @@ fn main() -> Result<()> {
         println!("| {name} | {} | {} | {} |", cell(0), cell(1), cell(2));
     }
     if args.contexts {
-        println!("\nNPU contexts with weight sharing (a phone's default), stage graphs of 256 + 32 rows, budget {} MiB", HtpConfig::default().context_budget >> 20);
+        println!(
+            "\nNPU contexts with weight sharing (a phone's default), stage graphs of 256 + 32 rows, budget {} MiB",
+            HtpConfig::default().context_budget >> 20
+        );
         println!("| model | contexts | context binaries MiB | address space bound MiB | finalize s |");
         println!("|---|---|---|---|---|");
         for (name, .., c) in &rows {

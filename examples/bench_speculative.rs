@@ -120,7 +120,9 @@ fn llama_lookup(bin: &Path, model: &Path, text: &str, tokens: usize, threads: us
     };
     let speed = log
         .lines()
-        .find_map(|l| l.split("decoded").nth(1).and_then(|s| s.split("speed:").nth(1)).and_then(|s| s.split_whitespace().next()).and_then(|s| s.parse::<f64>().ok()))
+        .find_map(|l| {
+            l.split("decoded").nth(1).and_then(|s| s.split("speed:").nth(1)).and_then(|s| s.split_whitespace().next()).and_then(|s| s.parse::<f64>().ok())
+        })
         .context("no 'decoded ... speed' line in llama-lookup's output")?;
     let num = |key: &str| field(key).and_then(|v| v.parse::<usize>().ok()).unwrap_or(0);
     Ok((speed, num("n_drafted"), num("n_accept")))
@@ -239,7 +241,9 @@ fn phone(args: &Args) -> Result<()> {
 /// tokens a pass and with the adaptive default, in interleaved rounds.
 fn drafts(args: &Args) -> Result<()> {
     println!("A draft of the model's own first N layers vs plain decode, greedy, {} tokens, median of {} interleaved rounds\n", args.tokens, args.rounds);
-    println!("| model | task | draft layers | plain tok/s | fixed draft of 4: tok/s, accepted / proposed | adaptive: tok/s, x plain, accepted / proposed (passes) |");
+    println!(
+        "| model | task | draft layers | plain tok/s | fixed draft of 4: tok/s, accepted / proposed | adaptive: tok/s, x plain, accepted / proposed (passes) |"
+    );
     println!("|---|---|---|---|---|---|");
     for name in &args.models {
         let (path, mut p) = load_calibrated(name)?;

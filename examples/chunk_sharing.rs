@@ -174,13 +174,7 @@ fn main() -> Result<()> {
     println!("| prompt tokens | strategy | graphs prepared | finalize s | context binaries MiB | weights MiB |");
     println!("|---|---|---|---|---|---|");
     let row = |len: usize, name: &str, k: &Cost| {
-        println!(
-            "| {len} | {name} | {} | {:.2} | {:.1} | {:.1} |",
-            k.graphs,
-            k.finalize_s,
-            mib(k.binary_bytes),
-            mib(k.weight_bytes)
-        )
+        println!("| {len} | {name} | {} | {:.2} | {:.1} | {:.1} |", k.graphs, k.finalize_s, mib(k.binary_bytes), mib(k.weight_bytes))
     };
     for (i, &len) in args.lengths.iter().enumerate() {
         row(len, "per-length", &per_length[i]);

@@ -88,7 +88,12 @@ fn main() -> anyhow::Result<()> {
     assert_eq!(again, live);
     // Two conversations on the one loaded model, each with its own cache.
     let mut other = p.session();
-    let (a, _) = other.chat(&mut p, &[candle_npu_models::Message::system("Answer in one word."), candle_npu_models::Message::user("Capital of Italy?")], &opts, |_| {})?;
+    let (a, _) = other.chat(
+        &mut p,
+        &[candle_npu_models::Message::system("Answer in one word."), candle_npu_models::Message::user("Capital of Italy?")],
+        &opts,
+        |_| {},
+    )?;
     let (b, _) = s.send(&mut p, "And of Spain?", &opts, |_| {})?;
     println!("TWO SESSIONS {a:?} / {b:?}");
     println!("RESTORED same answer");

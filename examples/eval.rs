@@ -24,8 +24,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Tensor, D};
 use candle_npu::{ClipMethod, NpuDevice, Numerics, PointStats, QuantProfile, Tail, WeightQuant};
 use candle_npu_models::assets::{self, MmluQuestion};
-use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
 use candle_npu_models::logits::mean_nll;
+use candle_npu_models::pipeline::DEFAULT_PRUNE_RATE;
 use candle_npu_models::{CalibrationSet, CalibrationSource, DecodeWeights, KvType, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use clap::Parser;
 
@@ -403,16 +403,7 @@ struct CurvePoint {
 
 fn table_line(r: &Row) -> String {
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
-    format!(
-        "| {} | {:.2} | {:.2} | {:.2} | {} | {:.1}% | {:.0} |",
-        r.name,
-        r.ppl[0],
-        r.ppl[1],
-        r.ppl[2],
-        opt(r.agreement),
-        100.0 * r.mmlu,
-        r.tokens_per_sec
-    )
+    format!("| {} | {:.2} | {:.2} | {:.2} | {} | {:.1}% | {:.0} |", r.name, r.ppl[0], r.ppl[1], r.ppl[2], opt(r.agreement), 100.0 * r.mmlu, r.tokens_per_sec)
 }
 
 fn load(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: WeightQuant) -> Result<Pipeline> {
@@ -424,7 +415,8 @@ static KV: std::sync::OnceLock<KvType> = std::sync::OnceLock::new();
 
 fn load_with(path: &std::path::Path, dev: &NpuDevice, precision: Precision, weights: WeightQuant, decode_weights: DecodeWeights) -> Result<Pipeline> {
     let kv = KV.get().copied().unwrap_or_default();
-    Pipeline::load(path, None, dev, LoadOptions { precision: Some(precision), decode_weights, weights, kv, ..Default::default() }).with_context(|| format!("loading {}", path.display()))
+    Pipeline::load(path, None, dev, LoadOptions { precision: Some(precision), decode_weights, weights, kv, ..Default::default() })
+        .with_context(|| format!("loading {}", path.display()))
 }
 
 fn print_decode(model: &std::path::Path, rows: &[DecodeRow], f32_ppl: &[f64]) {
@@ -496,7 +488,7 @@ fn main() -> Result<()> {
     if do_chat && args.sections.len() > 1 {
         bail!("--sections chat runs alone (it calibrates as a user's first run does, on the shipped text)");
     }
-    if do_calibration && args.calibration_sizes.iter().any(|&n| n == 0) {
+    if do_calibration && args.calibration_sizes.contains(&0) {
         bail!("--calibration-sizes are numbers of sequences, at least 1");
     }
     if args.windows == 0 || args.rates.iter().chain(&args.coverages).any(|r| !(0.0..=1.0).contains(r)) {
@@ -543,9 +535,7 @@ fn main() -> Result<()> {
             if args.json {
                 println!(
                     "{}",
-                    serde_json::to_string_pretty(
-                        &json!({ "model": model_path.display().to_string(), "f32_ppl": rows[0].ppl, "decode_weights": decode })
-                    )?
+                    serde_json::to_string_pretty(&json!({ "model": model_path.display().to_string(), "f32_ppl": rows[0].ppl, "decode_weights": decode }))?
                 );
             } else {
                 print_decode(&model_path, &decode, &rows[0].ppl);
@@ -574,7 +564,10 @@ fn main() -> Result<()> {
             suite.bar.finish_and_clear();
             let f32_ppl = &rows[0].ppl;
             if args.json {
-                println!("{}", serde_json::to_string_pretty(&json!({ "model": model_path.display().to_string(), "f32_ppl": f32_ppl, "calibration": calibration }))?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({ "model": model_path.display().to_string(), "f32_ppl": f32_ppl, "calibration": calibration }))?
+                );
             } else {
                 print_calibration(&model_path, set.source, &calibration, f32_ppl);
             }
@@ -644,7 +637,10 @@ fn main() -> Result<()> {
     if do_htp && htp_plan("layers") {
         // The HTP's default plan (`SchedOptions::for_device`): each layer one graph, shadow W8A16
         // with the outliers through float weights; on the host, and on the HTP's numerics.
-        for (numerics, label) in [(Numerics::Exact, "host executor, whole layers, shadow W8A16"), (Numerics::Htp, "HTP numerics, the default plan: whole layers, shadow W8A16, padded")] {
+        for (numerics, label) in [
+            (Numerics::Exact, "host executor, whole layers, shadow W8A16"),
+            (Numerics::Htp, "HTP numerics, the default plan: whole layers, shadow W8A16, padded"),
+        ] {
             let mut w = load(&model_path, &NpuDevice::host_with(numerics), Precision::W8A16Shadow, WeightQuant::PerChannel)?;
             w.model.set_profile(shadow.clone())?;
             w.model.set_sched(SchedOptions { tail: Tail::Pad, plan: PrefillPlan::Layers, ..Default::default() })?;
@@ -661,7 +657,11 @@ fn main() -> Result<()> {
         let mut w4 = Pipeline::load(&model_path, None, &NpuDevice::host_with(Numerics::Htp), opts)?;
         w4.model.set_profile(shadow.clone())?;
         w4.model.set_sched(SchedOptions { tail: Tail::Pad, plan: PrefillPlan::Layers, ..Default::default() })?;
-        htp_rows.push(suite.row(&format!("HTP numerics, the default plan with LPBQ 4-bit weights on {which} (chunks of {})", args.chunk_len), &mut w4, Path::Npu)?);
+        htp_rows.push(suite.row(
+            &format!("HTP numerics, the default plan with LPBQ 4-bit weights on {which} (chunks of {})", args.chunk_len),
+            &mut w4,
+            Path::Npu,
+        )?);
     }
 
     // The pruning curve, on held-out Wikipedia.
@@ -853,7 +853,12 @@ fn chat(args: &Args, model_path: &std::path::Path, f32p: &mut Pipeline, bar: &Pr
     let summaries: Vec<_> = rows.iter().map(|r| r.summary(&convs)).collect();
     if args.json {
         let per: Vec<_> = rows.iter().map(|r| json!({ "name": r.name, "outcomes": r.outcomes })).collect();
-        println!("{}", serde_json::to_string_pretty(&json!({ "model": model_path.display().to_string(), "ids": convs.iter().map(|c| &c.id).collect::<Vec<_>>(), "rows": summaries, "per_conversation": per }))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(
+                &json!({ "model": model_path.display().to_string(), "ids": convs.iter().map(|c| &c.id).collect::<Vec<_>>(), "rows": summaries, "per_conversation": per })
+            )?
+        );
     } else {
         chat_section::print(model_path, &summaries);
     }
@@ -915,13 +920,7 @@ fn draw_curve(args: &Args, curve: &[CurvePoint], f32_ppl: f64) -> Result<()> {
             .build_cartesian_2d(0f64..100f64, (f32_ppl * 0.98)..ppl_max)
             .map_err(|e| err(&e))?
             .set_secondary_coord(0f64..100f64, 0f64..share_max);
-        chart
-            .configure_mesh()
-            .x_desc("layers whose shadow path is pruned (%)")
-            .y_desc("perplexity")
-            .label_style(("sans", 14))
-            .draw()
-            .map_err(|e| err(&e))?;
+        chart.configure_mesh().x_desc("layers whose shadow path is pruned (%)").y_desc("perplexity").label_style(("sans", 14)).draw().map_err(|e| err(&e))?;
         chart.configure_secondary_axes().y_desc("shadow share of prefill time (%)").label_style(("sans", 14)).draw().map_err(|e| err(&e))?;
         let pts: Vec<(f64, f64)> = curve.iter().map(|c| (100.0 * c.rate, c.ppl_wikipedia)).collect();
         chart

@@ -43,9 +43,7 @@ fn main() -> anyhow::Result<()> {
     let model = std::cell::RefCell::new(model);
     let json = serde_json::to_vec(&profile)?;
     run("profile bytes", n, props::edits(), |e, t| props::profile_case(&dir, &profile, &mut model.borrow_mut(), &props::mutate_text(&json, &e), t))?;
-    run("profile values", n, props::json_edits(), |e, t| {
-        props::profile_case(&dir, &profile, &mut model.borrow_mut(), &props::edit_json(&profile, &e), t)
-    })?;
+    run("profile values", n, props::json_edits(), |e, t| props::profile_case(&dir, &profile, &mut model.borrow_mut(), &props::edit_json(&profile, &e), t))?;
     run("cache entry bytes", n, props::edits(), |e, t| props::cache_case(&dir, &e, false, t))?;
     run("cache entry bytes, resealed", n, props::edits(), |e, t| props::cache_case(&dir, &e, true, t))?;
     let json = props::tiny_tokenizer_json();

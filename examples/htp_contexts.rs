@@ -218,13 +218,7 @@ fn measure(args: &Args, name: &str, path: &Path) -> Result<()> {
         };
         let _ = std::fs::remove_dir_all(&dir);
         eprint!("\r{:60}\r", "");
-        println!(
-            "| {name} | {} | {} | {contexts:.0} | {:.1} | {:.1} | {prepare_s:.2} | {load} | {first} |",
-            way.name,
-            graphs.len(),
-            mib(weights),
-            mib(bytes),
-        );
+        println!("| {name} | {} | {} | {contexts:.0} | {:.1} | {:.1} | {prepare_s:.2} | {load} | {first} |", way.name, graphs.len(), mib(weights), mib(bytes),);
     }
     Ok(())
 }

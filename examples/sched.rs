@@ -33,8 +33,8 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_npu::sched::{
-    lower_bound, predict_whole, simulate, Activations, AnalyticCosts, ContributionWeights, CostModel, HtpRates, HtpStageCosts, LayerShape, ModelShape,
-    Policy, Prediction, Processor, Rates, Schedule, SubgraphDag, TableCosts, Trace, WholePlan,
+    lower_bound, predict_whole, simulate, Activations, AnalyticCosts, ContributionWeights, CostModel, HtpRates, HtpStageCosts, LayerShape, ModelShape, Policy,
+    Prediction, Processor, Rates, Schedule, SubgraphDag, TableCosts, Trace, WholePlan,
 };
 use candle_npu::{ChunkPlan, NpuDevice, Tail};
 use candle_npu_models::{assets, prefill_dag, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
@@ -91,8 +91,14 @@ struct Run {
 
 fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usize) -> Result<Run> {
     // Every chunk in flight: the DAG's schedule, unconstrained (the simulator's assumption).
-    let sched =
-        SchedOptions { policy: c.policy.clone(), tail: c.tail, npu_threads: Some(c.npu_threads), small_chunks: vec![], chunks_in_flight: usize::MAX, ..Default::default() };
+    let sched = SchedOptions {
+        policy: c.policy.clone(),
+        tail: c.tail,
+        npu_threads: Some(c.npu_threads),
+        small_chunks: vec![],
+        chunks_in_flight: usize::MAX,
+        ..Default::default()
+    };
     p.model.set_sched(sched)?;
     p.model.prefill_chunked(tokens, chunk)?;
     let mut best: Option<Run> = None;
@@ -148,7 +154,11 @@ fn tail_on_the_phone() -> Result<()> {
 fn phone_projections(json: bool) -> Result<()> {
     let v75 = HtpRates::SNAPDRAGON_8_GEN_3;
     let launches = [0.3e-3, 2e-3];
-    let shape = |hidden, ffn, n_head, n_kv_head, head_dim, n_layer, vocab| ModelShape { layer: LayerShape { hidden, ffn, n_head, n_kv_head, head_dim }, n_layer, vocab };
+    let shape = |hidden, ffn, n_head, n_kv_head, head_dim, n_layer, vocab| ModelShape {
+        layer: LayerShape { hidden, ffn, n_head, n_kv_head, head_dim },
+        n_layer,
+        vocab,
+    };
     let llama_1b = shape(2048, 8192, 32, 8, 64, 16, 128256);
     let qwen3 = shape(2048, 6144, 16, 8, 128, 28, 151936);
     let qwen15 = shape(2048, 5504, 16, 16, 128, 24, 151936);
@@ -185,7 +195,16 @@ fn phone_projections(json: bool) -> Result<()> {
             "AI Hub w4a16: 128 rows over a 4096-token cache, 3 graphs, every row's logits",
             128.0 / 37.0651e-3,
             Box::new(move |r: HtpRates| {
-                let plan = WholePlan { rows: 128, capacity: Some(4096), graphs_per_chunk: 3, activations: Activations::A16, weight_bytes: 0.5, kv_bytes: 1.0, lm_head_bytes: Some(1.0), fp16_share: 0.0 };
+                let plan = WholePlan {
+                    rows: 128,
+                    capacity: Some(4096),
+                    graphs_per_chunk: 3,
+                    activations: Activations::A16,
+                    weight_bytes: 0.5,
+                    kv_bytes: 1.0,
+                    lm_head_bytes: Some(1.0),
+                    fp16_share: 0.0,
+                };
                 Ok(predict_whole(&llama_1b, &plan, 128, &r.snapdragon_8_elite(), cpu.cpu_macs))
             }),
             128,
@@ -197,12 +216,28 @@ fn phone_projections(json: bool) -> Result<()> {
             758.28,
             Box::new(move |r: HtpRates| {
                 let bytes = 0.5 + 0.5 / 16.0; // 4-bit weights and a 4-bit scale per block of 16
-                let plan = WholePlan { rows: 32, capacity: Some(1024), graphs_per_chunk: 1, activations: Activations::A16, weight_bytes: bytes, kv_bytes: 1.0, lm_head_bytes: Some(bytes), fp16_share: 0.0 };
+                let plan = WholePlan {
+                    rows: 32,
+                    capacity: Some(1024),
+                    graphs_per_chunk: 1,
+                    activations: Activations::A16,
+                    weight_bytes: bytes,
+                    kv_bytes: 1.0,
+                    lm_head_bytes: Some(bytes),
+                    fp16_share: 0.0,
+                };
                 Ok(predict_whole(&qwen3, &plan, 640, &r, cpu.cpu_macs))
             }),
             640,
         ),
-        ("Qwen1.5-1.8B", "8 Gen 3", "llm.npu W8A8: four graphs per layer, CPU between, chunks of 256", 1106.0, Box::new(move |r: HtpRates| stages(&qwen15, 1024, r)), 1024),
+        (
+            "Qwen1.5-1.8B",
+            "8 Gen 3",
+            "llm.npu W8A8: four graphs per layer, CPU between, chunks of 256",
+            1106.0,
+            Box::new(move |r: HtpRates| stages(&qwen15, 1024, r)),
+            1024,
+        ),
     ];
     if !json {
         println!("## The phone model (docs/phone_model.md) against the published anchors, each under its own plan");
@@ -234,12 +269,24 @@ fn phone_projections(json: bool) -> Result<()> {
         models.push((name.into(), ModelShape { layer: p.model.layer_shape(), n_layer: c.n_layer, vocab: c.vocab }, share, "its profile's splits"));
     }
     let smollm2_share = models[0].2;
-    models.extend([("Llama-3.2-1B", llama_1b), ("Qwen3-1.7B", qwen3), ("Qwen1.5-1.8B", qwen15), ("Qwen2.5-3B", qwen25_3b)].map(|(n, m)| (n.into(), m, smollm2_share, "SmolLM2's share")));
+    models.extend(
+        [("Llama-3.2-1B", llama_1b), ("Qwen3-1.7B", qwen3), ("Qwen1.5-1.8B", qwen15), ("Qwen2.5-3B", qwen25_3b)]
+            .map(|(n, m)| (n.into(), m, smollm2_share, "SmolLM2's share")),
+    );
     // One graph per layer per chunk of 256 over the smallest power-of-two cache capacity that holds
     // the tokens before it, INT8 weights, an f32 cache (issue 49 makes it f16), the last row's
     // logits on the CPU; shadow W8A16 runs the linears of its split points again in FP16 (the
     // outliers through float weights).
-    let layers = |a, fp16_share| WholePlan { rows: 256, capacity: None, graphs_per_chunk: 0, activations: a, weight_bytes: 1.0, kv_bytes: 4.0, lm_head_bytes: None, fp16_share };
+    let layers = |a, fp16_share| WholePlan {
+        rows: 256,
+        capacity: None,
+        graphs_per_chunk: 0,
+        activations: a,
+        weight_bytes: 1.0,
+        kv_bytes: 4.0,
+        lm_head_bytes: None,
+        fp16_share,
+    };
     let n = 1024;
     if !json {
         println!("\n## This project's plans on the phone model, Snapdragon 8 Gen 3, {n} tokens: tok/s (NPU / CPU busy share), graphs per chunk");
@@ -253,7 +300,11 @@ fn phone_projections(json: bool) -> Result<()> {
             ("stages, shadow W8A8 (llm.npu's; the host's default)".into(), None, cpu),
             ("stages, shadow W8A8, CPU at our kernels' llvm-mca rates".into(), None, Rates::SNAPDRAGON_8_GEN_3_KERNELS),
             ("layers, W8A16".into(), Some(layers(Activations::A16, 0.0)), cpu),
-            (format!("layers, shadow W8A16 (the HTP's default; {:.0}% of the MACs again in FP16: {whose})", 100.0 * share), Some(layers(Activations::A16, *share)), cpu),
+            (
+                format!("layers, shadow W8A16 (the HTP's default; {:.0}% of the MACs again in FP16: {whose})", 100.0 * share),
+                Some(layers(Activations::A16, *share)),
+                cpu,
+            ),
             ("layers, shadow W8A16 (every linear again in FP16: the bound)".into(), Some(layers(Activations::A16, 1.0)), cpu),
         ];
         for (label, plan, cpu) in &plans {
@@ -424,8 +475,7 @@ fn main() -> Result<()> {
         let scheds: Vec<SchedOptions> = policies.iter().map(|policy| SchedOptions { policy: policy.clone(), ..Default::default() }).collect();
         let secs = interleaved(&mut p, &scheds, &text, &lens, &args)?;
         for (policy, times) in policies.iter().zip(&secs) {
-            let cells: Vec<String> =
-                times.iter().zip(&lens).map(|(v, &n)| format!("{:.0} ({:.0})", n as f64 / v[v.len() / 2], n as f64 / v[0])).collect();
+            let cells: Vec<String> = times.iter().zip(&lens).map(|(v, &n)| format!("{:.0} ({:.0})", n as f64 / v[v.len() / 2], n as f64 / v[0])).collect();
             println!("| {} | {} |", policy.name(), cells.join(" | "));
         }
     }
@@ -460,10 +510,8 @@ fn main() -> Result<()> {
         let phone = AnalyticCosts { shape, rates: Rates::SNAPDRAGON_8_GEN_3 };
         println!("\n## Simulated, (c) Snapdragon 8 Gen 3 model, SmolLM2-135M");
         sim_table("phone (c), SmolLM2", &phone, &args.lens, n_layer)?;
-        let qwen15 = AnalyticCosts {
-            shape: LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 },
-            rates: Rates::SNAPDRAGON_8_GEN_3,
-        };
+        let qwen15 =
+            AnalyticCosts { shape: LayerShape { hidden: 2048, ffn: 5504, n_head: 16, n_kv_head: 16, head_dim: 128 }, rates: Rates::SNAPDRAGON_8_GEN_3 };
         println!("\n## Simulated, (c) Snapdragon 8 Gen 3 model, Qwen1.5-1.8B (24 layers; the paper's model)");
         sim_table("phone (c), Qwen1.5-1.8B", &qwen15, &args.lens, 24)?;
         sensitivity("phone (c), Qwen1.5-1.8B", &qwen15, 1024, 64, 24)?;
@@ -501,7 +549,13 @@ fn refit_phone(host: &TableCosts, s: &LayerShape) -> Result<()> {
         per_value[1] * 1e9,
         per_value[2] * 1e9
     );
-    println!("Snapdragon 8 Gen 3 refit: cpu_macs {:.1} GMAC/s, cpu_elem {:.3} ns (Rates::SNAPDRAGON_8_GEN_3 has {:.1} and {:.3})", ratio / cpu_elem / 1e9, cpu_elem * 1e9, Rates::SNAPDRAGON_8_GEN_3.cpu_macs / 1e9, Rates::SNAPDRAGON_8_GEN_3.cpu_elem * 1e9);
+    println!(
+        "Snapdragon 8 Gen 3 refit: cpu_macs {:.1} GMAC/s, cpu_elem {:.3} ns (Rates::SNAPDRAGON_8_GEN_3 has {:.1} and {:.3})",
+        ratio / cpu_elem / 1e9,
+        cpu_elem * 1e9,
+        Rates::SNAPDRAGON_8_GEN_3.cpu_macs / 1e9,
+        Rates::SNAPDRAGON_8_GEN_3.cpu_elem * 1e9
+    );
     Ok(())
 }
 
@@ -544,23 +598,15 @@ fn fit(runs: &[Run]) -> Result<TableCosts> {
 /// Makespan (tokens/s), utilisations and the lower bound per policy, lengths x chunk lengths.
 fn sim_table(label: &str, costs: &dyn CostModel, lens: &[usize], n_layer: usize) -> Result<()> {
     println!("{label}: simulated tokens/s (NPU / CPU utilisation); `bound` is the makespan lower bound's tokens/s");
-    println!(
-        "| prompt, chunk | {} | bound |\n|---|{}---|",
-        Policy::heuristics().iter().map(|p| p.name()).collect::<Vec<_>>().join(" | "),
-        "---|".repeat(4)
-    );
+    println!("| prompt, chunk | {} | bound |\n|---|{}---|", Policy::heuristics().iter().map(|p| p.name()).collect::<Vec<_>>().join(" | "), "---|".repeat(4));
     for &n in lens {
         for chunk in [64, 128, 256] {
             let dag = dag_for(n, chunk, n_layer)?;
             let mut row = format!("| {n}, {chunk} |");
             for p in Policy::heuristics() {
                 let s = simulate(&dag, costs, &p)?;
-                row += &format!(
-                    " {:.0} ({:.0}% / {:.0}%) |",
-                    n as f64 / s.makespan,
-                    100.0 * s.utilization(Processor::Npu),
-                    100.0 * s.utilization(Processor::Cpu)
-                );
+                row +=
+                    &format!(" {:.0} ({:.0}% / {:.0}%) |", n as f64 / s.makespan, 100.0 * s.utilization(Processor::Npu), 100.0 * s.utilization(Processor::Cpu));
             }
             println!("{row} {:.0} |", n as f64 / lower_bound(&dag, costs)?);
         }
@@ -583,10 +629,7 @@ fn sensitivity(label: &str, costs: &dyn CostModel, n: usize, chunk: usize, n_lay
         ("NPU terms +1", ContributionWeights { npu_unlocks_npu: 1.0, npu_unlocks_cpu: 1.0, ..d }),
         ("own cost +1", ContributionWeights { own_cost: 1.0, ..d }),
         ("own cost -1", ContributionWeights { own_cost: -1.0, ..d }),
-        (
-            "all 0 (lowest id)",
-            ContributionWeights { cpu_unlocks_npu: 0.0, cpu_unlocks_cpu: 0.0, npu_unlocks_npu: 0.0, npu_unlocks_cpu: 0.0, own_cost: 0.0 },
-        ),
+        ("all 0 (lowest id)", ContributionWeights { cpu_unlocks_npu: 0.0, cpu_unlocks_cpu: 0.0, npu_unlocks_npu: 0.0, npu_unlocks_cpu: 0.0, own_cost: 0.0 }),
     ];
     let mut line = String::from("|");
     for (name, w) in variants {
@@ -630,8 +673,7 @@ fn draw_gantt(png: &Path, font: &Path, runs: &[(String, SubgraphDag, Schedule)])
         let root = BitMapBackend::new(&tmp, (1400, 260 * runs.len() as u32)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| err(&e))?;
         for (area, (title, dag, s)) in root.split_evenly((runs.len(), 1)).iter().zip(runs) {
-            let caption =
-                format!("{title}; bubbles NPU {:.0}%, CPU {:.0}%", 100.0 * s.bubble_rate(Processor::Npu), 100.0 * s.bubble_rate(Processor::Cpu));
+            let caption = format!("{title}; bubbles NPU {:.0}%, CPU {:.0}%", 100.0 * s.bubble_rate(Processor::Npu), 100.0 * s.bubble_rate(Processor::Cpu));
             let mut chart = ChartBuilder::on(area)
                 .caption(caption, ("sans", 18))
                 .margin(10)

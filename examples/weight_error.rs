@@ -48,11 +48,7 @@ const FORMS: [(&str, f64); 7] = [
 fn main() -> Result<()> {
     let args = Args::parse();
     let models = match args.model.is_empty() {
-        true => vec![
-            candle_npu_models::assets::smollm2(),
-            candle_npu_models::assets::gemma3_270m()?,
-            candle_npu_models::assets::qwen25_coder_05b()?,
-        ],
+        true => vec![candle_npu_models::assets::smollm2(), candle_npu_models::assets::gemma3_270m()?, candle_npu_models::assets::qwen25_coder_05b()?],
         false => args.model,
     };
     for path in models {

@@ -56,7 +56,9 @@ fn main() -> Result<()> {
         ExecutorKind::Hexagon => NpuDevice::hexagon(HtpConfig { soc_model: args.soc, cache_dir: None, ..Default::default() })?,
         ExecutorKind::HtpModel => NpuDevice::host_with(Numerics::Htp),
     };
-    let load = |dev: &NpuDevice, precision: Precision| Pipeline::load(&path, None, dev, LoadOptions { precision: Some(precision), decode_weights: DecodeWeights::Q8_0, ..Default::default() });
+    let load = |dev: &NpuDevice, precision: Precision| {
+        Pipeline::load(&path, None, dev, LoadOptions { precision: Some(precision), decode_weights: DecodeWeights::Q8_0, ..Default::default() })
+    };
     if args.prepare_only {
         let precision = Precision::for_device(&device);
         let mut p = load(&device, precision)?;

@@ -77,7 +77,8 @@ fn lpbq_weights_are_refused_for_unknown_linears_beside_a_residual_and_with_u8_ac
     let dir = scratch("lpbq");
     let path = write_gguf(&dir.join("m.gguf"), |_, _| {});
     let names = |n: &[&str]| n.iter().map(|n| n.to_string()).collect::<Vec<_>>();
-    let with = |lpbq: &[&str], residual: &[&str], precision| LoadOptions { lpbq: names(lpbq), residual: names(residual), precision: Some(precision), ..float_opts() };
+    let with =
+        |lpbq: &[&str], residual: &[&str], precision| LoadOptions { lpbq: names(lpbq), residual: names(residual), precision: Some(precision), ..float_opts() };
     let open = || Arc::new(Gguf::open(&path).unwrap());
     let load = |o| families::load_gguf(open(), &NpuDevice::host(), o);
     error_naming(load(with(&["ffn_upp"], &[], Precision::W8A16Shadow)), "LPBQ weights for 'ffn_upp'", None);
@@ -457,8 +458,15 @@ fn an_interactive_turn_cut_by_the_full_context_says_so() {
     use std::io::Write;
     let dir = scratch("interactive-full");
     let (model, tok) = props::tiny_model_files(&dir);
-    let args = ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "100", "--prompt", "hi", "--interactive"];
-    let mut child = Command::new(llama_example()).args(args).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let args =
+        ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "100", "--prompt", "hi", "--interactive"];
+    let mut child = Command::new(llama_example())
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     child.stdin.take().unwrap().write_all(b"more\nand more\n").unwrap();
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -476,7 +484,13 @@ fn interactive_without_a_prompt_takes_the_first_turn_from_stdin() {
     let (model, tok) = props::tiny_model_files(&dir);
     let run = |input: &[u8]| {
         let args = ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "4", "--interactive"];
-        let mut child = Command::new(llama_example()).args(args).stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        let mut child = Command::new(llama_example())
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
         child.stdin.take().unwrap().write_all(input).unwrap();
         let out = child.wait_with_output().unwrap();
         (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())

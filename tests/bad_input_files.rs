@@ -160,9 +160,7 @@ fn hostile_tokenizer_files_are_errors_at_load_or_encoding() {
 
     // In a pipeline: a prompt is bounded before the tokenizer normalizes it. A normalizer that
     // turns each "a" into 1 MB would make 200 of them allocate 200 MB.
-    let grows = write("grows.json", &|v| {
-        v["normalizer"] = serde_json::json!({"type": "Replace", "pattern": {"String": "a"}, "content": "b".repeat(1 << 20)})
-    });
+    let grows = write("grows.json", &|v| v["normalizer"] = serde_json::json!({"type": "Replace", "pattern": {"String": "a"}, "content": "b".repeat(1 << 20)}));
     let p = candle_npu_models::Pipeline::load(&model, Some(&grows), &candle_npu::NpuDevice::host(), Default::default()).unwrap();
     let e = p.encode_with(&"a".repeat(200), false, false).unwrap_err().to_string();
     assert!(e.contains("a prompt of 200 bytes") && e.contains("may grow text 1048576x") && e.contains("shorten it"), "{e}");

@@ -105,7 +105,8 @@ fn roles_are_words_and_a_conversation_stays_with_its_model() {
 /// render gets ([`TEMPLATE_FUEL`] has ten times what they take, at least).
 #[test]
 fn the_real_templates_render_long_conversations_within_a_tenth_of_the_fuel() {
-    let msgs: Vec<Message> = (0..2000).map(|i| if i % 2 == 0 { Message::user(format!("question {i}")) } else { Message::assistant(format!("answer {i}")) }).collect();
+    let msgs: Vec<Message> =
+        (0..2000).map(|i| if i % 2 == 0 { Message::user(format!("question {i}")) } else { Message::assistant(format!("answer {i}")) }).collect();
     for file in ["SmolLM2-135M-Instruct.Q4_1.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"] {
         let g = candle_npu_models::gguf::Gguf::open(&assets::dir().join(file)).unwrap();
         let t = JinjaTemplate::new(&g.string("tokenizer.chat_template").unwrap(), "", "").unwrap().fuel(TEMPLATE_FUEL / 10);
@@ -137,7 +138,8 @@ fn a_hostile_template_is_stopped_at_its_bounds() {
     let (_, e) = stopped("{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}{{ messages[0].content }}");
     assert!(e.contains("its text passes"), "{e}");
     // A string doubled in a namespace: 2^40 bytes in 40 instructions, which no fuel bounds.
-    let (t, e) = stopped("{% set ns = namespace(s='xx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}{{ messages[0].content }}");
+    let (t, e) =
+        stopped("{% set ns = namespace(s='xx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}{{ messages[0].content }}");
     assert!(e.contains("more than its 256 MiB of memory"), "{e}");
     // Its render's thread is asleep holding what it took: the template is not run again.
     let e = t.render(&hi, true).unwrap_err().to_string();

@@ -14,7 +14,16 @@ use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Pr
 use common::*;
 
 /// The subset: one conversation of each kind the eval holds.
-const SUBSET: &[&str] = &["greet-hi-there", "fact-capital-australia", "json-extract-person-leo", "py-fizzbuzz", "fr-chef-pate-a-crepes", "ja-fuji-height", "itdesk-vpn-multi", "ha-mt-sofia-cello"];
+const SUBSET: &[&str] = &[
+    "greet-hi-there",
+    "fact-capital-australia",
+    "json-extract-person-leo",
+    "py-fizzbuzz",
+    "fr-chef-pate-a-crepes",
+    "ja-fuji-height",
+    "itdesk-vpn-multi",
+    "ha-mt-sofia-cello",
+];
 
 /// The example (a system prompt, then "My name is Bob and I live in Tokyo."): SmolLM2's
 /// own F32 prefill ties four first tokens within 0.11 logits there ("N", "K" and two katakana

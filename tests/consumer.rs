@@ -18,12 +18,7 @@ fn a_program_of_a_candle_user_uses_the_public_api() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(candle_npu_models::assets::smollm2(), dir.join("model.gguf")).unwrap();
-    let out = Command::new(common::example("consumer"))
-        .arg("model.gguf")
-        .current_dir(&dir)
-        .env_remove("CANDLE_NPU_ASSETS")
-        .output()
-        .unwrap();
+    let out = Command::new(common::example("consumer")).arg("model.gguf").current_dir(&dir).env_remove("CANDLE_NPU_ASSETS").output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the consumer failed");
@@ -31,7 +26,12 @@ fn a_program_of_a_candle_user_uses_the_public_api() {
     assert!(stdout.contains("RESTORED same answer") && stdout.contains("TWO SESSIONS"));
     // Its own candle-nn model's linears on the NPU (`candle_npu::nn`): within W8A8's error of
     // candle's CPU (0.85% of the largest output here, 1.1-1.4% on tests/nn.rs's model; 3% as there).
-    let err: f32 = stdout.split("OWN MODEL relative max error ").nth(1).and_then(|s| s.split_whitespace().next()).and_then(|s| s.parse().ok()).expect("the own-model line");
+    let err: f32 = stdout
+        .split("OWN MODEL relative max error ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .expect("the own-model line");
     assert!(err < 3e-2, "own model on the NPU: {err}");
     assert!(dir.join("model.gguf.w8a8.json").is_file(), "the profile is saved next to the copied model");
     std::fs::remove_dir_all(&dir).unwrap();

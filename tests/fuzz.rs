@@ -16,11 +16,7 @@ const CASES: u32 = 1000;
 
 /// Runs `CASES` cases of a property and checks both outcomes occurred: mutations that only ever
 /// fail (or never do) would test one side of the reader.
-fn check<S: proptest::strategy::Strategy>(
-    name: &str,
-    strategy: S,
-    case: impl Fn(S::Value, &props::Tally) -> Result<(), proptest::test_runner::TestCaseError>,
-) {
+fn check<S: proptest::strategy::Strategy>(name: &str, strategy: S, case: impl Fn(S::Value, &props::Tally) -> Result<(), proptest::test_runner::TestCaseError>) {
     check_n(name, CASES, strategy, case)
 }
 

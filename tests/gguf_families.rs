@@ -70,7 +70,14 @@ fn check(model: &mut Model, mut reference: impl FnMut(&[u32], usize) -> Vec<f32>
 /// same top-1 token, and logits no further from candle's half-precision result than candle's
 /// own F32 result is (`f32_reference`): the tolerance is the half-precision rounding itself,
 /// measured, not a constant chosen to pass.
-fn check_half(model: &mut Model, mut half: impl FnMut(&[u32], usize) -> Vec<f32>, mut f32_reference: impl FnMut(&[u32], usize) -> Vec<f32>, toks: &[u32], lens: &[usize], chunk: usize) {
+fn check_half(
+    model: &mut Model,
+    mut half: impl FnMut(&[u32], usize) -> Vec<f32>,
+    mut f32_reference: impl FnMut(&[u32], usize) -> Vec<f32>,
+    toks: &[u32],
+    lens: &[usize],
+    chunk: usize,
+) {
     for &len in lens {
         let (want, want32) = (half(&toks[..len], 0), f32_reference(&toks[..len], 0));
         let got: Vec<f32> = model.prefill_chunked(&toks[..len], chunk).unwrap().to_vec1().unwrap();
@@ -125,10 +132,25 @@ fn gemma3_reference(path: &Path, window: usize, dtype: candle_core::DType) -> ca
     put("model.norm.weight".into(), "output_norm.weight".into(), true);
     for l in 0..cfg.n_layer {
         let (hf, gg) = (format!("model.layers.{l}"), format!("blk.{l}"));
-        for (a, b) in [("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")] {
+        for (a, b) in [
+            ("self_attn.q_proj", "attn_q"),
+            ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"),
+            ("self_attn.o_proj", "attn_output"),
+            ("mlp.gate_proj", "ffn_gate"),
+            ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"),
+        ] {
             put(format!("{hf}.{a}.weight"), format!("{gg}.{b}.weight"), false);
         }
-        for (a, b) in [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "post_attention_norm"), ("pre_feedforward_layernorm", "ffn_norm"), ("post_feedforward_layernorm", "post_ffw_norm"), ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")] {
+        for (a, b) in [
+            ("input_layernorm", "attn_norm"),
+            ("post_attention_layernorm", "post_attention_norm"),
+            ("pre_feedforward_layernorm", "ffn_norm"),
+            ("post_feedforward_layernorm", "post_ffw_norm"),
+            ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.k_norm", "attn_k_norm"),
+        ] {
             put(format!("{hf}.{a}.weight"), format!("{gg}.{b}.weight"), true);
         }
     }

@@ -7,8 +7,8 @@
 
 mod common;
 
-use candle_npu::{Contexts, DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
 use candle_npu::executor::htp_numerics::fp16_step;
+use candle_npu::{Contexts, DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
 use candle_npu_models::logits::argmax;
 use candle_npu_models::{chat_eval, CalibrationSet, DecodeWeights, GenerateOptions, Precision, PrefillPlan, SchedOptions};
 use common::*;
@@ -226,7 +226,12 @@ fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle
         let (on_library, on_model) = (chat_eval::measure(x, &mut f32p, &r).unwrap(), chat_eval::measure(m, &mut f32p, &r).unwrap());
         let text = x.decode_text(&on_library.answer).unwrap();
         eprintln!("{id}: library kl {:.4}, numerics model kl {:.4}: {text:?}", on_library.kl, on_model.kl);
-        assert_eq!(on_library.answer, on_model.answer, "{id}: the library's answer {text:?} against the numerics model's {:?}", m.decode_text(&on_model.answer).unwrap());
+        assert_eq!(
+            on_library.answer,
+            on_model.answer,
+            "{id}: the library's answer {text:?} against the numerics model's {:?}",
+            m.decode_text(&on_model.answer).unwrap()
+        );
         assert!(on_library.derail.is_none(), "{id}: derailed ({:?}) through the library: {text:?}", on_library.derail);
     }
 }
@@ -329,10 +334,8 @@ fn graphs_in_shared_contexts_compute_as_alone() {
     p.model.set_profile(profile).unwrap();
     // Layer 0's four stage graphs at 64 and at 32 rows.
     let graphs: Vec<Graph> = [64, 32].iter().flat_map(|&m| p.model.layer_graphs(0, m, Precision::W8A8).unwrap()).collect();
-    let inputs: Vec<TensorData> = graphs
-        .iter()
-        .map(|g| TensorData::U8((0..g.tensor(g.inputs[0]).elem_count()).map(|i| ((i * 2654435761usize) >> 7) as u8).collect()))
-        .collect();
+    let inputs: Vec<TensorData> =
+        graphs.iter().map(|g| TensorData::U8((0..g.tensor(g.inputs[0]).elem_count()).map(|i| ((i * 2654435761usize) >> 7) as u8).collect())).collect();
     let run = |config: HtpConfig| {
         let htp = NpuDevice::hexagon(config).unwrap();
         let prepared = htp.prepare_all(&graphs).unwrap();

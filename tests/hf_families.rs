@@ -51,7 +51,8 @@ fn write_model(dir: &Path, config: serde_json::Value, fused: bool, seed: u64) {
     ts.insert("lm_head.weight".into(), weight(&mut rng, VOCAB, HIDDEN));
     for l in 0..LAYERS {
         let p = format!("model.layers.{l}");
-        let (q, k, v) = (weight(&mut rng, HEADS * HEAD_DIM, HIDDEN), weight(&mut rng, KV_HEADS * HEAD_DIM, HIDDEN), weight(&mut rng, KV_HEADS * HEAD_DIM, HIDDEN));
+        let (q, k, v) =
+            (weight(&mut rng, HEADS * HEAD_DIM, HIDDEN), weight(&mut rng, KV_HEADS * HEAD_DIM, HIDDEN), weight(&mut rng, KV_HEADS * HEAD_DIM, HIDDEN));
         let (g, u) = (weight(&mut rng, FFN, HIDDEN), weight(&mut rng, FFN, HIDDEN));
         if fused {
             ts.insert(format!("{p}.self_attn.qkv_proj.weight"), Tensor::cat(&[q, k, v], 0).unwrap());
@@ -396,7 +397,9 @@ fn bad_hf_folders_are_clear_errors() {
     write_model(&d, c, false, 4);
     assert!(load_err(&d).contains("attention_bias is true"));
     // Sizes out of range and a bad epsilon, in config.json.
-    for (key, value, cause) in [("num_hidden_layers", serde_json::json!(1u64 << 40), "layers 1099511627776"), ("rms_norm_eps", serde_json::json!(-1.0), "epsilon -1")] {
+    for (key, value, cause) in
+        [("num_hidden_layers", serde_json::json!(1u64 << 40), "layers 1099511627776"), ("rms_norm_eps", serde_json::json!(-1.0), "epsilon -1")]
+    {
         let d = tmpdir("bad-size");
         let mut c = base_config("mistral");
         c[key] = value;
@@ -492,7 +495,8 @@ fn the_command_line_default_chunk_length_fits_a_short_context() {
     c["max_position_embeddings"] = serde_json::json!(64);
     write_model(&d, c, false, 5);
     let vocab: serde_json::Map<String, serde_json::Value> = (0..VOCAB).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
-    let tokenizer = serde_json::json!({"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}, "pre_tokenizer": {"type": "Whitespace"}});
+    let tokenizer =
+        serde_json::json!({"version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}, "pre_tokenizer": {"type": "Whitespace"}});
     std::fs::write(d.join("tokenizer.json"), serde_json::to_vec(&tokenizer).unwrap()).unwrap();
     let run = |extra: &[&str]| {
         let args = ["--model", d.to_str().unwrap(), "--prompt", "t1 t2 t3", "--sample-len", "2", "--f32-prefill", "--no-chat-template"];

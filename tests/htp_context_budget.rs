@@ -133,7 +133,13 @@ fn the_library_loads_each_layer_range_of_a_model_it_refuses_whole() {
         for g in &graphs {
             let theirs = per_graph[&qnn_name(g)];
             let ours = address_space(g, None);
-            eprintln!("{}: library {:.2} MiB, bound {:.2} MiB ({:.2}x)", g.name, theirs as f64 / 1048576.0, ours as f64 / 1048576.0, ours as f64 / theirs as f64);
+            eprintln!(
+                "{}: library {:.2} MiB, bound {:.2} MiB ({:.2}x)",
+                g.name,
+                theirs as f64 / 1048576.0,
+                ours as f64 / 1048576.0,
+                ours as f64 / theirs as f64
+            );
             assert!(ours >= theirs, "{}: the bound {ours} is under the library's estimate {theirs}", g.name);
         }
     }

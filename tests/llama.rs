@@ -56,7 +56,10 @@ fn shadow_w8a8_prefill_is_within_2_percent_of_f32_on_heldout_wikipedia() {
     let mut p = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
     calibrated(&mut p);
     let (ppl_q, ppl_r, agree) = against_f32(&mut p);
-    eprintln!("shadow W8A8 vs F32, 512 held-out Wikipedia tokens: perplexity {ppl_q:.3} vs {ppl_r:.3} (ratio {:.4}), top-1 agreement {agree:.3}", ppl_q / ppl_r);
+    eprintln!(
+        "shadow W8A8 vs F32, 512 held-out Wikipedia tokens: perplexity {ppl_q:.3} vs {ppl_r:.3} (ratio {:.4}), top-1 agreement {agree:.3}",
+        ppl_q / ppl_r
+    );
     // Measured here: 16.639 vs 16.574 (ratio 1.0039), agreement 0.955 (outlier budget 1%,
     // per-channel weights, every shadow path on). The bounds: ratio <= 1.02, agreement >= 0.9.
     assert!(ppl_r < 30.0, "F32 reference perplexity {ppl_r} is not that of a working model");
@@ -284,7 +287,10 @@ fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
     // (What a 135M model answers under a system prompt depends on its calibration: not asserted.)
     let (first, err) = run(&["--prompt", "What is the capital of France?", "--system", "Answer briefly.", "--save-session", s], b"");
     assert!(first.contains("prompt tokens processed") && err.contains("saved to"), "{first}\n{err}");
-    let (next, err) = run(&["--load-session", s, "--prompt", "And of Germany?", "--interactive", "--repeat-penalty", "1.1", "--temperature", "0.5", "--top-k", "20"], b"And of Italy?\n\n");
+    let (next, err) = run(
+        &["--load-session", s, "--prompt", "And of Germany?", "--interactive", "--repeat-penalty", "1.1", "--temperature", "0.5", "--top-k", "20"],
+        b"And of Italy?\n\n",
+    );
     let line = next.lines().find(|l| l.contains("prompt tokens processed")).unwrap_or_else(|| panic!("{next}"));
     let new: usize = line.split_whitespace().next().unwrap().parse().unwrap();
     assert!(new < 25, "the loaded turn prefilled only its own tokens: {line}");
@@ -292,7 +298,10 @@ fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
     // A line that is not UTF-8 ends the conversation, named as standard input's, and what was
     // said before it is saved.
     let after = tmp("cli-turn3.kv");
-    let (_, err) = run(&["--load-session", s, "--prompt", "And of Spain?", "--interactive", "--save-session", after.to_str().unwrap()], b"And of Italy?\n\xff\xfe oops\nAnd of Peru?\n");
+    let (_, err) = run(
+        &["--load-session", s, "--prompt", "And of Spain?", "--interactive", "--save-session", after.to_str().unwrap()],
+        b"And of Italy?\n\xff\xfe oops\nAnd of Peru?\n",
+    );
     assert!(err.contains("standard input, line 2: not UTF-8 text (invalid byte 0xff at byte 1)"), "{err}");
     // The saved header's messages (the file: magic, a u32 length, the header's JSON, the KV).
     let bytes = std::fs::read(&after).unwrap();

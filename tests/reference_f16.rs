@@ -43,11 +43,7 @@ fn top1(v: &[f32]) -> u32 {
     argmax(&Tensor::new(v, &Device::Cpu).unwrap()).unwrap()
 }
 
-fn check(
-    path: &Path,
-    r32: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
-    r16: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>,
-) {
+fn check(path: &Path, r32: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>, r16: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result<Tensor>) {
     let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts).unwrap();
     let toks = p.heldout_tokens(300).unwrap();

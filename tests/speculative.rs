@@ -110,7 +110,11 @@ fn npu_verification_rows_are_the_npus_prefill_of_each_token() {
     let pass: Vec<Vec<f32>> = p.model.extend_rows(&next).unwrap().to_vec2().unwrap();
     let vocab = pass[0].len();
     let max_diff = alone.iter().flatten().zip(pass.iter().flatten()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    let top = |rows: &[Vec<f32>]| rows.iter().map(|r| candle_npu_models::logits::argmax(&candle_core::Tensor::new(r.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap()).collect::<Vec<_>>();
+    let top = |rows: &[Vec<f32>]| {
+        rows.iter()
+            .map(|r| candle_npu_models::logits::argmax(&candle_core::Tensor::new(r.as_slice(), &candle_core::Device::Cpu).unwrap()).unwrap())
+            .collect::<Vec<_>>()
+    };
     eprintln!("NPU pass of {} rows against {} one-token NPU extends: max |logit diff| {max_diff}, vocab {vocab}", next.len(), next.len());
     assert_eq!(top(&pass), top(&alone), "a pass's rows pick other tokens than the NPU's prefill of each");
     assert!(alone == pass, "a pass's rows differ from one-token NPU extends by up to {max_diff}");
@@ -194,12 +198,22 @@ fn bad_drafts_are_errors() {
     let opts = GenerateOptions { sample_len: 4, speculative: Speculative::draft(), ..Default::default() };
     let e = p.generate("Hello", &opts, |_| {}).unwrap_err().to_string();
     assert!(e.contains("draft model") && e.contains("set_draft"), "{e}");
-    let gemma = Pipeline::load(&assets::gemma3_270m().unwrap(), None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::F32), ..Default::default() }).unwrap();
+    let gemma =
+        Pipeline::load(&assets::gemma3_270m().unwrap(), None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::F32), ..Default::default() })
+            .unwrap();
     let e = p.set_draft(gemma).unwrap_err().to_string();
     assert!(e.contains("does not share the tokenizer") && e.contains("gemma"), "{e}");
     assert!(p.draft().is_none());
     for layers in [0, 31] {
-        let e = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), LoadOptions { precision: Some(Precision::F32), layers: Some(layers), ..Default::default() }).err().unwrap().to_string();
+        let e = Pipeline::load(
+            &assets::smollm2(),
+            None,
+            &NpuDevice::host(),
+            LoadOptions { precision: Some(Precision::F32), layers: Some(layers), ..Default::default() },
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(e.contains(&format!("first {layers} layers")) && e.contains("1 to 30"), "{e}");
     }
 }

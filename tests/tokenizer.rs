@@ -124,11 +124,8 @@ fn gemma3_byte_fallback_and_whitespace_round_trip() {
 /// Chat markup must reach the model as its control tokens, not as `<`, `|`, ... pieces.
 #[test]
 fn control_tokens_are_single_tokens() {
-    let cases: [(PathBuf, &str, &str); 3] = [
-        (assets::smollm2(), "<|im_start|>", "<|im_end|>"),
-        (qwen(), "<|im_start|>", "<|im_end|>"),
-        (gemma(), "<start_of_turn>", "<end_of_turn>"),
-    ];
+    let cases: [(PathBuf, &str, &str); 3] =
+        [(assets::smollm2(), "<|im_start|>", "<|im_end|>"), (qwen(), "<|im_start|>", "<|im_end|>"), (gemma(), "<start_of_turn>", "<end_of_turn>")];
     for (path, open, close) in cases {
         let tok = load(&path);
         let ids = tokenizer::encode(&tok, &format!("{open}user\nhi{close}\n"), false).unwrap();
@@ -203,10 +200,8 @@ fn unbuildable_tokenizers_are_errors_naming_the_cause() {
     let e = tokenizer_error("falcon", &[("tokenizer.ggml.model", s("gpt2")), ("tokenizer.ggml.pre", s("falcon"))]);
     assert!(e.contains("'falcon'") && e.contains("--tokenizer tokenizer.json"), "{e}");
 
-    let e = tokenizer_error(
-        "no-merges",
-        &[("tokenizer.ggml.model", s("gpt2")), ("tokenizer.ggml.pre", s("qwen2")), ("tokenizer.ggml.tokens", strings(&["a"]))],
-    );
+    let e =
+        tokenizer_error("no-merges", &[("tokenizer.ggml.model", s("gpt2")), ("tokenizer.ggml.pre", s("qwen2")), ("tokenizer.ggml.tokens", strings(&["a"]))]);
     assert!(e.contains("tokenizer.ggml.merges"), "{e}");
 
     let e = tokenizer_error(

@@ -43,7 +43,10 @@ fn f32_whole_layer_graphs_give_the_four_stage_prefill_s_logits() {
         // The caches the graphs filled are the ones decode reads.
         let got_next = logits(p.model.decode(tokens[0]).unwrap());
         let (err, next) = (rel_max_err(&got, &want), rel_max_err(&got_next, &want_next));
-        eprintln!("{}: whole-layer F32 graphs against the four-stage F32 prefill, max |logit diff| / max |logit|: {err:.2e}; the next token's decode: {next:.2e}", path.display());
+        eprintln!(
+            "{}: whole-layer F32 graphs against the four-stage F32 prefill, max |logit diff| / max |logit|: {err:.2e}; the next token's decode: {next:.2e}",
+            path.display()
+        );
         // Both are F32 forwards of one model that sum in other orders (attention over a masked
         // cache as two MatMuls, RoPE as a rotation): f32 rounding, about 1e-6 measured.
         assert!(err < 1e-4 && next < 1e-4, "{}: prefill {err:e}, decode {next:e}", path.display());

@@ -595,7 +595,11 @@ mod tests {
             use std::os::unix::process::CommandExt;
             child.pre_exec(|| {
                 let limit = libc::rlimit { rlim_cur: 64 << 10, rlim_max: 64 << 10 };
-                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
             });
         }
         let out = child.output().unwrap();

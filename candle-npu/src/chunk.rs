@@ -138,10 +138,7 @@ mod tests {
     #[test]
     fn remainder_becomes_a_cpu_margin_without_padding() {
         let p = ChunkPlan::new(300, 128, 8192, Tail::Margin).unwrap();
-        assert_eq!(
-            p.chunks.iter().map(|c| (c.len, c.padded_len, c.margin)).collect::<Vec<_>>(),
-            vec![(128, 128, false), (128, 128, false), (44, 44, true)]
-        );
+        assert_eq!(p.chunks.iter().map(|c| (c.len, c.padded_len, c.margin)).collect::<Vec<_>>(), vec![(128, 128, false), (128, 128, false), (44, 44, true)]);
         assert_eq!((p.padded_tokens(), p.margin_tokens()), (0, 44));
         let p = ChunkPlan::new(24, 256, 8192, Tail::Margin).unwrap();
         assert_eq!(p.chunks, vec![Chunk { index: 0, start: 0, len: 24, padded_len: 24, margin: true }]);

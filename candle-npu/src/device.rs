@@ -221,9 +221,8 @@ struct Signature {
 
 impl Signature {
     fn of(graph: &Graph) -> Self {
-        let sig = |ids: &[crate::graph::TensorId]| {
-            ids.iter().map(|&i| (graph.tensor(i).name.clone(), graph.tensor(i).dtype, graph.tensor(i).elem_count())).collect()
-        };
+        let sig =
+            |ids: &[crate::graph::TensorId]| ids.iter().map(|&i| (graph.tensor(i).name.clone(), graph.tensor(i).dtype, graph.tensor(i).elem_count())).collect();
         Signature {
             name: graph.name.clone(),
             rows: graph.inputs.first().and_then(|&i| graph.tensor(i).shape.first().copied()).unwrap_or(1),

@@ -136,9 +136,8 @@ pub fn parse_json(bytes: &[u8]) -> std::result::Result<serde_json::Value, serde_
 
 /// [`read_bounded`], as UTF-8 text (an error naming `path` when it is not).
 pub fn read_to_string_bounded(path: &Path, limit: u64, what: &str) -> Result<String> {
-    String::from_utf8(read_bounded(path, limit, what)?).map_err(|e| {
-        Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what}: not UTF-8 text: {e}")))
-    })
+    String::from_utf8(read_bounded(path, limit, what)?)
+        .map_err(|e| Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what}: not UTF-8 text: {e}"))))
 }
 
 /// Checks, before any work whose result is written to `path`, that it can go there: nothing is

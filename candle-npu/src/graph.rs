@@ -537,14 +537,7 @@ impl Graph {
     }
 
     /// Add an op producing a new tensor `name` with the given type; returns that tensor.
-    pub fn op(
-        &mut self,
-        name: &str,
-        dtype: DType,
-        quant: Option<Quant>,
-        make: impl FnOnce(TensorId) -> Op,
-        shape: &[usize],
-    ) -> TensorId {
+    pub fn op(&mut self, name: &str, dtype: DType, quant: Option<Quant>, make: impl FnOnce(TensorId) -> Op, shape: &[usize]) -> TensorId {
         let out = self.tensor_new(name, shape, dtype, quant);
         self.ops.push(make(out));
         out
@@ -573,15 +566,7 @@ impl Graph {
 
     /// An elementwise op of two operands whose output has their broadcast shape (`a`'s when
     /// they do not broadcast, which [`Graph::validate`] then reports).
-    pub fn binary(
-        &mut self,
-        name: &str,
-        a: TensorId,
-        b: TensorId,
-        dtype: DType,
-        quant: Option<Quant>,
-        f: fn(TensorId, TensorId, TensorId) -> Op,
-    ) -> TensorId {
+    pub fn binary(&mut self, name: &str, a: TensorId, b: TensorId, dtype: DType, quant: Option<Quant>, f: fn(TensorId, TensorId, TensorId) -> Op) -> TensorId {
         let (sa, sb) = (&self.tensor(a).shape, &self.tensor(b).shape);
         let shape = broadcast_shape(sa, sb).unwrap_or_else(|| sa.clone());
         self.op(name, dtype, quant, |output| f(a, b, output), &shape)
@@ -643,12 +628,7 @@ impl Graph {
     }
 
     fn invalid(&self, op: &Op, reason: impl Into<String>) -> Error {
-        Error::InvalidGraph {
-            graph: self.name.clone(),
-            op: op.name().to_string(),
-            shapes: self.describe_op(op),
-            reason: reason.into(),
-        }
+        Error::InvalidGraph { graph: self.name.clone(), op: op.name().to_string(), shapes: self.describe_op(op), reason: reason.into() }
     }
 
     fn invalid_tensor(&self, shapes: String, reason: impl Into<String>) -> Error {
@@ -754,11 +734,7 @@ impl Graph {
             return Err(self.invalid_tensor(String::new(), "graph has no outputs"));
         }
         self.validate_structure()?;
-        let mut ready: Vec<bool> = self
-            .tensors
-            .iter()
-            .map(|t| matches!(t.kind, TensorKind::Input | TensorKind::Static))
-            .collect();
+        let mut ready: Vec<bool> = self.tensors.iter().map(|t| matches!(t.kind, TensorKind::Input | TensorKind::Static)).collect();
         for t in &self.tensors {
             if let Some(s) = &t.channel_scales {
                 let ok = t.dtype == DType::I8
@@ -767,10 +743,8 @@ impl Graph {
                     && t.shape.first() == Some(&s.len())
                     && s.iter().all(|v| v.is_finite() && *v > 0.0);
                 if !ok {
-                    return Err(self.invalid_tensor(
-                        t.to_string(),
-                        "per-channel scales need a constant I8 tensor without per-tensor quant, one finite scale > 0 per row",
-                    ));
+                    return Err(self
+                        .invalid_tensor(t.to_string(), "per-channel scales need a constant I8 tensor without per-tensor quant, one finite scale > 0 per row"));
                 }
             }
             if let Some(b) = &t.block_scales {
@@ -843,8 +817,7 @@ impl Graph {
                                 return Err(self.invalid(op, "a W8A8 bias needs per-tensor input and weight scales"));
                             };
                             let expect = xq.scale * wq.scale;
-                            let ok = b.dtype == DType::I32
-                                && b.quant.is_some_and(|q| q.offset == 0 && ((q.scale - expect) / expect).abs() < 1e-5);
+                            let ok = b.dtype == DType::I32 && b.quant.is_some_and(|q| q.offset == 0 && ((q.scale - expect) / expect).abs() < 1e-5);
                             if !ok {
                                 return Err(self.invalid(op, "W8A8 bias must be I32 with scale s_in * s_w, offset 0"));
                             }
@@ -932,7 +905,13 @@ impl Graph {
                     // (After `same`: the ranks are the output's.)
                     let dims_ok = || {
                         axis < out.shape.len()
-                            && (0..out.shape.len()).all(|i| if i == axis { a.shape[i] + b.shape[i] == out.shape[i] } else { a.shape[i] == out.shape[i] && b.shape[i] == out.shape[i] })
+                            && (0..out.shape.len()).all(|i| {
+                                if i == axis {
+                                    a.shape[i] + b.shape[i] == out.shape[i]
+                                } else {
+                                    a.shape[i] == out.shape[i] && b.shape[i] == out.shape[i]
+                                }
+                            })
                     };
                     if !(same(a) && same(b) && dims_ok()) {
                         return Err(self.invalid(op, format!("parts must share the output's type and dimensions but along axis {axis}, where they add up")));
@@ -1038,9 +1017,7 @@ impl TensorData {
             (DType::U8, Some(q)) => TensorData::U8(crate::quant::quantize_u8(values, q)),
             (DType::U16, Some(q)) => TensorData::U16(quantize_u16(values, q)),
             (DType::I8, Some(q)) => TensorData::I8(values.iter().map(|&v| quantize_one(v, q, -128, 127) as i8).collect()),
-            (DType::I32, Some(q)) => {
-                TensorData::I32(values.iter().map(|&v| quantize_one(v, q, i32::MIN as i64, i32::MAX as i64) as i32).collect())
-            }
+            (DType::I32, Some(q)) => TensorData::I32(values.iter().map(|&v| quantize_one(v, q, i32::MIN as i64, i32::MAX as i64) as i32).collect()),
             (_, None) => panic!("from_f32: quantized dtype {dtype:?} without quant params (validated graphs never do this)"),
         }
     }
@@ -1066,12 +1043,7 @@ pub fn check_input_count(graph: &str, expected: usize, got: usize) -> Result<()>
     if expected == got {
         return Ok(());
     }
-    Err(Error::BufferMismatch {
-        graph: graph.to_string(),
-        tensor: "<inputs>".into(),
-        expected: format!("{expected} inputs"),
-        got: format!("{got} inputs"),
-    })
+    Err(Error::BufferMismatch { graph: graph.to_string(), tensor: "<inputs>".into(), expected: format!("{expected} inputs"), got: format!("{got} inputs") })
 }
 
 #[inline]
@@ -1112,7 +1084,9 @@ mod tests {
     fn quantize_u16_is_quantize_one() {
         let mut v: Vec<f32> = (0..200_000).map(|i| (i as f32 - 100_000.0) * 0.013).collect();
         v.extend([0.5, 1.5, -0.5, 2.5 * 0.02, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30]);
-        for q in [Quant { scale: 0.02, offset: -32768 }, Quant { scale: 0.001, offset: 0 }, Quant { scale: 1.0, offset: -65535 }, Quant { scale: 0.5, offset: 7 }] {
+        for q in
+            [Quant { scale: 0.02, offset: -32768 }, Quant { scale: 0.001, offset: 0 }, Quant { scale: 1.0, offset: -65535 }, Quant { scale: 0.5, offset: 7 }]
+        {
             let want: Vec<u16> = v.iter().map(|&x| quantize_one(x, q, 0, 65535) as u16).collect();
             assert_eq!(quantize_u16(&v, q), want, "{q:?}");
         }

@@ -41,7 +41,4 @@ pub use graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId};
 pub use linear::{DecodeWeights, ShadowLinear, WeightQuant};
 pub use outlier::{InMemoryWeight, InputPoint, Outliers, PointStats, WeightSource};
 pub use quant::{Calibrator, ClipMethod, QuantProfile};
-pub use sched::{
-    ContributionWeights, CostModel, DagChunk, PickContext, Policy, Processor, Runner, Schedule,
-    StageDesc, SubgraphDag, TableCosts, Trace,
-};
+pub use sched::{ContributionWeights, CostModel, DagChunk, PickContext, Policy, Processor, Runner, Schedule, StageDesc, SubgraphDag, TableCosts, Trace};

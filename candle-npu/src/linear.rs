@@ -17,12 +17,12 @@ use std::sync::{Arc, Mutex, Weak};
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
+use crate::device::PreparedGraph;
 use crate::error::{Error, Result};
 use crate::graph::{BlockScales, DType, Graph, Op, Quant, StaticData, TensorId};
-use crate::device::PreparedGraph;
 use crate::kernels::gemv::{BlockFormat, BlockMatrix};
-use crate::kernels::{prefetch, PackedI8};
 use crate::kernels::rows::{quantize_i8, rows_per_task, shadow_row};
+use crate::kernels::{prefetch, PackedI8};
 use crate::outlier::{Outliers, WeightSource};
 use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel, quantize_weight_lpbq};
 
@@ -397,13 +397,7 @@ impl std::fmt::Debug for ShadowLinear {
 impl ShadowLinear {
     /// A linear over the float weight in `source` (`[N, K]`, out x in), read once here to
     /// quantize it; `bias` has `N` values.
-    pub fn new(
-        name: impl Into<String>,
-        source: Arc<dyn WeightSource>,
-        bias: Option<Vec<f32>>,
-        weights: WeightQuant,
-        decode: DecodeWeights,
-    ) -> Result<Self> {
+    pub fn new(name: impl Into<String>, source: Arc<dyn WeightSource>, bias: Option<Vec<f32>>, weights: WeightQuant, decode: DecodeWeights) -> Result<Self> {
         let data = source.matrix()?;
         Self::with_matrix(name.into(), source, data, bias, weights, decode)
     }
@@ -669,10 +663,10 @@ impl ShadowLinear {
         self.residual.as_ref().map_or(0, |r| r.decode_bytes())
             + self.decode.bytes()
             + match &self.npu.int8 {
-            Int8::Q8_0(_) => 0,
-            Int8::Raw(q) => q.len(),
-            Int8::Blocks(_) => 0,
-        }
+                Int8::Q8_0(_) => 0,
+                Int8::Raw(q) => q.len(),
+                Int8::Blocks(_) => 0,
+            }
     }
     /// Bytes of INT8 values this linear holds apart from its decode weight (0 when they are
     /// the decode weight's Q8_0 blocks or are requantized from the checkpoint's blocks), a
@@ -721,13 +715,7 @@ impl ShadowLinear {
             return Ok(());
         }
         if outliers.cols != self.k || y.len() < outliers.rows() * n {
-            return Err(Error::Input(format!(
-                "{}: outliers of {} x {} against output {} x {n}",
-                self.name,
-                outliers.rows(),
-                outliers.cols,
-                y.len() / n
-            )));
+            return Err(Error::Input(format!("{}: outliers of {} x {} against output {} x {n}", self.name, outliers.rows(), outliers.cols, y.len() / n)));
         }
         // Each outlier times its channel's INT8 column and the row scales, added to its row: hot
         // columns are contiguous copies, the cold ones are read from the weight together once per
@@ -914,7 +902,12 @@ mod tests {
 
     fn block_source(format: BlockFormat, n: usize, k: usize, lie: bool) -> Arc<dyn WeightSource> {
         use candle_core::quantized::QTensor;
-        let w = Tensor::from_vec((0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * (1.0 + (i / k) as f32)).collect::<Vec<f32>>(), (n, k), &Device::Cpu).unwrap();
+        let w = Tensor::from_vec(
+            (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * (1.0 + (i / k) as f32)).collect::<Vec<f32>>(),
+            (n, k),
+            &Device::Cpu,
+        )
+        .unwrap();
         let blocks = BlockMatrix::from_qtensor(&QTensor::quantize(&w, format.dtype()).unwrap()).unwrap().unwrap();
         Arc::new(BlockSource { blocks, lie })
     }

@@ -126,7 +126,13 @@ impl Npu {
             return Err(Error::Input(format!("NPU layers {name}: {} takes {} inputs, the first {k}: one input feeds them all", l.name(), l.dims().1)));
         }
         let n = lins.iter().map(|l| l.dims().0).collect();
-        let inner = Arc::new(Inner { name, n, k, shared: self.shared.clone(), state: Mutex::new(State { report: LayerReport::default(), lins, seen: Calibrator::default(), frozen: None }) });
+        let inner = Arc::new(Inner {
+            name,
+            n,
+            k,
+            shared: self.shared.clone(),
+            state: Mutex::new(State { report: LayerReport::default(), lins, seen: Calibrator::default(), frozen: None }),
+        });
         self.shared.layers.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&inner));
         Ok(inner)
     }
@@ -318,7 +324,8 @@ impl Inner {
                 if bad.is_empty() {
                     s.seen.observe(name, &values, *k);
                 } else {
-                    let finite: Vec<f32> = values.chunks(*k).enumerate().filter(|(i, _)| bad.binary_search(i).is_err()).flat_map(|(_, r)| r.iter().copied()).collect();
+                    let finite: Vec<f32> =
+                        values.chunks(*k).enumerate().filter(|(i, _)| bad.binary_search(i).is_err()).flat_map(|(_, r)| r.iter().copied()).collect();
                     s.seen.observe(name, &finite, *k);
                 }
                 s.seen.tokens_seen += rows - bad.len();

@@ -62,11 +62,7 @@ impl Lpbq {
     pub fn expand(&self) -> Vec<i8> {
         let k = self.values.len() / self.channel_scales.len().max(1);
         let blocks = k / self.block;
-        self.values
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| v * self.block_scales[(i / k) * blocks + (i % k) / self.block] as i8)
-            .collect()
+        self.values.iter().enumerate().map(|(i, &v)| v * self.block_scales[(i / k) * blocks + (i % k) / self.block] as i8).collect()
     }
 
     /// The float weight it stands for.
@@ -80,11 +76,8 @@ impl Lpbq {
 /// is its largest block step over 15; each block's scale is the one of the integers around its
 /// own step (`absmax / 7`) that gives the block the least squared error.
 pub fn quantize_weight_lpbq(w: &[f32], n: usize, k: usize, block: usize) -> Result<Lpbq> {
-    if w.len() != n * k || block == 0 || k % block != 0 {
-        return Err(Error::Input(format!(
-            "LPBQ: a weight of {} values as [{n}, {k}] in blocks of {block} (K must be whole blocks)",
-            w.len()
-        )));
+    if w.len() != n * k || block == 0 || !k.is_multiple_of(block) {
+        return Err(Error::Input(format!("LPBQ: a weight of {} values as [{n}, {k}] in blocks of {block} (K must be whole blocks)", w.len())));
     }
     let blocks = k / block;
     let mut out = Lpbq { block, values: vec![0; n * k], block_scales: vec![1; n * blocks], channel_scales: vec![1.0; n] };
@@ -116,10 +109,12 @@ pub fn quantize_weight_lpbq(w: &[f32], n: usize, k: usize, block: usize) -> Resu
 /// `sqrt(sum (approx - reference)^2 / sum reference^2)`: a weight conversion's error relative to
 /// the weight it converts (0 for a zero reference).
 pub fn relative_rms_error(reference: &[f32], approx: &[f32]) -> f64 {
-    let (e, r) = reference.iter().zip(approx).fold((0f64, 0f64), |(e, r), (&w, &a)| {
-        (e + ((a - w) as f64).powi(2), r + (w as f64).powi(2))
-    });
-    if r > 0.0 { (e / r).sqrt() } else { 0.0 }
+    let (e, r) = reference.iter().zip(approx).fold((0f64, 0f64), |(e, r), (&w, &a)| (e + ((a - w) as f64).powi(2), r + (w as f64).powi(2)));
+    if r > 0.0 {
+        (e / r).sqrt()
+    } else {
+        0.0
+    }
 }
 
 /// How a point's clip range is chosen from calibration.
@@ -395,7 +390,10 @@ impl QuantProfile {
                 return bad(format!("range inverted (clip {}..{}, seen {}..{})", p.lo, p.hi, p.min, p.max));
             }
             if let Some(v) = [p.lo, p.hi, p.min, p.max].into_iter().find(|v| v.abs() > ACTIVATION_LIMIT) {
-                return bad(format!("a range reaching {v:e} (clip {}..{}, seen {}..{}): no model's activations come near ±{ACTIVATION_LIMIT:e}", p.lo, p.hi, p.min, p.max));
+                return bad(format!(
+                    "a range reaching {v:e} (clip {}..{}, seen {}..{}): no model's activations come near ±{ACTIVATION_LIMIT:e}",
+                    p.lo, p.hi, p.min, p.max
+                ));
             }
             // Every clip method chooses within what calibration saw (widened to take in 0).
             if p.lo < p.min.min(0.0) || p.hi > p.max.max(0.0) {
@@ -613,9 +611,7 @@ mod tests {
     fn lpbq_is_an_int8_per_channel_weight_with_4_bit_parts() {
         let (n, k) = (6, 128);
         // Rows whose blocks span a wide range of magnitudes (as a 4-bit file's blocks do).
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 7919 % 61) as f32 - 30.0) * 1e-3 * (1 + (i % k) / 32 * 5 + i / k) as f32)
-            .collect();
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 61) as f32 - 30.0) * 1e-3 * (1 + (i % k) / 32 * 5 + i / k) as f32).collect();
         let l = quantize_weight_lpbq(&w, n, k, 32).unwrap();
         assert!(l.values.iter().all(|&v| (-8..=7).contains(&v)));
         assert!(l.block_scales.iter().all(|&s| (1..=15).contains(&s)));

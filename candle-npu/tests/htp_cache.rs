@@ -3,7 +3,7 @@
 //! is absent.
 #![cfg(feature = "qnn")]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_npu::cache::{GraphCache, Lookup};
@@ -42,8 +42,8 @@ fn input() -> TensorData {
     TensorData::U8((0..32 * 256).map(|i| (i * 13 % 256) as u8).collect())
 }
 
-fn config(cache: &PathBuf) -> HtpConfig {
-    HtpConfig { cache_dir: Some(cache.clone()), profiling: Some(ProfilingLevel::Basic), ..Default::default() }
+fn config(cache: &Path) -> HtpConfig {
+    HtpConfig { cache_dir: Some(cache.to_path_buf()), profiling: Some(ProfilingLevel::Basic), ..Default::default() }
 }
 
 fn cache_files(dir: &PathBuf) -> Vec<PathBuf> {
@@ -127,7 +127,15 @@ fn unusable_cache_files_are_rebuilt() {
         // Rewritten with a valid entry (context binaries are not byte-identical across
         // finalizes, and QNN tensor ids depend on what the backend created before).
         let now = cache.load(&g.name, &key);
-        assert!(matches!(&now, Lookup::Hit(e) if e.meta.len() == entry.meta.len()), "{what}: the file was rewritten: {}", match &now { Lookup::Hit(e) => format!("meta {:?}", e.meta), Lookup::Miss => "miss".into(), Lookup::Invalid(w) => w.clone() });
+        assert!(
+            matches!(&now, Lookup::Hit(e) if e.meta.len() == entry.meta.len()),
+            "{what}: the file was rewritten: {}",
+            match &now {
+                Lookup::Hit(e) => format!("meta {:?}", e.meta),
+                Lookup::Miss => "miss".into(),
+                Lookup::Invalid(w) => w.clone(),
+            }
+        );
         assert_eq!(prepare_and_run(&cfg, &g).0, Origin::Loaded, "{what}: then loaded");
     }
     std::fs::remove_dir_all(dir).unwrap();

@@ -21,8 +21,8 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use candle_npu::executor::ExecutableGraph;
 use candle_npu::executor::htp_numerics::fp16_step;
+use candle_npu::executor::ExecutableGraph;
 use candle_npu::graph::TensorSpec;
 use candle_npu::{DType, Error, Executor, Graph, HostExecutor, HtpConfig, HtpExecutor, NpuDevice, Numerics, Op, Quant, StaticData, TensorData, TensorId};
 use rand::rngs::StdRng;
@@ -148,18 +148,25 @@ fn conform(ex: &HtpExecutor, g: &Graph, f32_tol: f32) {
             let max_diff = |x: &[f32], y: &[f32]| x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
             let (exact, modelled) = (max_diff(a, b), max_diff(a, c));
             let (share, steps) = fp16_agreement(a, c, 0.0);
-            eprintln!("{}: max |htp - exact| {exact:e}, |htp - model| {modelled:e}; model bit-exact on {:.2}%, worst {steps} FP16 step(s)", g.name, 100.0 * share);
+            eprintln!(
+                "{}: max |htp - exact| {exact:e}, |htp - model| {modelled:e}; model bit-exact on {:.2}%, worst {steps} FP16 step(s)",
+                g.name,
+                100.0 * share
+            );
             // Never further, but for one FP16 step of the largest value: in a chain of float
             // ops, one the model keeps exact (Sigmoid) beside ones it rounds can land it that
             // much behind the exact host (an F32 FFN: 3.66e-3 against 3.56e-3, the step 3.9e-3).
             let step = fp16_step(b.iter().fold(0f32, |m, v| m.max(v.abs())));
-            assert!(modelled <= exact + step, "{}: the HTP model is further from the library ({modelled:e}) than the exact host ({exact:e}) by more than an FP16 step ({step:e})", g.name);
+            assert!(
+                modelled <= exact + step,
+                "{}: the HTP model is further from the library ({modelled:e}) than the exact host ({exact:e}) by more than an FP16 step ({step:e})",
+                g.name
+            );
         } else {
             assert_eq!(model, want, "{}: the model's quantized outputs are the host's", g.name);
         }
     }
 }
-
 
 /// The library's F32 outputs `a` against the model's `b`: the share of bit-identical values, and
 /// the largest distance in FP16 steps (of the larger magnitude, and at least `floor`).
@@ -568,7 +575,9 @@ fn attention_on_the_library(ex: &HtpExecutor, kv_heads: usize, group: usize) {
     }
     // Keys and values of a real layer's spread (|q.k| up to ~10 after scaling); the free rows
     // hold garbage that the mask must keep out (a cache buffer is not cleared between prompts).
-    let normal = |rng: &mut StdRng, n: usize, sd: f32| -> Vec<f32> { (0..n).map(|_| sd * (rng.random::<f32>() + rng.random::<f32>() + rng.random::<f32>() - 1.5) * 2.0).collect() };
+    let normal = |rng: &mut StdRng, n: usize, sd: f32| -> Vec<f32> {
+        (0..n).map(|_| sd * (rng.random::<f32>() + rng.random::<f32>() + rng.random::<f32>() - 1.5) * 2.0).collect()
+    };
     let qv = normal(&mut rng, kv_heads * stacked * hd, 0.4);
     let mut kv = normal(&mut rng, kv_heads * cap * hd, 1.0);
     let mut vv = normal(&mut rng, kv_heads * cap * hd, 1.0);
@@ -889,9 +898,7 @@ fn residual_int8_weights_on_the_library() {
     let (m, k, n) = (32, 576, 576);
     let mut rng = StdRng::seed_from_u64(44);
     // Rows spanning two decades, with one large weight each (a real model's outlier columns).
-    let w: Vec<f32> = (0..n * k)
-        .map(|i| rng.random_range(-0.05f32..0.05) * (1.0 + (i / k % 100) as f32) * if i % k == 7 { 30.0 } else { 1.0 })
-        .collect();
+    let w: Vec<f32> = (0..n * k).map(|i| rng.random_range(-0.05f32..0.05) * (1.0 + (i / k % 100) as f32) * if i % k == 7 { 30.0 } else { 1.0 }).collect();
     let src = Arc::new(InMemoryWeight { name: "w".into(), w: Arc::new(w.clone()), n, k });
     let xq = Quant::u8_range(-2.0, 2.0);
     let x: Vec<u8> = (0..m * k).map(|_| rng.random_range(0..=255u8)).collect();
@@ -935,7 +942,21 @@ fn lpbq_weights_on_the_library() {
     let Some(ex) = htp() else { return };
     let m = 32;
     // [K -> N]: SmolLM2 (q and o, k and v, gate and up, down), Gemma 3 270M, Qwen2.5-Coder-0.5B.
-    let shapes = [(576, 576), (576, 192), (576, 1536), (1536, 576), (640, 1024), (640, 256), (1024, 640), (640, 2048), (2048, 640), (896, 896), (896, 128), (896, 4864), (4864, 896)];
+    let shapes = [
+        (576, 576),
+        (576, 192),
+        (576, 1536),
+        (1536, 576),
+        (640, 1024),
+        (640, 256),
+        (1024, 640),
+        (640, 2048),
+        (2048, 640),
+        (896, 896),
+        (896, 128),
+        (896, 4864),
+        (4864, 896),
+    ];
     let mut rng = StdRng::seed_from_u64(45);
     for (k, n) in shapes {
         let w: Vec<f32> = (0..n * k).map(|i| rng.random_range(-0.05f32..0.05) * (1.0 + (i / k % 10) as f32)).collect();
@@ -1001,7 +1022,7 @@ fn rope_as_a_rotation_matrix_on_the_library() {
         // Dimension d's partner and the sign it takes: rotate(x)[d] = sign * x[partner].
         let partner = |d: usize| -> (usize, f32) {
             match neox {
-                false => (d ^ 1, if d % 2 == 0 { -1.0 } else { 1.0 }),
+                false => (d ^ 1, if d.is_multiple_of(2) { -1.0 } else { 1.0 }),
                 true => ((d + hd / 2) % hd, if d < hd / 2 { -1.0 } else { 1.0 }),
             }
         };

@@ -78,7 +78,15 @@ pub const ROWS: [&str; 17] = [
 /// `layers-w8a16-shadow` and their `htp-` rows, W8A16 and shadow W8A16 with each layer one graph
 /// (`PrefillPlan::Layers`: shadow W8A16's outliers through float weights inside the graph), and
 /// `layers-w8a16-shadow-residual` with the linears of `residual` holding INT8 plus a residual.
-pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference], f32p: &mut Pipeline, which: &[String], residual: &[String], bar: &ProgressBar) -> Result<Vec<ChatRow>> {
+pub fn rows(
+    model: &Path,
+    profiles: &[(String, QuantProfile)],
+    refs: &[Reference],
+    f32p: &mut Pipeline,
+    which: &[String],
+    residual: &[String],
+    bar: &ProgressBar,
+) -> Result<Vec<ChatRow>> {
     if let Some(bad) = which.iter().find(|w| !ROWS.contains(&w.as_str())) {
         anyhow::bail!("unknown chat row '{bad}' (one of {})", ROWS.join(", "));
     }
@@ -123,15 +131,40 @@ pub fn rows(model: &Path, profiles: &[(String, QuantProfile)], refs: &[Reference
         ("w8a16", Numerics::Exact, w8a16.clone(), "host executor, W8A16".to_string()),
         ("residual", Numerics::Exact, wide.clone(), format!("host executor, shadow W8A8, residual INT8 on {on_residual}")),
         ("htp-residual", Numerics::Htp, wide.clone(), format!("HTP numerics, shadow W8A8, residual INT8 on {on_residual}")),
-        ("w8a16-shadow-residual", Numerics::Exact, LoadOptions { precision: Some(Precision::W8A16Shadow), ..wide.clone() }, format!("host executor, shadow W8A16, residual INT8 on {on_residual}")),
-        ("htp-w8a16-shadow-residual", Numerics::Htp, LoadOptions { precision: Some(Precision::W8A16Shadow), ..wide }, format!("HTP numerics, shadow W8A16, residual INT8 on {on_residual}")),
+        (
+            "w8a16-shadow-residual",
+            Numerics::Exact,
+            LoadOptions { precision: Some(Precision::W8A16Shadow), ..wide.clone() },
+            format!("host executor, shadow W8A16, residual INT8 on {on_residual}"),
+        ),
+        (
+            "htp-w8a16-shadow-residual",
+            Numerics::Htp,
+            LoadOptions { precision: Some(Precision::W8A16Shadow), ..wide },
+            format!("HTP numerics, shadow W8A16, residual INT8 on {on_residual}"),
+        ),
         ("htp-w8a16", Numerics::Htp, w8a16, "HTP numerics, W8A16".to_string()),
         ("f32", Numerics::Exact, LoadOptions { precision: Some(Precision::F32), ..Default::default() }, "F32 prefill again (the measures' floor)".to_string()),
         ("w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16".to_string()),
         ("htp-w8a16-shadow", Numerics::Htp, w8a16_shadow.clone(), "HTP numerics, shadow W8A16".to_string()),
-        ("layers-w8a16", Numerics::Exact, LoadOptions { precision: Some(Precision::W8A16), ..Default::default() }, "host executor, W8A16, one graph per layer".to_string()),
-        ("htp-layers-w8a16", Numerics::Htp, LoadOptions { precision: Some(Precision::W8A16), ..Default::default() }, "HTP numerics, W8A16, one graph per layer".to_string()),
-        ("layers-w8a16-shadow", Numerics::Exact, w8a16_shadow.clone(), "host executor, shadow W8A16, outliers through float weights, one graph per layer".to_string()),
+        (
+            "layers-w8a16",
+            Numerics::Exact,
+            LoadOptions { precision: Some(Precision::W8A16), ..Default::default() },
+            "host executor, W8A16, one graph per layer".to_string(),
+        ),
+        (
+            "htp-layers-w8a16",
+            Numerics::Htp,
+            LoadOptions { precision: Some(Precision::W8A16), ..Default::default() },
+            "HTP numerics, W8A16, one graph per layer".to_string(),
+        ),
+        (
+            "layers-w8a16-shadow",
+            Numerics::Exact,
+            w8a16_shadow.clone(),
+            "host executor, shadow W8A16, outliers through float weights, one graph per layer".to_string(),
+        ),
         ("htp-layers-w8a16-shadow", Numerics::Htp, w8a16_shadow, "HTP numerics, shadow W8A16, outliers through float weights, one graph per layer".to_string()),
         (
             "layers-w8a16-shadow-residual",
@@ -182,7 +215,13 @@ pub fn references(f32p: &mut Pipeline, convs: &[Conversation], bar: &ProgressBar
     bar.reset();
     bar.set_length(convs.len() as u64);
     bar.set_message("chat: F32 references");
-    Ok(convs.iter().map(|c| { bar.inc(1); chat_eval::reference(f32p, c) }).collect::<candle_npu::Result<Vec<_>>>()?)
+    Ok(convs
+        .iter()
+        .map(|c| {
+            bar.inc(1);
+            chat_eval::reference(f32p, c)
+        })
+        .collect::<candle_npu::Result<Vec<_>>>()?)
 }
 
 /// The prompts and F32 answers as JSON, for `scripts/chat_anchor.py`, with the model re-encoded

@@ -9,8 +9,10 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_npu::sched::{Policy, Processor, Trace};
 use candle_npu::{Contexts, HtpConfig, NpuDevice, ProfilingLevel, Tail, WeightQuant};
-use candle_npu_models::{CalibrationSet, DecodeWeights, GenerateOptions, KvType, LoadOptions, Message, Pipeline, Precision, PrefillPlan, SchedOptions, StopReason};
 use candle_npu_models::pipeline::{default_profile_path, MAX_THREADS_PER_CORE};
+use candle_npu_models::{
+    CalibrationSet, DecodeWeights, GenerateOptions, KvType, LoadOptions, Message, Pipeline, Precision, PrefillPlan, SchedOptions, StopReason,
+};
 use clap::{Parser, ValueEnum};
 
 /// The allocator that bounds the memory a model's chat template may take while it renders
@@ -394,10 +396,8 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     // template), the profile it uses (given, else the one next to the model, read or written),
     // the tokenizer, the draft model and the conversation it goes on with.
     let profile = args.profile.clone().unwrap_or_else(|| default_profile_path(&path));
-    let reads: Vec<&std::path::Path> = [Some(path.as_path()), Some(profile.as_path()), args.tokenizer.as_deref(), args.draft_model.as_deref()]
-        .into_iter()
-        .flatten()
-        .collect();
+    let reads: Vec<&std::path::Path> =
+        [Some(path.as_path()), Some(profile.as_path()), args.tokenizer.as_deref(), args.draft_model.as_deref()].into_iter().flatten().collect();
     if let Some(trace) = &args.trace {
         let also: Vec<&std::path::Path> = args.load_session.as_deref().into_iter().collect();
         candle_npu::fs::check_not_an_input(trace, "--trace", &[&reads[..], &also[..]].concat())?;
@@ -518,9 +518,14 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         let opts = LoadOptions { precision: Some(Precision::F32), layers: args.draft_layers.map(|n| n as usize), ..Default::default() };
         let draft = Pipeline::load(&draft_path, None, &NpuDevice::host(), opts).with_context(|| format!("loading the draft {}", draft_path.display()))?;
         p.set_draft(draft)?;
-        eprintln!("draft {} ({} layers) loaded in {:.1}s ({})", draft_path.display(), p.draft().map_or(0, |d| d.config().n_layer), t.elapsed().as_secs_f32(), candle_npu_models::memory::describe());
+        eprintln!(
+            "draft {} ({} layers) loaded in {:.1}s ({})",
+            draft_path.display(),
+            p.draft().map_or(0, |d| d.config().n_layer),
+            t.elapsed().as_secs_f32(),
+            candle_npu_models::memory::describe()
+        );
     }
-
 
     let t = Instant::now();
     p.model.prepare()?;
@@ -631,7 +636,8 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         (_, true) => format!("{}, chunks in order: the host executor shares the cores", p.model.sched().policy.name()),
         (_, false) => p.model.sched().policy.name().to_string(),
     };
-    let sizes: Vec<String> = plan.npu_sizes().iter().rev().map(|&s| format!("{} x {s}", plan.chunks.iter().filter(|c| !c.margin && c.padded_len == s).count())).collect();
+    let sizes: Vec<String> =
+        plan.npu_sizes().iter().rev().map(|&s| format!("{} x {s}", plan.chunks.iter().filter(|c| !c.margin && c.padded_len == s).count())).collect();
     println!(
         "\n{} prompt tokens processed: {:.2} token/s, first token after {:.2}s (NPU chunks: {}; {} margin rows on the CPU, {} padded rows; {}; {} graphs prepared, {} executed)",
         stats.prompt_tokens,
@@ -689,7 +695,11 @@ fn read_turn(input: &mut impl std::io::BufRead, n: usize) -> Option<String> {
     let line = match input.read_until(b'\n', &mut bytes).map(|_| std::str::from_utf8(&bytes)) {
         Ok(Ok(line)) => line,
         Ok(Err(e)) => {
-            eprintln!("error: standard input, line {n}: not UTF-8 text (invalid byte 0x{:02x} at byte {}); the conversation ends here", bytes[e.valid_up_to()], e.valid_up_to() + 1);
+            eprintln!(
+                "error: standard input, line {n}: not UTF-8 text (invalid byte 0x{:02x} at byte {}); the conversation ends here",
+                bytes[e.valid_up_to()],
+                e.valid_up_to() + 1
+            );
             return None;
         }
         Err(e) => {

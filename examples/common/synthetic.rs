@@ -30,7 +30,18 @@ pub struct Shape {
 /// from their `config.json`.
 pub const SHAPES: [Shape; 2] = [
     Shape { name: "llama-3.2-1b", arch: "llama", hidden: 2048, layers: 16, heads: 32, kv_heads: 8, ffn: 8192, vocab: 128_256, rope_base: 500_000.0, eps: 1e-5 },
-    Shape { name: "qwen2.5-3b", arch: "qwen2", hidden: 2048, layers: 36, heads: 16, kv_heads: 2, ffn: 11_008, vocab: 151_936, rope_base: 1_000_000.0, eps: 1e-6 },
+    Shape {
+        name: "qwen2.5-3b",
+        arch: "qwen2",
+        hidden: 2048,
+        layers: 36,
+        heads: 16,
+        kv_heads: 2,
+        ffn: 11_008,
+        vocab: 151_936,
+        rope_base: 1_000_000.0,
+        eps: 1e-6,
+    },
 ];
 
 impl Shape {
@@ -96,10 +107,8 @@ pub fn model(shape: &Shape, progress: impl Fn(usize, usize)) -> Result<PathBuf> 
     let (h, kv) = (shape.hidden, shape.kv_heads * shape.hidden / shape.heads);
     // (name, shape, type): the tied embedding is also the output table (Q6_K, as llama.cpp
     // gives `output` in Q4_K_M).
-    let mut plan: Vec<(String, Vec<usize>, GgmlDType)> = vec![
-        ("token_embd.weight".into(), vec![shape.vocab, h], GgmlDType::Q6K),
-        ("output_norm.weight".into(), vec![h], GgmlDType::F32),
-    ];
+    let mut plan: Vec<(String, Vec<usize>, GgmlDType)> =
+        vec![("token_embd.weight".into(), vec![shape.vocab, h], GgmlDType::Q6K), ("output_norm.weight".into(), vec![h], GgmlDType::F32)];
     for l in 0..shape.layers {
         let v = if more_bits(l, shape.layers) { GgmlDType::Q6K } else { GgmlDType::Q4K };
         for (name, dims, dtype) in [

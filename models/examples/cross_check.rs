@@ -62,12 +62,16 @@ fn main() -> Result<()> {
     let args = Args::parse();
     ensure!(args.record.is_some() || args.check.is_some(), "pass --record FILE or --check FILE");
     let expected: Option<Record> = match &args.check {
-        Some(p) => Some(serde_json::from_slice(&std::fs::read(p).with_context(|| format!("reading {}", p.display()))?).with_context(|| format!("parsing {}", p.display()))?),
+        Some(p) => Some(
+            serde_json::from_slice(&std::fs::read(p).with_context(|| format!("reading {}", p.display()))?)
+                .with_context(|| format!("parsing {}", p.display()))?,
+        ),
         None => None,
     };
     let path = args.model.clone().unwrap_or_else(candle_npu_models::assets::smollm2);
     let device = NpuDevice::host();
-    let mut p = Pipeline::load(&path, None, &device, LoadOptions { chunk_len: args.chunk_len, ..Default::default() }).with_context(|| format!("loading {}", path.display()))?;
+    let mut p = Pipeline::load(&path, None, &device, LoadOptions { chunk_len: args.chunk_len, ..Default::default() })
+        .with_context(|| format!("loading {}", path.display()))?;
     if expected.is_some() {
         let profile = candle_npu::quant::QuantProfile::default_path(&path);
         ensure!(profile.exists(), "{} is missing: run --record on a native build first (it calibrates)", profile.display());
@@ -160,7 +164,10 @@ fn check_step(r: &Record, step: usize, token: u32, logits: &[f32]) -> Result<()>
     }
     let (d, bound) = (relative_diff(logits, want), 2.0 * relative_diff(want, f32));
     if token != r.tokens[step] || !(d <= bound) {
-        bail!("step {step}: token {token} (record: {}), logits {d:.2e} from the record's, more than twice W8A8's distance from F32 ({bound:.2e})", r.tokens[step]);
+        bail!(
+            "step {step}: token {token} (record: {}), logits {d:.2e} from the record's, more than twice W8A8's distance from F32 ({bound:.2e})",
+            r.tokens[step]
+        );
     }
     Ok(())
 }

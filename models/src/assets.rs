@@ -76,8 +76,7 @@ fn fetched(name: &str) -> Result<PathBuf> {
 pub fn wiki_articles() -> Result<Vec<(String, String)>> {
     let path = dir().join("wiki_summaries_en.json");
     let bytes = candle_npu::fs::read_bounded(&path, ASSET_LIMIT, "asset")?;
-    let v: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| Error::Input(format!("{}: not JSON: {e}", path.display())))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Input(format!("{}: not JSON: {e}", path.display())))?;
     let obj = v.as_object().ok_or_else(|| Error::Input(format!("{}: expected an object of articles", path.display())))?;
     let mut out: Vec<(String, String)> = obj
         .iter()

@@ -371,7 +371,17 @@ pub struct QkNorm {
 /// `cache`, and attend causally (within the layer's window) from the rows' positions.
 /// Returns `[m, n_head * head_dim]`.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(c: &Config, spec: &FamilySpec, layer: &LayerSpec, qk_norm: Option<&QkNorm>, cache: &mut KvCache, q: &Tensor, k: &Tensor, v: &Tensor, rows: &Rows) -> Result<Tensor> {
+pub fn attend(
+    c: &Config,
+    spec: &FamilySpec,
+    layer: &LayerSpec,
+    qk_norm: Option<&QkNorm>,
+    cache: &mut KvCache,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    rows: &Rows,
+) -> Result<Tensor> {
     let (nh, nkv, hd, m) = (c.n_head, c.n_kv_head, c.head_dim, rows.m);
     let (mut q, mut k) = (q.reshape((m, nh, hd))?, k.reshape((m, nkv, hd))?);
     if let Some(n) = qk_norm {
@@ -690,9 +700,8 @@ mod tests {
                     for h in 0..nh {
                         let kh = h / (nh / nkv);
                         let qv = &q[(r * nh + h) * hd..][..hd];
-                        let s: Vec<f64> = (lo..=pos)
-                            .map(|j| scale as f64 * (0..hd).map(|d| qv[d] as f64 * keys[(j * nkv + kh) * hd + d] as f64).sum::<f64>())
-                            .collect();
+                        let s: Vec<f64> =
+                            (lo..=pos).map(|j| scale as f64 * (0..hd).map(|d| qv[d] as f64 * keys[(j * nkv + kh) * hd + d] as f64).sum::<f64>()).collect();
                         let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                         let z: f64 = s.iter().map(|v| (v - max).exp()).sum();
                         for d in 0..hd {

@@ -190,10 +190,8 @@ impl JinjaTemplate {
             return Err(Error::Input(format!("{origin}: refused, since a render of it ran out of bounds before (load the model again with another template)")));
         }
         let text_bytes: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
-        let limits = crate::sandbox::Limits {
-            memory: self.memory.saturating_add(text_bytes.saturating_mul(TEMPLATE_BYTES_PER_TEXT_BYTE)),
-            time: TEMPLATE_TIME,
-        };
+        let limits =
+            crate::sandbox::Limits { memory: self.memory.saturating_add(text_bytes.saturating_mul(TEMPLATE_BYTES_PER_TEXT_BYTE)), time: TEMPLATE_TIME };
         let (env, max_text, fuel) = (self.env.clone(), self.max_text, self.fuel);
         let (bos, eos) = (self.bos.clone(), self.eos.clone());
         let run = move || -> std::result::Result<(String, String), String> {
@@ -258,7 +256,12 @@ impl JinjaTemplate {
         // Every message is written (by index: two messages may say the same): a template that
         // leaves one out would answer a conversation the user did not send.
         if let Some((i, m)) = messages.iter().enumerate().find(|(i, _)| !marked.contains(&format!("{OPEN}{i}{CLOSE}"))) {
-            return Err(bad(&format!("it leaves out message {} ({}: {:?}); the model would never see it: use another template (a tokenizer_config.json's, or --no-chat-template)", i + 1, m.role, preview(&m.content))));
+            return Err(bad(&format!(
+                "it leaves out message {} ({}: {:?}); the model would never see it: use another template (a tokenizer_config.json's, or --no-chat-template)",
+                i + 1,
+                m.role,
+                preview(&m.content)
+            )));
         }
         // Walk `text`: each piece, then the content as the template wrote it.
         let mut out: Segments = vec![];
@@ -634,8 +637,7 @@ mod tests {
     fn from_hugging_face_tokenizer_config() {
         let s = serde_json::to_string(&serde_json::json!({ "chat_template": GEMMA, "bos_token": "<bos>" })).unwrap();
         assert_eq!(ChatTemplate::from_tokenizer_config(&config("gemma.json", &s)).unwrap(), ChatTemplate::Gemma);
-        let named =
-            serde_json::json!({ "chat_template": [{ "name": "tool_use", "template": GEMMA }, { "name": "default", "template": PHI3 }] });
+        let named = serde_json::json!({ "chat_template": [{ "name": "tool_use", "template": GEMMA }, { "name": "default", "template": PHI3 }] });
         assert_eq!(ChatTemplate::from_tokenizer_config(&config("named.json", &named.to_string())).unwrap(), ChatTemplate::Phi3);
         assert_eq!(ChatTemplate::from_tokenizer_config(&config("none.json", "{}")).unwrap(), ChatTemplate::None);
         let e = ChatTemplate::from_tokenizer_config(&config("bad.json", "{\"chat_template\": 3}")).unwrap_err().to_string();

@@ -208,7 +208,11 @@ fn script_of(c: char) -> Option<&'static str> {
 /// Japanese answer to a Chinese question is not another script).
 fn new_script(context: &str, answer: &str) -> Option<&'static str> {
     fn same(s: &'static str) -> &'static str {
-        if s == "Kana" { "Han" } else { s }
+        if s == "Kana" {
+            "Han"
+        } else {
+            s
+        }
     }
     let known: std::collections::HashSet<&str> = context.chars().filter_map(script_of).map(same).collect();
     answer.chars().filter_map(script_of).find(|&s| !known.contains(same(s)))

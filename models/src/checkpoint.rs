@@ -320,8 +320,7 @@ impl SafetensorsCheckpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let bad = |reason: String| Error::Model { path: dir.to_path_buf(), reason };
         let entries = std::fs::read_dir(dir).map_err(|e| bad(format!("cannot read the folder: {e}")))?;
-        let mut files: Vec<PathBuf> =
-            entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect();
+        let mut files: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect();
         files.sort();
         if files.is_empty() {
             return Err(bad("no *.safetensors file in the folder".into()));
@@ -375,9 +374,8 @@ impl Checkpoint for SafetensorsCheckpoint {
     }
     fn matrix(&self, name: &str) -> Result<Arc<dyn WeightSource>> {
         let t = self.get(name)?;
-        let (n, k) = t
-            .dims2()
-            .map_err(|_| Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': expected a matrix, shape {:?}", t.dims()) })?;
+        let (n, k) =
+            t.dims2().map_err(|_| Error::Model { path: self.dir.clone(), reason: format!("tensor '{name}': expected a matrix, shape {:?}", t.dims()) })?;
         Ok(Arc::new(SafetensorsWeight { vb: self.vb.clone(), dir: self.dir.clone(), name: name.to_string(), n, k }))
     }
     fn table(&self, name: &str, decode: DecodeWeights) -> Result<DecodeMatrix> {
@@ -418,42 +416,6 @@ impl WeightSource for SafetensorsWeight {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::quantized::ggml_file::qtensor_from_ggml;
-
-    /// `t` quantized to `dtype` with the 2-byte field at `at` of block `block` set to `bits`.
-    fn damaged(dtype: GgmlDType, block: usize, at: usize, bits: u16) -> QTensor {
-        let t = Tensor::arange(0f32, 4.0 * 256.0, &Device::Cpu).unwrap().affine(1e-3, -0.5).unwrap().reshape((4, 256)).unwrap();
-        let q = QTensor::quantize(&t, dtype).unwrap();
-        let mut bytes = q.data().unwrap().to_vec();
-        let off = block * dtype.type_size() + at;
-        bytes[off..off + 2].copy_from_slice(&bits.to_le_bytes());
-        qtensor_from_ggml(dtype, &bytes, vec![4, 256], &Device::Cpu).unwrap()
-    }
-
-    #[test]
-    fn a_non_finite_block_scale_is_found_where_each_format_keeps_it() {
-        const F16_NAN: u16 = 0x7e00;
-        const F16_INF: u16 = 0x7c00;
-        // (format, byte offset of a scale or min within its block)
-        for (dtype, at) in [(GgmlDType::Q8_0, 0), (GgmlDType::Q4_1, 2), (GgmlDType::Q4K, 2), (GgmlDType::Q6K, 208), (GgmlDType::Q3K, 108), (GgmlDType::Q2K, 82)] {
-            assert_eq!(first_non_finite(&damaged(dtype, 0, 0, 0x3c00)).unwrap(), None, "{dtype:?} with a finite scale");
-            for bits in [F16_NAN, F16_INF] {
-                let blocks = 4 * 256 / dtype.block_size();
-                let block = blocks - 1;
-                assert_eq!(first_non_finite(&damaged(dtype, block, at, bits)).unwrap(), Some(block), "{dtype:?} {bits:#x}");
-            }
-        }
-        // Half floats, element by element.
-        let t = Tensor::new(&[1f32, 2.0, f32::NAN, 4.0], &Device::Cpu).unwrap();
-        for dtype in [GgmlDType::F16, GgmlDType::BF16, GgmlDType::F32] {
-            assert_eq!(first_non_finite(&QTensor::quantize(&t, dtype).unwrap()).unwrap(), Some(2), "{dtype:?}");
-        }
-    }
-}
-
 /// Which tensor of the safetensors file `path` its header gets wrong, when the `safetensors`
 /// crate refused the file without naming one: bytes that are not its dtype times its shape, or
 /// that lie beyond the data. `None` when the header cannot be read or names no such tensor.
@@ -488,6 +450,45 @@ fn inconsistent_tensor(path: &Path) -> Option<String> {
         if end < begin || end > data {
             return Some(format!("tensor '{name}': bytes {begin}..{end} are not within the file's {data} bytes of data"));
         }
-        (want != Some(end - begin)).then(|| format!("tensor '{name}': {dtype} {shape:?} is {} bytes, its data_offsets give {}", want.map_or("too many".into(), |w| w.to_string()), end - begin))
+        (want != Some(end - begin)).then(|| {
+            format!("tensor '{name}': {dtype} {shape:?} is {} bytes, its data_offsets give {}", want.map_or("too many".into(), |w| w.to_string()), end - begin)
+        })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::ggml_file::qtensor_from_ggml;
+
+    /// `t` quantized to `dtype` with the 2-byte field at `at` of block `block` set to `bits`.
+    fn damaged(dtype: GgmlDType, block: usize, at: usize, bits: u16) -> QTensor {
+        let t = Tensor::arange(0f32, 4.0 * 256.0, &Device::Cpu).unwrap().affine(1e-3, -0.5).unwrap().reshape((4, 256)).unwrap();
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let mut bytes = q.data().unwrap().to_vec();
+        let off = block * dtype.type_size() + at;
+        bytes[off..off + 2].copy_from_slice(&bits.to_le_bytes());
+        qtensor_from_ggml(dtype, &bytes, vec![4, 256], &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_non_finite_block_scale_is_found_where_each_format_keeps_it() {
+        const F16_NAN: u16 = 0x7e00;
+        const F16_INF: u16 = 0x7c00;
+        // (format, byte offset of a scale or min within its block)
+        for (dtype, at) in [(GgmlDType::Q8_0, 0), (GgmlDType::Q4_1, 2), (GgmlDType::Q4K, 2), (GgmlDType::Q6K, 208), (GgmlDType::Q3K, 108), (GgmlDType::Q2K, 82)]
+        {
+            assert_eq!(first_non_finite(&damaged(dtype, 0, 0, 0x3c00)).unwrap(), None, "{dtype:?} with a finite scale");
+            for bits in [F16_NAN, F16_INF] {
+                let blocks = 4 * 256 / dtype.block_size();
+                let block = blocks - 1;
+                assert_eq!(first_non_finite(&damaged(dtype, block, at, bits)).unwrap(), Some(block), "{dtype:?} {bits:#x}");
+            }
+        }
+        // Half floats, element by element.
+        let t = Tensor::new(&[1f32, 2.0, f32::NAN, 4.0], &Device::Cpu).unwrap();
+        for dtype in [GgmlDType::F16, GgmlDType::BF16, GgmlDType::F32] {
+            assert_eq!(first_non_finite(&QTensor::quantize(&t, dtype).unwrap()).unwrap(), Some(2), "{dtype:?}");
+        }
+    }
 }

@@ -140,7 +140,6 @@ impl Pipeline {
     pub fn generate(&mut self, prompt: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         self.session().send(self, prompt, opts, on_text)
     }
-
 }
 
 /// `logits` with the repeat penalty over the conversation's last tokens, and the ids without

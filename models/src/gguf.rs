@@ -67,9 +67,7 @@ impl Gguf {
             match end {
                 None => return Err(bad(format!("tensor '{name}': shape {dims:?} of {:?} at offset {} is not a valid size", info.ggml_dtype, info.offset))),
                 Some(end) if end > file_len => {
-                    return Err(bad(format!(
-                        "truncated: tensor '{name}' ends at byte {end} but the file has {file_len} bytes (re-run scripts/setup.sh)"
-                    )))
+                    return Err(bad(format!("truncated: tensor '{name}' ends at byte {end} but the file has {file_len} bytes (re-run scripts/setup.sh)")))
                 }
                 Some(end) => ranges.push((end - bytes.unwrap_or(0), end, name)),
             }
@@ -83,10 +81,7 @@ impl Gguf {
     }
 
     fn md(&self, key: &str) -> Result<&gguf_file::Value> {
-        self.content.metadata.get(key).ok_or_else(|| Error::Model {
-            path: self.path.clone(),
-            reason: format!("missing metadata key '{key}'"),
-        })
+        self.content.metadata.get(key).ok_or_else(|| Error::Model { path: self.path.clone(), reason: format!("missing metadata key '{key}'") })
     }
 
     fn md_err(&self, key: &str, e: candle_core::Error) -> Error {
@@ -119,10 +114,9 @@ impl Gguf {
             return Err(Error::MissingTensor { path: self.path.clone(), name: name.to_string() });
         }
         let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
-        self.content.tensor(&mut *reader, name, &Device::Cpu).map_err(|e| Error::Model {
-            path: self.path.clone(),
-            reason: format!("reading tensor '{name}': {e}"),
-        })
+        self.content
+            .tensor(&mut *reader, name, &Device::Cpu)
+            .map_err(|e| Error::Model { path: self.path.clone(), reason: format!("reading tensor '{name}': {e}") })
     }
 
     /// A tensor dequantized to F32 (weights as `[out, in]`).

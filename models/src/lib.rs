@@ -22,8 +22,8 @@ pub mod gemma3;
 pub mod generate;
 pub mod gguf;
 pub mod hf;
-pub mod logits;
 pub mod llama;
+pub mod logits;
 pub mod memory;
 pub mod mistral;
 pub mod phi3;
@@ -36,14 +36,14 @@ pub mod speculative;
 pub mod tokenizer;
 pub mod transformer;
 
+pub use attention::KvType;
 pub use candle_npu::{DecodeWeights, WeightQuant};
 pub use chat::{JinjaTemplate, Message};
 pub use generate::{GenerateOptions, GenerateStats, StopReason};
-pub use session::Session;
-pub use speculative::{SpeculationStats, Speculative, Verify};
 pub use pipeline::{CalibrationSet, CalibrationSource, Pipeline, TextStream};
+pub use session::Session;
 pub use spec::{Config, FamilySpec};
-pub use attention::KvType;
+pub use speculative::{SpeculationStats, Speculative, Verify};
 pub use transformer::{prefill_dag, LoadOptions, Model, Precision, PrefillPlan, SchedOptions};
 
 /// The README's Rust examples, compiled as doctests (`no_run`: they need a model).

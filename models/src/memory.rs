@@ -4,9 +4,7 @@
 /// (current, peak) resident set size in bytes.
 pub fn rss() -> Option<(u64, u64)> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb = |key: &str| {
-        s.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024)
-    };
+    let kb = |key: &str| s.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024);
     Some((kb("VmRSS:")?, kb("VmHWM:")?))
 }
 
@@ -24,9 +22,7 @@ pub fn describe() -> String {
 /// (anonymous, file-backed) resident bytes: mapped model pages count as file-backed.
 pub fn split() -> Option<(u64, u64)> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb = |key: &str| {
-        s.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024)
-    };
+    let kb = |key: &str| s.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|v| v * 1024);
     Some((kb("RssAnon:")?, kb("RssFile:")?))
 }
 

@@ -152,7 +152,11 @@ impl Pipeline {
         };
         let template = ChatTemplate::from_gguf(&g);
         let token = |key: &str| g.u32(key).ok().and_then(|id| tok.id_to_token(id)).unwrap_or_default();
-        let source = g.string("tokenizer.chat_template").ok().map(|text| TemplateSource { text, bos: token("tokenizer.ggml.bos_token_id"), eos: token("tokenizer.ggml.eos_token_id") });
+        let source = g.string("tokenizer.chat_template").ok().map(|text| TemplateSource {
+            text,
+            bos: token("tokenizer.ggml.bos_token_id"),
+            eos: token("tokenizer.ggml.eos_token_id"),
+        });
         let mut stop_tokens: Vec<u32> = g.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
         let model = crate::families::load_gguf(g, device, opts)?;
         for s in template.stop_strings() {

@@ -189,7 +189,10 @@ impl Session {
         };
         let json = serde_json::to_vec(&header).map_err(|e| Error::KvState { path: path.to_path_buf(), reason: e.to_string() })?;
         if json.len() > HEADER_LIMIT {
-            return Err(Error::KvState { path: path.to_path_buf(), reason: format!("not saved: a conversation of {} bytes, over the {HEADER_LIMIT} a saved one may hold", json.len()) });
+            return Err(Error::KvState {
+                path: path.to_path_buf(),
+                reason: format!("not saved: a conversation of {} bytes, over the {HEADER_LIMIT} a saved one may hold", json.len()),
+            });
         }
         let empty = KvCache::default();
         candle_npu::fs::write_atomic(path, |f| {

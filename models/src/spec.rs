@@ -88,7 +88,6 @@ impl Activation {
         Ok(Tensor::from_vec(y, gate.shape(), gate.device())?)
     }
 
-
     /// `act(x)` alone, with candle's ops: [`Activation::gated`]'s path for anything but f32 rows
     /// of one shape.
     pub fn apply(self, x: &Tensor) -> Result<Tensor> {

@@ -49,7 +49,8 @@ const SPM_SPACE: &str = "\u{2581}";
 
 /// Qwen2's pre-tokenizer split (from its `tokenizer.json`), with the case-insensitive
 /// contractions spelled out as llama.cpp does, so Unicode case folding cannot widen them.
-const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Which tokenizer a GGUF's `tokenizer.ggml.model` / `tokenizer.ggml.pre` describe.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,9 +90,9 @@ impl Kind {
 /// The tokenizer a GGUF describes (see the module docs for what is supported and how).
 pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
     let md = Metadata { g };
-    let model = md.opt_string("tokenizer.ggml.model")?.ok_or_else(|| {
-        md.bad("no tokenizer in the file (missing metadata key 'tokenizer.ggml.model'): pass --tokenizer tokenizer.json".into())
-    })?;
+    let model = md
+        .opt_string("tokenizer.ggml.model")?
+        .ok_or_else(|| md.bad("no tokenizer in the file (missing metadata key 'tokenizer.ggml.model'): pass --tokenizer tokenizer.json".into()))?;
     let pre = md.opt_string("tokenizer.ggml.pre")?;
     let kind = Kind::from_names(&model, pre.as_deref()).map_err(|r| md.bad(r))?;
     let tokens = md.strings("tokenizer.ggml.tokens")?;
@@ -425,8 +426,7 @@ fn bos_eos_processor(bos: Option<(String, u32)>, eos: Option<(String, u32)>) -> 
         second.push("eos:1");
     }
     let pair = [single.clone(), second].concat();
-    let p =
-        TemplateProcessing::builder().try_single(single)?.try_pair(pair)?.special_tokens(specials).build().map_err(|e| e.to_string())?;
+    let p = TemplateProcessing::builder().try_single(single)?.try_pair(pair)?.special_tokens(specials).build().map_err(|e| e.to_string())?;
     Ok(Some(p))
 }
 
@@ -463,8 +463,7 @@ impl Metadata<'_> {
         if self.get(KEY).is_none() {
             return Ok(vec![TOKEN_TYPE_NORMAL; n_tokens]);
         }
-        let types: Vec<i32> =
-            self.array(KEY)?.iter().map(|t| t.to_i32().map_err(|e| self.bad(format!("{KEY}: {e}")))).collect::<Result<_>>()?;
+        let types: Vec<i32> = self.array(KEY)?.iter().map(|t| t.to_i32().map_err(|e| self.bad(format!("{KEY}: {e}")))).collect::<Result<_>>()?;
         if types.len() != n_tokens {
             return Err(self.bad(format!("{KEY} has {} entries for {n_tokens} tokens", types.len())));
         }
@@ -485,9 +484,7 @@ impl Metadata<'_> {
 
     /// The token (text, id) a key such as `tokenizer.ggml.bos_token_id` names.
     fn token_at(&self, key: &str, tokens: &[String]) -> Result<(String, u32)> {
-        let id = self
-            .opt_u32(key)?
-            .ok_or_else(|| self.bad(format!("missing metadata key '{key}' (the file asks for the token to be added)")))?;
+        let id = self.opt_u32(key)?.ok_or_else(|| self.bad(format!("missing metadata key '{key}' (the file asks for the token to be added)")))?;
         let text = tokens.get(id as usize).ok_or_else(|| self.bad(format!("{key} = {id} is beyond the {} tokens", tokens.len())))?;
         Ok((text.clone(), id))
     }
@@ -537,8 +534,7 @@ mod tests {
     #[test]
     fn bos_eos_templates() {
         assert!(bos_eos_processor(None, None).unwrap().is_none());
-        let mut tok =
-            Tokenizer::new(BPE::builder().vocab_and_merges(vocab(&["<s>".into(), "x".into(), "</s>".into()]), vec![]).build().unwrap());
+        let mut tok = Tokenizer::new(BPE::builder().vocab_and_merges(vocab(&["<s>".into(), "x".into(), "</s>".into()]), vec![]).build().unwrap());
         let p = bos_eos_processor(Some(("<s>".into(), 0)), Some(("</s>".into(), 2))).unwrap().unwrap();
         tok.with_post_processor(Some(p));
         assert_eq!(encode(&tok, "xx", true).unwrap(), vec![0, 1, 1, 2]);

@@ -38,13 +38,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_npu::linear::DecodeMatrix;
 use candle_core::{DType as CDType, Device, Tensor, D};
 use candle_npu::kernels::rows::{self, with_f32};
+use candle_npu::linear::DecodeMatrix;
 use candle_npu::sched::{simulate, AnalyticCosts, DagChunk, LayerShape, Policy, Processor, Rates, Runner, Schedule, StageDesc, SubgraphDag};
 use candle_npu::{
-    Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant,
-    QuantProfile, Result, ShadowLinear, Tail, TensorData, TensorId, WeightQuant,
+    Calibrator, Chunk, ChunkPlan, DType, DecodeWeights, Error, Graph, InputPoint, NpuDevice, Outliers, PointStats, PreparedGraph, Quant, QuantProfile, Result,
+    ShadowLinear, Tail, TensorData, TensorId, WeightQuant,
 };
 
 use crate::attention::{attend, KvCache, KvType, QkNorm, Rows};
@@ -144,7 +144,17 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { precision: None, decode_weights: DecodeWeights::Checkpoint, weights: WeightQuant::PerChannel, residual: vec![], lpbq: vec![], chunk_len: None, sched: None, layers: None, kv: KvType::F32 }
+        LoadOptions {
+            precision: None,
+            decode_weights: DecodeWeights::Checkpoint,
+            weights: WeightQuant::PerChannel,
+            residual: vec![],
+            lpbq: vec![],
+            chunk_len: None,
+            sched: None,
+            layers: None,
+            kv: KvType::F32,
+        }
     }
 }
 
@@ -168,16 +178,7 @@ impl Layer {
     /// `run(s, h)` computes the linears of stage `s` on `h`: the NPU stage graph with its shadow
     /// outliers in prefill, candle CPU matmuls in decode. Everything else here runs on the CPU.
     #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &self,
-        cfg: &Config,
-        spec: &FamilySpec,
-        l: usize,
-        x: &mut Residual,
-        rows: &Rows,
-        kv: &Mutex<KvCache>,
-        run: &mut StageFn<'_>,
-    ) -> Result<()> {
+    fn forward(&self, cfg: &Config, spec: &FamilySpec, l: usize, x: &mut Residual, rows: &Rows, kv: &Mutex<KvCache>, run: &mut StageFn<'_>) -> Result<()> {
         let eps = cfg.rms_eps as f32;
         let h = x.add_norm(&self.attn_norm, eps)?;
         let [q, k, v]: [Tensor; 3] = run(QKV, &h)?.try_into().map_err(|_| Error::Internal("QKV stage must return three outputs".into()))?;
@@ -416,10 +417,7 @@ impl Model {
                 let t = vector(format!("blk.{l}.{name}.weight"))?;
                 match t.dims() == [len] {
                     true => Ok(t),
-                    false => Err(Error::Model {
-                        path: ckpt.path().to_path_buf(),
-                        reason: format!("blk.{l}.{name}: shape {:?}, expected [{len}]", t.dims()),
-                    }),
+                    false => Err(Error::Model { path: ckpt.path().to_path_buf(), reason: format!("blk.{l}.{name}: shape {:?}, expected [{len}]", t.dims()) }),
                 }
             };
             layers.push(Layer {
@@ -686,7 +684,7 @@ impl Model {
         let h = candle_nn::ops::rms_norm(rows, &self.final_norm, self.cfg.rms_eps as f32)?;
         // The output table in its decode form (SmolLM2's tied Q8_0 one, Gemma's tied embeddings,
         // Qwen's own output matrix): the engine's decode kernels, as for the linears.
-        Ok(self.lm_head.forward(&h)?)
+        self.lm_head.forward(&h)
     }
 
     pub(crate) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -709,7 +707,7 @@ fn check_spec(cfg: &Config, spec: &FamilySpec, ckpt: &dyn Checkpoint) -> Result<
     if spec.layers.len() != cfg.n_layer {
         return bad(format!("{} layer specs for {} layers", spec.layers.len(), cfg.n_layer));
     }
-    if spec.rope_dims == 0 || spec.rope_dims % 2 != 0 || spec.rope_dims > cfg.head_dim {
+    if spec.rope_dims == 0 || !spec.rope_dims.is_multiple_of(2) || spec.rope_dims > cfg.head_dim {
         return bad(format!("RoPE over {} dimensions of a head of {}", spec.rope_dims, cfg.head_dim));
     }
     if spec.layers.iter().any(|l| l.window == Some(0)) {

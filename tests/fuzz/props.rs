@@ -196,10 +196,7 @@ pub fn profile_setup(dir: &Path) -> (QuantProfile, Model) {
 
 /// A JSON edit: a value somewhere in the profile replaced by a number, a string or null.
 pub fn json_edits() -> impl Strategy<Value = Vec<(prop::sample::Index, prop::sample::Index, f64, u8)>> {
-    prop::collection::vec(
-        (any::<prop::sample::Index>(), any::<prop::sample::Index>(), prop_oneof![any::<f64>(), -10.0..10.0f64, Just(0.0)], 0..4u8),
-        1..4,
-    )
+    prop::collection::vec((any::<prop::sample::Index>(), any::<prop::sample::Index>(), prop_oneof![any::<f64>(), -10.0..10.0f64, Just(0.0)], 0..4u8), 1..4)
 }
 
 /// The profile's JSON with `edits` applied to point fields (or the top level).
@@ -334,9 +331,7 @@ pub fn edited_graph(edits: &[GraphEdit]) -> Graph {
                     Op::MatMul { b, transpose_b, output, .. } => Op::MatMul { a: TensorId(v), b, transpose_b: !transpose_b, output },
                     Op::Add { a, b, .. } => Op::Add { a, b, output: TensorId(v) },
                     Op::Mul { a, output, .. } => Op::Mul { a, b: TensorId(v), output },
-                    Op::Sigmoid { output, .. } | Op::Quantize { output, .. } | Op::Dequantize { output, .. } => {
-                        Op::Sigmoid { input: TensorId(v), output }
-                    }
+                    Op::Sigmoid { output, .. } | Op::Quantize { output, .. } | Op::Dequantize { output, .. } => Op::Sigmoid { input: TensorId(v), output },
                     Op::Softmax { output, .. } => Op::Softmax { input: TensorId(v), output },
                     Op::RmsNorm { input, output, .. } => Op::RmsNorm { input, gamma: TensorId(v), epsilon: x as f32, output },
                     Op::Reshape { output, .. } => Op::Reshape { input: TensorId(v), output },
@@ -489,7 +484,14 @@ pub fn saved_session(p: &mut Pipeline, path: &Path) -> (Vec<u8>, usize) {
 
 /// Saved session: bytes mutated and the checksum resealed (as damage never could, so that the
 /// reader's own checks see it): refused, or restored to a conversation that goes on.
-pub fn session_case(p: &mut Pipeline, dir: &Path, good: &[u8], header: usize, edit: &(Vec<(f64, u8)>, Option<f64>), tally: &Tally) -> std::result::Result<(), TestCaseError> {
+pub fn session_case(
+    p: &mut Pipeline,
+    dir: &Path,
+    good: &[u8],
+    header: usize,
+    edit: &(Vec<(f64, u8)>, Option<f64>),
+    tally: &Tally,
+) -> std::result::Result<(), TestCaseError> {
     use sha2::Digest;
     let path = dir.join("s.kv");
     let mut bad = mutate(&good[..good.len() - 32], edit, header);

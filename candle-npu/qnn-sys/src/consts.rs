@@ -5,8 +5,7 @@
 //! and reading an unknown discriminant into a Rust enum is undefined behaviour.
 
 use crate::types::{
-    QnnHtpDevice_ConfigOption_t, QnnHtpGraph_ConfigOption_t, QnnLog_Level_t, QnnProfile_Level_t,
-    Qnn_DataType_t, Qnn_ErrorHandle_t, Qnn_TensorType_t,
+    QnnHtpDevice_ConfigOption_t, QnnHtpGraph_ConfigOption_t, QnnLog_Level_t, QnnProfile_Level_t, Qnn_DataType_t, Qnn_ErrorHandle_t, Qnn_TensorType_t,
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -23,23 +23,12 @@ pub struct QnnInterfaceFunctions_t {
     pub propertyHasCapability: Option<unsafe extern "C" fn(key: u32) -> Qnn_ErrorHandle_t>,
     /// `(log, const QnnBackend_Config_t** config /*NULL-terminated or NULL*/, out backend)`.
     pub backendCreate: Option<
-        unsafe extern "C" fn(
-            logger: Qnn_LogHandle_t,
-            config: *const *const QnnBackend_Config_t,
-            backend: *mut Qnn_BackendHandle_t,
-        ) -> Qnn_ErrorHandle_t,
+        unsafe extern "C" fn(logger: Qnn_LogHandle_t, config: *const *const QnnBackend_Config_t, backend: *mut Qnn_BackendHandle_t) -> Qnn_ErrorHandle_t,
     >,
-    pub backendSetConfig: Option<
-        unsafe extern "C" fn(
-            backend: Qnn_BackendHandle_t,
-            config: *const *const QnnBackend_Config_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
-    pub backendGetApiVersion:
-        Option<unsafe extern "C" fn(version: *mut Qnn_ApiVersion_t) -> Qnn_ErrorHandle_t>,
+    pub backendSetConfig: Option<unsafe extern "C" fn(backend: Qnn_BackendHandle_t, config: *const *const QnnBackend_Config_t) -> Qnn_ErrorHandle_t>,
+    pub backendGetApiVersion: Option<unsafe extern "C" fn(version: *mut Qnn_ApiVersion_t) -> Qnn_ErrorHandle_t>,
     /// Writes a pointer to a static, NUL-terminated string owned by the library.
-    pub backendGetBuildId:
-        Option<unsafe extern "C" fn(id: *mut *const c_char) -> Qnn_ErrorHandle_t>,
+    pub backendGetBuildId: Option<unsafe extern "C" fn(id: *mut *const c_char) -> Qnn_ErrorHandle_t>,
     /// `(backend, packagePath, interfaceProvider, target)`.
     pub backendRegisterOpPackage: Option<
         unsafe extern "C" fn(
@@ -51,11 +40,8 @@ pub struct QnnInterfaceFunctions_t {
     >,
     pub backendGetSupportedOperations: QnnFnPlaceholder,
     /// Checks one op config without a graph. `op` is passed BY VALUE (80 bytes).
-    pub backendValidateOpConfig: Option<
-        unsafe extern "C" fn(backend: Qnn_BackendHandle_t, op: Qnn_OpConfig_t) -> Qnn_ErrorHandle_t,
-    >,
-    pub backendFree:
-        Option<unsafe extern "C" fn(backend: Qnn_BackendHandle_t) -> Qnn_ErrorHandle_t>,
+    pub backendValidateOpConfig: Option<unsafe extern "C" fn(backend: Qnn_BackendHandle_t, op: Qnn_OpConfig_t) -> Qnn_ErrorHandle_t>,
+    pub backendFree: Option<unsafe extern "C" fn(backend: Qnn_BackendHandle_t) -> Qnn_ErrorHandle_t>,
     /// `(backend, device /*may be NULL*/, config, out context)`.
     pub contextCreate: Option<
         unsafe extern "C" fn(
@@ -65,24 +51,11 @@ pub struct QnnInterfaceFunctions_t {
             context: *mut Qnn_ContextHandle_t,
         ) -> Qnn_ErrorHandle_t,
     >,
-    pub contextSetConfig: Option<
-        unsafe extern "C" fn(
-            context: Qnn_ContextHandle_t,
-            config: *const *const QnnContext_Config_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub contextSetConfig: Option<unsafe extern "C" fn(context: Qnn_ContextHandle_t, config: *const *const QnnContext_Config_t) -> Qnn_ErrorHandle_t>,
     /// Upper bound of the serialized context size (valid after every graph is finalized).
-    pub contextGetBinarySize: Option<
-        unsafe extern "C" fn(context: Qnn_ContextHandle_t, size: *mut u64) -> Qnn_ErrorHandle_t,
-    >,
-    pub contextGetBinary: Option<
-        unsafe extern "C" fn(
-            context: Qnn_ContextHandle_t,
-            buffer: *mut c_void,
-            buffer_size: u64,
-            written: *mut u64,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub contextGetBinarySize: Option<unsafe extern "C" fn(context: Qnn_ContextHandle_t, size: *mut u64) -> Qnn_ErrorHandle_t>,
+    pub contextGetBinary:
+        Option<unsafe extern "C" fn(context: Qnn_ContextHandle_t, buffer: *mut c_void, buffer_size: u64, written: *mut u64) -> Qnn_ErrorHandle_t>,
     /// `(backend, device, config, buffer, size, out context, profile /*may be NULL*/)`.
     pub contextCreateFromBinary: Option<
         unsafe extern "C" fn(
@@ -96,12 +69,7 @@ pub struct QnnInterfaceFunctions_t {
         ) -> Qnn_ErrorHandle_t,
     >,
     /// Frees the context and every graph in it.
-    pub contextFree: Option<
-        unsafe extern "C" fn(
-            context: Qnn_ContextHandle_t,
-            profile: Qnn_ProfileHandle_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub contextFree: Option<unsafe extern "C" fn(context: Qnn_ContextHandle_t, profile: Qnn_ProfileHandle_t) -> Qnn_ErrorHandle_t>,
     pub graphCreate: Option<
         unsafe extern "C" fn(
             context: Qnn_ContextHandle_t,
@@ -111,32 +79,13 @@ pub struct QnnInterfaceFunctions_t {
         ) -> Qnn_ErrorHandle_t,
     >,
     pub graphCreateSubgraph: QnnFnPlaceholder,
-    pub graphSetConfig: Option<
-        unsafe extern "C" fn(
-            graph: Qnn_GraphHandle_t,
-            config: *const *const QnnGraph_Config_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub graphSetConfig: Option<unsafe extern "C" fn(graph: Qnn_GraphHandle_t, config: *const *const QnnGraph_Config_t) -> Qnn_ErrorHandle_t>,
     /// `op` is passed BY VALUE (80 bytes).
-    pub graphAddNode: Option<
-        unsafe extern "C" fn(graph: Qnn_GraphHandle_t, op: Qnn_OpConfig_t) -> Qnn_ErrorHandle_t,
-    >,
+    pub graphAddNode: Option<unsafe extern "C" fn(graph: Qnn_GraphHandle_t, op: Qnn_OpConfig_t) -> Qnn_ErrorHandle_t>,
     /// `(graph, profile, signal)`, both may be NULL.
-    pub graphFinalize: Option<
-        unsafe extern "C" fn(
-            graph: Qnn_GraphHandle_t,
-            profile: Qnn_ProfileHandle_t,
-            signal: Qnn_SignalHandle_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub graphFinalize: Option<unsafe extern "C" fn(graph: Qnn_GraphHandle_t, profile: Qnn_ProfileHandle_t, signal: Qnn_SignalHandle_t) -> Qnn_ErrorHandle_t>,
     /// Looks a graph up by name in a context created from a binary.
-    pub graphRetrieve: Option<
-        unsafe extern "C" fn(
-            context: Qnn_ContextHandle_t,
-            name: *const c_char,
-            graph: *mut Qnn_GraphHandle_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub graphRetrieve: Option<unsafe extern "C" fn(context: Qnn_ContextHandle_t, name: *const c_char, graph: *mut Qnn_GraphHandle_t) -> Qnn_ErrorHandle_t>,
     /// Does NOT check `clientBuf.dataSize`: check every buffer's size before calling.
     pub graphExecute: Option<
         unsafe extern "C" fn(
@@ -151,66 +100,24 @@ pub struct QnnInterfaceFunctions_t {
     >,
     pub graphExecuteAsync: QnnFnPlaceholder,
     /// In/out: the library writes the new tensor's `id`.
-    pub tensorCreateContextTensor: Option<
-        unsafe extern "C" fn(
-            context: Qnn_ContextHandle_t,
-            tensor: *mut Qnn_Tensor_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub tensorCreateContextTensor: Option<unsafe extern "C" fn(context: Qnn_ContextHandle_t, tensor: *mut Qnn_Tensor_t) -> Qnn_ErrorHandle_t>,
     /// In/out: the library writes the new tensor's `id`.
-    pub tensorCreateGraphTensor: Option<
-        unsafe extern "C" fn(
-            graph: Qnn_GraphHandle_t,
-            tensor: *mut Qnn_Tensor_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub tensorCreateGraphTensor: Option<unsafe extern "C" fn(graph: Qnn_GraphHandle_t, tensor: *mut Qnn_Tensor_t) -> Qnn_ErrorHandle_t>,
     /// `(callback /*may be NULL*/, maxLogLevel, out log)`.
-    pub logCreate: Option<
-        unsafe extern "C" fn(
-            callback: QnnLog_Callback_t,
-            max_level: QnnLog_Level_t,
-            logger: *mut Qnn_LogHandle_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
-    pub logSetLogLevel: Option<
-        unsafe extern "C" fn(
-            logger: Qnn_LogHandle_t,
-            max_level: QnnLog_Level_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub logCreate: Option<unsafe extern "C" fn(callback: QnnLog_Callback_t, max_level: QnnLog_Level_t, logger: *mut Qnn_LogHandle_t) -> Qnn_ErrorHandle_t>,
+    pub logSetLogLevel: Option<unsafe extern "C" fn(logger: Qnn_LogHandle_t, max_level: QnnLog_Level_t) -> Qnn_ErrorHandle_t>,
     pub logFree: Option<unsafe extern "C" fn(logger: Qnn_LogHandle_t) -> Qnn_ErrorHandle_t>,
-    pub profileCreate: Option<
-        unsafe extern "C" fn(
-            backend: Qnn_BackendHandle_t,
-            level: QnnProfile_Level_t,
-            profile: *mut Qnn_ProfileHandle_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub profileCreate:
+        Option<unsafe extern "C" fn(backend: Qnn_BackendHandle_t, level: QnnProfile_Level_t, profile: *mut Qnn_ProfileHandle_t) -> Qnn_ErrorHandle_t>,
     pub profileSetConfig: QnnFnPlaceholder,
     /// The id array is owned by the library.
-    pub profileGetEvents: Option<
-        unsafe extern "C" fn(
-            profile: Qnn_ProfileHandle_t,
-            events: *mut *const QnnProfile_EventId_t,
-            num_events: *mut u32,
-        ) -> Qnn_ErrorHandle_t,
-    >,
-    pub profileGetSubEvents: Option<
-        unsafe extern "C" fn(
-            event: QnnProfile_EventId_t,
-            sub_events: *mut *const QnnProfile_EventId_t,
-            num_sub_events: *mut u32,
-        ) -> Qnn_ErrorHandle_t,
-    >,
-    pub profileGetEventData: Option<
-        unsafe extern "C" fn(
-            event: QnnProfile_EventId_t,
-            data: *mut QnnProfile_EventData_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub profileGetEvents:
+        Option<unsafe extern "C" fn(profile: Qnn_ProfileHandle_t, events: *mut *const QnnProfile_EventId_t, num_events: *mut u32) -> Qnn_ErrorHandle_t>,
+    pub profileGetSubEvents:
+        Option<unsafe extern "C" fn(event: QnnProfile_EventId_t, sub_events: *mut *const QnnProfile_EventId_t, num_sub_events: *mut u32) -> Qnn_ErrorHandle_t>,
+    pub profileGetEventData: Option<unsafe extern "C" fn(event: QnnProfile_EventId_t, data: *mut QnnProfile_EventData_t) -> Qnn_ErrorHandle_t>,
     pub profileGetExtendedEventData: QnnFnPlaceholder,
-    pub profileFree:
-        Option<unsafe extern "C" fn(profile: Qnn_ProfileHandle_t) -> Qnn_ErrorHandle_t>,
+    pub profileFree: Option<unsafe extern "C" fn(profile: Qnn_ProfileHandle_t) -> Qnn_ErrorHandle_t>,
     pub memRegister: Option<
         unsafe extern "C" fn(
             context: Qnn_ContextHandle_t,
@@ -219,29 +126,14 @@ pub struct QnnInterfaceFunctions_t {
             handles: *mut Qnn_MemHandle_t,
         ) -> Qnn_ErrorHandle_t,
     >,
-    pub memDeRegister: Option<
-        unsafe extern "C" fn(
-            handles: *const Qnn_MemHandle_t,
-            num_handles: u32,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub memDeRegister: Option<unsafe extern "C" fn(handles: *const Qnn_MemHandle_t, num_handles: u32) -> Qnn_ErrorHandle_t>,
     pub deviceGetPlatformInfo: QnnFnPlaceholder,
     pub deviceFreePlatformInfo: QnnFnPlaceholder,
     pub deviceGetInfrastructure: QnnFnPlaceholder,
     /// `(log, const QnnDevice_Config_t** config, out device)`.
-    pub deviceCreate: Option<
-        unsafe extern "C" fn(
-            logger: Qnn_LogHandle_t,
-            config: *const *const QnnDevice_Config_t,
-            device: *mut Qnn_DeviceHandle_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
-    pub deviceSetConfig: Option<
-        unsafe extern "C" fn(
-            device: Qnn_DeviceHandle_t,
-            config: *const *const QnnDevice_Config_t,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub deviceCreate:
+        Option<unsafe extern "C" fn(logger: Qnn_LogHandle_t, config: *const *const QnnDevice_Config_t, device: *mut Qnn_DeviceHandle_t) -> Qnn_ErrorHandle_t>,
+    pub deviceSetConfig: Option<unsafe extern "C" fn(device: Qnn_DeviceHandle_t, config: *const *const QnnDevice_Config_t) -> Qnn_ErrorHandle_t>,
     pub deviceGetInfo: QnnFnPlaceholder,
     pub deviceFree: Option<unsafe extern "C" fn(device: Qnn_DeviceHandle_t) -> Qnn_ErrorHandle_t>,
     pub signalCreate: QnnFnPlaceholder,
@@ -249,21 +141,10 @@ pub struct QnnInterfaceFunctions_t {
     pub signalTrigger: QnnFnPlaceholder,
     pub signalFree: QnnFnPlaceholder,
     /// Writes a pointer to a static message string owned by the library.
-    pub errorGetMessage: Option<
-        unsafe extern "C" fn(
-            error: Qnn_ErrorHandle_t,
-            message: *mut *const c_char,
-        ) -> Qnn_ErrorHandle_t,
-    >,
+    pub errorGetMessage: Option<unsafe extern "C" fn(error: Qnn_ErrorHandle_t, message: *mut *const c_char) -> Qnn_ErrorHandle_t>,
     /// The message must be released with `errorFreeVerboseMessage`.
-    pub errorGetVerboseMessage: Option<
-        unsafe extern "C" fn(
-            error: Qnn_ErrorHandle_t,
-            message: *mut *const c_char,
-        ) -> Qnn_ErrorHandle_t,
-    >,
-    pub errorFreeVerboseMessage:
-        Option<unsafe extern "C" fn(message: *const c_char) -> Qnn_ErrorHandle_t>,
+    pub errorGetVerboseMessage: Option<unsafe extern "C" fn(error: Qnn_ErrorHandle_t, message: *mut *const c_char) -> Qnn_ErrorHandle_t>,
+    pub errorFreeVerboseMessage: Option<unsafe extern "C" fn(message: *const c_char) -> Qnn_ErrorHandle_t>,
     pub graphPrepareExecutionEnvironment: QnnFnPlaceholder,
     pub graphReleaseExecutionEnvironment: QnnFnPlaceholder,
     pub graphGetProperty: QnnFnPlaceholder,
@@ -301,7 +182,4 @@ pub struct QnnInterface_t {
 
 /// Signature of `QnnInterface_getProviders`, the one symbol every QNN backend library exports.
 /// Writes a pointer to the library's static array of provider pointers and its length.
-pub type QnnInterfaceGetProvidersFn = unsafe extern "C" fn(
-    provider_list: *mut *const *const QnnInterface_t,
-    num_providers: *mut u32,
-) -> Qnn_ErrorHandle_t;
+pub type QnnInterfaceGetProvidersFn = unsafe extern "C" fn(provider_list: *mut *const *const QnnInterface_t, num_providers: *mut u32) -> Qnn_ErrorHandle_t;

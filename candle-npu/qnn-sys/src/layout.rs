@@ -166,11 +166,7 @@ assert_offset!(QnnProfile_EventData_t, value, 8);
 assert_offset!(QnnProfile_EventData_t, identifier, 16);
 
 // The interface and its function table: every entry at 8 * index.
-assert_layout!(
-    QnnInterfaceFunctions_t,
-    8 * crate::QNN_INTERFACE_FUNCTION_COUNT,
-    8
-);
+assert_layout!(QnnInterfaceFunctions_t, 8 * crate::QNN_INTERFACE_FUNCTION_COUNT, 8);
 assert_layout!(QnnInterface_t, 608, 8);
 assert_offset!(QnnInterface_t, backendId, 0);
 assert_offset!(QnnInterface_t, providerName, 8);

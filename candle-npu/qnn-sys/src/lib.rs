@@ -55,10 +55,7 @@ pub unsafe fn format_log_message(fmt: *const c_char, args: QnnVaList) -> String 
     if n < 0 {
         // Formatting failed: fall back to the raw format string.
         // SAFETY: QNN passes a NUL-terminated format string.
-        return unsafe { core::ffi::CStr::from_ptr(fmt) }
-            .to_string_lossy()
-            .trim()
-            .to_owned();
+        return unsafe { core::ffi::CStr::from_ptr(fmt) }.to_string_lossy().trim().to_owned();
     }
     // SAFETY: vsnprintf always NUL-terminates within `buf` when size > 0.
     let s = unsafe { core::ffi::CStr::from_ptr(buf.as_ptr()) };
@@ -94,19 +91,13 @@ mod tests {
     fn quantize_params_constructors() {
         let q = Qnn_QuantizeParams_t::scale_offset(0.5, -128);
         assert_eq!(q.encodingDefinition, QNN_DEFINITION_DEFINED);
-        assert_eq!(
-            q.quantizationEncoding,
-            QNN_QUANTIZATION_ENCODING_SCALE_OFFSET
-        );
+        assert_eq!(q.quantizationEncoding, QNN_QUANTIZATION_ENCODING_SCALE_OFFSET);
         let so = unsafe { q.encoding.scaleOffsetEncoding };
         assert_eq!((so.scale, so.offset), (0.5, -128));
         let u = Qnn_QuantizeParams_t::undefined();
         assert_eq!(u.encodingDefinition, QNN_DEFINITION_UNDEFINED);
         assert_eq!(u.quantizationEncoding, QNN_QUANTIZATION_ENCODING_UNDEFINED);
-        let mut per_channel = [Qnn_ScaleOffset_t {
-            scale: 1.0,
-            offset: 0,
-        }; 3];
+        let mut per_channel = [Qnn_ScaleOffset_t { scale: 1.0, offset: 0 }; 3];
         let a = Qnn_QuantizeParams_t::axis_scale_offset(0, &mut per_channel);
         let aso = unsafe { a.encoding.axisScaleOffsetEncoding };
         assert_eq!((aso.axis, aso.numScaleOffsets), (0, 3));
@@ -140,10 +131,7 @@ mod tests {
         );
         assert_eq!(t.version, QNN_TENSOR_VERSION_1);
         let v1 = unsafe { t.u.v1 };
-        assert_eq!(
-            (v1.rank, v1.dataType, v1.type_),
-            (2, QNN_DATATYPE_UFIXED_POINT_8, 0)
-        );
+        assert_eq!((v1.rank, v1.dataType, v1.type_), (2, QNN_DATATYPE_UFIXED_POINT_8, 0));
         let mut data = [0u8; 4];
         let e = Qnn_Tensor_t::for_execute(7, Qnn_ClientBuffer_t::from_slice(&mut data));
         assert_eq!(e.id(), 7);
@@ -152,31 +140,14 @@ mod tests {
 
     #[test]
     fn htp_device_layout_by_backend_version() {
-        let v = |major, minor| Qnn_Version_t {
-            major,
-            minor,
-            patch: 0,
-        };
-        assert_eq!(
-            HtpDeviceConfigLayout::for_backend_api(v(5, 43)),
-            HtpDeviceConfigLayout::UnionAt4
-        );
-        assert_eq!(
-            HtpDeviceConfigLayout::for_backend_api(v(5, 51)),
-            HtpDeviceConfigLayout::UnionAt8
-        );
-        assert_eq!(
-            HtpDeviceConfigLayout::for_backend_api(v(6, 0)),
-            HtpDeviceConfigLayout::UnionAt8
-        );
+        let v = |major, minor| Qnn_Version_t { major, minor, patch: 0 };
+        assert_eq!(HtpDeviceConfigLayout::for_backend_api(v(5, 43)), HtpDeviceConfigLayout::UnionAt4);
+        assert_eq!(HtpDeviceConfigLayout::for_backend_api(v(5, 51)), HtpDeviceConfigLayout::UnionAt8);
+        assert_eq!(HtpDeviceConfigLayout::for_backend_api(v(6, 0)), HtpDeviceConfigLayout::UnionAt8);
         // The SoC model lands at byte 8 in the new layout and byte 4 in the old one.
-        let mut new =
-            HtpDeviceCustomConfig::soc(HtpDeviceConfigLayout::UnionAt8, QNN_SOC_MODEL_SM8650);
-        let mut old =
-            HtpDeviceCustomConfig::soc(HtpDeviceConfigLayout::UnionAt4, QNN_SOC_MODEL_SM8650);
-        let bytes = |p: *mut core::ffi::c_void, n| unsafe {
-            core::slice::from_raw_parts(p as *const u8, n).to_vec()
-        };
+        let mut new = HtpDeviceCustomConfig::soc(HtpDeviceConfigLayout::UnionAt8, QNN_SOC_MODEL_SM8650);
+        let mut old = HtpDeviceCustomConfig::soc(HtpDeviceConfigLayout::UnionAt4, QNN_SOC_MODEL_SM8650);
+        let bytes = |p: *mut core::ffi::c_void, n| unsafe { core::slice::from_raw_parts(p as *const u8, n).to_vec() };
         let nb = bytes(new.as_mut_ptr(), 16);
         let ob = bytes(old.as_mut_ptr(), 12);
         assert_eq!(&nb[0..4], &0u32.to_ne_bytes());

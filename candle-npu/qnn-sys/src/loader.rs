@@ -76,11 +76,7 @@ pub enum LoadError {
     #[error("dlopen of QNN library {path} failed: {message}")]
     Open { path: PathBuf, message: String },
     #[error("{path} is not a QNN backend library: symbol {symbol} not found ({message})")]
-    SymbolMissing {
-        path: PathBuf,
-        symbol: &'static str,
-        message: String,
-    },
+    SymbolMissing { path: PathBuf, symbol: &'static str, message: String },
     #[error("{QNN_INTERFACE_GET_PROVIDERS_SYMBOL} in {path} failed with QNN error {code}")]
     GetProviders { path: PathBuf, code: u16 },
     #[error("{path} offers no QNN interface provider")]
@@ -89,13 +85,7 @@ pub enum LoadError {
         "{path}: provider {provider} implements QNN core API {found}, but this build needs \
          {need_major}.x with x >= {need_minor}"
     )]
-    UnsupportedApi {
-        path: PathBuf,
-        provider: String,
-        found: Qnn_Version_t,
-        need_major: u32,
-        need_minor: u32,
-    },
+    UnsupportedApi { path: PathBuf, provider: String, found: Qnn_Version_t, need_major: u32, need_minor: u32 },
 }
 
 /// A loaded QNN backend library and the provider chosen from it.
@@ -148,36 +138,26 @@ impl QnnLibrary {
     pub fn load(path: &Path) -> Result<Self, LoadError> {
         let bare_name = path.parent().is_none_or(|p| p.as_os_str().is_empty());
         if !bare_name && !path.exists() {
-            return Err(LoadError::NotFound {
-                path: path.to_path_buf(),
-            });
+            return Err(LoadError::NotFound { path: path.to_path_buf() });
         }
         if !bare_name {
-            check_elf(path).map_err(|reason| LoadError::NotLoadable {
-                path: path.to_path_buf(),
-                reason,
-            })?;
+            check_elf(path).map_err(|reason| LoadError::NotLoadable { path: path.to_path_buf(), reason })?;
         }
         let lib = {
             let _guard = LOAD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
             let _quiet = StdoutSilenced::new();
             open(path)
         }
-        .map_err(|e| LoadError::Open {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        .map_err(|e| LoadError::Open { path: path.to_path_buf(), message: e.to_string() })?;
 
         // SAFETY: the symbol's type is QNN's documented signature; the copy of the function
         // pointer is only used while `lib` is alive.
         let get_providers: QnnInterfaceGetProvidersFn = unsafe {
-            let sym = lib
-                .get::<QnnInterfaceGetProvidersFn>(QNN_INTERFACE_GET_PROVIDERS_SYMBOL.as_bytes())
-                .map_err(|e| LoadError::SymbolMissing {
-                    path: path.to_path_buf(),
-                    symbol: QNN_INTERFACE_GET_PROVIDERS_SYMBOL,
-                    message: e.to_string(),
-                })?;
+            let sym = lib.get::<QnnInterfaceGetProvidersFn>(QNN_INTERFACE_GET_PROVIDERS_SYMBOL.as_bytes()).map_err(|e| LoadError::SymbolMissing {
+                path: path.to_path_buf(),
+                symbol: QNN_INTERFACE_GET_PROVIDERS_SYMBOL,
+                message: e.to_string(),
+            })?;
             *sym
         };
 
@@ -186,59 +166,30 @@ impl QnnLibrary {
         // SAFETY: both out-pointers are valid for writes.
         let rc = unsafe { get_providers(&mut list, &mut count) };
         if rc != QNN_SUCCESS {
-            return Err(LoadError::GetProviders {
-                path: path.to_path_buf(),
-                code: error_code(rc),
-            });
+            return Err(LoadError::GetProviders { path: path.to_path_buf(), code: error_code(rc) });
         }
         if list.is_null() || count == 0 {
-            return Err(LoadError::NoProviders {
-                path: path.to_path_buf(),
-            });
+            return Err(LoadError::NoProviders { path: path.to_path_buf() });
         }
         // SAFETY: the library returned `count` provider pointers at `list` (its static data).
-        let providers: Vec<&QnnInterface_t> = unsafe {
-            std::slice::from_raw_parts(list, count as usize)
-                .iter()
-                .filter_map(|p| p.as_ref())
-                .collect()
-        };
+        let providers: Vec<&QnnInterface_t> = unsafe { std::slice::from_raw_parts(list, count as usize).iter().filter_map(|p| p.as_ref()).collect() };
         // HTP first, then the others in the library's order.
-        let mut ordered: Vec<&QnnInterface_t> = providers
-            .iter()
-            .copied()
-            .filter(|p| p.backendId == QNN_BACKEND_ID_HTP)
-            .collect();
-        ordered.extend(
-            providers
-                .iter()
-                .copied()
-                .filter(|p| p.backendId != QNN_BACKEND_ID_HTP),
-        );
+        let mut ordered: Vec<&QnnInterface_t> = providers.iter().copied().filter(|p| p.backendId == QNN_BACKEND_ID_HTP).collect();
+        ordered.extend(providers.iter().copied().filter(|p| p.backendId != QNN_BACKEND_ID_HTP));
         let Some(preferred) = ordered.first().copied() else {
-            return Err(LoadError::NoProviders {
-                path: path.to_path_buf(),
-            });
+            return Err(LoadError::NoProviders { path: path.to_path_buf() });
         };
-        let Some(chosen) = ordered
-            .into_iter()
-            .find(|p| api_supported(p.apiVersion.coreApiVersion))
-        else {
+        let Some(chosen) = ordered.into_iter().find(|p| api_supported(p.apiVersion.coreApiVersion)) else {
             return Err(LoadError::UnsupportedApi {
                 path: path.to_path_buf(),
                 // SAFETY: providerName is NULL or a NUL-terminated static string.
-                provider: unsafe { c_str_lossy(preferred.providerName) }
-                    .unwrap_or_else(|| "<unnamed>".into()),
+                provider: unsafe { c_str_lossy(preferred.providerName) }.unwrap_or_else(|| "<unnamed>".into()),
                 found: preferred.apiVersion.coreApiVersion,
                 need_major: QNN_API_VERSION_MAJOR,
                 need_minor: QNN_API_VERSION_MINOR,
             });
         };
-        Ok(Self {
-            path: path.to_path_buf(),
-            interface: chosen,
-            _lib: lib,
-        })
+        Ok(Self { path: path.to_path_buf(), interface: chosen, _lib: lib })
     }
 
     /// The path this library was loaded from.
@@ -336,14 +287,7 @@ unsafe fn c_str_lossy(p: *const std::ffi::c_char) -> Option<String> {
 
 /// ELF `e_machine` values and the names `std::env::consts::ARCH` gives them (Hexagon's: the
 /// DSP-side `lib*Skel.so` files QNN ships next to the host libraries).
-const ELF_MACHINES: [(u16, &str); 6] = [
-    (3, "x86"),
-    (40, "arm"),
-    (62, "x86_64"),
-    (164, "hexagon"),
-    (183, "aarch64"),
-    (243, "riscv64"),
-];
+const ELF_MACHINES: [(u16, &str); 6] = [(3, "x86"), (40, "arm"), (62, "x86_64"), (164, "hexagon"), (183, "aarch64"), (243, "riscv64")];
 
 /// Checks, from its ELF header, that `path` is a shared library this process can dlopen:
 /// `Err` says what it is instead, e.g. "is an aarch64 ELF library; this process is x86_64".
@@ -361,14 +305,12 @@ pub fn check_elf(path: &Path) -> Result<(), String> {
         return Err("is not a regular file".into());
     }
     let mut head = [0u8; 20];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut head))
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => {
-                format!("is not an ELF shared library ({} bytes)", meta.len())
-            }
-            _ => format!("cannot be read: {e}"),
-        })?;
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head)).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            format!("is not an ELF shared library ({} bytes)", meta.len())
+        }
+        _ => format!("cannot be read: {e}"),
+    })?;
     if &head[..4] != b"\x7fELF" {
         return Err("is not an ELF shared library".into());
     }
@@ -379,9 +321,7 @@ pub fn check_elf(path: &Path) -> Result<(), String> {
     let (e_type, e_machine) = (half(16), half(18));
     const ET_DYN: u16 = 3;
     if e_type != ET_DYN {
-        return Err(format!(
-            "is an ELF file but not a shared library (e_type {e_type})"
-        ));
+        return Err(format!("is an ELF file but not a shared library (e_type {e_type})"));
     }
     let name_of = |m: u16| ELF_MACHINES.iter().find(|(id, _)| *id == m).map(|(_, n)| *n);
     let here = std::env::consts::ARCH;
@@ -403,9 +343,7 @@ pub fn check_elf(path: &Path) -> Result<(), String> {
     };
     let bits = usize::BITS;
     if class != bits {
-        return Err(format!(
-            "is a {class}-bit ELF library; this process is {here} ({bits}-bit)"
-        ));
+        return Err(format!("is a {class}-bit ELF library; this process is {here} ({bits}-bit)"));
     }
     Ok(())
 }

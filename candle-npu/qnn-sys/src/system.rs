@@ -40,20 +40,12 @@ pub type QnnSystemContext_Handle_t = *mut c_void;
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct QnnSystemFunctions_t {
-    pub systemContextCreate:
-        Option<unsafe extern "C" fn(out: *mut QnnSystemContext_Handle_t) -> Qnn_ErrorHandle_t>,
+    pub systemContextCreate: Option<unsafe extern "C" fn(out: *mut QnnSystemContext_Handle_t) -> Qnn_ErrorHandle_t>,
     /// Deprecated by `systemContextGetMetadata` (which does not need a mutable buffer).
     pub systemContextGetBinaryInfo: Option<unsafe extern "C" fn()>,
-    pub systemContextGetMetadata: Option<
-        unsafe extern "C" fn(
-            ctx: QnnSystemContext_Handle_t,
-            binary: *const c_void,
-            size: u64,
-            info: *mut *const c_void,
-        ) -> Qnn_ErrorHandle_t,
-    >,
-    pub systemContextFree:
-        Option<unsafe extern "C" fn(ctx: QnnSystemContext_Handle_t) -> Qnn_ErrorHandle_t>,
+    pub systemContextGetMetadata:
+        Option<unsafe extern "C" fn(ctx: QnnSystemContext_Handle_t, binary: *const c_void, size: u64, info: *mut *const c_void) -> Qnn_ErrorHandle_t>,
+    pub systemContextFree: Option<unsafe extern "C" fn(ctx: QnnSystemContext_Handle_t) -> Qnn_ErrorHandle_t>,
 }
 
 /// `QnnSystemInterface_t` up to the entries of [`QnnSystemFunctions_t`].
@@ -66,10 +58,8 @@ pub struct QnnSystemInterface_t {
 }
 
 /// Signature of `QnnSystemInterface_getProviders`.
-pub type QnnSystemInterfaceGetProvidersFn = unsafe extern "C" fn(
-    provider_list: *mut *const *const QnnSystemInterface_t,
-    num_providers: *mut u32,
-) -> Qnn_ErrorHandle_t;
+pub type QnnSystemInterfaceGetProvidersFn =
+    unsafe extern "C" fn(provider_list: *mut *const *const QnnSystemInterface_t, num_providers: *mut u32) -> Qnn_ErrorHandle_t;
 
 /// One graph of a context binary: its name, and the ids and names of its inputs and outputs in
 /// the binary's order.
@@ -92,10 +82,7 @@ pub enum GraphIoError {
 impl std::fmt::Display for GraphIoError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            GraphIoError::Refused(code) => write!(
-                f,
-                "the QNN System library cannot read this context binary (QNN error {code})"
-            ),
+            GraphIoError::Refused(code) => write!(f, "the QNN System library cannot read this context binary (QNN error {code})"),
             GraphIoError::Unknown(what) => {
                 write!(f, "{what}, whose layout this build does not know")
             }
@@ -117,9 +104,7 @@ unsafe impl Sync for QnnSystemLibrary {}
 
 impl std::fmt::Debug for QnnSystemLibrary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("QnnSystemLibrary")
-            .field("path", &self.path)
-            .finish()
+        f.debug_struct("QnnSystemLibrary").field("path", &self.path).finish()
     }
 }
 
@@ -131,20 +116,11 @@ impl QnnSystemLibrary {
         if !path.exists() {
             return Err(LoadError::NotFound { path: p });
         }
-        check_elf(path).map_err(|reason| LoadError::NotLoadable {
-            path: p.clone(),
-            reason,
-        })?;
-        let lib = open(path).map_err(|e| LoadError::Open {
-            path: p.clone(),
-            message: e.to_string(),
-        })?;
+        check_elf(path).map_err(|reason| LoadError::NotLoadable { path: p.clone(), reason })?;
+        let lib = open(path).map_err(|e| LoadError::Open { path: p.clone(), message: e.to_string() })?;
         // SAFETY: QNN's documented signature; the pointer is used only while `lib` lives.
         let get: QnnSystemInterfaceGetProvidersFn = unsafe {
-            *lib.get::<QnnSystemInterfaceGetProvidersFn>(
-                QNN_SYSTEM_INTERFACE_GET_PROVIDERS_SYMBOL.as_bytes(),
-            )
-            .map_err(|e| LoadError::SymbolMissing {
+            *lib.get::<QnnSystemInterfaceGetProvidersFn>(QNN_SYSTEM_INTERFACE_GET_PROVIDERS_SYMBOL.as_bytes()).map_err(|e| LoadError::SymbolMissing {
                 path: p.clone(),
                 symbol: QNN_SYSTEM_INTERFACE_GET_PROVIDERS_SYMBOL,
                 message: e.to_string(),
@@ -155,34 +131,21 @@ impl QnnSystemLibrary {
         // SAFETY: valid out-pointers.
         let rc = unsafe { get(&mut list, &mut count) };
         if rc != QNN_SUCCESS {
-            return Err(LoadError::GetProviders {
-                path: p,
-                code: error_code(rc),
-            });
+            return Err(LoadError::GetProviders { path: p, code: error_code(rc) });
         }
         if list.is_null() {
             return Err(LoadError::NoProviders { path: p });
         }
         // SAFETY: the library returned `count` provider pointers at `list` (its static data).
         let providers = unsafe { std::slice::from_raw_parts(list, count as usize) };
-        let chosen = providers
-            .iter()
-            .filter_map(|&q| unsafe { q.as_ref() })
-            .find(|q| {
-                let f = &q.functions;
-                q.systemApiVersion.major == 1
-                    && f.systemContextCreate.is_some()
-                    && f.systemContextGetMetadata.is_some()
-                    && f.systemContextFree.is_some()
-            });
+        let chosen = providers.iter().filter_map(|&q| unsafe { q.as_ref() }).find(|q| {
+            let f = &q.functions;
+            q.systemApiVersion.major == 1 && f.systemContextCreate.is_some() && f.systemContextGetMetadata.is_some() && f.systemContextFree.is_some()
+        });
         let Some(chosen) = chosen else {
             return Err(LoadError::NoProviders { path: p });
         };
-        Ok(QnnSystemLibrary {
-            path: p,
-            functions: chosen.functions,
-            _lib: lib,
-        })
+        Ok(QnnSystemLibrary { path: p, functions: chosen.functions, _lib: lib })
     }
 
     /// The path this library was loaded from.
@@ -193,11 +156,7 @@ impl QnnSystemLibrary {
     /// The graphs of the context binary `binary`, with their inputs' and outputs' ids and names.
     pub fn graph_io(&self, binary: &[u8]) -> Result<Vec<GraphIo>, GraphIoError> {
         let f = &self.functions;
-        let (create, metadata, free) = (
-            f.systemContextCreate.unwrap(),
-            f.systemContextGetMetadata.unwrap(),
-            f.systemContextFree.unwrap(),
-        );
+        let (create, metadata, free) = (f.systemContextCreate.unwrap(), f.systemContextGetMetadata.unwrap(), f.systemContextFree.unwrap());
         let mut ctx: QnnSystemContext_Handle_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         let rc = unsafe { create(&mut ctx) };
@@ -207,17 +166,13 @@ impl QnnSystemLibrary {
         let mut info: *const c_void = std::ptr::null();
         // SAFETY: the binary outlives the call; the info it returns lives until `free(ctx)`,
         // and is read (copied out) before that.
-        let out = unsafe {
+
+        unsafe {
             let rc = metadata(ctx, binary.as_ptr().cast(), binary.len() as u64, &mut info);
-            let out = if rc != QNN_SUCCESS {
-                Err(GraphIoError::Refused(error_code(rc)))
-            } else {
-                read_binary_info(info.cast())
-            };
+            let out = if rc != QNN_SUCCESS { Err(GraphIoError::Refused(error_code(rc))) } else { read_binary_info(info.cast()) };
             free(ctx);
             out
-        };
-        out
+        }
     }
 }
 

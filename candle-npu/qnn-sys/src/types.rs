@@ -63,14 +63,7 @@ pub const fn error_code(handle: Qnn_ErrorHandle_t) -> u16 {
 pub type QnnVaList = *mut c_void;
 
 /// `QnnLog_Callback_t`: called by the library (from any of its threads) for each log line.
-pub type QnnLog_Callback_t = Option<
-    unsafe extern "C" fn(
-        fmt: *const c_char,
-        level: QnnLog_Level_t,
-        timestamp: u64,
-        args: QnnVaList,
-    ),
->;
+pub type QnnLog_Callback_t = Option<unsafe extern "C" fn(fmt: *const c_char, level: QnnLog_Level_t, timestamp: u64, args: QnnVaList)>;
 
 /// `Qnn_Version_t`.
 #[repr(C)]
@@ -191,11 +184,8 @@ impl Qnn_QuantizeParams_t {
         let mut p = Self::undefined();
         p.encodingDefinition = QNN_DEFINITION_DEFINED;
         p.quantizationEncoding = QNN_QUANTIZATION_ENCODING_AXIS_SCALE_OFFSET;
-        p.encoding.axisScaleOffsetEncoding = Qnn_AxisScaleOffset_t {
-            axis,
-            numScaleOffsets: scale_offsets.len() as u32,
-            scaleOffset: scale_offsets.as_mut_ptr(),
-        };
+        p.encoding.axisScaleOffsetEncoding =
+            Qnn_AxisScaleOffset_t { axis, numScaleOffsets: scale_offsets.len() as u32, scaleOffset: scale_offsets.as_mut_ptr() };
         p
     }
 
@@ -219,20 +209,13 @@ impl Default for Qnn_QuantizeParams_t {
 impl core::fmt::Debug for Qnn_QuantizeParams_t {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         let mut d = f.debug_struct("Qnn_QuantizeParams_t");
-        d.field("encodingDefinition", &self.encodingDefinition)
-            .field("quantizationEncoding", &self.quantizationEncoding);
+        d.field("encodingDefinition", &self.encodingDefinition).field("quantizationEncoding", &self.quantizationEncoding);
         // SAFETY: the union is plain old data; the active member follows the encoding tag.
         unsafe {
             match self.quantizationEncoding {
-                QNN_QUANTIZATION_ENCODING_SCALE_OFFSET => {
-                    d.field("scaleOffset", &self.encoding.scaleOffsetEncoding)
-                }
-                QNN_QUANTIZATION_ENCODING_AXIS_SCALE_OFFSET => {
-                    d.field("axisScaleOffset", &self.encoding.axisScaleOffsetEncoding)
-                }
-                QNN_QUANTIZATION_ENCODING_BLOCKWISE_EXPANSION => {
-                    d.field("blockwiseExpansion", &self.encoding.blockwiseExpansion)
-                }
+                QNN_QUANTIZATION_ENCODING_SCALE_OFFSET => d.field("scaleOffset", &self.encoding.scaleOffsetEncoding),
+                QNN_QUANTIZATION_ENCODING_AXIS_SCALE_OFFSET => d.field("axisScaleOffset", &self.encoding.axisScaleOffsetEncoding),
+                QNN_QUANTIZATION_ENCODING_BLOCKWISE_EXPANSION => d.field("blockwiseExpansion", &self.encoding.blockwiseExpansion),
                 _ => &mut d,
             };
         }
@@ -258,18 +241,12 @@ pub struct Qnn_ClientBuffer_t {
 impl Qnn_ClientBuffer_t {
     /// No buffer (NATIVE tensors, or APP_* tensors at creation time).
     pub const fn empty() -> Self {
-        Self {
-            data: ptr::null_mut(),
-            dataSize: 0,
-        }
+        Self { data: ptr::null_mut(), dataSize: 0 }
     }
 
     /// A buffer over `bytes`. QNN may write through it (outputs), hence `&mut`.
     pub fn from_slice<T>(bytes: &mut [T]) -> Self {
-        Self {
-            data: bytes.as_mut_ptr().cast(),
-            dataSize: core::mem::size_of_val(bytes) as u32,
-        }
+        Self { data: bytes.as_mut_ptr().cast(), dataSize: core::mem::size_of_val(bytes) as u32 }
     }
 }
 
@@ -383,9 +360,7 @@ impl Qnn_Tensor_t {
             rank,
             dimensions: dims,
             memType: QNN_TENSORMEMTYPE_RAW,
-            memory: Qnn_TensorMemory_t {
-                clientBuf: client_buf,
-            },
+            memory: Qnn_TensorMemory_t { clientBuf: client_buf },
         };
         t
     }
@@ -467,10 +442,7 @@ pub struct Qnn_Scalar_t {
 impl Qnn_Scalar_t {
     fn with(data_type: Qnn_DataType_t, value: Qnn_ScalarValue_t) -> Self {
         // Start from 8 zero bytes so narrower members leave no undefined bytes behind.
-        let mut s = Self {
-            dataType: data_type,
-            value: Qnn_ScalarValue_t { uint64Value: 0 },
-        };
+        let mut s = Self { dataType: data_type, value: Qnn_ScalarValue_t { uint64Value: 0 } };
         s.value = value;
         s
     }
@@ -709,19 +681,13 @@ pub struct QnnHtpGraph_CustomConfig_t {
 
 impl QnnHtpGraph_CustomConfig_t {
     fn with(option: QnnHtpGraph_ConfigOption_t) -> Self {
-        Self {
-            option,
-            value: QnnHtpGraph_CustomConfigValue_t { _reserved: [0; 6] },
-        }
+        Self { option, value: QnnHtpGraph_CustomConfigValue_t { _reserved: [0; 6] } }
     }
     /// `OPTIMIZATION` / `FINALIZE_OPTIMIZATION_FLAG` = `level` (1 fastest prepare, 2 default,
     /// 3 best graph).
     pub fn finalize_optimization(level: f32) -> Self {
         let mut c = Self::with(QNN_HTP_GRAPH_CONFIG_OPTION_OPTIMIZATION);
-        c.value.optimizationOption = QnnHtpGraph_OptimizationOption_t {
-            type_: QNN_HTP_GRAPH_OPTIMIZATION_TYPE_FINALIZE_OPTIMIZATION_FLAG,
-            floatValue: level,
-        };
+        c.value.optimizationOption = QnnHtpGraph_OptimizationOption_t { type_: QNN_HTP_GRAPH_OPTIMIZATION_TYPE_FINALIZE_OPTIMIZATION_FLAG, floatValue: level };
         c
     }
     /// `PRECISION` (`QNN_PRECISION_FLOAT32` / `QNN_PRECISION_FLOAT16`).
@@ -814,24 +780,13 @@ pub struct QnnHtpDevice_CustomConfig_t {
 impl QnnHtpDevice_CustomConfig_t {
     /// `SOC` = `soc_model` (`QNN_SOC_MODEL_*`).
     pub fn soc(soc_model: u32) -> Self {
-        let mut c = Self {
-            option: QNN_HTP_DEVICE_CONFIG_OPTION_SOC,
-            value: QnnHtpDevice_CustomConfigValue_t { _align: 0 },
-        };
+        let mut c = Self { option: QNN_HTP_DEVICE_CONFIG_OPTION_SOC, value: QnnHtpDevice_CustomConfigValue_t { _align: 0 } };
         c.value.socModel = soc_model;
         c
     }
     /// `ARCH` = `{device_id, arch}` (`QNN_HTP_DEVICE_ARCH_*`).
     pub fn arch(device_id: u32, arch: u32) -> Self {
-        Self {
-            option: QNN_HTP_DEVICE_CONFIG_OPTION_ARCH,
-            value: QnnHtpDevice_CustomConfigValue_t {
-                arch: QnnHtpDevice_Arch_t {
-                    deviceId: device_id,
-                    arch,
-                },
-            },
-        }
+        Self { option: QNN_HTP_DEVICE_CONFIG_OPTION_ARCH, value: QnnHtpDevice_CustomConfigValue_t { arch: QnnHtpDevice_Arch_t { deviceId: device_id, arch } } }
     }
 }
 
@@ -857,23 +812,13 @@ pub struct QnnHtpDevice_CustomConfigV543_t {
 impl QnnHtpDevice_CustomConfigV543_t {
     /// `SOC` = `soc_model`.
     pub fn soc(soc_model: u32) -> Self {
-        Self {
-            option: QNN_HTP_DEVICE_CONFIG_OPTION_SOC,
-            value: QnnHtpDevice_CustomConfigValueV543_t {
-                socModel: soc_model,
-            },
-        }
+        Self { option: QNN_HTP_DEVICE_CONFIG_OPTION_SOC, value: QnnHtpDevice_CustomConfigValueV543_t { socModel: soc_model } }
     }
     /// `ARCH` = `{device_id, arch}`.
     pub fn arch(device_id: u32, arch: u32) -> Self {
         Self {
             option: QNN_HTP_DEVICE_CONFIG_OPTION_ARCH,
-            value: QnnHtpDevice_CustomConfigValueV543_t {
-                arch: QnnHtpDevice_Arch_t {
-                    deviceId: device_id,
-                    arch,
-                },
-            },
+            value: QnnHtpDevice_CustomConfigValueV543_t { arch: QnnHtpDevice_Arch_t { deviceId: device_id, arch } },
         }
     }
 }
@@ -895,9 +840,7 @@ impl HtpDeviceConfigLayout {
 
     /// The layout for a library reporting `backend_api` (its `backendApiVersion`).
     pub fn for_backend_api(backend_api: Qnn_Version_t) -> Self {
-        if backend_api.major > 5
-            || (backend_api.major == 5 && backend_api.minor >= Self::FIRST_UNION_AT_8_MINOR)
-        {
+        if backend_api.major > 5 || (backend_api.major == 5 && backend_api.minor >= Self::FIRST_UNION_AT_8_MINOR) {
             Self::UnionAt8
         } else {
             Self::UnionAt4
@@ -917,23 +860,15 @@ impl HtpDeviceCustomConfig {
     /// `SOC` = `soc_model` in `layout`.
     pub fn soc(layout: HtpDeviceConfigLayout, soc_model: u32) -> Self {
         match layout {
-            HtpDeviceConfigLayout::UnionAt4 => {
-                Self::UnionAt4(QnnHtpDevice_CustomConfigV543_t::soc(soc_model))
-            }
-            HtpDeviceConfigLayout::UnionAt8 => {
-                Self::UnionAt8(QnnHtpDevice_CustomConfig_t::soc(soc_model))
-            }
+            HtpDeviceConfigLayout::UnionAt4 => Self::UnionAt4(QnnHtpDevice_CustomConfigV543_t::soc(soc_model)),
+            HtpDeviceConfigLayout::UnionAt8 => Self::UnionAt8(QnnHtpDevice_CustomConfig_t::soc(soc_model)),
         }
     }
     /// `ARCH` = `{device_id, arch}` in `layout`.
     pub fn arch(layout: HtpDeviceConfigLayout, device_id: u32, arch: u32) -> Self {
         match layout {
-            HtpDeviceConfigLayout::UnionAt4 => {
-                Self::UnionAt4(QnnHtpDevice_CustomConfigV543_t::arch(device_id, arch))
-            }
-            HtpDeviceConfigLayout::UnionAt8 => {
-                Self::UnionAt8(QnnHtpDevice_CustomConfig_t::arch(device_id, arch))
-            }
+            HtpDeviceConfigLayout::UnionAt4 => Self::UnionAt4(QnnHtpDevice_CustomConfigV543_t::arch(device_id, arch)),
+            HtpDeviceConfigLayout::UnionAt8 => Self::UnionAt8(QnnHtpDevice_CustomConfig_t::arch(device_id, arch)),
         }
     }
     /// Pointer to the raw config, for [`QnnDevice_Config_t::custom`]. Valid while `self` is
@@ -1011,11 +946,6 @@ pub struct QnnProfile_EventData_t {
 
 impl Default for QnnProfile_EventData_t {
     fn default() -> Self {
-        Self {
-            type_: 0,
-            unit: 0,
-            value: 0,
-            identifier: ptr::null(),
-        }
+        Self { type_: 0, unit: 0, value: 0, identifier: ptr::null() }
     }
 }

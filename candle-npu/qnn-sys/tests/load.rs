@@ -17,19 +17,9 @@ use qnn_sys::*;
 fn lib() -> Option<&'static QnnLibrary> {
     static LIB: OnceLock<Option<QnnLibrary>> = OnceLock::new();
     let path = default_htp_library_path();
-    let lib = LIB
-        .get_or_init(|| {
-            path.is_file().then(|| {
-                QnnLibrary::load(&path)
-                    .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()))
-            })
-        })
-        .as_ref();
+    let lib = LIB.get_or_init(|| path.is_file().then(|| QnnLibrary::load(&path).unwrap_or_else(|e| panic!("loading {}: {e}", path.display())))).as_ref();
     if lib.is_none() {
-        eprintln!(
-            "skipping: QNN library {} is absent (run scripts/setup.sh or set {ENV_QNN_LIB_DIR})",
-            path.display()
-        );
+        eprintln!("skipping: QNN library {} is absent (run scripts/setup.sh or set {ENV_QNN_LIB_DIR})", path.display());
     }
     lib
 }
@@ -42,9 +32,7 @@ static LOGS: Mutex<Vec<(u32, String)>> = Mutex::new(Vec::new());
 
 unsafe extern "C" fn log_callback(fmt: *const c_char, level: u32, _ts: u64, args: QnnVaList) {
     let msg = unsafe { format_log_message(fmt, args) };
-    LOGS.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push((level, msg));
+    LOGS.lock().unwrap_or_else(|e| e.into_inner()).push((level, msg));
 }
 
 /// Asserts success; on failure shows the library's message and its recent log lines.
@@ -53,10 +41,7 @@ fn check(lib: &QnnLibrary, rc: Qnn_ErrorHandle_t, what: &str) {
     if rc != QNN_SUCCESS {
         let logs = LOGS.lock().unwrap_or_else(|e| e.into_inner());
         let recent: Vec<&String> = logs.iter().rev().take(12).map(|(_, t)| t).collect();
-        panic!(
-            "{what}: {} (recent QNN log, newest first: {recent:#?})",
-            lib.error_message(rc)
-        );
+        panic!("{what}: {} (recent QNN log, newest first: {recent:#?})", lib.error_message(rc));
     }
 }
 
@@ -69,11 +54,7 @@ fn loads_htp_provider_with_supported_api() {
     let Some(lib) = lib() else { return };
     let v = lib.api_version();
     assert_eq!(v.coreApiVersion.major, 2, "core API {}", v.coreApiVersion);
-    assert!(
-        v.coreApiVersion.minor >= QNN_API_VERSION_MINOR,
-        "core API {}",
-        v.coreApiVersion
-    );
+    assert!(v.coreApiVersion.minor >= QNN_API_VERSION_MINOR, "core API {}", v.coreApiVersion);
     assert_eq!(lib.backend_id(), QNN_BACKEND_ID_HTP);
     assert_eq!(lib.provider_name(), QNN_HTP_PROVIDER_NAME);
     let build = lib.backend_build_id().expect("backendGetBuildId");
@@ -88,10 +69,7 @@ fn loads_htp_provider_with_supported_api() {
 
     // backendGetApiVersion agrees with what the provider struct declares.
     let mut api = Qnn_ApiVersion_t::default();
-    let f = lib
-        .functions()
-        .backendGetApiVersion
-        .expect("backendGetApiVersion");
+    let f = lib.functions().backendGetApiVersion.expect("backendGetApiVersion");
     check(lib, unsafe { f(&mut api) }, "backendGetApiVersion");
     assert_eq!(api, v);
 
@@ -107,24 +85,15 @@ fn loads_htp_provider_with_supported_api() {
     assert!(t.logCreate.is_some() && t.logFree.is_some() && t.errorGetMessage.is_some());
     assert!(t.profileCreate.is_some() && t.profileGetEvents.is_some());
     assert!(t.profileGetEventData.is_some() && t.profileFree.is_some());
-    assert_eq!(
-        lib.htp_device_config_layout(),
-        HtpDeviceConfigLayout::UnionAt8
-    );
+    assert_eq!(lib.htp_device_config_layout(), HtpDeviceConfigLayout::UnionAt8);
 }
 
 #[test]
 fn missing_file_error_names_the_path() {
     let path = PathBuf::from("/nonexistent/qnn/libQnnHtp.so");
     let err = QnnLibrary::load(&path).unwrap_err();
-    assert!(
-        matches!(&err, LoadError::NotFound { path: p } if *p == path),
-        "{err:?}"
-    );
-    assert!(
-        err.to_string().contains("/nonexistent/qnn/libQnnHtp.so"),
-        "{err}"
-    );
+    assert!(matches!(&err, LoadError::NotFound { path: p } if *p == path), "{err:?}");
+    assert!(err.to_string().contains("/nonexistent/qnn/libQnnHtp.so"), "{err}");
 }
 
 #[test]
@@ -132,12 +101,8 @@ fn non_qnn_library_gives_symbol_missing() {
     // This process's own architecture's libm (a multiarch host has others: an x86_64 one is
     // refused before dlopen in an aarch64 process, a different error).
     let arch = std::env::consts::ARCH;
-    let candidates = [
-        format!("/lib/{arch}-linux-gnu/libm.so.6"),
-        format!("/usr/lib/{arch}-linux-gnu/libm.so.6"),
-        "/lib64/libm.so.6".into(),
-        "/usr/lib64/libm.so.6".into(),
-    ];
+    let candidates =
+        [format!("/lib/{arch}-linux-gnu/libm.so.6"), format!("/usr/lib/{arch}-linux-gnu/libm.so.6"), "/lib64/libm.so.6".into(), "/usr/lib64/libm.so.6".into()];
     let Some(libm) = candidates.iter().map(PathBuf::from).find(|p| p.is_file()) else {
         eprintln!("skipping: no libm.so.6 found in {candidates:?}");
         return;
@@ -165,15 +130,11 @@ fn bare_names_go_to_the_dynamic_loader_search() {
 
 #[test]
 fn not_a_shared_object_is_refused_before_dlopen() {
-    let path =
-        std::env::temp_dir().join(format!("qnn-sys-not-a-library-{}.so", std::process::id()));
+    let path = std::env::temp_dir().join(format!("qnn-sys-not-a-library-{}.so", std::process::id()));
     std::fs::write(&path, b"this is not an ELF file").unwrap();
     let err = QnnLibrary::load(&path).unwrap_err();
     std::fs::remove_file(&path).ok();
-    assert!(
-        matches!(&err, LoadError::NotLoadable { path: p, reason } if *p == path && reason == "is not an ELF shared library"),
-        "{err:?}"
-    );
+    assert!(matches!(&err, LoadError::NotLoadable { path: p, reason } if *p == path && reason == "is not an ELF shared library"), "{err:?}");
 }
 
 /// The HTP library prints a ` # LIBNATIVE: ...` banner to stdout from its constructor; `load`
@@ -191,26 +152,14 @@ fn load_keeps_stdout_clean() {
         return;
     }
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "load_keeps_stdout_clean",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["--exact", "load_keeps_stdout_clean", "--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "child failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("1 passed"), "child ran no test: {stdout}");
-    assert!(
-        !stdout.contains("LIBNATIVE"),
-        "library banner reached stdout: {stdout}"
-    );
+    assert!(!stdout.contains("LIBNATIVE"), "library banner reached stdout: {stdout}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -229,35 +178,15 @@ struct Runtime {
 impl Runtime {
     /// Everything up to the device; `Err` carries the failing `deviceCreate` result (the rest
     /// is freed by drop).
-    fn with_device(
-        lib: &'static QnnLibrary,
-        device_cfg: Option<HtpDeviceCustomConfig>,
-    ) -> Result<Self, (Self, Qnn_ErrorHandle_t)> {
+    fn with_device(lib: &'static QnnLibrary, device_cfg: Option<HtpDeviceCustomConfig>) -> Result<Self, (Self, Qnn_ErrorHandle_t)> {
         let f = lib.functions();
-        let mut rt = Runtime {
-            lib,
-            log: null_mut(),
-            backend: null_mut(),
-            device: null_mut(),
-            context: null_mut(),
-        };
+        let mut rt = Runtime { lib, log: null_mut(), backend: null_mut(), device: null_mut(), context: null_mut() };
         unsafe {
-            check(
-                lib,
-                f.logCreate.unwrap()(Some(log_callback), QNN_LOG_LEVEL_WARN, &mut rt.log),
-                "logCreate",
-            );
-            check(
-                lib,
-                f.backendCreate.unwrap()(rt.log, null(), &mut rt.backend),
-                "backendCreate",
-            );
+            check(lib, f.logCreate.unwrap()(Some(log_callback), QNN_LOG_LEVEL_WARN, &mut rt.log), "logCreate");
+            check(lib, f.backendCreate.unwrap()(rt.log, null(), &mut rt.backend), "backendCreate");
             let mut custom = device_cfg;
-            let cfg = custom
-                .as_mut()
-                .map(|c| QnnDevice_Config_t::custom(c.as_mut_ptr()));
-            let cfg_list: [*const QnnDevice_Config_t; 2] =
-                [cfg.as_ref().map_or(null(), |c| c as *const _), null()];
+            let cfg = custom.as_mut().map(|c| QnnDevice_Config_t::custom(c.as_mut_ptr()));
+            let cfg_list: [*const QnnDevice_Config_t; 2] = [cfg.as_ref().map_or(null(), |c| c as *const _), null()];
             let rc = f.deviceCreate.unwrap()(rt.log, cfg_list.as_ptr(), &mut rt.device);
             if rc != QNN_SUCCESS {
                 return Err((rt, rc));
@@ -287,11 +216,7 @@ impl Runtime {
         };
         let f = lib.functions();
         unsafe {
-            check(
-                lib,
-                f.contextCreate.unwrap()(rt.backend, rt.device, list.as_ptr(), &mut rt.context),
-                "contextCreate",
-            );
+            check(lib, f.contextCreate.unwrap()(rt.backend, rt.device, list.as_ptr(), &mut rt.context), "contextCreate");
         }
         rt
     }
@@ -300,14 +225,7 @@ impl Runtime {
         let mut list: Vec<*const QnnGraph_Config_t> = configs.to_vec();
         list.push(null());
         let mut graph = null_mut();
-        let rc = unsafe {
-            self.lib.functions().graphCreate.unwrap()(
-                self.context,
-                name.as_ptr(),
-                list.as_ptr(),
-                &mut graph,
-            )
-        };
+        let rc = unsafe { self.lib.functions().graphCreate.unwrap()(self.context, name.as_ptr(), list.as_ptr(), &mut graph) };
         check(self.lib, rc, "graphCreate");
         assert!(!graph.is_null());
         graph
@@ -325,15 +243,7 @@ impl Runtime {
         dims: &mut [u32],
         buf: Qnn_ClientBuffer_t,
     ) -> Qnn_Tensor_t {
-        let mut t = Qnn_Tensor_t::v1(
-            name.as_ptr(),
-            ty,
-            dt,
-            q,
-            dims.len() as u32,
-            dims.as_mut_ptr(),
-            buf,
-        );
+        let mut t = Qnn_Tensor_t::v1(name.as_ptr(), ty, dt, q, dims.len() as u32, dims.as_mut_ptr(), buf);
         let rc = unsafe { self.lib.functions().tensorCreateGraphTensor.unwrap()(graph, &mut t) };
         check(self.lib, rc, &format!("tensorCreateGraphTensor {name:?}"));
         t
@@ -345,21 +255,13 @@ impl Drop for Runtime {
         let f = self.lib.functions();
         unsafe {
             if !self.context.is_null() {
-                check(
-                    self.lib,
-                    f.contextFree.unwrap()(self.context, null_mut()),
-                    "contextFree",
-                );
+                check(self.lib, f.contextFree.unwrap()(self.context, null_mut()), "contextFree");
             }
             if !self.device.is_null() {
                 check(self.lib, f.deviceFree.unwrap()(self.device), "deviceFree");
             }
             if !self.backend.is_null() {
-                check(
-                    self.lib,
-                    f.backendFree.unwrap()(self.backend),
-                    "backendFree",
-                );
+                check(self.lib, f.backendFree.unwrap()(self.backend), "backendFree");
             }
             if !self.log.is_null() {
                 check(self.lib, f.logFree.unwrap()(self.log), "logFree");
@@ -376,25 +278,14 @@ fn execute(
     profile: Qnn_ProfileHandle_t,
 ) -> Qnn_ErrorHandle_t {
     unsafe {
-        lib.functions().graphExecute.unwrap()(
-            graph,
-            inputs.as_ptr(),
-            inputs.len() as u32,
-            outputs.as_mut_ptr(),
-            outputs.len() as u32,
-            profile,
-            null_mut(),
-        )
+        lib.functions().graphExecute.unwrap()(graph, inputs.as_ptr(), inputs.len() as u32, outputs.as_mut_ptr(), outputs.len() as u32, profile, null_mut())
     }
 }
 
 /// u8 with zero point 128 (QNN offset -128) and scale 1/16: a + b requantized to the same
 /// params is exactly `qa + qb - 128`, clamped to 0..=255.
 fn add_reference(a: &[u8], b: &[u8]) -> Vec<u8> {
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| (x as i32 + y as i32 - 128).clamp(0, 255) as u8)
-        .collect()
+    a.iter().zip(b).map(|(&x, &y)| (x as i32 + y as i32 - 128).clamp(0, 255) as u8).collect()
 }
 
 #[test]
@@ -412,70 +303,25 @@ fn element_wise_add_end_to_end_and_context_binary() {
         let rt = Runtime::new(lib);
         // An HTP graph custom config, to exercise the 56-byte layout (2 = default optimization).
         let mut opt = QnnHtpGraph_CustomConfig_t::finalize_optimization(2.0);
-        let graph_cfg =
-            QnnGraph_Config_t::custom((&mut opt as *mut QnnHtpGraph_CustomConfig_t).cast());
+        let graph_cfg = QnnGraph_Config_t::custom((&mut opt as *mut QnnHtpGraph_CustomConfig_t).cast());
         let graph = rt.graph(c"add", &[&graph_cfg]);
 
         let (mut d0, mut d1, mut d2) = ([1u32, 4], [1u32, 4], [1u32, 4]);
         let u8t = QNN_DATATYPE_UFIXED_POINT_8;
         let empty = Qnn_ClientBuffer_t::empty();
-        let in0 = rt.tensor(
-            graph,
-            c"in0",
-            QNN_TENSOR_TYPE_APP_WRITE,
-            u8t,
-            q,
-            &mut d0,
-            empty,
-        );
-        let in1 = rt.tensor(
-            graph,
-            c"in1",
-            QNN_TENSOR_TYPE_APP_WRITE,
-            u8t,
-            q,
-            &mut d1,
-            empty,
-        );
-        let out = rt.tensor(
-            graph,
-            c"out",
-            QNN_TENSOR_TYPE_APP_READ,
-            u8t,
-            q,
-            &mut d2,
-            empty,
-        );
-        assert!(
-            in0.id() != in1.id() && in1.id() != out.id(),
-            "ids {} {} {}",
-            in0.id(),
-            in1.id(),
-            out.id()
-        );
+        let in0 = rt.tensor(graph, c"in0", QNN_TENSOR_TYPE_APP_WRITE, u8t, q, &mut d0, empty);
+        let in1 = rt.tensor(graph, c"in1", QNN_TENSOR_TYPE_APP_WRITE, u8t, q, &mut d1, empty);
+        let out = rt.tensor(graph, c"out", QNN_TENSOR_TYPE_APP_READ, u8t, q, &mut d2, empty);
+        assert!(in0.id() != in1.id() && in1.id() != out.id(), "ids {} {} {}", in0.id(), in1.id(), out.id());
 
         let mut inputs = [in0, in1];
         let mut outputs = [out];
-        let op = Qnn_OpConfig_t::v1(
-            c"add0".as_ptr(),
-            QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(),
-            QNN_OP_ELEMENT_WISE_ADD.as_ptr(),
-            &mut [],
-            &mut inputs,
-            &mut outputs,
-        );
+        let op =
+            Qnn_OpConfig_t::v1(c"add0".as_ptr(), QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(), QNN_OP_ELEMENT_WISE_ADD.as_ptr(), &mut [], &mut inputs, &mut outputs);
         unsafe {
-            check(
-                lib,
-                f.backendValidateOpConfig.unwrap()(rt.backend, op),
-                "backendValidateOpConfig",
-            );
+            check(lib, f.backendValidateOpConfig.unwrap()(rt.backend, op), "backendValidateOpConfig");
             check(lib, f.graphAddNode.unwrap()(graph, op), "graphAddNode");
-            check(
-                lib,
-                f.graphFinalize.unwrap()(graph, null_mut(), null_mut()),
-                "graphFinalize",
-            );
+            check(lib, f.graphFinalize.unwrap()(graph, null_mut(), null_mut()), "graphFinalize");
         }
 
         // Execute with minimal tensors for the inputs (id + buffer) and the created tensor for
@@ -487,41 +333,17 @@ fn element_wise_add_end_to_end_and_context_binary() {
         ];
         let mut exec_out = [out];
         exec_out[0].set_client_buf(Qnn_ClientBuffer_t::from_slice(&mut y));
-        check(
-            lib,
-            execute(lib, graph, &exec_in, &mut exec_out, null_mut()),
-            "graphExecute",
-        );
+        check(lib, execute(lib, graph, &exec_in, &mut exec_out, null_mut()), "graphExecute");
         assert_eq!(y.to_vec(), want, "ElementWiseAdd output");
 
         // Serialize the context for the reload below.
         let mut size = 0u64;
-        unsafe {
-            check(
-                lib,
-                f.contextGetBinarySize.unwrap()(rt.context, &mut size),
-                "contextGetBinarySize",
-            )
-        };
+        unsafe { check(lib, f.contextGetBinarySize.unwrap()(rt.context, &mut size), "contextGetBinarySize") };
         assert!(size > 0);
         let mut buf = vec![0u8; size as usize];
         let mut written = 0u64;
-        unsafe {
-            check(
-                lib,
-                f.contextGetBinary.unwrap()(
-                    rt.context,
-                    buf.as_mut_ptr().cast(),
-                    size,
-                    &mut written,
-                ),
-                "contextGetBinary",
-            )
-        };
-        assert!(
-            written > 0 && written <= size,
-            "written {written} of {size}"
-        );
+        unsafe { check(lib, f.contextGetBinary.unwrap()(rt.context, buf.as_mut_ptr().cast(), size, &mut written), "contextGetBinary") };
+        assert!(written > 0 && written <= size, "written {written} of {size}");
         buf.truncate(written as usize);
         (buf, in0.id(), in1.id(), out.id())
         // rt drops here: context, device, backend, log freed in reverse order.
@@ -533,14 +355,7 @@ fn element_wise_add_end_to_end_and_context_binary() {
     let system = QnnSystemLibrary::load(&system).unwrap_or_else(|e| panic!("{e}"));
     let io = system.graph_io(&buf).unwrap();
     let named = |v: &[(u32, &str)]| v.iter().map(|&(i, n)| (i, n.to_string())).collect::<Vec<_>>();
-    assert_eq!(
-        io,
-        [GraphIo {
-            name: "add".into(),
-            inputs: named(&[(id0, "in0"), (id1, "in1")]),
-            outputs: named(&[(id_out, "out")]),
-        }]
-    );
+    assert_eq!(io, [GraphIo { name: "add".into(), inputs: named(&[(id0, "in0"), (id1, "in1")]), outputs: named(&[(id_out, "out")]) }]);
     let mut damaged = buf.clone();
     damaged.truncate(64);
     assert!(matches!(system.graph_io(&damaged), Err(GraphIoError::Refused(_))), "a cut binary is refused");
@@ -548,53 +363,22 @@ fn element_wise_add_end_to_end_and_context_binary() {
     // A fresh runtime loads the binary, retrieves the graph by name and gives the same output.
     let mut rt = Runtime::new(lib);
     unsafe {
-        check(
-            lib,
-            f.contextFree.unwrap()(rt.context, null_mut()),
-            "contextFree (empty)",
-        );
+        check(lib, f.contextFree.unwrap()(rt.context, null_mut()), "contextFree (empty)");
         rt.context = null_mut();
         check(
             lib,
-            f.contextCreateFromBinary.unwrap()(
-                rt.backend,
-                rt.device,
-                null(),
-                buf.as_ptr().cast::<c_void>(),
-                buf.len() as u64,
-                &mut rt.context,
-                null_mut(),
-            ),
+            f.contextCreateFromBinary.unwrap()(rt.backend, rt.device, null(), buf.as_ptr().cast::<c_void>(), buf.len() as u64, &mut rt.context, null_mut()),
             "contextCreateFromBinary",
         );
     }
     let mut graph = null_mut();
-    unsafe {
-        check(
-            lib,
-            f.graphRetrieve.unwrap()(rt.context, c"add".as_ptr(), &mut graph),
-            "graphRetrieve",
-        )
-    };
+    unsafe { check(lib, f.graphRetrieve.unwrap()(rt.context, c"add".as_ptr(), &mut graph), "graphRetrieve") };
     let (mut xa, mut xb, mut y) = (a, b, [0u8; 4]);
-    let exec_in = [
-        Qnn_Tensor_t::for_execute(id0, Qnn_ClientBuffer_t::from_slice(&mut xa)),
-        Qnn_Tensor_t::for_execute(id1, Qnn_ClientBuffer_t::from_slice(&mut xb)),
-    ];
-    let mut exec_out = [Qnn_Tensor_t::for_execute(
-        id_out,
-        Qnn_ClientBuffer_t::from_slice(&mut y),
-    )];
-    check(
-        lib,
-        execute(lib, graph, &exec_in, &mut exec_out, null_mut()),
-        "graphExecute (from binary)",
-    );
-    assert_eq!(
-        y.to_vec(),
-        want,
-        "ElementWiseAdd output from the context binary"
-    );
+    let exec_in =
+        [Qnn_Tensor_t::for_execute(id0, Qnn_ClientBuffer_t::from_slice(&mut xa)), Qnn_Tensor_t::for_execute(id1, Qnn_ClientBuffer_t::from_slice(&mut xb))];
+    let mut exec_out = [Qnn_Tensor_t::for_execute(id_out, Qnn_ClientBuffer_t::from_slice(&mut y))];
+    check(lib, execute(lib, graph, &exec_in, &mut exec_out, null_mut()), "graphExecute (from binary)");
+    assert_eq!(y.to_vec(), want, "ElementWiseAdd output from the context binary");
 }
 
 /// FullyConnected W8A8 with a STATIC weight, a scalar param and an SFIXED_POINT_32 output whose
@@ -618,29 +402,13 @@ fn fully_connected_with_param_static_weight_and_profile() {
         .flat_map(|m| {
             let x = &x;
             let w = &w;
-            (0..N).map(move |n| {
-                (0..K)
-                    .map(|k| (x[m * K + k] as i32 - 128) * w[n * K + k] as i32)
-                    .sum()
-            })
+            (0..N).map(move |n| (0..K).map(|k| (x[m * K + k] as i32 - 128) * w[n * K + k] as i32).sum())
         })
         .collect();
 
-    let (mut dx, mut dw, mut dy) = (
-        [M as u32, K as u32],
-        [N as u32, K as u32],
-        [M as u32, N as u32],
-    );
+    let (mut dx, mut dw, mut dy) = ([M as u32, K as u32], [N as u32, K as u32], [M as u32, N as u32]);
     let empty = Qnn_ClientBuffer_t::empty();
-    let tx = rt.tensor(
-        graph,
-        c"x",
-        QNN_TENSOR_TYPE_APP_WRITE,
-        QNN_DATATYPE_UFIXED_POINT_8,
-        Qnn_QuantizeParams_t::scale_offset(sx, -128),
-        &mut dx,
-        empty,
-    );
+    let tx = rt.tensor(graph, c"x", QNN_TENSOR_TYPE_APP_WRITE, QNN_DATATYPE_UFIXED_POINT_8, Qnn_QuantizeParams_t::scale_offset(sx, -128), &mut dx, empty);
     let tw = rt.tensor(
         graph,
         c"w",
@@ -650,112 +418,51 @@ fn fully_connected_with_param_static_weight_and_profile() {
         &mut dw,
         Qnn_ClientBuffer_t::from_slice(&mut w),
     );
-    let ty = rt.tensor(
-        graph,
-        c"y",
-        QNN_TENSOR_TYPE_APP_READ,
-        QNN_DATATYPE_SFIXED_POINT_32,
-        Qnn_QuantizeParams_t::scale_offset(sx * sw, 0),
-        &mut dy,
-        empty,
-    );
-    let mut params = [Qnn_Param_t::scalar(
-        QNN_OP_FULLY_CONNECTED_PARAM_KEEP_DIMS.as_ptr(),
-        Qnn_Scalar_t::bool8(false),
-    )];
+    let ty = rt.tensor(graph, c"y", QNN_TENSOR_TYPE_APP_READ, QNN_DATATYPE_SFIXED_POINT_32, Qnn_QuantizeParams_t::scale_offset(sx * sw, 0), &mut dy, empty);
+    let mut params = [Qnn_Param_t::scalar(QNN_OP_FULLY_CONNECTED_PARAM_KEEP_DIMS.as_ptr(), Qnn_Scalar_t::bool8(false))];
     let mut inputs = [tx, tw];
     let mut outputs = [ty];
-    let op = Qnn_OpConfig_t::v1(
-        c"fc0".as_ptr(),
-        QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(),
-        QNN_OP_FULLY_CONNECTED.as_ptr(),
-        &mut params,
-        &mut inputs,
-        &mut outputs,
-    );
+    let op =
+        Qnn_OpConfig_t::v1(c"fc0".as_ptr(), QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(), QNN_OP_FULLY_CONNECTED.as_ptr(), &mut params, &mut inputs, &mut outputs);
     unsafe {
         // Not asserted: the HTP 5.51 library's backendValidateOpConfig rejects this u8 x s8 ->
         // SFIXED_POINT_32 FullyConnected (3110 VALIDATION_FAILURE, its list of supported
         // datatype sets has no s32 output), yet graphAddNode + graphFinalize accept it and
         // execute computes the exact int32 accumulator. Validation is stricter than finalize.
         let rc = f.backendValidateOpConfig.unwrap()(rt.backend, op);
-        eprintln!(
-            "backendValidateOpConfig of FC u8 x s8 -> s32: {}",
-            lib.error_message(rc)
-        );
+        eprintln!("backendValidateOpConfig of FC u8 x s8 -> s32: {}", lib.error_message(rc));
         check(lib, f.graphAddNode.unwrap()(graph, op), "graphAddNode");
-        check(
-            lib,
-            f.graphFinalize.unwrap()(graph, null_mut(), null_mut()),
-            "graphFinalize",
-        );
+        check(lib, f.graphFinalize.unwrap()(graph, null_mut(), null_mut()), "graphFinalize");
     }
 
     let mut profile = null_mut();
-    unsafe {
-        check(
-            lib,
-            f.profileCreate.unwrap()(rt.backend, QNN_PROFILE_LEVEL_BASIC, &mut profile),
-            "profileCreate",
-        )
-    };
+    unsafe { check(lib, f.profileCreate.unwrap()(rt.backend, QNN_PROFILE_LEVEL_BASIC, &mut profile), "profileCreate") };
     let mut xin = x;
     let mut y = [0i32; M * N];
-    let exec_in = [Qnn_Tensor_t::for_execute(
-        tx.id(),
-        Qnn_ClientBuffer_t::from_slice(&mut xin),
-    )];
-    let mut exec_out = [Qnn_Tensor_t::for_execute(
-        ty.id(),
-        Qnn_ClientBuffer_t::from_slice(&mut y),
-    )];
-    check(
-        lib,
-        execute(lib, graph, &exec_in, &mut exec_out, profile),
-        "graphExecute",
-    );
+    let exec_in = [Qnn_Tensor_t::for_execute(tx.id(), Qnn_ClientBuffer_t::from_slice(&mut xin))];
+    let mut exec_out = [Qnn_Tensor_t::for_execute(ty.id(), Qnn_ClientBuffer_t::from_slice(&mut y))];
+    check(lib, execute(lib, graph, &exec_in, &mut exec_out, profile), "graphExecute");
     assert_eq!(y.to_vec(), want, "FullyConnected int32 accumulator");
 
     // Profiling events: ids, then data with a known unit and a readable identifier.
     let mut ids: *const QnnProfile_EventId_t = null();
     let mut n = 0u32;
-    unsafe {
-        check(
-            lib,
-            f.profileGetEvents.unwrap()(profile, &mut ids, &mut n),
-            "profileGetEvents",
-        )
-    };
+    unsafe { check(lib, f.profileGetEvents.unwrap()(profile, &mut ids, &mut n), "profileGetEvents") };
     assert!(n > 0 && !ids.is_null(), "no profile events");
     let ids = unsafe { std::slice::from_raw_parts(ids, n as usize) }.to_vec();
     let mut described = Vec::new();
     for &id in &ids {
         let mut data = QnnProfile_EventData_t::default();
-        unsafe {
-            check(
-                lib,
-                f.profileGetEventData.unwrap()(id, &mut data),
-                "profileGetEventData",
-            )
-        };
+        unsafe { check(lib, f.profileGetEventData.unwrap()(id, &mut data), "profileGetEventData") };
         assert!(
             (QNN_PROFILE_EVENTUNIT_MICROSEC..=QNN_PROFILE_EVENTUNIT_COUNT + 1).contains(&data.unit),
             "event unit {} out of range: layout of QnnProfile_EventData_t?",
             data.unit
         );
-        let ident = if data.identifier.is_null() {
-            String::new()
-        } else {
-            unsafe { CStr::from_ptr(data.identifier) }
-                .to_string_lossy()
-                .into_owned()
-        };
+        let ident = if data.identifier.is_null() { String::new() } else { unsafe { CStr::from_ptr(data.identifier) }.to_string_lossy().into_owned() };
         described.push(format!("{ident} = {} (unit {})", data.value, data.unit));
     }
-    assert!(
-        described.iter().any(|d| !d.starts_with(' ')),
-        "events without identifiers: {described:?}"
-    );
+    assert!(described.iter().any(|d| !d.starts_with(' ')), "events without identifiers: {described:?}");
     eprintln!("profile events: {described:?}");
     unsafe { check(lib, f.profileFree.unwrap()(profile), "profileFree") };
 }
@@ -798,7 +505,8 @@ fn weight_sharing_is_by_content_and_the_x86_library_cannot_load_it() {
             // columns of the test above) columns 32-35 came out equal to columns 0-3 here.
             let ty = rt.tensor(graph, c"y", QNN_TENSOR_TYPE_APP_READ, QNN_DATATYPE_FLOAT_32, Qnn_QuantizeParams_t::undefined(), &mut dy, empty);
             let (mut inputs, mut outputs) = ([tx, tw], [ty]);
-            let op = Qnn_OpConfig_t::v1(c"fc".as_ptr(), QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(), QNN_OP_FULLY_CONNECTED.as_ptr(), &mut [], &mut inputs, &mut outputs);
+            let op =
+                Qnn_OpConfig_t::v1(c"fc".as_ptr(), QNN_OP_PACKAGE_NAME_QTI_AISW.as_ptr(), QNN_OP_FULLY_CONNECTED.as_ptr(), &mut [], &mut inputs, &mut outputs);
             unsafe {
                 check(lib, f.graphAddNode.unwrap()(graph, op), "graphAddNode");
                 check(lib, f.graphFinalize.unwrap()(graph, null_mut(), null_mut()), "graphFinalize");
@@ -829,8 +537,7 @@ fn weight_sharing_is_by_content_and_the_x86_library_cannot_load_it() {
     // The 4-row graph computes in the context that shares its weight, to the HTP's FP16
     // float arithmetic (a wrong weight would be off by the size of the values).
     let (xs, ws) = (&x, &w);
-    let want: Vec<i32> =
-        (0..4).flat_map(|r| (0..N).map(move |n| (0..K).map(|k| (xs[r * K + k] as i32 - 128) * ws[n * K + k] as i32).sum::<i32>())).collect();
+    let want: Vec<i32> = (0..4).flat_map(|r| (0..N).map(move |n| (0..K).map(|k| (xs[r * K + k] as i32 - 128) * ws[n * K + k] as i32).sum::<i32>())).collect();
     let mut xin = x[..4 * K].to_vec();
     let mut y = vec![0f32; 4 * N];
     let inputs = [Qnn_Tensor_t::for_execute(x_id, Qnn_ClientBuffer_t::from_slice(&mut xin))];
@@ -844,7 +551,8 @@ fn weight_sharing_is_by_content_and_the_x86_library_cannot_load_it() {
     // Loading: the plain binary loads, the shared one is refused on x86.
     for (binary, shared) in [(&plain, false), (&shared, true)] {
         let mut context = null_mut();
-        let rc = unsafe { f.contextCreateFromBinary.unwrap()(rt.backend, rt.device, null(), binary.as_ptr().cast(), binary.len() as u64, &mut context, null_mut()) };
+        let rc =
+            unsafe { f.contextCreateFromBinary.unwrap()(rt.backend, rt.device, null(), binary.as_ptr().cast(), binary.len() as u64, &mut context, null_mut()) };
         if rc == QNN_SUCCESS {
             unsafe { check(lib, f.contextFree.unwrap()(context, null_mut()), "contextFree") };
         }
@@ -862,28 +570,19 @@ fn weight_sharing_is_by_content_and_the_x86_library_cannot_load_it() {
 fn htp_device_config_layouts() {
     let Some(lib) = lib() else { return };
     let _serial = RUNTIME_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    assert_eq!(
-        lib.htp_device_config_layout(),
-        HtpDeviceConfigLayout::UnionAt8
-    );
+    assert_eq!(lib.htp_device_config_layout(), HtpDeviceConfigLayout::UnionAt8);
 
     let new = HtpDeviceCustomConfig::soc(HtpDeviceConfigLayout::UnionAt8, QNN_SOC_MODEL_SM8650);
-    let rt = Runtime::with_device(lib, Some(new))
-        .unwrap_or_else(|(_, rc)| panic!("{}", lib.error_message(rc)));
+    let rt = Runtime::with_device(lib, Some(new)).unwrap_or_else(|(_, rc)| panic!("{}", lib.error_message(rc)));
     drop(rt);
 
-    let arch =
-        HtpDeviceCustomConfig::arch(HtpDeviceConfigLayout::UnionAt8, 0, QNN_HTP_DEVICE_ARCH_V75);
-    let rt = Runtime::with_device(lib, Some(arch))
-        .unwrap_or_else(|(_, rc)| panic!("{}", lib.error_message(rc)));
+    let arch = HtpDeviceCustomConfig::arch(HtpDeviceConfigLayout::UnionAt8, 0, QNN_HTP_DEVICE_ARCH_V75);
+    let rt = Runtime::with_device(lib, Some(arch)).unwrap_or_else(|(_, rc)| panic!("{}", lib.error_message(rc)));
     drop(rt);
 
     let old = HtpDeviceCustomConfig::soc(HtpDeviceConfigLayout::UnionAt4, QNN_SOC_MODEL_SM8650);
     match Runtime::with_device(lib, Some(old)) {
-        Ok(_) => panic!(
-            "the 5.43 layout was accepted by a library reporting HTP API {}",
-            lib.api_version().backendApiVersion
-        ),
+        Ok(_) => panic!("the 5.43 layout was accepted by a library reporting HTP API {}", lib.api_version().backendApiVersion),
         Err((rt, rc)) => {
             let msg = lib.error_message(rc);
             eprintln!("old layout rejected as expected: {msg}");
@@ -906,25 +605,15 @@ fn error_messages_and_log_callback() {
     assert_ne!(rc, QNN_SUCCESS);
     let msg = lib.error_message(rc);
     eprintln!("graphRetrieve of a missing graph: {msg}");
-    assert!(
-        msg.starts_with(&format!("QNN error {}", error_code(rc))),
-        "{msg}"
-    );
+    assert!(msg.starts_with(&format!("QNN error {}", error_code(rc))), "{msg}");
     drop(rt);
     let logs = LOGS.lock().unwrap_or_else(|e| e.into_inner());
     eprintln!("{} log lines, e.g. {:?}", logs.len(), logs.first());
     for (level, text) in logs.iter() {
-        assert!(
-            (QNN_LOG_LEVEL_ERROR..=QNN_LOG_LEVEL_DEBUG).contains(level),
-            "level {level}: {text}"
-        );
-        assert!(
-            !text.contains("%s") || text.contains("%%"),
-            "unformatted log line: {text}"
-        );
+        assert!((QNN_LOG_LEVEL_ERROR..=QNN_LOG_LEVEL_DEBUG).contains(level), "level {level}: {text}");
+        assert!(!text.contains("%s") || text.contains("%%"), "unformatted log line: {text}");
     }
 }
-
 
 /// How a FullyConnected weight is encoded in [`fc_weight_encodings`].
 #[derive(Clone, Copy, Debug)]
@@ -1033,7 +722,11 @@ fn run_fc(lib: &'static QnnLibrary, soc: u32, enc: WeightEnc, act: Qnn_DataType_
         QNN_DATATYPE_UFIXED_POINT_16 => xq.iter().flat_map(|&v| (v as u16).to_le_bytes()).collect(),
         _ => xq.iter().map(|&v| v as u8).collect(),
     };
-    let out_bytes = match out { QNN_DATATYPE_FLOAT_32 => 4, QNN_DATATYPE_UFIXED_POINT_16 => 2, _ => 1 };
+    let out_bytes = match out {
+        QNN_DATATYPE_FLOAT_32 => 4,
+        QNN_DATATYPE_UFIXED_POINT_16 => 2,
+        _ => 1,
+    };
     let mut y = vec![0u8; M * N * out_bytes];
     let exec_in = [Qnn_Tensor_t::for_execute(tx.id(), Qnn_ClientBuffer_t::from_slice(&mut xin))];
     let mut exec_out = [Qnn_Tensor_t::for_execute(ty.id(), Qnn_ClientBuffer_t::from_slice(&mut y))];

@@ -98,7 +98,9 @@ impl Executor for HostExecutor {
                     let bias = bias.map(|b| graph.tensor(b).data.clone().expect("validated constant"));
                     let fc = match w.data.as_ref().expect("validated constant") {
                         StaticData::F32(d) => match self.numerics {
-                            Numerics::Exact => Fc::F32 { w: shared(&PACKED_F32, w.data_id.map(|id| (id, n, k, false)), || PackedF32::new(d, n, k)), bias, fp16: false },
+                            Numerics::Exact => {
+                                Fc::F32 { w: shared(&PACKED_F32, w.data_id.map(|id| (id, n, k, false)), || PackedF32::new(d, n, k)), bias, fp16: false }
+                            }
                             // FP16 weights and bias, as the HTP holds them.
                             Numerics::Htp => Fc::F32 {
                                 w: shared(&PACKED_F32, w.data_id.map(|id| (id, n, k, true)), || PackedF32::new(&htp_numerics::round_all(d.to_vec()), n, k)),
@@ -153,7 +155,7 @@ impl Executor for HostExecutor {
 enum Fc {
     /// `fp16`: inputs and outputs rounded to FP16 (the HTP's float compute).
     F32 { w: Arc<PackedF32>, bias: Option<StaticData>, fp16: bool },
-        /// W8A8 (U8/I8 activations) and W8A16 (U16 activations): I8 weights.
+    /// W8A8 (U8/I8 activations) and W8A16 (U16 activations): I8 weights.
     W8A8 { data_id: Option<u64>, w: Arc<PackedI8>, x_quant: Quant, w_scale: WScale, signed_input: bool, bias: Option<StaticData> },
 }
 
@@ -284,10 +286,14 @@ impl ExecutableGraph for HostGraph {
     fn any_rows(&self) -> bool {
         // FullyConnected ops, and Adds of two of their outputs (a residual weight's sum): every
         // tensor then has the row count of the input.
-        let fc_outputs: Vec<usize> = self.steps.iter().filter_map(|s| match s {
-            Step::Fc { output, .. } => Some(*output),
-            _ => None,
-        }).collect();
+        let fc_outputs: Vec<usize> = self
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Fc { output, .. } => Some(*output),
+                _ => None,
+            })
+            .collect();
         self.steps.iter().all(|s| match s {
             Step::Fc { .. } => true,
             Step::Op(Op::Add { a, b, .. }) => fc_outputs.contains(&a.0) && fc_outputs.contains(&b.0),
@@ -388,8 +394,7 @@ impl HostGraph {
                 }
             }
         }
-        Ok(g
-            .outputs
+        Ok(g.outputs
             .iter()
             .map(|o| {
                 let v = match vals[o.0].take().expect("validated: outputs are produced") {
@@ -649,7 +654,13 @@ mod tests {
             let want: Vec<f32> = (0..out.iter().product()).map(|i| a[at(i, &out, &sa)] * 2.0 + b[at(i, &out, &sb)]).collect();
             assert_eq!(broadcast_with(&a, &sa, &b, &sb, &out, |x, y| x * 2.0 + y), want, "{sa:?} with {sb:?}");
         }
-        for (shape, perm) in [(vec![8, 3, 3, 16], vec![1, 2, 0, 3]), (vec![3, 3, 8, 16], vec![2, 0, 1, 3]), (vec![8, 3, 16], vec![1, 0, 2]), (vec![4, 5], vec![1, 0]), (vec![2, 3, 4], vec![2, 1, 0])] {
+        for (shape, perm) in [
+            (vec![8, 3, 3, 16], vec![1, 2, 0, 3]),
+            (vec![3, 3, 8, 16], vec![2, 0, 1, 3]),
+            (vec![8, 3, 16], vec![1, 0, 2]),
+            (vec![4, 5], vec![1, 0]),
+            (vec![2, 3, 4], vec![2, 1, 0]),
+        ] {
             let x = vals(shape.iter().product());
             let dims: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
             let want: Vec<f32> = (0..x.len())

@@ -111,21 +111,21 @@
 //!   QNN's `u32` `dataSize`. (QNN cannot finalize a graph without nodes, error 6022; validated
 //!   IR graphs always have ops, since every output must be produced by one.)
 
+use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::ptr::{null, null_mut};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use qnn_sys::*;
 
-use super::{ExecutableGraph, Executor, GraphProfile, Origin, ProfileEvent};
 use super::htp_check;
-use super::htp_contexts::{plan, Member};
 pub use super::htp_contexts::{address_space, Contexts, DEFAULT_CONTEXT_BUDGET};
+use super::htp_contexts::{plan, Member};
 use super::rpcmem::{self, RpcMem, SharedBuffer};
+use super::{ExecutableGraph, Executor, GraphProfile, Origin, ProfileEvent};
 use crate::cache::{CacheKey, CachedGraph, GraphCache, Lookup};
 use crate::error::{Error, Result};
 use crate::graph::{check_buffer, check_input_count, DType, Graph, Op, StaticData, TensorData, TensorId, TensorKind, TensorSpec};
@@ -321,11 +321,7 @@ const TRANSLATION_VERSION: u32 = 1;
 
 impl std::fmt::Debug for HtpExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HtpExecutor")
-            .field("library", &self.rt.lib.path())
-            .field("api", &self.rt.lib.api_version())
-            .field("config", &self.rt.config)
-            .finish()
+        f.debug_struct("HtpExecutor").field("library", &self.rt.lib.path()).field("api", &self.rt.lib.api_version()).field("config", &self.rt.config).finish()
     }
 }
 
@@ -345,8 +341,7 @@ impl HtpExecutor {
             e => lib_err(e.to_string()),
         })?;
         let f = *lib.functions();
-        let (Some(log_create), Some(backend_create), Some(device_create)) = (f.logCreate, f.backendCreate, f.deviceCreate)
-        else {
+        let (Some(log_create), Some(backend_create), Some(device_create)) = (f.logCreate, f.backendCreate, f.deviceCreate) else {
             return Err(lib_err("the library lacks logCreate/backendCreate/deviceCreate".into()));
         };
         let mut rt = Runtime { lib, log: null_mut(), backend: null_mut(), device: null_mut(), config };
@@ -503,9 +498,7 @@ impl HtpExecutor {
                     cache.mark_used(&name, &key);
                     return Ok(g);
                 }
-                Err(e @ Error::Prepare { code, .. })
-                    if [QNN_COMMON_ERROR_MEM_ALLOC, QNN_COMMON_ERROR_NOT_SUPPORTED].contains(&(code as u16)) =>
-                {
+                Err(e @ Error::Prepare { code, .. }) if [QNN_COMMON_ERROR_MEM_ALLOC, QNN_COMMON_ERROR_NOT_SUPPORTED].contains(&(code as u16)) => {
                     tracing::warn!(graphs = %name, error = %e, "this device cannot load the cached context: finalizing it in this process (the entry is kept)");
                     store = false;
                 }
@@ -618,8 +611,7 @@ impl<'a> Profile<'a> {
     /// Every event, sub-events included (their names prefixed with the parent's).
     fn events(&self) -> Vec<(String, u32, u64)> {
         let f = self.rt.f();
-        let (Some(get_events), Some(get_sub), Some(get_data)) = (f.profileGetEvents, f.profileGetSubEvents, f.profileGetEventData)
-        else {
+        let (Some(get_events), Some(get_sub), Some(get_data)) = (f.profileGetEvents, f.profileGetSubEvents, f.profileGetEventData) else {
             return Vec::new();
         };
         let mut out = Vec::new();
@@ -681,10 +673,7 @@ fn unit_name(unit: u32) -> &'static str {
 /// Adds one call's events to the graph's profile. The call's time is QNN's own top-level
 /// "QNN (...) time" event when there is one, else `wall_us`.
 fn record(profiles: &Profiles, graph: &str, origin: Origin, phase: &'static str, events: Vec<(String, u32, u64)>, wall_us: u64) {
-    let qnn_us = events
-        .iter()
-        .find(|(n, u, _)| *u == QNN_PROFILE_EVENTUNIT_MICROSEC && n.starts_with("QNN (") && !n.contains(" / "))
-        .map_or(wall_us, |e| e.2);
+    let qnn_us = events.iter().find(|(n, u, _)| *u == QNN_PROFILE_EVENTUNIT_MICROSEC && n.starts_with("QNN (") && !n.contains(" / ")).map_or(wall_us, |e| e.2);
     let mut map = profiles.lock().unwrap_or_else(|e| e.into_inner());
     let p = map.entry(graph.to_string()).or_insert_with(|| GraphProfile {
         graph: graph.to_string(),
@@ -727,11 +716,8 @@ fn cols(t: &TensorSpec) -> usize {
 
 fn op_supported(graph: &Graph, op: &Op) -> bool {
     let t = |id: TensorId| graph.tensor(id);
-    let shape_ok = |s: &TensorSpec| {
-        (1..=4).contains(&s.shape.len())
-            && s.shape.iter().all(|&d| d > 0 && d <= u32::MAX as usize)
-            && s.size_in_bytes() <= u32::MAX as usize
-    };
+    let shape_ok =
+        |s: &TensorSpec| (1..=4).contains(&s.shape.len()) && s.shape.iter().all(|&d| d > 0 && d <= u32::MAX as usize) && s.size_in_bytes() <= u32::MAX as usize;
     if !op.inputs().into_iter().chain([op.output()]).all(|i| shape_ok(t(i))) {
         return false;
     }
@@ -857,7 +843,11 @@ impl Executor for HtpExecutor {
         if described.iter().any(|d| d.checked) {
             // A checked build that is wrong is built again with its whole context: with many
             // graphs in one, one of them would nearly always be wrong (htp_check).
-            tracing::info!(graphs = n, ?contexts, "graphs with LPBQ weights each in their own QNN context: the library's prepare of them is checked and redone one graph at a time");
+            tracing::info!(
+                graphs = n,
+                ?contexts,
+                "graphs with LPBQ weights each in their own QNN context: the library's prepare of them is checked and redone one graph at a time"
+            );
             drop(described);
             return (0..n).map(|i| self.prepare(&describe(i)?)).collect();
         }
@@ -865,8 +855,12 @@ impl Executor for HtpExecutor {
         if groups.len() > 1 {
             let mib = |g: &[usize]| g.iter().map(|&i| members[i].need).sum::<u64>() >> 20;
             tracing::info!(
-                graphs = n, contexts = groups.len(), ?contexts, budget_mib = self.rt.config.context_budget >> 20,
-                largest_mib = groups.iter().map(|g| mib(g)).max(), "stage graphs in several QNN contexts"
+                graphs = n,
+                contexts = groups.len(),
+                ?contexts,
+                budget_mib = self.rt.config.context_budget >> 20,
+                largest_mib = groups.iter().map(|g| mib(g)).max(),
+                "stage graphs in several QNN contexts"
             );
         }
         let mut out: Vec<Option<Box<dyn ExecutableGraph>>> = (0..n).map(|_| None).collect();
@@ -1134,7 +1128,13 @@ impl Builder<'_> {
     }
 
     /// A STATIC tensor the lowering adds, holding `data` (kept until finalize).
-    fn lowered_constant<T: Copy + 'static>(&mut self, name: String, dt: Qnn_DataType_t, shape: &[usize], data: Box<[T]>) -> std::result::Result<Qnn_Tensor_t, NodeError> {
+    fn lowered_constant<T: Copy + 'static>(
+        &mut self,
+        name: String,
+        dt: Qnn_DataType_t,
+        shape: &[usize],
+        data: Box<[T]>,
+    ) -> std::result::Result<Qnn_Tensor_t, NodeError> {
         let buf = Qnn_ClientBuffer_t { data: data.as_ptr() as *mut c_void, dataSize: std::mem::size_of_val(&*data) as u32 };
         self.lowered.push(Box::new(data)); // moves the box, not its heap data: the pointer stays valid
         self.create(name, QNN_TENSOR_TYPE_STATIC, dt, Qnn_QuantizeParams_t::undefined(), shape, buf)
@@ -1192,7 +1192,14 @@ impl Builder<'_> {
                     let wt = match self.per_tensor_weights[weight.0] {
                         Some(t) => t,
                         None => {
-                            let t = self.create(format!("t{}_{}_pt", weight.0, sanitize(&w.name)), QNN_TENSOR_TYPE_STATIC, QNN_DATATYPE_SFIXED_POINT_8, Qnn_QuantizeParams_t::scale_offset(s0, 0), &w.shape, wdata)?;
+                            let t = self.create(
+                                format!("t{}_{}_pt", weight.0, sanitize(&w.name)),
+                                QNN_TENSOR_TYPE_STATIC,
+                                QNN_DATATYPE_SFIXED_POINT_8,
+                                Qnn_QuantizeParams_t::scale_offset(s0, 0),
+                                &w.shape,
+                                wdata,
+                            )?;
                             *self.per_tensor_weights.get_mut(weight.0).expect("an IR id") = Some(t);
                             t
                         }
@@ -1379,13 +1386,7 @@ fn add_graph(ctx: &Arc<Context>, graph: &Graph, profiles: Option<Profiles>) -> R
     let mut outputs = io_tensors(graph, &graph.outputs);
 
     let f = *rt.f();
-    let err = |op: &str, shapes: String, code: u64, message: String| Error::Prepare {
-        graph: graph.name.clone(),
-        op: op.to_string(),
-        shapes,
-        code,
-        message,
-    };
+    let err = |op: &str, shapes: String, code: u64, message: String| Error::Prepare { graph: graph.name.clone(), op: op.to_string(), shapes, code, message };
     let (Some(graph_create), Some(finalize)) = (f.graphCreate, f.graphFinalize) else {
         return Err(err("-", String::new(), 0, "library lacks graphCreate/graphFinalize".into()));
     };
@@ -1402,8 +1403,7 @@ fn add_graph(ctx: &Arc<Context>, graph: &Graph, profiles: Option<Profiles>) -> R
         // Float compute on HTP is FP16; say so instead of relying on the library's default.
         customs.push(QnnHtpGraph_CustomConfig_t::precision(QNN_PRECISION_FLOAT16));
     }
-    let configs: Vec<QnnGraph_Config_t> =
-        customs.iter_mut().map(|c| QnnGraph_Config_t::custom((c as *mut QnnHtpGraph_CustomConfig_t).cast())).collect();
+    let configs: Vec<QnnGraph_Config_t> = customs.iter_mut().map(|c| QnnGraph_Config_t::custom((c as *mut QnnHtpGraph_CustomConfig_t).cast())).collect();
     let config_list: Vec<*const QnnGraph_Config_t> = configs.iter().map(|c| c as *const _).chain([null()]).collect();
 
     let graph_name = CString::new(sanitize(&graph.name)).expect("sanitized");
@@ -1473,7 +1473,13 @@ fn add_graph(ctx: &Arc<Context>, graph: &Graph, profiles: Option<Profiles>) -> R
 /// contextCreateFromBinary, a graphRetrieve per graph. The entry's side table is the graph
 /// count, then each graph's input and output tensor ids in order; with the System library, it
 /// is checked against the binary's own ids first.
-fn load_all(rt: &Arc<Runtime>, system: Option<&QnnSystemLibrary>, graphs: &[&Described], entry: &CachedGraph, profiles: Option<Profiles>) -> Result<Vec<HtpGraph>> {
+fn load_all(
+    rt: &Arc<Runtime>,
+    system: Option<&QnnSystemLibrary>,
+    graphs: &[&Described],
+    entry: &CachedGraph,
+    profiles: Option<Profiles>,
+) -> Result<Vec<HtpGraph>> {
     let name = set_name(graphs);
     let want = 1 + graphs.iter().map(|g| g.inputs.len() + g.outputs.len()).sum::<usize>();
     if entry.meta.first() != Some(&(graphs.len() as u32)) || entry.meta.len() != want {
@@ -1544,9 +1550,7 @@ fn load_context(rt: &Arc<Runtime>, payload: &[u8], graphs: usize, what: &str, pr
     let mark = log_mark();
     let mut handle: Qnn_ContextHandle_t = null_mut();
     // SAFETY: the payload outlives the call (QNN copies what it keeps); valid out-pointer.
-    let rc = unsafe {
-        create(rt.backend, rt.device, null(), payload.as_ptr().cast(), payload.len() as u64, &mut handle, Profile::handle(&profile))
-    };
+    let rc = unsafe { create(rt.backend, rt.device, null(), payload.as_ptr().cast(), payload.len() as u64, &mut handle, Profile::handle(&profile)) };
     if rc != QNN_SUCCESS {
         let msg = with_log(format!("contextCreateFromBinary: {}", rt.message(rc)), &log_errors_since(mark));
         return Err(load_error(what, error_code(rc) as u64, msg));
@@ -1734,11 +1738,7 @@ impl ExecutableGraph for HtpGraph {
         // graphExecute does not check client buffer sizes (it overruns): check every one here.
         let check = |t: &IoTensor, data: &TensorData| check_buffer(&self.name, &t.name, t.dtype, t.len, data);
         let rt = &self.ctx.rt;
-        let execute = rt.f().graphExecute.ok_or_else(|| Error::Execute {
-            graph: self.name.clone(),
-            code: 0,
-            message: "library lacks graphExecute".into(),
-        })?;
+        let execute = rt.f().graphExecute.ok_or_else(|| Error::Execute { graph: self.name.clone(), code: 0, message: "library lacks graphExecute".into() })?;
         let mut shared = self.exec_lock.lock().unwrap_or_else(|e| e.into_inner());
         let _context = self.ctx.exec.lock().unwrap_or_else(|e| e.into_inner());
         let n_in = self.inputs.len();
@@ -1771,15 +1771,7 @@ impl ExecutableGraph for HtpGraph {
         // buffers were allocated at that size) and outlives the call; QNN only reads the input buffers and writes the output buffers, whose pointers
         // come from exclusive borrows of `out`, which is not accessed until the call returns.
         let rc = unsafe {
-            execute(
-                self.handle,
-                exec_in.as_ptr(),
-                exec_in.len() as u32,
-                exec_out.as_mut_ptr(),
-                exec_out.len() as u32,
-                Profile::handle(&profile),
-                null_mut(),
-            )
+            execute(self.handle, exec_in.as_ptr(), exec_in.len() as u32, exec_out.as_mut_ptr(), exec_out.len() as u32, Profile::handle(&profile), null_mut())
         };
         let wall_us = t.elapsed().as_micros() as u64;
         if rc != QNN_SUCCESS {
@@ -1805,7 +1797,8 @@ impl ExecutableGraph for HtpGraph {
         if let Some(&size) = self.ctx.binary_size.get() {
             return size;
         }
-        let size = self.ctx.binary(&self.name).map_err(|e| tracing::warn!(graph = %self.name, error = %e, "context binary size unavailable")).ok().map(|b| b.len());
+        let size =
+            self.ctx.binary(&self.name).map_err(|e| tracing::warn!(graph = %self.name, error = %e, "context binary size unavailable")).ok().map(|b| b.len());
         *self.ctx.binary_size.get_or_init(|| size)
     }
 

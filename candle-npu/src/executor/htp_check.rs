@@ -19,7 +19,7 @@
 use crate::error::Result;
 use crate::graph::{DType, Graph, TensorData};
 
-use super::{Executor, ExecutableGraph, HostExecutor, Numerics};
+use super::{ExecutableGraph, Executor, HostExecutor, Numerics};
 
 /// How far a library output may be from the numerics model's, as a fraction of the model
 /// output's largest magnitude, before the graph counts as wrongly prepared. Measured on whole

@@ -29,7 +29,6 @@
 //! failures, read/write, exactly one `rpcmem_free` per buffer) against mock rpcmem functions
 //! written in Rust.
 
-
 use std::ffi::{c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
@@ -145,7 +144,6 @@ impl Drop for RpcMem {
     }
 }
 
-
 /// One rpcmem buffer of `len` bytes, freed (`rpcmem_free`) on drop. Deregister it from QNN
 /// ([`deregister`]) before dropping it.
 pub(crate) struct SharedBuffer {
@@ -237,11 +235,7 @@ pub(crate) fn register(
     let mut info: Qnn_MemInfo_t = unsafe { std::mem::zeroed() };
     info.ionInfo = Qnn_MemIonInfo_t { fd: buf.fd() };
     let desc = Qnn_MemDescriptor_t {
-        memShape: Qnn_MemShape_t {
-            numDim: dims.len() as u32,
-            dimSize: dims.as_mut_ptr(),
-            shapeConfig: std::ptr::null(),
-        },
+        memShape: Qnn_MemShape_t { numDim: dims.len() as u32, dimSize: dims.as_mut_ptr(), shapeConfig: std::ptr::null() },
         dataType: dtype,
         memType: QNN_MEM_TYPE_ION,
         info,

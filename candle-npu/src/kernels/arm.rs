@@ -42,7 +42,9 @@ pub fn has_i8mm() -> bool {
 #[inline(always)]
 pub unsafe fn sdot(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     // SAFETY: a register-only instruction (the caller's contract says the CPU has it).
-    unsafe { asm!("sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b", acc = inout(vreg) acc, a = in(vreg) a, b = in(vreg) b, options(pure, nomem, nostack, preserves_flags)) };
+    unsafe {
+        asm!("sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b", acc = inout(vreg) acc, a = in(vreg) a, b = in(vreg) b, options(pure, nomem, nostack, preserves_flags))
+    };
     acc
 }
 
@@ -72,7 +74,9 @@ pub unsafe fn sdot_lane<const L: i32>(mut acc: int32x4_t, b: int8x16_t, a: int8x
 #[inline(always)]
 pub unsafe fn smmla(mut acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     // SAFETY: a register-only instruction (the caller's contract says the CPU has it).
-    unsafe { asm!("smmla {acc:v}.4s, {a:v}.16b, {b:v}.16b", acc = inout(vreg) acc, a = in(vreg) a, b = in(vreg) b, options(pure, nomem, nostack, preserves_flags)) };
+    unsafe {
+        asm!("smmla {acc:v}.4s, {a:v}.16b, {b:v}.16b", acc = inout(vreg) acc, a = in(vreg) a, b = in(vreg) b, options(pure, nomem, nostack, preserves_flags))
+    };
     acc
 }
 

@@ -233,15 +233,7 @@ pub fn attend(q: &[f32], kv: HeadKv<'_>, span: &dyn Fn(usize) -> Range<usize>, s
 /// [`KEY_BLOCK`]) of [`attend`], into `tile` (reset by the caller to the rows and head
 /// dimension): each row's scores shifted by the row's largest in the tile. A row that sees no key
 /// of the tile is left as reset. `scores` is scratch.
-pub fn attend_tile(
-    q: &[f32],
-    kv: HeadKv<'_>,
-    span: &dyn Fn(usize) -> Range<usize>,
-    scale: f32,
-    start: usize,
-    tile: &mut Partial,
-    scores: &mut Vec<f32>,
-) {
+pub fn attend_tile(q: &[f32], kv: HeadKv<'_>, span: &dyn Fn(usize) -> Range<usize>, scale: f32, start: usize, tile: &mut Partial, scores: &mut Vec<f32>) {
     let (rows, hd) = check_sizes("attend_tile", q, kv, tile, start);
     let held = kv.positions();
     let (b0, b1) = (start.max(held.start), (start + KEY_BLOCK).min(held.end));
@@ -255,7 +247,20 @@ pub fn attend_tile(
 
 /// [`attend_tile`] on the tile's keys and values (`[n, hd]`, positions `b0..b1`) as f32.
 #[allow(clippy::too_many_arguments)]
-fn tile_products(q: &[f32], keys: &[f32], values: &[f32], rows: usize, hd: usize, n: usize, b0: usize, b1: usize, span: &dyn Fn(usize) -> Range<usize>, scale: f32, tile: &mut Partial, scores: &mut Vec<f32>) {
+fn tile_products(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    rows: usize,
+    hd: usize,
+    n: usize,
+    b0: usize,
+    b1: usize,
+    span: &dyn Fn(usize) -> Range<usize>,
+    scale: f32,
+    tile: &mut Partial,
+    scores: &mut Vec<f32>,
+) {
     // Fewer rows than the GEMM's blocked kernel takes: zero rows after them (their scores are
     // zeros, never exponentiated, and their outputs are dropped).
     let m = rows.max(GEMM_MIN_ROWS);
@@ -682,8 +687,7 @@ mod tests {
 
     /// Softmax attention of one row over `keys`/`values` rows `span` in f64, from its definition.
     fn reference(q: &[f32], keys: &[f32], values: &[f32], hd: usize, span: Range<usize>, scale: f32) -> Vec<f64> {
-        let s: Vec<f64> =
-            span.clone().map(|j| scale as f64 * (0..hd).map(|d| q[d] as f64 * keys[j * hd + d] as f64).sum::<f64>()).collect();
+        let s: Vec<f64> = span.clone().map(|j| scale as f64 * (0..hd).map(|d| q[d] as f64 * keys[j * hd + d] as f64).sum::<f64>()).collect();
         let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let z: f64 = s.iter().map(|v| (v - max).exp()).sum();
         (0..hd).map(|d| span.clone().zip(&s).map(|(j, v)| (v - max).exp() / z * values[j * hd + d] as f64).sum()).collect()
@@ -734,7 +738,14 @@ mod tests {
             let q = random(&mut rng, spans.len() * hd, spread);
             let mut acc = Partial::default();
             acc.reset(spans.len(), hd);
-            attend(&q, HeadKv { keys: KvRows::F32(&keys), values: KvRows::F32(&values), first: 0, head_dim: hd }, &|r| spans[r].clone(), 0.3, &mut acc, &mut Scratch::default());
+            attend(
+                &q,
+                HeadKv { keys: KvRows::F32(&keys), values: KvRows::F32(&values), first: 0, head_dim: hd },
+                &|r| spans[r].clone(),
+                0.3,
+                &mut acc,
+                &mut Scratch::default(),
+            );
             let mut got = vec![f32::NAN; spans.len() * hd];
             acc.normalized_into(&mut got);
             for (r, span) in spans.iter().enumerate() {
@@ -815,7 +826,12 @@ mod tests {
         let fold = |range: Range<usize>| {
             let mut acc = Partial::default();
             acc.reset(rows, hd);
-            let kv = HeadKv { keys: KvRows::F32(&keys[range.start * hd..range.end * hd]), values: KvRows::F32(&values[range.start * hd..range.end * hd]), first: range.start, head_dim: hd };
+            let kv = HeadKv {
+                keys: KvRows::F32(&keys[range.start * hd..range.end * hd]),
+                values: KvRows::F32(&values[range.start * hd..range.end * hd]),
+                first: range.start,
+                head_dim: hd,
+            };
             attend(&q, kv, &span, 0.125, &mut acc, &mut Scratch::default());
             acc
         };
@@ -872,7 +888,8 @@ mod tests {
     #[test]
     fn one_position_kernel_matches_the_definition() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(13);
-        for (hd, rows, len, span) in [(64usize, 3usize, 700usize, 0..700), (8, 9, 37, 3..30), (12, 7, 520, 100..513), (64, 1, 1, 0..1), (256, 4, 600, 88..600)] {
+        for (hd, rows, len, span) in [(64usize, 3usize, 700usize, 0..700), (8, 9, 37, 3..30), (12, 7, 520, 100..513), (64, 1, 1, 0..1), (256, 4, 600, 88..600)]
+        {
             let (keys, values) = (random(&mut rng, len * hd, 2.0), random(&mut rng, len * hd, 1.0));
             let q = random(&mut rng, rows * hd, 2.0);
             let kv = HeadKv { keys: KvRows::F32(&keys), values: KvRows::F32(&values), first: 0, head_dim: hd };
@@ -901,7 +918,6 @@ mod tests {
             }
         }
     }
-
 
     /// `gamma_d = d u / (1 - d u)`: the relative bound of `d` roundings (`u = 2^-24`).
     fn gamma(d: usize) -> f64 {
@@ -989,6 +1005,13 @@ mod tests {
     fn wrong_sizes_panic_naming_them() {
         let mut acc = Partial::default();
         acc.reset(2, 4);
-        attend(&[0.0; 7], HeadKv { keys: KvRows::F32(&[0.0; 8]), values: KvRows::F32(&[0.0; 8]), first: 0, head_dim: 4 }, &|_| 0..2, 1.0, &mut acc, &mut Scratch::default());
+        attend(
+            &[0.0; 7],
+            HeadKv { keys: KvRows::F32(&[0.0; 8]), values: KvRows::F32(&[0.0; 8]), first: 0, head_dim: 4 },
+            &|_| 0..2,
+            1.0,
+            &mut acc,
+            &mut Scratch::default(),
+        );
     }
 }

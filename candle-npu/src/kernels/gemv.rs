@@ -158,7 +158,10 @@ impl GemvPath {
         static PATH: OnceLock<GemvPath> = OnceLock::new();
         *PATH.get_or_init(|| {
             // Fastest first: at most one of the x86 and Arm paths runs on any CPU.
-            [GemvPath::Avx512, GemvPath::Avx2, GemvPath::I8mm, GemvPath::Dotprod, GemvPath::Neon].into_iter().find(|p| p.runs_here()).unwrap_or(GemvPath::Portable)
+            [GemvPath::Avx512, GemvPath::Avx2, GemvPath::I8mm, GemvPath::Dotprod, GemvPath::Neon]
+                .into_iter()
+                .find(|p| p.runs_here())
+                .unwrap_or(GemvPath::Portable)
         })
     }
 
@@ -167,9 +170,7 @@ impl GemvPath {
         match self {
             #[cfg(target_arch = "x86_64")]
             GemvPath::Avx2 => {
-                std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
+                std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
             GemvPath::Avx512 => {
@@ -263,7 +264,17 @@ pub fn gemv_pair(format: BlockFormat, w: &[u8], k: usize, x0: &Q8Activation, x1:
 
 /// [`gemv_pair`] on `path`; panics if the CPU lacks the path's features.
 #[allow(clippy::too_many_arguments)]
-pub fn gemv_pair_on(path: GemvPath, format: BlockFormat, w: &[u8], k: usize, x0: &Q8Activation, x1: &Q8Activation, rows: Range<usize>, out0: &mut [f32], out1: &mut [f32]) {
+pub fn gemv_pair_on(
+    path: GemvPath,
+    format: BlockFormat,
+    w: &[u8],
+    k: usize,
+    x0: &Q8Activation,
+    x1: &Q8Activation,
+    rows: Range<usize>,
+    out0: &mut [f32],
+    out1: &mut [f32],
+) {
     if path != GemvPath::I8mm || !matches!(format, BlockFormat::Q8_0 | BlockFormat::Q4_1) {
         gemv_on(path, format, w, k, x0, rows.clone(), out0);
         return gemv_on(path, format, w, k, x1, rows, out1);
@@ -1284,7 +1295,13 @@ impl BlockMatrix {
     /// it, to the bit: the format's decoding chosen once for the column, the rows' blocks read
     /// one after another (the shadow path's cold columns, where no INT8 copy is held).
     pub fn column(&self, c: usize, rows: Range<usize>, out: &mut [f32]) {
-        assert!(c < self.k && rows.end <= self.n && out.len() == rows.len(), "column {c} of rows {rows:?} of a [{}, {}] matrix into {}", self.n, self.k, out.len());
+        assert!(
+            c < self.k && rows.end <= self.n && out.len() == rows.len(),
+            "column {c} of rows {rows:?} of a [{}, {}] matrix into {}",
+            self.n,
+            self.k,
+            out.len()
+        );
         let (len, bytes, row_bytes) = (self.format.block_len(), self.format.block_bytes(), self.format.row_bytes(self.k));
         let (data, first, i) = (self.data(), c / len * bytes, c % len);
         fn fill(data: &[u8], row_bytes: usize, first: usize, bytes: usize, rows: Range<usize>, out: &mut [f32], f: impl Fn(&[u8]) -> f32) {
@@ -1440,7 +1457,10 @@ mod tests {
 
     /// Every path this machine runs.
     fn paths() -> Vec<GemvPath> {
-        [GemvPath::Portable, GemvPath::Avx2, GemvPath::Avx512, GemvPath::Neon, GemvPath::Dotprod, GemvPath::I8mm].into_iter().filter(|p| p.runs_here()).collect()
+        [GemvPath::Portable, GemvPath::Avx2, GemvPath::Avx512, GemvPath::Neon, GemvPath::Dotprod, GemvPath::I8mm]
+            .into_iter()
+            .filter(|p| p.runs_here())
+            .collect()
     }
 
     /// f16 scale bits of kind `kind` (0-4): subnormal (below 2^-14, down to 2^-24), large (up to
@@ -1765,8 +1785,20 @@ mod tests {
             match row {
                 0 => 15,
                 1 => 0,
-                2 => if (i / 8).is_multiple_of(2) { 15 } else { 0 },
-                3 => if i < QK / 2 { 15 } else { 0 },
+                2 => {
+                    if (i / 8).is_multiple_of(2) {
+                        15
+                    } else {
+                        0
+                    }
+                }
+                3 => {
+                    if i < QK / 2 {
+                        15
+                    } else {
+                        0
+                    }
+                }
                 _ => ((b * 7 + i * 5) % 16) as u8,
             }
         };
@@ -1779,12 +1811,7 @@ mod tests {
                     w.extend((0..QK / 2).map(|j| nibble(row, b, j) | nibble(row, b, j + QK / 2) << 4));
                 }
             }
-            let xs: [Vec<i8>; 4] = [
-                vec![-128; k],
-                vec![127; k],
-                vec![-127; k],
-                (0..k).map(|i| if i % 4 < 2 { 127 } else { -128 }).collect(),
-            ];
+            let xs: [Vec<i8>; 4] = [vec![-128; k], vec![127; k], vec![-127; k], (0..k).map(|i| if i % 4 < 2 { 127 } else { -128 }).collect()];
             for q in xs {
                 let sums = q.chunks_exact(QK).map(|b| b.iter().map(|&v| v as i32).sum()).collect();
                 let x = Q8Activation { scales: vec![1.0; k / QK], q, sums };
@@ -1898,7 +1925,10 @@ mod tests {
             }
             let y3 = bm.forward(&x3.reshape((1, 3, k)).unwrap()).unwrap();
             assert_eq!(y3.dims(), [1, 3, n]);
-            let halves = [BlockMatrix::new(format, n / 2, k, bm.bytes.clone(), 0).unwrap(), BlockMatrix::new(format, n - n / 2, k, bm.bytes.clone(), n / 2 * format.row_bytes(k)).unwrap()];
+            let halves = [
+                BlockMatrix::new(format, n / 2, k, bm.bytes.clone(), 0).unwrap(),
+                BlockMatrix::new(format, n - n / 2, k, bm.bytes.clone(), n / 2 * format.row_bytes(k)).unwrap(),
+            ];
             let both = BlockMatrix::forward_all(&[&halves[0], &halves[1]], &x3).unwrap();
             let joined: Vec<f32> = Tensor::cat(&both, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap();
             assert_eq!(joined, y, "{format:?}: two halves at once");
@@ -2108,14 +2138,7 @@ mod tests {
                 let mut out = vec![f32::NAN; 3];
                 format.gemv_on(path, &[], 0, &x, 0..3, &mut out);
                 assert_eq!(out, [0.0; 3], "{format:?} {path:?}");
-                format.gemv_on(
-                    path,
-                    &format.weights(&mut rand::rngs::StdRng::seed_from_u64(1), 2, 64),
-                    64,
-                    &Q8Activation::quantize(&[1.0; 64]),
-                    2..2,
-                    &mut [],
-                );
+                format.gemv_on(path, &format.weights(&mut rand::rngs::StdRng::seed_from_u64(1), 2, 64), 64, &Q8Activation::quantize(&[1.0; 64]), 2..2, &mut []);
             }
         }
     }
@@ -2189,7 +2212,6 @@ mod tests {
         x.sums.pop();
         gemv_q4_1(&w, 64, &x, 0..1, &mut [0.0]);
     }
-
 
     // --- Every format through `gemv_on`, against candle's own dequantization ---
 

@@ -44,6 +44,7 @@
 //!   pair broadcast to every 16-bit lane (`ld1r`), 4 `smull` + 4 `sadalp` per row; 45
 //!   instructions (16 `smull`, 16 `sadalp`, 2 `ldp d`, 4 `ld1r`, 5 address adds: `ld1r` has no
 //!   offset form, `subs`, `b.ne`), 29 registers. 6 rows spilled two accumulators ([`MR_NEON`]).
+//!
 //! A 4 x 16 sdot tile would load the weights for 4 rows instead of 6 (0.31 loads per `sdot`
 //! instead of 0.25); 8 x 16 would need 32 accumulators. The panels are 16 columns wide on every
 //! path, so [`Panels::columns`] reads one K group per 16 outputs on each.
@@ -111,7 +112,7 @@ const KC_I8: usize = 1024;
 /// Rows per block, Arm: 252 x 1024 i8 activations are 252 KiB of L2. A multiple of every path's
 /// rows per tile: a row block starts at a block of the packed activations.
 const MC_I8: usize = 252;
-const _: () = assert!(MC_I8 % MR == 0 && MC_I8 % MR_NEON == 0 && MC_I16 % MR == 0);
+const _: () = assert!(MC_I8.is_multiple_of(MR) && MC_I8.is_multiple_of(MR_NEON) && MC_I16.is_multiple_of(MR));
 
 /// What a GEMM's caller runs on blocks of whole finished output rows (see [`Panels::matmul`]).
 pub type EachRows<'a> = dyn Fn(&mut [i32]) + Sync + 'a;

@@ -400,7 +400,13 @@ mod tests {
         // vpmaddubsw, in runs of equal signs, so that pairs saturate if anything does.
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let (m, k, n) = (7, 96, 33);
-        let w: Vec<i8> = (0..n * k).map(|i| match i % 4 { 0 | 1 => 127, 2 => -127, _ => rng.random_range(-127..=127) }).collect();
+        let w: Vec<i8> = (0..n * k)
+            .map(|i| match i % 4 {
+                0 | 1 => 127,
+                2 => -127,
+                _ => rng.random_range(-127..=127),
+            })
+            .collect();
         let xu: Vec<u8> = (0..m * k).map(|i| if i % 3 != 2 { 255 } else { rng.random() }).collect();
         let xi: Vec<i8> = (0..m * k).map(|i| if i % 3 != 2 { -128 } else { rng.random() }).collect();
         for kernel in exact_kernels() {

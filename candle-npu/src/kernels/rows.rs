@@ -954,8 +954,7 @@ mod tests {
         let specials = [0.0, -1.5, 2.0, -1.5001, 2.0001, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -0.0];
         let row: Vec<f32> = (0..77).map(|i| if i % 3 == 0 { specials[i / 3 % specials.len()] } else { (i as f32 * 0.37).sin() * 2.2 }).collect();
         let (lo, hi) = (-1.5, 2.0);
-        let want: Vec<(u32, f32)> =
-            row.iter().enumerate().map(|(i, &v)| (i as u32, v - v.clamp(lo, hi))).filter(|&(_, r)| r != 0.0 || r.is_nan()).collect();
+        let want: Vec<(u32, f32)> = row.iter().enumerate().map(|(i, &v)| (i as u32, v - v.clamp(lo, hi))).filter(|&(_, r)| r != 0.0 || r.is_nan()).collect();
         assert!(want.len() > 10 && want.iter().any(|(_, r)| r.is_nan()), "the test must exercise outliers and NaN");
         type Scan = fn(&[f32], f32, f32, &mut Vec<u32>, &mut Vec<f32>);
         let paths: &[Option<(&str, Scan)>] = &[

@@ -77,10 +77,7 @@ impl TableCosts {
         let mut groups: BTreeMap<(&str, Processor), Vec<(usize, usize, f64)>> = BTreeMap::new();
         for (name, p, rows, start, secs) in samples {
             if *rows == 0 || !secs.is_finite() || *secs < 0.0 {
-                return Err(Error::Input(format!(
-                    "cost sample for {name} on {}: rows {rows}, {secs} s (need rows > 0 and finite secs >= 0)",
-                    p.name()
-                )));
+                return Err(Error::Input(format!("cost sample for {name} on {}: rows {rows}, {secs} s (need rows > 0 and finite secs >= 0)", p.name())));
             }
             groups.entry((name.as_str(), *p)).or_default().push((*rows, *start, *secs));
         }
@@ -254,7 +251,7 @@ fn least_squares(x: &[[f64; 3]], y: &[f64], k: usize) -> Option<[f64; 3]> {
             scale[j] = scale[j].max(row[j].abs());
         }
     }
-    if scale[..k].iter().any(|&s| s == 0.0) {
+    if scale[..k].contains(&0.0) {
         return None;
     }
     // Augmented normal matrix [XᵀX | Xᵀy] in scaled columns.
@@ -308,8 +305,7 @@ mod tests {
             .iter()
             .map(|&n| StageDesc::new(n, if shape.linear_macs(n).is_some() { Processor::Npu } else { Processor::Cpu }, n == "attn"))
             .collect();
-        let dag =
-            SubgraphDag::new(&stages, 24, Some(StageDesc::new("tail", Processor::Cpu, false)), &[DagChunk { rows: 256, margin: false }]).unwrap();
+        let dag = SubgraphDag::new(&stages, 24, Some(StageDesc::new("tail", Processor::Cpu, false)), &[DagChunk { rows: 256, margin: false }]).unwrap();
         let mut total = [0.0; 2];
         for n in dag.nodes() {
             total[n.processor.index()] += costs.cost(n);

@@ -136,7 +136,7 @@ impl SubgraphDag {
                 if desc.reads_kv && c > 0 {
                     p.push(NodeId(id.0 - per_chunk));
                 }
-                if id.0 % per_chunk != 0 {
+                if !id.0.is_multiple_of(per_chunk) {
                     p.push(NodeId(id.0 - 1));
                 }
                 preds.push(p);

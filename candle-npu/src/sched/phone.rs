@@ -254,7 +254,16 @@ mod tests {
     fn the_mllm_anchor_is_reproduced_within_a_quarter() {
         let qwen3 = ModelShape { layer: LayerShape { hidden: 2048, ffn: 6144, n_head: 16, n_kv_head: 8, head_dim: 128 }, n_layer: 28, vocab: 151936 };
         let bytes = 0.5 + 0.5 / 16.0;
-        let plan = WholePlan { rows: 32, capacity: Some(1024), graphs_per_chunk: 1, activations: Activations::A16, weight_bytes: bytes, kv_bytes: 1.0, lm_head_bytes: Some(bytes), fp16_share: 0.0 };
+        let plan = WholePlan {
+            rows: 32,
+            capacity: Some(1024),
+            graphs_per_chunk: 1,
+            activations: Activations::A16,
+            weight_bytes: bytes,
+            kv_bytes: 1.0,
+            lm_head_bytes: Some(bytes),
+            fp16_share: 0.0,
+        };
         for launch in [0.3e-3, 2e-3] {
             let p = predict_whole(&qwen3, &plan, 640, &HtpRates::SNAPDRAGON_8_GEN_3.with_launch(launch), 91e9);
             assert!((p.tokens_per_sec / 758.28 - 1.0).abs() < 0.25, "{} tok/s at {launch} s per launch", p.tokens_per_sec);

@@ -194,10 +194,8 @@ pub fn lower_bound(dag: &SubgraphDag, costs: &dyn CostModel) -> Result<f64> {
 /// finish fast when the critical-path bound meets the best heuristic.
 pub fn optimal(dag: &SubgraphDag, costs: &dyn CostModel, node_limit: usize, time_limit: Duration) -> Option<Schedule> {
     let ctx = PickContext::new(dag, costs).ok()?;
-    let incumbent = Policy::heuristics()
-        .iter()
-        .filter_map(|p| simulate(dag, &|n: &Node| ctx.cost(n.id), p).ok())
-        .min_by(|a, b| a.makespan.total_cmp(&b.makespan))?;
+    let incumbent =
+        Policy::heuristics().iter().filter_map(|p| simulate(dag, &|n: &Node| ctx.cost(n.id), p).ok()).min_by(|a, b| a.makespan.total_cmp(&b.makespan))?;
     let n = dag.len();
     let mut remaining = [0.0; 2];
     for node in dag.nodes() {
@@ -274,10 +272,11 @@ impl Bnb<'_> {
             if !self.end[i].is_nan() {
                 continue;
             }
-            let h =
-                self.dag.preds(NodeId(i)).iter().fold(self.free[self.proc[i]], |h, p| {
-                    h.max(if self.end[p.0].is_nan() { self.head[p.0] + self.ctx.cost(*p) } else { self.end[p.0] })
-                });
+            let h = self
+                .dag
+                .preds(NodeId(i))
+                .iter()
+                .fold(self.free[self.proc[i]], |h, p| h.max(if self.end[p.0].is_nan() { self.head[p.0] + self.ctx.cost(*p) } else { self.end[p.0] }));
             self.head[i] = h;
             let (rank, p) = (self.ctx.rank(NodeId(i)), self.proc[i]);
             lb = lb.max(h + rank);
@@ -322,7 +321,7 @@ impl Bnb<'_> {
 
     fn search(&mut self) {
         self.expanded += 1;
-        if self.expanded > self.node_limit || (self.expanded % 1024 == 0 && Instant::now() > self.deadline) {
+        if self.expanded > self.node_limit || (self.expanded.is_multiple_of(1024) && Instant::now() > self.deadline) {
             self.gave_up = true;
         }
         if self.gave_up {
@@ -351,8 +350,7 @@ impl Bnb<'_> {
             return;
         };
         let m = self.proc[first];
-        let mut branch: Vec<(f64, usize)> =
-            ready.iter().filter(|r| self.proc[r.2] == m && (r.0 < c_star || r.2 == first)).map(|r| (r.0, r.2)).collect();
+        let mut branch: Vec<(f64, usize)> = ready.iter().filter(|r| self.proc[r.2] == m && (r.0 < c_star || r.2 == first)).map(|r| (r.0, r.2)).collect();
         // Earliest start first, then the longest path: good schedules early tighten the bound.
         branch.sort_by(|a, b| a.0.total_cmp(&b.0).then(self.ctx.rank(NodeId(b.1)).total_cmp(&self.ctx.rank(NodeId(a.1)))));
         for (est, i) in branch {

@@ -218,12 +218,7 @@ impl Model {
 
     /// Outliers per input channel of every point over `sequences` (W8A8 on the host, every
     /// shadow path on): what [`QuantProfile::select_hot`] chooses the hot set from.
-    pub fn count_channel_outliers(
-        &mut self,
-        sequences: &[Vec<u32>],
-        chunk_len: usize,
-        mut progress: impl FnMut(usize),
-    ) -> Result<Vec<(String, Vec<u64>)>> {
+    pub fn count_channel_outliers(&mut self, sequences: &[Vec<u32>], chunk_len: usize, mut progress: impl FnMut(usize)) -> Result<Vec<(String, Vec<u64>)>> {
         let kept = self.shadow_on.clone();
         self.set_shadow_layers(&vec![true; self.layers.len()])?;
         self.reset_point_stats();

@@ -76,10 +76,15 @@ impl Model {
     /// float outliers between the linears.
     pub fn layer_graph(&self, l: usize, m: usize, cap: usize, precision: Precision) -> Result<Graph> {
         if !precision.has_whole_layers() {
-            return Err(Error::Input("a whole-layer graph computes F32, W8A16 or shadow W8A16, not W8A8: its shadow outliers run on the CPU between the linears".into()));
+            return Err(Error::Input(
+                "a whole-layer graph computes F32, W8A16 or shadow W8A16, not W8A8: its shadow outliers run on the CPU between the linears".into(),
+            ));
         }
         if l >= self.layers.len() || m == 0 || cap == 0 {
-            return Err(Error::Input(format!("whole-layer graph of layer {l} (of {}), {m} rows, cache capacity {cap}: need a layer of the model and sizes >= 1", self.layers.len())));
+            return Err(Error::Input(format!(
+                "whole-layer graph of layer {l} (of {}), {m} rows, cache capacity {cap}: need a layer of the model and sizes >= 1",
+                self.layers.len()
+            )));
         }
         self.check_profile(precision)?;
         let (c, spec, layer) = (&self.cfg, &self.spec, &self.layers[l]);
@@ -127,7 +132,8 @@ impl Model {
         let scores = g.binary(&b.name("masked"), scores, mask, DType::F32, None, |a, b, output| Op::Add { a, b, output });
         let weights = g.unary(&b.name("weights"), scores, DType::F32, None, |input, output| Op::Softmax { input, output });
         let weights = b.reshape(&mut g, "weights_stacked", weights, &[nkv, group * m, keys]);
-        let att = g.op(&b.name("attention"), DType::F32, None, |output| Op::MatMul { a: weights, b: values_all, transpose_b: false, output }, &[nkv, group * m, hd]);
+        let att =
+            g.op(&b.name("attention"), DType::F32, None, |output| Op::MatMul { a: weights, b: values_all, transpose_b: false, output }, &[nkv, group * m, hd]);
         let att = b.reshape(&mut g, "attention_groups", att, &[nkv, group, m, hd]);
         let att = b.transpose(&mut g, "attention_by_row", att, &[2, 0, 1, 3]);
         let att = b.reshape(&mut g, "attention_rows", att, &[m, nh * hd]);
@@ -163,7 +169,15 @@ impl Model {
             let t = std::time::Instant::now();
             let nl = self.layers.len();
             let graphs = (0..nl).map(|l| Ok(vec![self.device.prepare(&self.layer_graph(l, m, cap, precision)?)?])).collect::<Result<Vec<_>>>()?;
-            tracing::info!(layers = nl, rows = m, capacity = cap, ?precision, secs = t.elapsed().as_secs_f32(), executor = self.device.executor_name(), "prepared whole-layer graphs");
+            tracing::info!(
+                layers = nl,
+                rows = m,
+                capacity = cap,
+                ?precision,
+                secs = t.elapsed().as_secs_f32(),
+                executor = self.device.executor_name(),
+                "prepared whole-layer graphs"
+            );
             self.graphs.insert(key, Arc::new(graphs));
         }
         Ok(self.graphs[&key].clone())
@@ -397,7 +411,8 @@ impl Build {
         let point = super::STAGES[s].point;
         let uncalibrated = || Error::Input(format!("layer {l} has no {:?} ranges: calibrate first", self.precision));
         let shape = g.tensor(x).shape.clone();
-        let quantize = |g: &mut Graph, what: &str, x: TensorId, q| g.op(&self.name(what), DType::U16, Some(q), |output| Op::Quantize { input: x, output }, &shape);
+        let quantize =
+            |g: &mut Graph, what: &str, x: TensorId, q| g.op(&self.name(what), DType::U16, Some(q), |output| Op::Quantize { input: x, output }, &shape);
         let parts = match self.precision {
             Precision::F32 => vec![x],
             Precision::W8A16 => vec![quantize(g, &format!("{point}_u16"), x, model.a16.get(l).ok_or_else(uncalibrated)?[s])],
@@ -416,7 +431,8 @@ impl Build {
                         let clipped = g.op(&self.name(&format!("{point}_clipped")), DType::F32, None, |output| Op::Clamp { input: x, lo, hi, output }, &shape);
                         let inside = quantize(g, &format!("{point}_u16"), clipped, p.quant_u16());
                         let minus = self.scalar(g, &format!("{point}_minus_one"), -1.0);
-                        let neg = g.binary(&self.name(&format!("{point}_neg_clipped")), clipped, minus, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
+                        let neg =
+                            g.binary(&self.name(&format!("{point}_neg_clipped")), clipped, minus, DType::F32, None, |a, b, output| Op::Mul { a, b, output });
                         let rest = g.binary(&self.name(&format!("{point}_outliers")), x, neg, DType::F32, None, |a, b, output| Op::Add { a, b, output });
                         vec![inside, rest]
                     }

@@ -11,7 +11,10 @@ pub(super) enum GraphSet {
     Npu(usize),
     Margin,
     /// One graph per layer ([`Model::layer_graph`]) for chunks of `m` rows over a cache of `cap`.
-    Layers { m: usize, cap: usize },
+    Layers {
+        m: usize,
+        cap: usize,
+    },
 }
 
 /// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin). The defaults were chosen by
@@ -138,7 +141,10 @@ fn npu_node(s: usize) -> usize {
 /// `chunk_len` when it is a chunk length this model can take: 1 row up to its context.
 pub(super) fn check_chunk_len(chunk_len: usize, context_len: usize) -> Result<usize> {
     if chunk_len == 0 || chunk_len > context_len {
-        return Err(Error::Input(format!("chunk length {chunk_len}: expected 1 to the model's context of {context_len} tokens (e.g. {})", 256.min(context_len))));
+        return Err(Error::Input(format!(
+            "chunk length {chunk_len}: expected 1 to the model's context of {context_len} tokens (e.g. {})",
+            256.min(context_len)
+        )));
     }
     Ok(chunk_len)
 }
@@ -146,10 +152,8 @@ pub(super) fn check_chunk_len(chunk_len: usize, context_len: usize) -> Result<us
 /// The prefill DAG of `plan` for `n_layer` layers: per layer each NPU stage of [`STAGES`] with
 /// the CPU stage before it, and a CPU tail per chunk (final rows out).
 pub fn prefill_dag(plan: &ChunkPlan, n_layer: usize) -> Result<SubgraphDag> {
-    let stages: Vec<StageDesc> = STAGES
-        .iter()
-        .flat_map(|s| [StageDesc::new(s.cpu, Processor::Cpu, s.cpu_reads_kv), StageDesc::new(s.name, Processor::Npu, false)])
-        .collect();
+    let stages: Vec<StageDesc> =
+        STAGES.iter().flat_map(|s| [StageDesc::new(s.cpu, Processor::Cpu, s.cpu_reads_kv), StageDesc::new(s.name, Processor::Npu, false)]).collect();
     debug_assert!((0..N_STAGES).all(|s| stages[cpu_node(s)].name == STAGES[s].cpu && stages[npu_node(s)].name == STAGES[s].name));
     let chunks: Vec<DagChunk> = plan.chunks.iter().map(|c| DagChunk { rows: c.padded_len, margin: c.margin }).collect();
     SubgraphDag::new(&stages, n_layer, Some(StageDesc::new("tail", Processor::Cpu, false)), &chunks)
@@ -313,11 +317,7 @@ impl Model {
         self.check_profile(precision)?;
         let base = self.pos;
         if base + tokens.len() > self.cfg.context_len {
-            return Err(Error::Input(format!(
-                "{} tokens after the {base} the KV cache holds exceed the context of {}",
-                tokens.len(),
-                self.cfg.context_len
-            )));
+            return Err(Error::Input(format!("{} tokens after the {base} the KV cache holds exceed the context of {}", tokens.len(), self.cfg.context_len)));
         }
         let r = match self.sched.plan {
             PrefillPlan::Stages => self.run_plan(tokens, plan, precision, all_logits),

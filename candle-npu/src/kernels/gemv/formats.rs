@@ -164,7 +164,8 @@ fn portable(kind: Kind, w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) 
                             (low | (qh[l] >> (2 * g) & 3) << 4) as i8 - 32
                         });
                         let scale = |s: usize| blk[192 + 2 * a + s] as i8 as i32;
-                        let (lo, hi) = (dot(&std::array::from_fn(|l| if l < 16 { q[l] } else { 0 }), a), dot(&std::array::from_fn(|l| if l < 16 { 0 } else { q[l] }), a));
+                        let (lo, hi) =
+                            (dot(&std::array::from_fn(|l| if l < 16 { q[l] } else { 0 }), a), dot(&std::array::from_fn(|l| if l < 16 { 0 } else { q[l] }), a));
                         acc += d * dx(a) * (scale(0) * lo + scale(1) * hi) as f32;
                     }
                 }
@@ -249,7 +250,12 @@ mod x86 {
         let o = if kind == Kind::Q5_0 { 16 } else { 8 };
         // SAFETY: the activation has `nb` blocks.
         let offsets: Vec<__m256i> = (0..nb)
-            .map(|b| unsafe { _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(o), _mm256_loadu_si256(x.q.as_ptr().add(QK * b).cast()))) })
+            .map(|b| unsafe {
+                _mm256_sub_epi32(
+                    _mm256_setzero_si256(),
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(o), _mm256_loadu_si256(x.q.as_ptr().add(QK * b).cast())),
+                )
+            })
             .collect();
         let bytes = kind.block_bytes();
         for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * bytes)) {
@@ -295,10 +301,8 @@ mod x86 {
         // SAFETY: registers only; the caller has AVX2. Byte i gets byte i / 8 of `qh`, is
         // or-ed with every bit but bit i % 8, and is all ones exactly when that bit is set.
         unsafe {
-            let spread = _mm256_shuffle_epi8(
-                _mm256_set1_epi32(qh as i32),
-                _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
-            );
+            let spread =
+                _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303));
             let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64);
             let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
             _mm256_and_si256(set, _mm256_set1_epi8(0x10))
@@ -409,7 +413,8 @@ mod x86 {
                 for line in (0..bytes).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH + line).cast());
                 }
-                let (d, dmin) = (f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned())), f16_to_f32(u16::from_le(blk.add(2).cast::<u16>().read_unaligned())));
+                let (d, dmin) =
+                    (f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned())), f16_to_f32(u16::from_le(blk.add(2).cast::<u16>().read_unaligned())));
                 let (sc, m) = k_scales(&*blk.add(4).cast::<[u8; 12]>());
                 let a = 8 * s;
                 let dx = _mm256_loadu_ps(x.scales.as_ptr().add(a));
@@ -468,7 +473,12 @@ mod x86 {
                 _mm256_storeu_ps(f_out, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x.scales.as_ptr().add(a))));
                 // The 16 scales as i16; `pick(g)` puts scale 2g in lanes 0..8, 2g + 1 in 8..16.
                 let scales = _mm_loadu_si128(blk.add(192).cast());
-                let pick = |g: i8| _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_set_epi64x(0x0101_0101_0101_0101 * (2 * g as i64 + 1), 0x0101_0101_0101_0101 * 2 * g as i64)));
+                let pick = |g: i8| {
+                    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                        scales,
+                        _mm_set_epi64x(0x0101_0101_0101_0101 * (2 * g as i64 + 1), 0x0101_0101_0101_0101 * 2 * g as i64),
+                    ))
+                };
                 for h in 0..2 {
                     let (ql, qh) = (blk.add(64 * h), _mm256_loadu_si256(blk.add(128 + 32 * h).cast()));
                     let (ql0, ql1) = (_mm256_loadu_si256(ql.cast()), _mm256_loadu_si256(ql.add(32).cast()));
@@ -632,7 +642,8 @@ mod aarch64 {
             let mut mins = vdupq_n_f32(0.0);
             for s in 0..nb {
                 let blk = w.add(bytes * s);
-                let (d, dmin) = (f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned())), f16_to_f32(u16::from_le(blk.add(2).cast::<u16>().read_unaligned())));
+                let (d, dmin) =
+                    (f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned())), f16_to_f32(u16::from_le(blk.add(2).cast::<u16>().read_unaligned())));
                 let (sc, m) = k_scales(&*blk.add(4).cast::<[u8; 12]>());
                 let a = 8 * s;
                 // Bytes to f32, [0..4] and [4..8].
