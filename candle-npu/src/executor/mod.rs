@@ -8,8 +8,6 @@ pub mod host;
 #[cfg(feature = "qnn")]
 pub mod htp;
 #[cfg(feature = "qnn")]
-mod htp_check;
-#[cfg(feature = "qnn")]
 pub mod htp_contexts;
 pub mod htp_numerics;
 #[cfg(feature = "qnn")]

@@ -19,23 +19,23 @@
 use crate::error::Result;
 use crate::graph::{DType, Graph, TensorData};
 
-use super::{ExecutableGraph, Executor, HostExecutor, Numerics};
+use crate::executor::{ExecutableGraph, Executor, HostExecutor, Numerics};
 
 /// How far a library output may be from the numerics model's, as a fraction of the model
 /// output's largest magnitude, before the graph counts as wrongly prepared. Measured on whole
 /// layer graphs with probe inputs: right ones 0.0007 to 0.0055 (SmolLM2 and Qwen2.5-Coder, 54
 /// graphs), wrong ones 0.94 and 10.4.
-pub(crate) const WRONG_BEYOND: f32 = 0.05;
+pub(super) const WRONG_BEYOND: f32 = 0.05;
 
 /// Whether `graph` is one the library's prepare can get wrong (it holds LPBQ weights).
-pub(crate) fn needs_check(graph: &Graph) -> bool {
+pub(super) fn needs_check(graph: &Graph) -> bool {
     graph.tensors.iter().any(|t| t.block_scales.is_some())
 }
 
 /// Runs `prepared` (the library's build of `graph`) and the HTP numerics model on the same
 /// probe inputs and gives the largest gap between their outputs, as a fraction of each model
 /// output's largest magnitude (the worst output's).
-pub(crate) fn max_gap(graph: &Graph, prepared: &dyn ExecutableGraph) -> Result<f32> {
+pub(super) fn max_gap(graph: &Graph, prepared: &dyn ExecutableGraph) -> Result<f32> {
     let inputs = probe_inputs(graph);
     let refs: Vec<&TensorData> = inputs.iter().collect();
     let got = prepared.execute(&refs)?;
