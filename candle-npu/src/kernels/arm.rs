@@ -15,24 +15,12 @@
 //!
 //! candle-core 0.11's own quantized CPU kernels run `sdot` on every aarch64 CPU without asking
 //! (its `neon` module): on a CPU without dotprod (Cortex-A53/A72: a Raspberry Pi 3 or 4) they
-//! stop the process with SIGILL. [`has_dotprod`] lets the callers route around them.
+//! stop the process with SIGILL. [`super::cpu::cpu`] lets the callers route around them.
 
 #![cfg(target_arch = "aarch64")]
 
 use std::arch::aarch64::{float32x4_t, int32x4_t, int8x16_t};
 use std::arch::asm;
-
-/// Whether the CPU has `sdot` (FEAT_DotProd); the answer is cached by std.
-#[inline]
-pub fn has_dotprod() -> bool {
-    std::arch::is_aarch64_feature_detected!("dotprod")
-}
-
-/// Whether the CPU has `smmla` (FEAT_I8MM).
-#[inline]
-pub fn has_i8mm() -> bool {
-    std::arch::is_aarch64_feature_detected!("i8mm")
-}
 
 /// `acc[i] += sum_{j<4} a[4i + j] * b[4i + j]`, signed bytes (`sdot v.4s, v.16b, v.16b`): exact,
 /// nothing saturates (4 * 128 * 128 per lane and step).
@@ -100,7 +88,7 @@ mod tests {
         let b: [i8; 16] = std::array::from_fn(|i| if i % 2 == 0 { -128 } else { 127 - (i as i8) * 5 });
         let (va, vb) = unsafe { (vld1q_s8(a.as_ptr()), vld1q_s8(b.as_ptr())) };
         let start = [1, -2, 3, i32::MIN / 2];
-        if has_dotprod() {
+        if super::super::cpu::cpu().dotprod {
             #[target_feature(enable = "dotprod")]
             unsafe fn run(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
                 unsafe { sdot(acc, a, b) }
@@ -121,7 +109,7 @@ mod tests {
                 assert_eq!(out, want, "lane {l}");
             }
         }
-        if has_i8mm() {
+        if super::super::cpu::cpu().i8mm {
             #[target_feature(enable = "i8mm")]
             unsafe fn run(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
                 unsafe { smmla(acc, a, b) }

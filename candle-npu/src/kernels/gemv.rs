@@ -96,7 +96,7 @@ impl Q8Activation {
         // Compiled for AVX2 too where the CPU has it: the x86-64 baseline has no rounding
         // instruction, and `round` was a libm call per value (2% of a decode step).
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if super::cpu::cpu().avx2 {
             #[target_feature(enable = "avx2")]
             fn wide(a: &mut Q8Activation, x: &[f32]) {
                 a.quantize_blocks(x)
@@ -169,23 +169,15 @@ impl GemvPath {
     pub fn runs_here(self) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
-            GemvPath::Avx2 => {
-                std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("f16c")
-            }
+            GemvPath::Avx2 => super::cpu::cpu().avx2_fma() && super::cpu::cpu().f16c,
             #[cfg(target_arch = "x86_64")]
-            GemvPath::Avx512 => {
-                GemvPath::Avx2.runs_here()
-                    && std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-                    && std::arch::is_x86_feature_detected!("avx512vnni")
-            }
+            GemvPath::Avx512 => GemvPath::Avx2.runs_here() && super::cpu::cpu().avx512_vnni,
             #[cfg(not(target_arch = "x86_64"))]
             GemvPath::Avx2 | GemvPath::Avx512 => false,
             #[cfg(target_arch = "aarch64")]
-            GemvPath::I8mm => super::arm::has_dotprod() && super::arm::has_i8mm(),
+            GemvPath::I8mm => super::cpu::cpu().dotprod && super::cpu::cpu().i8mm,
             #[cfg(target_arch = "aarch64")]
-            GemvPath::Dotprod => super::arm::has_dotprod(),
+            GemvPath::Dotprod => super::cpu::cpu().dotprod,
             #[cfg(target_arch = "aarch64")]
             GemvPath::Neon => true,
             #[cfg(not(target_arch = "aarch64"))]

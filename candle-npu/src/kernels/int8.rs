@@ -158,15 +158,15 @@ impl Int8Path {
     pub fn available() -> Vec<Self> {
         let mut paths = Vec::new();
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if super::cpu::cpu().avx2 {
             paths.push(Int8Path::Avx2);
         }
         #[cfg(target_arch = "aarch64")]
         {
-            if super::arm::has_i8mm() {
+            if super::cpu::cpu().i8mm {
                 paths.push(Int8Path::I8mm);
             }
-            if super::arm::has_dotprod() {
+            if super::cpu::cpu().dotprod {
                 paths.push(Int8Path::Dotprod);
             }
             paths.push(Int8Path::Neon);

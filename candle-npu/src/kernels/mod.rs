@@ -18,6 +18,7 @@
 pub mod arm;
 pub mod attention;
 pub mod claim;
+pub mod cpu;
 pub mod gemv;
 pub mod int8;
 pub mod rows;
@@ -383,9 +384,9 @@ mod tests {
         // aarch64: ours, the best path the CPU has.
         #[cfg(target_arch = "aarch64")]
         {
-            let want = if arm::has_i8mm() {
+            let want = if cpu::cpu().i8mm {
                 Int8Path::I8mm
-            } else if arm::has_dotprod() {
+            } else if cpu::cpu().dotprod {
                 Int8Path::Dotprod
             } else {
                 Int8Path::Neon

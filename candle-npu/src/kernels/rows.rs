@@ -4,7 +4,7 @@
 //! outlier scan, the softmax, the gated activations and the shadow path have AVX2 intrinsics of
 //! their own, with an 8-lane `exp8` in FMAs). The crate is built for the x86-64 baseline (SSE2,
 //! 4 lanes), and the CPU stages run on every machine, so the wide version is picked per call
-//! (`is_x86_feature_detected` caches its answer) rather than by a build flag.
+//! ([`super::cpu::cpu`], detected once) rather than by a build flag.
 //!
 //! The loops keep 8 independent lanes (`LANES`) so that LLVM vectorizes the reductions (float
 //! max and sum do not reassociate otherwise), and `exp` is a polynomial the vectorizer can inline:
@@ -55,10 +55,10 @@ pub fn with_f32<R>(t: &candle_core::Tensor, f: impl FnOnce(&[f32]) -> R) -> crat
     Ok(f(&values[from..to]))
 }
 
-/// Whether this CPU runs the AVX2 + FMA versions (`is_x86_feature_detected` caches its answer).
+/// Whether this CPU runs the AVX2 + FMA versions ([`super::cpu::cpu`]).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx2_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    super::cpu::cpu().avx2_fma()
 }
 
 /// `pub fn $name(..) -> R`, running `$generic` (an `#[inline(always)]` fn) compiled for AVX2 + FMA
@@ -394,7 +394,7 @@ unsafe fn shadow_row_avx2(y: &mut [f32], terms: &[(f32, &[i8])], s: &[f32]) -> u
 /// tests 16 values per step (`neon::outliers`).
 pub fn outliers_into(row: &[f32], lo: f32, hi: f32, at: &mut Vec<u32>, rest: &mut Vec<f32>) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if super::cpu::cpu().avx2 {
         // SAFETY: the CPU has AVX2.
         return unsafe { outliers_avx2(row, lo, hi, at, rest) };
     }
