@@ -988,7 +988,7 @@ fn lpbq_weights_on_the_library() {
         // The x86 library's prepare of these graphs is not deterministic (one 256-output part
         // in about 400 came back thousands of steps off, in about one run of this test in four):
         // the executor checks each LPBQ graph it prepares against the HTP numerics model and
-        // prepares a wrong one again (`executor::htp_check`), so every graph it gives is right.
+        // prepares a wrong one again (`executor::htp::check`), so every graph it gives is right.
         let (lib, host, model) = (run(ex), run(&HostExecutor::new()), run(&HostExecutor::with_numerics(Numerics::Htp)));
         // In steps of each output's grid, beyond the Dequantize's FP16 rounding of the value
         // (2^-11 of it: a few steps where the grid's bound is far above the outputs).
