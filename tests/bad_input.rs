@@ -10,7 +10,7 @@
 mod props;
 
 mod common;
-use common::llama_example;
+use common::{llama_example, llama_with_stdin};
 
 use std::path::Path;
 use std::process::Command;
@@ -455,20 +455,11 @@ fn an_oversized_thread_pool_is_capped_with_a_note() {
 /// the first turn's was said). The tiny model: a context of 128 tokens, turns of 100.
 #[test]
 fn an_interactive_turn_cut_by_the_full_context_says_so() {
-    use std::io::Write;
     let dir = scratch("interactive-full");
     let (model, tok) = props::tiny_model_files(&dir);
     let args =
         ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "100", "--prompt", "hi", "--interactive"];
-    let mut child = Command::new(llama_example())
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(b"more\nand more\n").unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = llama_with_stdin(&args, b"more\nand more\n");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("new tokens after") && err.contains("tokens is full; the conversation ends here"), "{err}");
@@ -479,20 +470,11 @@ fn an_interactive_turn_cut_by_the_full_context_says_so() {
 /// (no built-in question answered first), and no line at all is an error saying so.
 #[test]
 fn interactive_without_a_prompt_takes_the_first_turn_from_stdin() {
-    use std::io::Write;
     let dir = scratch("interactive-first");
     let (model, tok) = props::tiny_model_files(&dir);
     let run = |input: &[u8]| {
         let args = ["--model", model.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--f32-prefill", "--sample-len", "4", "--interactive"];
-        let mut child = Command::new(llama_example())
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(input).unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = llama_with_stdin(&args, input);
         (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let (ok, out, err) = run(b"hello there\nand more\n");

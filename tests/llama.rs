@@ -260,20 +260,10 @@ fn profile_of_another_model_is_an_error() {
 /// system prompt and sampling options.
 #[test]
 fn the_command_line_saves_loads_and_goes_on_with_a_conversation() {
-    use std::io::Write;
     let state = tmp("cli-turn1.kv");
     let _ = std::fs::remove_file(&state);
     let run = |args: &[&str], stdin: &[u8]| {
-        let mut child = std::process::Command::new(llama_example())
-            .args(["--sample-len", "8"])
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(stdin).unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = llama_with_stdin(&[&["--sample-len", "8"], args].concat(), stdin);
         let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
         assert!(out.status.success(), "{args:?}:\n{stdout}\n{stderr}");
         (stdout, stderr)

@@ -39,6 +39,16 @@ pub fn llama_example() -> std::path::PathBuf {
     example("llama")
 }
 
+/// Runs the `llama` example with `args`, `stdin` typed into it and then closed (for
+/// `--interactive` cases), and waits for it.
+pub fn llama_with_stdin(args: &[&str], stdin: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(llama_example()).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
 /// The example binary `name` cargo built beside the running test.
 pub fn example(name: &str) -> std::path::PathBuf {
     let exe = std::env::current_exe().unwrap();
