@@ -118,7 +118,7 @@ impl Q8Activation {
             *d = amax / 127.0;
             let id = if *d != 0.0 { 1.0 / *d } else { 0.0 };
             for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                *q = crate::kernels::rows::round_clamp(v * id, -127, 127) as i8;
             }
             *sum = qb.iter().map(|&q| q as i32).sum();
         }

@@ -334,3 +334,28 @@ fn shadow_row_kernels_give_their_fused_steps_bits() {
         }
     }
 }
+
+#[test]
+fn round_clamp_is_round_then_clamp_for_every_kind_of_value() {
+    // Halves of both signs, the floats next to them, values beyond the clamp and beyond i32,
+    // integers beyond 2^23, the extremes, NaN and infinities; and a dense grid.
+    let mut vs: Vec<f32> =
+        vec![0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.49999997, -0.49999997, 126.5, 127.49, 127.5, -127.5, -128.5, 255.5, 8388607.5, 8388609.0, 3e9];
+    vs.extend([1e30, -1e30, f32::MAX, f32::MIN, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, f32::MIN_POSITIVE]);
+    vs.extend((-300_000..300_000).map(|i| i as f32 * 0.00137));
+    vs.extend((0..2000).map(|i| f32::from_bits(0x3eff_ff00 + i)));
+    for (lo, hi) in [(-127, 127), (0, 255), (-128, 127), (-3, 252)] {
+        for &v in &vs {
+            let want = if v.is_nan() { 0 } else { (v.round().clamp(lo as f32, hi as f32)) as i32 };
+            assert_eq!(round_clamp(v, lo, hi), want, "{v:e} in [{lo}, {hi}]");
+        }
+    }
+    // The u8 quantizer (its wide path on this CPU) against the rounding it replaced.
+    for offset in [7.0, -128.0] {
+        let q = quantize_u8(&vs, 1.0 / 0.013, offset);
+        for (&v, &q) in vs.iter().zip(&q) {
+            let want = ((v * (1.0 / 0.013f32)).round() - offset).max(0.0).min(255.0) as u8;
+            assert_eq!(q, want, "{v:e}, offset {offset}");
+        }
+    }
+}
