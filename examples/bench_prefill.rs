@@ -238,7 +238,8 @@ fn main() -> Result<()> {
             let t = Instant::now();
             p.model.prefill_chunked(&text[..n], 256)?;
             let secs = t.elapsed().as_secs_f64();
-            let (dag, schedule) = p.model.last_run().ok_or_else(|| anyhow::anyhow!("no schedule recorded"))?;
+            let run = p.model.last_run().ok_or_else(|| anyhow::anyhow!("no schedule recorded"))?;
+            let (dag, schedule) = &*run;
             let mut by_stage = std::collections::BTreeMap::new();
             for sl in &schedule.slices {
                 *by_stage.entry(dag.node(sl.node).stage_name.clone()).or_insert(0.0) += sl.end - sl.start;

@@ -107,7 +107,7 @@ fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usi
         p.model.prefill_chunked(tokens, chunk)?;
         let secs = t.elapsed().as_secs_f64();
         if best.as_ref().is_none_or(|b| secs < b.secs) {
-            let (dag, schedule) = p.model.last_run().cloned().ok_or_else(|| anyhow!("prefill recorded no schedule"))?;
+            let (dag, schedule) = p.model.last_run().map(|r| (*r).clone()).ok_or_else(|| anyhow!("prefill recorded no schedule"))?;
             best = Some(Run { secs, dag, schedule });
         }
     }

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 
 use candle_npu::{DType, Graph, HtpConfig, NpuDevice, Op, Quant, QuantProfile, StaticData, TensorData};
-use candle_npu_models::{CalibrationSet, DecodeWeights, Model, Precision};
+use candle_npu_models::{logits, CalibrationSet, DecodeWeights, Model, Precision, PrefillOptions, Sequence};
 
 /// Prefill of `tokens` then `steps` greedy tokens: what each thread computes.
 fn generate(m: &mut Model, tokens: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
@@ -31,12 +31,13 @@ fn one_device_and_its_models_from_several_threads() {
     props::tiny_gguf(&path);
     let (profile, _) = props::profile_setup(&dir);
     let device = NpuDevice::host();
-    let load = || {
-        let opts = candle_npu_models::LoadOptions { precision: Some(Precision::W8A8), decode_weights: DecodeWeights::F32, ..Default::default() };
+    let load_with = |decode_weights| {
+        let opts = candle_npu_models::LoadOptions { precision: Some(Precision::W8A8), decode_weights, ..Default::default() };
         let mut m = candle_npu_models::families::load_gguf(Arc::new(candle_npu_models::gguf::Gguf::open(&path).unwrap()), &device, opts).unwrap();
         m.set_profile(profile.clone()).unwrap();
         m
     };
+    let load = || load_with(DecodeWeights::F32);
     let prompts: Vec<Vec<u32>> = (0..4).map(|t| (0..9 + t).map(|i| ((i * 7 + t * 3) % 40) as u32).collect()).collect();
     let want: Vec<_> = prompts.iter().map(|p| generate(&mut load(), p, 6)).collect();
     // A model per thread, on the one device: the graphs (and the host's packed weights) are
@@ -54,7 +55,61 @@ fn one_device_and_its_models_from_several_threads() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(got, want, "one model shared by threads");
+    // One model shared without a lock (`Arc<Model>`, `&self`), each thread its own conversation.
+    let shared = Arc::new(load());
+    let got: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| generate_in(&shared, &mut shared.sequence(), p, 6))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want, "one model, a sequence per thread");
+    // The four conversations decoded together, one pass over the weights per step: each row's
+    // logits bit for bit its conversation's decoded alone. With decode weights in blocks, as
+    // every model runs them (this crate's kernels compute each row on its own; candle's float
+    // matmul of the reference weights sums in another order for another row count).
+    let shared = Arc::new(load_with(DecodeWeights::Q8_0));
+    let want: Vec<_> = prompts.iter().map(|p| generate_in(&shared, &mut shared.sequence(), p, 6)).collect();
+    let mut seqs: Vec<Sequence> = prompts.iter().map(|_| shared.sequence()).collect();
+    let mut next: Vec<u32> = seqs.iter_mut().zip(&prompts).map(|(s, p)| logits::argmax(&shared.prefill_sequence(s, p, &by_4()).unwrap()).unwrap()).collect();
+    let mut alone: Vec<Sequence> = prompts.iter().map(|_| shared.sequence()).collect();
+    alone.iter_mut().zip(&prompts).for_each(|(s, p)| drop(shared.prefill_sequence(s, p, &by_4()).unwrap()));
+    for step in 1..6 {
+        let mut batch: Vec<(&mut Sequence, u32)> = seqs.iter_mut().zip(&next).map(|(s, &t)| (s, t)).collect();
+        let rows = shared.decode_sequences(&mut batch).unwrap();
+        for (i, (s, &t)) in alone.iter_mut().zip(&next).enumerate() {
+            let solo: Vec<f32> = shared.decode_sequences(&mut [(s, t)]).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+            let row: Vec<f32> = rows.get(i).unwrap().to_vec1().unwrap();
+            assert!(row == solo, "step {step}, conversation {i}: the batched row differs from the conversation decoded alone");
+        }
+        next = (0..prompts.len()).map(|i| logits::argmax(&rows.get(i).unwrap()).unwrap()).collect();
+        for (w, &t) in want.iter().zip(&next) {
+            assert_eq!(t, w.0[step], "step {step}: a batched conversation's token differs from its solo run's");
+        }
+    }
+    assert!(seqs.iter().zip(&prompts).all(|(s, p)| s.position() == p.len() + 5), "each sequence holds its prompt and 5 decoded tokens");
+    // A bad token in one conversation fails the batch and leaves every sequence as it was.
+    let before: Vec<usize> = seqs.iter().map(Sequence::position).collect();
+    let mut batch: Vec<(&mut Sequence, u32)> = seqs.iter_mut().enumerate().map(|(i, s)| (s, if i == 2 { u32::MAX } else { 1 })).collect();
+    let err = shared.decode_sequences(&mut batch).unwrap_err().to_string();
+    assert!(err.contains("outside the vocabulary"), "{err}");
+    assert_eq!(seqs.iter().map(Sequence::position).collect::<Vec<_>>(), before);
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Chunks of 4 rows, as `generate`'s prefill.
+fn by_4() -> PrefillOptions {
+    PrefillOptions { chunk_len: Some(4), ..Default::default() }
+}
+
+/// [`generate`] on a conversation of its own on a shared model.
+fn generate_in(m: &Model, seq: &mut Sequence, tokens: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
+    let logits = m.prefill_sequence(seq, tokens, &by_4()).unwrap();
+    let mut out = vec![logits::argmax(&logits).unwrap()];
+    let first: Vec<f32> = logits.to_vec1().unwrap();
+    while out.len() < steps {
+        let next = m.decode_sequences(&mut [(&mut *seq, *out.last().unwrap())]).unwrap();
+        out.push(logits::argmax(&next.squeeze(0).unwrap()).unwrap());
+    }
+    (out, first)
 }
 
 /// The environment variables that make `child` do its part: the folder the processes share, and

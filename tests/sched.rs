@@ -28,7 +28,8 @@ fn every_policy_is_bit_identical_to_in_order() {
         let name = policy.name();
         let got = run(&mut p, policy);
         assert!(got == reference, "{name}: logits differ from in-order by {}", rel_max_err(&got, &reference));
-        let (dag, schedule) = p.model.last_run().unwrap();
+        let run = p.model.last_run().unwrap();
+        let (dag, schedule) = &*run;
         schedule.validate(dag).unwrap();
         let trace = Trace::from_schedule(dag, schedule).to_json();
         assert_eq!(trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "X").count(), dag.len(), "{name}: one slice per node");
@@ -48,7 +49,8 @@ fn a_cpu_margin_has_no_padding_and_the_padded_logits() {
         let err = rel_max_err(&margin, &padded);
         assert!(err < 1e-4, "{}: margin vs padded {err}", policy.name());
     }
-    let (dag, _) = p.model.last_run().unwrap();
+    let run = p.model.last_run().unwrap();
+    let (dag, _) = &*run;
     // 2 x 64 on the NPU, 22 rows as a margin: its nodes are all on the CPU.
     let margin_nodes: Vec<_> = dag.nodes().iter().filter(|n| n.chunk == 2).collect();
     assert!(margin_nodes.iter().all(|n| n.processor == candle_npu::Processor::Cpu && n.rows == 22));

@@ -620,7 +620,8 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         eprintln!("(stopped: the model's context of {context} tokens is full)");
     }
     let prefill_stats = device.stats();
-    if let (Some(path), Some((dag, schedule))) = (&args.trace, p.model.last_run()) {
+    if let (Some(path), Some(run)) = (&args.trace, p.model.last_run()) {
+        let (dag, schedule) = &*run;
         Trace::from_schedule(dag, schedule).write(path)?;
         eprintln!(
             "trace of {} stages written to {} (bubbles: NPU {:.0}%, CPU {:.0}%)",

@@ -30,6 +30,7 @@ pub mod phi3;
 pub mod pipeline;
 pub mod qwen2;
 pub mod sandbox;
+pub mod sequence;
 pub mod session;
 pub mod spec;
 pub mod speculative;
@@ -41,10 +42,11 @@ pub use candle_npu::{DecodeWeights, WeightQuant};
 pub use chat::{JinjaTemplate, Message};
 pub use generate::{GenerateOptions, GenerateStats, StopReason};
 pub use pipeline::{CalibrationSet, CalibrationSource, Pipeline, TextStream};
+pub use sequence::Sequence;
 pub use session::Session;
 pub use spec::{Config, FamilySpec};
 pub use speculative::{SpeculationStats, Speculative, Verify};
-pub use transformer::{prefill_dag, LoadOptions, Model, Precision, PrefillPlan, SchedOptions};
+pub use transformer::{prefill_dag, LoadOptions, Logits, Model, Precision, PrefillOptions, PrefillPlan, PrefillRows, SchedOptions};
 
 /// The README's Rust examples, compiled as doctests (`no_run`: they need a model).
 #[cfg(doctest)]

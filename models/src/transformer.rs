@@ -49,6 +49,7 @@ use candle_npu::{
 
 use crate::attention::{attend, KvCache, KvType, QkNorm, Rows};
 use crate::checkpoint::{Checkpoint, NameMap};
+pub use crate::sequence::Sequence;
 pub use crate::spec::{Config, FamilySpec};
 
 mod calibrate;
@@ -57,7 +58,7 @@ mod prefill;
 mod stages;
 
 use prefill::GraphSet;
-pub use prefill::{prefill_dag, PrefillPlan, SchedOptions};
+pub use prefill::{prefill_dag, Logits, PrefillOptions, PrefillPlan, PrefillRows, SchedOptions};
 pub use stages::{linear_names, point, Dim, LinearDef, StageDef, N_STAGES, STAGES};
 use stages::{DOWN, GATE_UP, O, QKV};
 
@@ -177,16 +178,29 @@ impl Layer {
     /// The layer, written once: the residual stream (`[m, hidden]`) through attention and FFN.
     /// `run(s, h)` computes the linears of stage `s` on `h`: the NPU stage graph with its shadow
     /// outliers in prefill, candle CPU matmuls in decode. Everything else here runs on the CPU.
-    #[allow(clippy::too_many_arguments)]
-    fn forward(&self, cfg: &Config, spec: &FamilySpec, l: usize, x: &mut Residual, rows: &Rows, kv: &Mutex<KvCache>, run: &mut StageFn<'_>) -> Result<()> {
+    /// `attn`: the sequences whose rows these are (one in prefill; several in a batched decode),
+    /// each attending over its own cache.
+    fn forward(&self, cfg: &Config, spec: &FamilySpec, l: usize, x: &mut Residual, attn: &[Attn], run: &mut StageFn<'_>) -> Result<()> {
         let eps = cfg.rms_eps as f32;
         let h = x.add_norm(&self.attn_norm, eps)?;
         let [q, k, v]: [Tensor; 3] = run(QKV, &h)?.try_into().map_err(|_| Error::Internal("QKV stage must return three outputs".into()))?;
-        // Uncontended: a layer's attention runs for one chunk at a time, in chunk order (the
-        // schedule's cross-chunk edge).
-        let mut kv = kv.lock().unwrap_or_else(|e| e.into_inner());
-        let a = attend(cfg, spec, &spec.layers[l], self.qk_norm.as_ref(), &mut kv, &q, &k, &v, rows)?;
-        drop(kv);
+        let mut parts = Vec::with_capacity(attn.len());
+        for a in attn {
+            let rows = |t: &Tensor| -> Result<Tensor> {
+                Ok(match (a.at, a.rows.m) == (0, t.dim(0)?) {
+                    true => t.clone(),
+                    false => t.narrow(0, a.at, a.rows.m)?,
+                })
+            };
+            // Uncontended: a layer's attention runs for one chunk of a sequence at a time, in
+            // chunk order (the schedule's cross-chunk edge).
+            let mut kv = a.kv.lock().unwrap_or_else(|e| e.into_inner());
+            parts.push(attend(cfg, spec, &spec.layers[l], self.qk_norm.as_ref(), &mut kv, &rows(&q)?, &rows(&k)?, &rows(&v)?, a.rows)?);
+        }
+        let a = match parts.len() {
+            1 => parts.remove(0),
+            _ => Tensor::cat(&parts, 0)?,
+        };
         let mut o = run(O, &a)?.remove(0);
         if let Some((post_attn, _)) = &self.post_norms {
             o = candle_nn::ops::rms_norm(&o, post_attn, eps)?;
@@ -201,6 +215,14 @@ impl Layer {
         }
         x.push(d)
     }
+}
+
+/// Where a layer's attention reads and appends for rows `at..at + rows.m` of a pass: one
+/// sequence's rows and its cache of this layer.
+struct Attn<'a> {
+    at: usize,
+    rows: &'a Rows,
+    kv: &'a Mutex<KvCache>,
 }
 
 /// The residual stream between blocks: `x` plus a block's output not added yet, so that the add
@@ -290,20 +312,26 @@ pub struct Model {
     weights: WeightQuant,
     /// Per layer, per stage: the u16 quantization over the observed range (W8A16).
     a16: Vec<[Quant; N_STAGES]>,
-    graphs: HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>,
-    kv: Vec<Mutex<KvCache>>,
-    pos: usize,
+    /// The prepared graphs, by set and precision: prepared on first use by whichever
+    /// conversation needs them, then shared by all.
+    graphs: Mutex<HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>>>,
+    /// How a new conversation's KV caches hold keys and values ([`LoadOptions::kv`]).
+    kv_type: KvType,
+    /// The model's own conversation: the `&mut self` entry points ([`Model::prefill`],
+    /// [`Model::decode`], ...) run on it; [`Model::prefill_sequence`] and
+    /// [`Model::decode_sequences`] on sequences of their callers' (`&self`).
+    seq: Sequence,
     sched: SchedOptions,
     /// Rows of the NPU graphs a prompt is cut into ([`LoadOptions::chunk_len`]).
     chunk_len: usize,
     /// One-thread pool the NPU stages run in when [`SchedOptions::npu_threads`] is set.
-    npu_pool: Option<(usize, Arc<rayon::ThreadPool>)>,
+    npu_pool: Mutex<Option<(usize, Arc<rayon::ThreadPool>)>>,
     /// The last prefill's DAG and what ran when.
-    last_run: Option<(SubgraphDag, Schedule)>,
-    progress: Option<Progress>,
+    last_run: Mutex<Option<Arc<(SubgraphDag, Schedule)>>>,
+    progress: Mutex<Option<Progress>>,
     /// CPU time of the shadow path (outlier extraction and the float product) since the last
     /// [`Model::take_shadow_time`].
-    shadow_time: std::time::Duration,
+    shadow_time: Mutex<Duration>,
 }
 
 /// Called after every (chunk, layer) of a prefill with (done, total).
@@ -455,14 +483,14 @@ impl Model {
             a16: vec![],
             shadow_on: vec![],
             weights: opts.weights,
-            shadow_time: std::time::Duration::ZERO,
-            graphs: HashMap::new(),
-            kv: (0..n).map(|_| Mutex::new(KvCache::new(opts.kv))).collect(),
+            shadow_time: Mutex::new(Duration::ZERO),
+            graphs: Mutex::new(HashMap::new()),
+            kv_type: opts.kv,
+            seq: Sequence::new(n, opts.kv),
             sched,
-            npu_pool: None,
-            last_run: None,
-            pos: 0,
-            progress: None,
+            npu_pool: Mutex::new(None),
+            last_run: Mutex::new(None),
+            progress: Mutex::new(None),
         })
     }
 
@@ -522,9 +550,9 @@ impl Model {
         self.precision
     }
 
-    /// Tokens in the KV cache.
+    /// Tokens in the KV cache of the model's own conversation.
     pub fn position(&self) -> usize {
-        self.pos
+        self.seq.pos
     }
 
     /// The quant profile in use, once one is set ([`Model::set_profile`]): clip ranges, hot
@@ -541,33 +569,57 @@ impl Model {
     /// Replaces the KV caches (one per layer, each of `(kv_heads, head_dim)` and one length,
     /// checked by the caller) and the position with theirs.
     pub(crate) fn set_kv_caches(&mut self, caches: Vec<KvCache>) {
-        self.pos = caches.first().map_or(0, KvCache::len);
-        let t = self.kv_type();
-        self.kv = caches.into_iter().map(|c| Mutex::new(c.into_type(t))).collect();
+        self.seq.set_caches(caches, self.kv_type);
     }
 
     /// How the KV cache holds keys and values ([`LoadOptions::kv`]).
     pub fn kv_type(&self) -> KvType {
-        self.kv.first().map_or(KvType::F32, |kv| kv.lock().unwrap_or_else(|e| e.into_inner()).kind())
+        self.kv_type
     }
 
     /// The KV caches, taken out (a [`crate::Session`]'s, back from a turn): the model is left
     /// with empty ones, at position 0.
     pub(crate) fn take_kv_caches(&mut self) -> Vec<KvCache> {
-        self.pos = 0;
-        let t = self.kv_type();
-        self.kv.iter_mut().map(|kv| std::mem::replace(kv.get_mut().unwrap_or_else(|e| e.into_inner()), KvCache::new(t))).collect()
+        self.seq.take_caches()
     }
 
     /// Forget the KV cache.
     pub fn clear(&mut self) {
-        self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).clear());
-        self.pos = 0;
+        self.seq.clear();
+    }
+
+    /// The prepared graphs, to change (no conversation runs while the model is borrowed so).
+    fn graphs_mut(&mut self) -> &mut HashMap<(GraphSet, Precision), Arc<Vec<Vec<PreparedGraph>>>> {
+        self.graphs.get_mut().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the model's own conversation (taken out for the call: `f` has the model
+    /// shared, as every conversation does).
+    fn on_own<R>(&mut self, f: impl FnOnce(&Self, &mut Sequence) -> Result<R>) -> Result<R> {
+        let mut seq = std::mem::take(&mut self.seq);
+        let r = f(self, &mut seq);
+        self.seq = seq;
+        r
     }
 
     /// Decode one token at the current position; returns its logits, `[vocab]`.
     pub fn decode(&mut self, token: u32) -> Result<Tensor> {
         Ok(self.forward_cpu(&[token])?.squeeze(0)?)
+    }
+
+    /// Decodes the next token of several conversations in one pass over the weights: `batch`
+    /// holds each sequence with its token; returns their logits, `[batch.len(), vocab]`, row `i`
+    /// bit for bit what decoding that token alone in sequence `i` gives (the decode kernels
+    /// compute each row on its own; each sequence's attention reads its own cache), with decode
+    /// weights in blocks, every model's default: float reference weights
+    /// ([`DecodeWeights::F32`]) go through candle's matmul, whose sums follow the row count.
+    /// Decode is memory-bound: the weights are read once for every row. On an error every
+    /// sequence is left as it was.
+    pub fn decode_sequences(&self, batch: &mut [(&mut Sequence, u32)]) -> Result<Tensor> {
+        let tokens: Vec<[u32; 1]> = batch.iter().map(|(_, t)| [*t]).collect();
+        let mut parts: Vec<(&mut Sequence, &[u32])> = batch.iter_mut().zip(&tokens).map(|((s, _), t)| (&mut **s, &t[..])).collect();
+        let x = self.run_cpu(&mut parts, None, false)?;
+        self.logits(&x)
     }
 
     /// Several decode steps in one pass over the weights: the logits of `tokens` (`[n, vocab]`)
@@ -576,26 +628,26 @@ impl Model {
     /// once for every row: decode is memory-bound). A speculative verifier's pass: after it,
     /// [`Model::rewind`] drops the rows not accepted.
     pub fn decode_rows(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let x = self.run_cpu_rows(tokens, None, true)?;
-        self.logits(&x)
+        self.on_own(|m, s| {
+            let x = m.run_cpu(&mut [(s, tokens)], None, true)?;
+            m.logits(&x)
+        })
     }
 
     /// Run `tokens` from the current position on the CPU, as [`Model::forward_cpu`] does, and
     /// return the logits of the last one only, `[vocab]`: a draft model catching up with a
     /// conversation (no NPU graphs, no profile).
     pub fn extend_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let x = self.run_cpu(tokens, None)?;
-        Ok(self.logits(&x.narrow(0, tokens.len() - 1, 1)?)?.squeeze(0)?)
+        self.on_own(|m, s| {
+            let x = m.run_cpu(&mut [(s, tokens)], None, false)?;
+            Ok(m.logits(&x.narrow(0, tokens.len() - 1, 1)?)?.squeeze(0)?)
+        })
     }
 
     /// Back to the first `position` tokens (at most the current position): the KV cache rows
     /// after it are dropped, exactly (a rejected speculation leaves no trace).
     pub fn rewind(&mut self, position: usize) -> Result<()> {
-        if position > self.pos {
-            return Err(Error::Input(format!("rewind to position {position}: the model is at {}", self.pos)));
-        }
-        self.truncate_kv(position);
-        Ok(())
+        self.seq.rewind(position)
     }
 
     /// Run `tokens` from the current position on the CPU (candle matmuls with the decode
@@ -603,49 +655,58 @@ impl Model {
     /// with one token; a whole prompt this way is candle's own CPU prefill, the baseline the NPU
     /// path is measured against.
     pub fn forward_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let x = self.run_cpu(tokens, None)?;
-        self.logits(&x)
+        self.on_own(|m, s| {
+            let x = m.run_cpu(&mut [(s, tokens)], None, false)?;
+            m.logits(&x)
+        })
     }
 
-    /// The layers on the CPU from the current position; returns the last layer's rows. With
-    /// `cal`, every stage's input is observed (calibration).
-    fn run_cpu(&mut self, tokens: &[u32], cal: Option<&mut Calibrator>) -> Result<Tensor> {
-        self.run_cpu_rows(tokens, cal, false)
-    }
-
-    /// [`Model::run_cpu`]; `decode_rows`: each row's attention as its own decode step's.
-    fn run_cpu_rows(&mut self, tokens: &[u32], cal: Option<&mut Calibrator>, decode_rows: bool) -> Result<Tensor> {
-        self.check_tokens(tokens)?;
-        let n = tokens.len();
-        if n == 0 || self.pos + n > self.cfg.context_len {
-            return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", self.pos, self.cfg.context_len)));
+    /// The layers on the CPU for each `(sequence, its new tokens)` of `batch` from its
+    /// position, the rows of all of them together through the linears (one pass over the
+    /// weights), each sequence's attention over its own cache; returns the last layer's rows,
+    /// the sequences' one after another. With `cal`, every stage's input is observed
+    /// (calibration); `decode_rows`: each row's attention as its own decode step's. On an error
+    /// every sequence holds what it held before.
+    fn run_cpu(&self, batch: &mut [(&mut Sequence, &[u32])], cal: Option<&mut Calibrator>, decode_rows: bool) -> Result<Tensor> {
+        for (seq, tokens) in batch.iter() {
+            self.check_tokens(tokens)?;
+            let n = tokens.len();
+            if n == 0 || seq.pos + n > self.cfg.context_len {
+                return Err(Error::Input(format!("{n} tokens at position {} do not fit the context of {}", seq.pos, self.cfg.context_len)));
+            }
         }
-        let base = self.pos;
-        let r = self.run_layers_cpu(tokens, cal, decode_rows);
+        let bases: Vec<usize> = batch.iter().map(|(s, _)| s.pos).collect();
+        let r = self.run_layers_cpu(batch, cal, decode_rows);
         if r.is_err() {
-            // Layers before the failing one appended: the cache holds the first `base` again.
-            self.truncate_kv(base);
+            // Layers before the failing one appended: each cache holds its first tokens again.
+            batch.iter_mut().zip(bases).for_each(|((seq, _), base)| seq.truncate(base));
         }
         r
     }
 
-    fn run_layers_cpu(&mut self, tokens: &[u32], mut cal: Option<&mut Calibrator>, decode_rows: bool) -> Result<Tensor> {
-        let n = tokens.len();
-        let mut x = Residual::new(self.embed_rows(tokens)?);
-        let rows = Rows::new(&self.spec, self.pos, n, n, self.pos + n)?;
-        let rows = if decode_rows { rows.decode_rows() } else { rows.decode_step() };
-        let Model { cfg, spec, layers, kv, .. } = self;
-        for (l, layer) in layers.iter().enumerate() {
+    fn run_layers_cpu(&self, batch: &mut [(&mut Sequence, &[u32])], mut cal: Option<&mut Calibrator>, decode_rows: bool) -> Result<Tensor> {
+        let ids: Vec<u32> = batch.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        let mut x = Residual::new(self.embed_rows(&ids)?);
+        let mut parts = Vec::with_capacity(batch.len());
+        let mut at = 0;
+        for (seq, tokens) in batch.iter() {
+            let n = tokens.len();
+            let rows = Rows::new(&self.spec, seq.pos, n, n, seq.pos + n)?;
+            parts.push((at, if decode_rows { rows.decode_rows() } else { rows.decode_step() }));
+            at += n;
+        }
+        for (l, layer) in self.layers.iter().enumerate() {
+            let attn: Vec<Attn> = batch.iter().zip(&parts).map(|((seq, _), (at, rows))| Attn { at: *at, rows, kv: &seq.kv[l] }).collect();
             let mut run = |s: usize, h: &Tensor| {
                 if let Some(cal) = cal.as_deref_mut() {
                     cal.observe(&point(l, STAGES[s].point), &h.flatten_all()?.to_vec1::<f32>()?, h.dim(1)?);
                 }
                 ShadowLinear::forward_all(&layer.stages[s], h)
             };
-            layer.forward(cfg, spec, l, &mut x, &rows, &kv[l], &mut run)?;
+            layer.forward(&self.cfg, &self.spec, l, &mut x, &attn, &mut run)?;
         }
         let x = x.finish()?;
-        self.pos += n;
+        batch.iter_mut().for_each(|(seq, tokens)| seq.pos += tokens.len());
         Ok(x)
     }
 
@@ -663,12 +724,6 @@ impl Model {
         };
         let shadow: String = self.shadow_on.iter().map(|&on| if on { '1' } else { '0' }).collect();
         format!("{:?} prefill, {:?} weights, profile {profile}, shadow layers {shadow}, {:?} numerics", self.precision, self.weights, self.device.numerics())
-    }
-
-    /// Back to the first `n` tokens, in every layer's cache and the position.
-    fn truncate_kv(&mut self, n: usize) {
-        self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).truncate(n));
-        self.pos = self.pos.min(n);
     }
 
     /// Embeddings of `tokens`, `[n, hidden]` (scaled as the family says).

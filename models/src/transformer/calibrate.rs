@@ -38,7 +38,7 @@ impl Model {
             }
             a16.push(row16);
         }
-        self.graphs.retain(|k, _| k.1 == Precision::F32);
+        self.graphs_mut().retain(|k, _| k.1 == Precision::F32);
         self.a16 = a16;
         self.profile = Some(profile);
         self.shadow_columns(self.sched.plan)?;
@@ -107,7 +107,7 @@ impl Model {
         self.shadow_on = on.to_vec();
         if changed {
             // The NPU inputs' quantization is part of the stage graphs.
-            self.graphs.retain(|k, _| !matches!(k.1, Precision::W8A8 | Precision::W8A16Shadow));
+            self.graphs_mut().retain(|k, _| !matches!(k.1, Precision::W8A8 | Precision::W8A16Shadow));
         }
         Ok(())
     }
@@ -140,7 +140,7 @@ impl Model {
 
     /// The CPU time the shadow path took since the last call (its share of prefill time).
     pub fn take_shadow_time(&mut self) -> std::time::Duration {
-        std::mem::take(&mut self.shadow_time)
+        std::mem::take(self.shadow_time.get_mut().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Zeroes every quantization point's outlier counts (what [`Model::point_stats`] reports).
@@ -153,10 +153,10 @@ impl Model {
     /// HTP emulator would take hours for them.
     pub(super) fn on_host<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
         let device = std::mem::replace(&mut self.device, NpuDevice::host());
-        let graphs = std::mem::take(&mut self.graphs);
+        let graphs = std::mem::take(self.graphs_mut());
         let r = f(self);
         self.device = device;
-        self.graphs = graphs;
+        *self.graphs_mut() = graphs;
         self.clear();
         r
     }
@@ -168,12 +168,10 @@ impl Model {
     /// compute in FP16. `progress` is called after each sequence.
     pub fn calibrate(&mut self, sequences: &[Vec<u32>], mut progress: impl FnMut(usize)) -> Result<Calibrator> {
         let mut cal = Calibrator::default();
-        for (i, seq) in sequences.iter().enumerate() {
-            self.clear();
-            let r = self.run_cpu(seq, Some(&mut cal));
-            self.clear();
-            r?;
-            cal.tokens_seen += seq.len();
+        for (i, tokens) in sequences.iter().enumerate() {
+            let mut seq = self.sequence();
+            self.run_cpu(&mut [(&mut seq, tokens)], Some(&mut cal), false)?;
+            cal.tokens_seen += tokens.len();
             progress(i + 1);
         }
         Ok(cal)
@@ -190,10 +188,9 @@ impl Model {
             let loss = |m: &mut Model, on: &[bool]| -> Result<f64> {
                 m.set_shadow_layers(on)?;
                 let mut total = 0.0;
-                for seq in sequences {
-                    m.clear();
-                    let logits = m.run_prefill(seq, &m.npu_only_plan(seq.len(), chunk_len)?, Precision::W8A8, true)?;
-                    total += mean_nll(&logits, seq)?;
+                for tokens in sequences {
+                    let logits = m.run_prefill(&mut m.sequence(), tokens, &m.npu_only_plan(tokens.len(), chunk_len)?, Precision::W8A8, true)?;
+                    total += mean_nll(&logits, tokens)?;
                 }
                 Ok(total / sequences.len() as f64)
             };
@@ -223,9 +220,8 @@ impl Model {
         self.set_shadow_layers(&vec![true; self.layers.len()])?;
         self.reset_point_stats();
         let r = self.on_host(|m| {
-            for (i, seq) in sequences.iter().enumerate() {
-                m.clear();
-                m.run_prefill(seq, &m.npu_only_plan(seq.len(), chunk_len)?, Precision::W8A8, false)?;
+            for (i, tokens) in sequences.iter().enumerate() {
+                m.run_prefill(&mut m.sequence(), tokens, &m.npu_only_plan(tokens.len(), chunk_len)?, Precision::W8A8, false)?;
                 progress(i + 1);
             }
             Ok(m.points.iter().flatten().map(|p| (p.name.clone(), p.channel_outliers())).collect())

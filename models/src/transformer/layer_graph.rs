@@ -33,7 +33,7 @@ use candle_core::Tensor;
 use candle_npu::{DType, Error, Graph, Op, Result, StaticData, TensorData, TensorId};
 
 use super::stages::{DOWN, GATE_UP, O, QKV};
-use super::{GraphSet, Model, Precision};
+use super::{GraphSet, Model, Precision, Sequence};
 use crate::attention::{rope_tables, KvCache};
 use crate::spec::{Activation, RopeLayout};
 
@@ -163,9 +163,11 @@ impl Model {
 
     /// The whole-layer graphs of every layer for chunks of `m` rows over a cache of `cap`,
     /// prepared on the model's device on first use and kept.
-    pub(super) fn layer_graphs_for(&mut self, m: usize, cap: usize, precision: Precision) -> Result<Arc<Vec<Vec<candle_npu::PreparedGraph>>>> {
+    pub(super) fn layer_graphs_for(&self, m: usize, cap: usize, precision: Precision) -> Result<Arc<Vec<Vec<candle_npu::PreparedGraph>>>> {
         let key = (GraphSet::Layers { m, cap }, precision);
-        if !self.graphs.contains_key(&key) {
+        // Locked while they are prepared (see `prepare_sets`).
+        let mut map = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
+        if let std::collections::hash_map::Entry::Vacant(slot) = map.entry(key) {
             let t = std::time::Instant::now();
             let nl = self.layers.len();
             let graphs = (0..nl).map(|l| Ok(vec![self.device.prepare(&self.layer_graph(l, m, cap, precision)?)?])).collect::<Result<Vec<_>>>()?;
@@ -178,9 +180,9 @@ impl Model {
                 executor = self.device.executor_name(),
                 "prepared whole-layer graphs"
             );
-            self.graphs.insert(key, Arc::new(graphs));
+            slot.insert(Arc::new(graphs));
         }
-        Ok(self.graphs[&key].clone())
+        Ok(map[&key].clone())
     }
 
     /// [`super::PrefillPlan::Layers`]' prefill of `tokens` after the tokens the caches hold, in
@@ -189,15 +191,21 @@ impl Model {
     /// chunk, its new keys and values appended to the layer's cache. The logits of every token
     /// (`all_logits`) or of the last, as [`Self::run_plan`]'s. The caller
     /// ([`Self::run_prefill`]) checks the tokens and restores the caches on an error.
-    pub(super) fn run_layers(&mut self, tokens: &[u32], plan: &candle_npu::ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
+    pub(super) fn run_layers(
+        &self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        plan: &candle_npu::ChunkPlan,
+        precision: Precision,
+        all_logits: bool,
+    ) -> Result<Tensor> {
         let (nkv, hd, nl, h) = (self.cfg.n_kv_head, self.cfg.head_dim, self.layers.len(), self.cfg.hidden);
-        let reserve = (self.pos + tokens.len() + KvCache::GROW).min(self.cfg.context_len);
-        let mut progress = self.progress.take();
+        let reserve = (seq.pos + tokens.len() + KvCache::GROW).min(self.cfg.context_len);
         let (total, mut done) = (plan.chunks.len() * nl, 0);
         let mut rows = Vec::with_capacity(if all_logits { tokens.len() * h } else { h });
         for c in &plan.chunks {
             let (chunk, m) = (&tokens[c.start..c.start + c.len], c.padded_len);
-            let (start, n) = (self.pos, chunk.len());
+            let (start, n) = (seq.pos, chunk.len());
             let cap = capacity(start, m);
             let mut ids = chunk.to_vec();
             ids.resize(m, 0);
@@ -217,7 +225,7 @@ impl Model {
             }
             for (l, graph) in graphs.iter().map(|g| &g[0]).enumerate() {
                 let spec = &self.spec.layers[l];
-                let kv = self.kv[l].get_mut().unwrap_or_else(|e| e.into_inner());
+                let kv = seq.kv[l].get_mut().unwrap_or_else(|e| e.into_inner());
                 let (kc, vc) = kv.padded(cap, nkv, hd);
                 let mask = &masks.iter().find(|(w, _)| *w == spec.window).expect("one per window").1;
                 let (_, cos, sin) = tables.iter().find(|(b, _, _)| *b == spec.rope_base).expect("one per base");
@@ -230,11 +238,11 @@ impl Model {
                 kv.append(&k, &v, n, nkv, hd, reserve)?;
                 x = y;
                 done += 1;
-                if let Some(report) = progress.as_mut() {
+                if let Some(report) = self.progress.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
                     report(done, total);
                 }
             }
-            self.pos += n;
+            seq.pos += n;
             let TensorData::F32(mut stream) = x else { return Err(Error::Internal("a layer graph's stream is F32".into())) };
             stream.iter_mut().for_each(|v| *v /= STREAM_SCALE);
             match all_logits {
@@ -242,7 +250,6 @@ impl Model {
                 false => rows = stream[(n - 1) * h..n * h].to_vec(),
             }
         }
-        self.progress = progress;
         let n = rows.len() / h;
         self.logits(&Tensor::from_vec(rows, (n, h), &candle_core::Device::Cpu)?)
     }

@@ -17,6 +17,41 @@ pub(super) enum GraphSet {
     },
 }
 
+/// What [`Model::prefill_sequence`] runs and returns (every field has a default: the model's
+/// chunk length, its prefill plan's rows, the last token's logits).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefillOptions {
+    /// Rows of the NPU graphs the tokens are cut into (`None`: [`Model::chunk_len`]).
+    pub chunk_len: Option<usize>,
+    /// Which logits come back.
+    pub logits: Logits,
+    /// Which rows run on the NPU's graphs.
+    pub rows: PrefillRows,
+}
+
+/// Which logits a prefill returns.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Logits {
+    /// The last token's, `[vocab]`: a prompt's next token.
+    #[default]
+    Last,
+    /// Every token's, `[n, vocab]`: perplexity, a speculative verifier's rows.
+    All,
+}
+
+/// Which rows of a prefill run on the NPU's graphs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PrefillRows {
+    /// As the model's plan says ([`Model::plan_chunked`]: full chunks, smaller graphs where
+    /// they pay, the rest a CPU margin or padded).
+    #[default]
+    Planned,
+    /// Every row on graphs of the chunk length, the last chunk padded, no CPU margin: each row
+    /// is what the NPU gives it (a speculative verifier on the NPU, measurements of its
+    /// numerics).
+    NpuOnly,
+}
+
 /// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin). The defaults were chosen by
 /// measurement (`docs/scheduling.md`): FIFO, 4 chunks in flight, graphs of
 /// the chunk length and of 32 rows, the rest a CPU margin with the host executor
@@ -162,7 +197,7 @@ pub fn prefill_dag(plan: &ChunkPlan, n_layer: usize) -> Result<SubgraphDag> {
 impl Model {
     /// Report prefill progress (e.g. to a progress bar: an emulated NPU takes minutes).
     pub fn set_prefill_progress(&mut self, progress: Option<Progress>) {
-        self.progress = progress;
+        *self.progress.get_mut().unwrap_or_else(|e| e.into_inner()) = progress;
     }
 
     /// Rows of the NPU graphs a prompt is cut into ([`LoadOptions::chunk_len`]).
@@ -231,8 +266,24 @@ impl Model {
 
     /// [`Model::extend`] in chunks of `chunk_len` rows.
     pub fn extend_chunked(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
-        let logits = self.run_prefill(tokens, &self.plan_chunked(tokens.len(), chunk_len)?, self.precision, false)?;
-        Ok(logits.squeeze(0)?)
+        let opts = PrefillOptions { chunk_len: Some(chunk_len), ..Default::default() };
+        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
+    }
+
+    /// Runs `tokens` into `seq` after the tokens it holds (a prompt, or a conversation's next
+    /// turn) through the model's prefill plan, and returns the logits `opts` asks for: the last
+    /// token's, `[vocab]`, or every token's, `[n, vocab]`. The model is shared: several
+    /// conversations may prefill and decode on it at once, each on its own sequence (the NPU's
+    /// graphs run one at a time). On an error `seq` is left as it was.
+    pub fn prefill_sequence(&self, seq: &mut Sequence, tokens: &[u32], opts: &PrefillOptions) -> Result<Tensor> {
+        let chunk_len = opts.chunk_len.unwrap_or(self.chunk_len);
+        let plan = match opts.rows {
+            PrefillRows::Planned => self.plan_chunked(tokens.len(), chunk_len)?,
+            PrefillRows::NpuOnly => self.npu_only_plan(tokens.len(), chunk_len)?,
+        };
+        let all = opts.logits == Logits::All;
+        let logits = self.run_prefill(seq, tokens, &plan, self.precision, all)?;
+        Ok(if all { logits } else { logits.squeeze(0)? })
     }
 
     /// The logits of every one of `tokens` after the tokens the KV cache holds, `[n, vocab]`,
@@ -242,8 +293,8 @@ impl Model {
     /// is what the NPU's prefill gives that token after the ones before it. Afterwards
     /// [`Model::rewind`] drops the rows not accepted; on an error the cache is left as it was.
     pub fn extend_rows(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let plan = self.npu_only_plan(tokens.len(), self.chunk_len)?;
-        self.run_prefill(tokens, &plan, self.precision, true)
+        let opts = PrefillOptions { logits: Logits::All, rows: PrefillRows::NpuOnly, ..Default::default() };
+        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
     }
 
     /// Prefill and return the logits of every prompt position, `[len, vocab]` (for perplexity).
@@ -254,7 +305,8 @@ impl Model {
     /// [`Model::prefill_all_logits`] in chunks of `chunk_len` rows.
     pub fn prefill_all_logits_chunked(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
         self.clear();
-        self.run_prefill(tokens, &self.plan_chunked(tokens.len(), chunk_len)?, self.precision, true)
+        let opts = PrefillOptions { chunk_len: Some(chunk_len), logits: Logits::All, ..Default::default() };
+        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
     }
 
     /// The chunk plan of a prefill of `n` tokens ([`Model::plan_chunked`] at the chunk length).
@@ -311,26 +363,26 @@ impl Model {
         ChunkPlan::new(n, chunk_len, self.cfg.context_len, Tail::Pad)
     }
 
-    /// Runs `plan` over `tokens` from the current position (after the tokens the KV cache holds).
-    pub(super) fn run_prefill(&mut self, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
+    /// Runs `plan` over `tokens` from `seq`'s position (after the tokens its KV cache holds).
+    pub(super) fn run_prefill(&self, seq: &mut Sequence, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
         self.check_tokens(tokens)?;
         self.check_profile(precision)?;
-        let base = self.pos;
+        let base = seq.pos;
         if base + tokens.len() > self.cfg.context_len {
             return Err(Error::Input(format!("{} tokens after the {base} the KV cache holds exceed the context of {}", tokens.len(), self.cfg.context_len)));
         }
         let r = match self.sched.plan {
-            PrefillPlan::Stages => self.run_plan(tokens, plan, precision, all_logits),
-            PrefillPlan::Layers => self.run_layers(tokens, plan, precision, all_logits),
+            PrefillPlan::Stages => self.run_plan(seq, tokens, plan, precision, all_logits),
+            PrefillPlan::Layers => self.run_layers(seq, tokens, plan, precision, all_logits),
         };
         if r.is_err() {
             // What a failed prefill appended goes: the cache holds the first `base` tokens again.
-            self.truncate_kv(base);
+            seq.truncate(base);
         }
         r
     }
 
-    pub(super) fn run_plan(&mut self, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
+    pub(super) fn run_plan(&self, seq: &mut Sequence, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
         // Every size the plan could have used, at once: one unit of compiled graphs per chunk
         // length, whatever this prompt's length.
         let mut sets = self.npu_sets(plan.chunk_len);
@@ -346,12 +398,11 @@ impl Model {
         let runner = Runner::new(&dag, &self.estimate(), self.sched.policy.clone())?;
         let total = plan.chunks.len() * self.layers.len();
         let done = std::sync::atomic::AtomicUsize::new(0);
-        let progress = Mutex::new(self.progress.take());
-        let model = &*self;
+        let (model, at) = (self, &*seq);
         let run = |chunk: &Chunk| {
             let on_layer = || {
                 let d = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-                if let Some(report) = progress.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                if let Some(report) = model.progress.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
                     report(d, total);
                 }
             };
@@ -359,7 +410,7 @@ impl Model {
                 true => margin.as_deref(),
                 false => graphs.get(&chunk.padded_len).map(|g| &**g),
             };
-            let r = model.run_chunk(chunk, tokens, precision, all_logits, &runner, &dag, graphs, npu_pool.as_deref(), on_layer);
+            let r = model.run_chunk(at, chunk, tokens, precision, all_logits, &runner, &dag, graphs, npu_pool.as_deref(), on_layer);
             if r.is_err() {
                 runner.abort();
             }
@@ -411,13 +462,12 @@ impl Model {
                 .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| Err(Error::Internal("a prefill chunk never ran".into()))))
                 .collect()
         };
-        self.progress = progress.into_inner().unwrap_or_else(|e| e.into_inner());
         let mut out_rows = Vec::with_capacity(results.len());
         let mut errors = vec![];
         for r in results {
             match r {
                 Ok((rows, shadow)) => {
-                    self.shadow_time += shadow;
+                    *self.shadow_time.lock().unwrap_or_else(|e| e.into_inner()) += shadow;
                     out_rows.push(rows);
                 }
                 Err(e) => errors.push(e),
@@ -429,8 +479,8 @@ impl Model {
         }
         let schedule = runner.schedule();
         drop(runner);
-        self.last_run = Some((dag, schedule));
-        self.pos += tokens.len();
+        *self.last_run.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new((dag, schedule)));
+        seq.pos += tokens.len();
         let rows: Vec<Tensor> = out_rows.into_iter().filter(|r| r.dim(0).is_ok_and(|n| n > 0)).collect();
         self.logits(&Tensor::cat(&rows, 0)?)
     }
@@ -441,6 +491,7 @@ impl Model {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_chunk(
         &self,
+        seq: &Sequence,
         chunk: &Chunk,
         tokens: &[u32],
         precision: Precision,
@@ -460,13 +511,13 @@ impl Model {
         let mut ids = tokens[chunk.start..chunk.start + n_valid].to_vec();
         ids.resize(m, 0);
         let mut x = Residual::new(self.embed_rows(&ids)?);
-        // Positions after the tokens the cache held before this prefill (`self.pos`, updated
+        // Positions after the tokens the cache held before this prefill (`seq.pos`, updated
         // when the prefill is done). The cache is sized once for the prompt and the first
         // `KvCache::GROW` decoded tokens: growing it at the first decode step copied every layer
         // into a new buffer while the old one was still held (SmolLM2 after a 700-token prompt:
         // +58 MiB resident at the first token, 431 MiB peak; 11 MiB of headroom instead).
-        let reserve = (self.pos + tokens.len() + KvCache::GROW).min(self.cfg.context_len);
-        let rows = Rows::new(&self.spec, self.pos + chunk.start, m, n_valid, reserve)?;
+        let reserve = (seq.pos + tokens.len() + KvCache::GROW).min(self.cfg.context_len);
+        let rows = Rows::new(&self.spec, seq.pos + chunk.start, m, n_valid, reserve)?;
         let mut shadow_time = Duration::ZERO;
         for l in 0..n_layer {
             let layer = &self.layers[l];
@@ -515,7 +566,8 @@ impl Model {
                 };
                 Ok(ys)
             };
-            layer.forward(&self.cfg, &self.spec, l, &mut x, &rows, &self.kv[l], &mut run)?;
+            let attn = [Attn { at: 0, rows: &rows, kv: &seq.kv[l] }];
+            layer.forward(&self.cfg, &self.spec, l, &mut x, &attn, &mut run)?;
             shadow_time += stage.shadow_time;
             on_layer();
         }
@@ -544,11 +596,12 @@ impl Model {
         AnalyticCosts { shape: self.layer_shape(), rates: Rates::HOST }
     }
 
-    pub(super) fn npu_pool(&mut self) -> Result<Option<Arc<rayon::ThreadPool>>> {
+    pub(super) fn npu_pool(&self) -> Result<Option<Arc<rayon::ThreadPool>>> {
         let Some(threads) = self.sched.npu_threads else {
             return Ok(None);
         };
-        if let Some((t, pool)) = &self.npu_pool {
+        let mut npu_pool = self.npu_pool.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((t, pool)) = &*npu_pool {
             if *t == threads {
                 return Ok(Some(pool.clone()));
             }
@@ -559,7 +612,7 @@ impl Model {
             .build()
             .map_err(|e| Error::Input(format!("cannot start the NPU queue's {threads} threads: {e}")))?;
         let pool = Arc::new(pool);
-        self.npu_pool = Some((threads, pool.clone()));
+        *npu_pool = Some((threads, pool.clone()));
         Ok(Some(pool))
     }
 
@@ -594,8 +647,8 @@ impl Model {
     }
 
     /// The last prefill's DAG and schedule (what ran where and when): for traces and bubble rates.
-    pub fn last_run(&self) -> Option<&(SubgraphDag, Schedule)> {
-        self.last_run.as_ref()
+    pub fn last_run(&self) -> Option<Arc<(SubgraphDag, Schedule)>> {
+        self.last_run.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The graphs a CPU margin runs its linears on, on any row count
@@ -608,7 +661,7 @@ impl Model {
     /// library beside a real NPU (99.6% of stage outputs bit-exact), which is not far enough to
     /// keep near ties, so a real NPU pads by default ([`SchedOptions::for_device`]). `None` for
     /// a float prefill beside a real NPU: its margin runs the decode weights.
-    pub(super) fn margin_graphs(&mut self, plan: &ChunkPlan, precision: Precision) -> Result<Option<Arc<Vec<Vec<PreparedGraph>>>>> {
+    pub(super) fn margin_graphs(&self, plan: &ChunkPlan, precision: Precision) -> Result<Option<Arc<Vec<Vec<PreparedGraph>>>>> {
         // A float prefill beside a real NPU: no host copy of the float weights to run them on.
         if !plan.chunks.iter().any(|c| c.margin) || (precision == Precision::F32 && !self.device.on_host()) {
             return Ok(None);
@@ -622,9 +675,9 @@ impl Model {
         Ok(Some(graphs))
     }
 
-    pub(super) fn graphs_for(&mut self, set: GraphSet, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
+    pub(super) fn graphs_for(&self, set: GraphSet, precision: Precision) -> Result<Arc<Vec<Vec<PreparedGraph>>>> {
         self.prepare_sets(&[set], precision)?;
-        Ok(self.graphs[&(set, precision)].clone())
+        Ok(self.graphs.lock().unwrap_or_else(|e| e.into_inner())[&(set, precision)].clone())
     }
 
     /// Prepares the stage graphs of every layer for the sets in `sets` not prepared yet, the NPU's
@@ -632,10 +685,13 @@ impl Model {
     /// with weight sharing, whose sizes hold their weights once; one per size without: see
     /// `candle_npu::Contexts`), each one cache entry and one load. Margin graphs (any row count)
     /// run on the margin's device, described with one row.
-    pub(super) fn prepare_sets(&mut self, sets: &[GraphSet], precision: Precision) -> Result<()> {
+    /// The map stays locked while they are prepared: another conversation needing graphs waits
+    /// for these (the same ones, likely) rather than preparing them twice.
+    pub(super) fn prepare_sets(&self, sets: &[GraphSet], precision: Precision) -> Result<()> {
+        let mut map = self.graphs.lock().unwrap_or_else(|e| e.into_inner());
         let mut todo: Vec<GraphSet> = Vec::new();
         for &set in sets {
-            if !self.graphs.contains_key(&(set, precision)) && !todo.contains(&set) {
+            if !map.contains_key(&(set, precision)) && !todo.contains(&set) {
                 todo.push(set);
             }
         }
@@ -659,7 +715,7 @@ impl Model {
                         lins.iter().for_each(|lin| lin.attach_packed(graph));
                     }
                 }
-                self.graphs.insert((*set, precision), Arc::new(graphs));
+                map.insert((*set, precision), Arc::new(graphs));
             }
             tracing::info!(
                 sets = ?group,

@@ -1,0 +1,104 @@
+//! One conversation's state on a loaded [`Model`]: its KV caches and position, apart from the
+//! model, so that one loaded model (shared, `&self`) serves several conversations at once.
+//!
+//! A [`Model`] runs tokens into a sequence ([`Model::prefill_sequence`]) and decodes the next
+//! token of several sequences in one pass over the weights ([`Model::decode_sequences`]); the
+//! weights, the quant profile and the prepared graphs are the model's, shared by every sequence.
+//! A sequence is only meaningful with the model that made it ([`Model::sequence`]): its caches
+//! have that model's layers and KV type, and its rows that model's arithmetic.
+
+use std::sync::Mutex;
+
+use candle_npu::{Error, Result};
+
+use crate::attention::{KvCache, KvType};
+use crate::Model;
+
+/// A conversation's KV caches (one per layer) and position (the tokens they hold).
+#[derive(Default)]
+pub struct Sequence {
+    /// Per layer; a mutex so that a prefill's chunks, run by several workers in chunk order,
+    /// can each append to a layer's cache (uncontended: the schedule orders them).
+    pub(crate) kv: Vec<Mutex<KvCache>>,
+    pub(crate) pos: usize,
+}
+
+impl Sequence {
+    /// An empty sequence of `layers` caches holding keys and values as `kv`.
+    pub(crate) fn new(layers: usize, kv: KvType) -> Self {
+        Sequence { kv: (0..layers).map(|_| Mutex::new(KvCache::new(kv))).collect(), pos: 0 }
+    }
+
+    /// The number of tokens the caches hold: where the next token goes.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// How the caches hold keys and values.
+    pub fn kv_type(&self) -> KvType {
+        self.kv.first().map_or(KvType::F32, |kv| kv.lock().unwrap_or_else(|e| e.into_inner()).kind())
+    }
+
+    /// Bytes the caches hold (keys and values of every layer).
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.iter().map(|kv| kv.lock().unwrap_or_else(|e| e.into_inner()).bytes()).sum()
+    }
+
+    /// Forget every token, and the caches' memory.
+    pub fn clear(&mut self) {
+        self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).clear());
+        self.pos = 0;
+    }
+
+    /// Back to the first `position` tokens (at most the current position): the cache rows after
+    /// it are dropped, exactly (a rejected speculation, or a turn taken back, leaves no trace).
+    pub fn rewind(&mut self, position: usize) -> Result<()> {
+        if position > self.pos {
+            return Err(Error::Input(format!("rewind to position {position}: the sequence is at {}", self.pos)));
+        }
+        self.truncate(position);
+        Ok(())
+    }
+
+    /// Back to the first `n` tokens, in every layer's cache and the position.
+    pub(crate) fn truncate(&mut self, n: usize) {
+        self.kv.iter_mut().for_each(|kv| kv.get_mut().unwrap_or_else(|e| e.into_inner()).truncate(n));
+        self.pos = self.pos.min(n);
+    }
+
+    /// The caches, taken out (a [`crate::Session`]'s, back from a turn): the sequence is left
+    /// with empty ones, at position 0.
+    pub(crate) fn take_caches(&mut self) -> Vec<KvCache> {
+        self.pos = 0;
+        let t = self.kv_type();
+        self.kv.iter_mut().map(|kv| std::mem::replace(kv.get_mut().unwrap_or_else(|e| e.into_inner()), KvCache::new(t))).collect()
+    }
+
+    /// Replaces the caches (one per layer, of one length, checked by the caller) and the
+    /// position with theirs, held as `t`.
+    pub(crate) fn set_caches(&mut self, caches: Vec<KvCache>, t: KvType) {
+        self.pos = caches.first().map_or(0, KvCache::len);
+        self.kv = caches.into_iter().map(|c| Mutex::new(c.into_type(t))).collect();
+    }
+}
+
+impl std::fmt::Debug for Sequence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Sequence({} layers, position {}, {:?} KV)", self.kv.len(), self.pos, self.kv_type())
+    }
+}
+
+impl Model {
+    /// A new, empty conversation on this model.
+    pub fn sequence(&self) -> Sequence {
+        Sequence::new(self.config().n_layer, self.kv_type())
+    }
+}
+
+/// One loaded model serves conversations on several threads (`Arc<Model>`): it must stay
+/// `Send + Sync` (its prepared graphs, pools and telemetry are behind locks).
+const _: fn() = || {
+    fn shared<T: Send + Sync>() {}
+    shared::<Model>();
+    shared::<Sequence>();
+};
