@@ -31,6 +31,7 @@ pub mod pipeline;
 pub mod qwen2;
 pub mod sandbox;
 pub mod sequence;
+pub mod serve;
 pub mod session;
 pub mod spec;
 pub mod speculative;
