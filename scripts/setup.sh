@@ -258,4 +258,17 @@ if ! ldconfig -p 2>/dev/null | grep -q libatomic.so.1; then
     || log "could not install libatomic1; QNN system library may not load"
 fi
 
+# The real `openai` Python client, for the OpenAI-compatible server's CI test (tests/server.rs
+# runs tests/openai_client.py with PYTHONPATH=$ASSETS/python). Pinned, with its dependencies, into
+# the assets folder: nothing is installed system-wide.
+OPENAI="$ASSETS/python"
+if [ -f "$OPENAI/openai-3.57.0.dist-info/METADATA" ]; then
+  log "openai client present"
+else
+  rm -rf "$OPENAI.tmp"
+  python3 -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --root-user-action=ignore --target "$OPENAI.tmp" openai==3.57.0 >&2
+  rm -rf "$OPENAI" && mv "$OPENAI.tmp" "$OPENAI"
+  log "openai client ready: $OPENAI"
+fi
+
 log "assets in $ASSETS"
