@@ -73,10 +73,10 @@ fn one_device_and_its_models_from_several_threads() {
     let mut alone: Vec<Sequence> = prompts.iter().map(|_| shared.sequence()).collect();
     alone.iter_mut().zip(&prompts).for_each(|(s, p)| drop(shared.prefill_sequence(s, p, &by_4()).unwrap()));
     for step in 1..6 {
-        let mut batch: Vec<(&mut Sequence, u32)> = seqs.iter_mut().zip(&next).map(|(s, &t)| (s, t)).collect();
+        let mut batch: Vec<(&mut Sequence, &[u32])> = seqs.iter_mut().zip(&next).map(|(s, t)| (s, std::slice::from_ref(t))).collect();
         let rows = shared.decode_sequences(&mut batch).unwrap();
         for (i, (s, &t)) in alone.iter_mut().zip(&next).enumerate() {
-            let solo: Vec<f32> = shared.decode_sequences(&mut [(s, t)]).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
+            let solo: Vec<f32> = shared.decode_sequences(&mut [(s, &[t])]).unwrap().squeeze(0).unwrap().to_vec1().unwrap();
             let row: Vec<f32> = rows.get(i).unwrap().to_vec1().unwrap();
             assert!(row == solo, "step {step}, conversation {i}: the batched row differs from the conversation decoded alone");
         }
@@ -88,7 +88,8 @@ fn one_device_and_its_models_from_several_threads() {
     assert!(seqs.iter().zip(&prompts).all(|(s, p)| s.position() == p.len() + 5), "each sequence holds its prompt and 5 decoded tokens");
     // A bad token in one conversation fails the batch and leaves every sequence as it was.
     let before: Vec<usize> = seqs.iter().map(Sequence::position).collect();
-    let mut batch: Vec<(&mut Sequence, u32)> = seqs.iter_mut().enumerate().map(|(i, s)| (s, if i == 2 { u32::MAX } else { 1 })).collect();
+    let bad: Vec<[u32; 1]> = (0..seqs.len()).map(|i| [if i == 2 { u32::MAX } else { 1 }]).collect();
+    let mut batch: Vec<(&mut Sequence, &[u32])> = seqs.iter_mut().zip(&bad).map(|(s, t)| (s, &t[..])).collect();
     let err = shared.decode_sequences(&mut batch).unwrap_err().to_string();
     assert!(err.contains("outside the vocabulary"), "{err}");
     assert_eq!(seqs.iter().map(Sequence::position).collect::<Vec<_>>(), before);
@@ -106,7 +107,7 @@ fn generate_in(m: &Model, seq: &mut Sequence, tokens: &[u32], steps: usize) -> (
     let mut out = vec![logits::argmax(&logits).unwrap()];
     let first: Vec<f32> = logits.to_vec1().unwrap();
     while out.len() < steps {
-        let next = m.decode_sequences(&mut [(&mut *seq, *out.last().unwrap())]).unwrap();
+        let next = m.decode_sequences(&mut [(&mut *seq, &[*out.last().unwrap()])]).unwrap();
         out.push(logits::argmax(&next.squeeze(0).unwrap()).unwrap());
     }
     (out, first)

@@ -189,7 +189,7 @@ fn admit(p: &Pipeline, mut r: Request) -> Option<Active> {
 
 /// One decode pass over every active conversation's pending token, then each one's next.
 fn step(p: &Pipeline, active: &mut Vec<Active>) {
-    let mut batch: Vec<(&mut Sequence, u32)> = active.iter_mut().map(|a| (&mut a.seq, a.next)).collect();
+    let mut batch: Vec<(&mut Sequence, &[u32])> = active.iter_mut().map(|a| (&mut a.seq, std::slice::from_ref(&a.next))).collect();
     let rows = match p.model.decode_sequences(&mut batch) {
         Ok(rows) => rows,
         Err(e) => {

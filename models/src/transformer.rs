@@ -604,44 +604,37 @@ impl Model {
 
     /// Decode one token at the current position; returns its logits, `[vocab]`.
     pub fn decode(&mut self, token: u32) -> Result<Tensor> {
-        Ok(self.forward_cpu(&[token])?.squeeze(0)?)
+        self.on_own(|m, s| Ok(m.decode_sequences(&mut [(s, &[token])])?.squeeze(0)?))
     }
 
-    /// Decodes the next token of several conversations in one pass over the weights: `batch`
-    /// holds each sequence with its token; returns their logits, `[batch.len(), vocab]`, row `i`
-    /// bit for bit what decoding that token alone in sequence `i` gives (the decode kernels
-    /// compute each row on its own; each sequence's attention reads its own cache), with decode
-    /// weights in blocks, every model's default: float reference weights
-    /// ([`DecodeWeights::F32`]) go through candle's matmul, whose sums follow the row count.
-    /// Decode is memory-bound: the weights are read once for every row. On an error every
-    /// sequence is left as it was.
-    pub fn decode_sequences(&self, batch: &mut [(&mut Sequence, u32)]) -> Result<Tensor> {
-        let tokens: Vec<[u32; 1]> = batch.iter().map(|(_, t)| [*t]).collect();
-        let mut parts: Vec<(&mut Sequence, &[u32])> = batch.iter_mut().zip(&tokens).map(|((s, _), t)| (&mut **s, &t[..])).collect();
-        let x = self.run_cpu(&mut parts, None, false)?;
+    /// Decodes the next tokens of several conversations in one pass over the weights: `batch`
+    /// holds each sequence with its tokens, each a decode step of its own (one token, or a
+    /// speculative verifier's several: the logits that many steps would give). Returns the
+    /// logits of every row, the sequences' one after another, `[rows, vocab]`; row for row bit
+    /// for bit what decoding that token alone in its sequence gives (the decode kernels compute
+    /// each row on its own; each sequence's attention reads its own cache), with decode weights
+    /// in blocks, every model's default: float reference weights ([`DecodeWeights::F32`]) go
+    /// through candle's matmul, whose sums follow the row count. Decode is memory-bound where
+    /// the weights are large: they are read once for every row. On an error every sequence is
+    /// left as it was; afterwards [`Sequence::rewind`] drops rows not accepted.
+    pub fn decode_sequences(&self, batch: &mut [(&mut Sequence, &[u32])]) -> Result<Tensor> {
+        let x = self.run_cpu(batch, None, true)?;
         self.logits(&x)
     }
 
-    /// Several decode steps in one pass over the weights: the logits of `tokens` (`[n, vocab]`)
-    /// from the current position, each row bit for bit what [`Model::decode`] of that token
-    /// would give after the ones before it (the same kernels per row; each chunk of weights read
-    /// once for every row: decode is memory-bound). A speculative verifier's pass: after it,
-    /// [`Model::rewind`] drops the rows not accepted.
+    /// Several decode steps in one pass over the weights ([`Model::decode_sequences`] of the
+    /// model's own conversation): the logits of `tokens`, `[n, vocab]`. A speculative
+    /// verifier's pass: after it, [`Model::rewind`] drops the rows not accepted.
     pub fn decode_rows(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        self.on_own(|m, s| {
-            let x = m.run_cpu(&mut [(s, tokens)], None, true)?;
-            m.logits(&x)
-        })
+        self.on_own(|m, s| m.decode_sequences(&mut [(s, tokens)]))
     }
 
     /// Run `tokens` from the current position on the CPU, as [`Model::forward_cpu`] does, and
     /// return the logits of the last one only, `[vocab]`: a draft model catching up with a
     /// conversation (no NPU graphs, no profile).
     pub fn extend_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        self.on_own(|m, s| {
-            let x = m.run_cpu(&mut [(s, tokens)], None, false)?;
-            Ok(m.logits(&x.narrow(0, tokens.len() - 1, 1)?)?.squeeze(0)?)
-        })
+        let opts = PrefillOptions { rows: PrefillRows::Cpu, ..Default::default() };
+        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
     }
 
     /// Back to the first `position` tokens (at most the current position): the KV cache rows
@@ -650,15 +643,12 @@ impl Model {
         self.seq.rewind(position)
     }
 
-    /// Run `tokens` from the current position on the CPU (candle matmuls with the decode
-    /// weights, no NPU graphs) and return the logits of every row, `[n, vocab]`. Decode is this
-    /// with one token; a whole prompt this way is candle's own CPU prefill, the baseline the NPU
-    /// path is measured against.
+    /// Run `tokens` from the current position on the CPU (the decode weights, no NPU graphs) and
+    /// return the logits of every row, `[n, vocab]`: candle's own CPU prefill, the baseline the
+    /// NPU path is measured against ([`PrefillRows::Cpu`]).
     pub fn forward_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        self.on_own(|m, s| {
-            let x = m.run_cpu(&mut [(s, tokens)], None, false)?;
-            m.logits(&x)
-        })
+        let opts = PrefillOptions { rows: PrefillRows::Cpu, logits: Logits::All, ..Default::default() };
+        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
     }
 
     /// The layers on the CPU for each `(sequence, its new tokens)` of `batch` from its

@@ -50,6 +50,9 @@ pub enum PrefillRows {
     /// is what the NPU gives it (a speculative verifier on the NPU, measurements of its
     /// numerics).
     NpuOnly,
+    /// Every row on the CPU with the decode weights, no graph and no profile: candle's own CPU
+    /// prefill, the baseline the NPU's is measured against, and a draft model's catch-up.
+    Cpu,
 }
 
 /// How prefill is scheduled (llm.npu §3.4 and HeteroLLM's margin). The defaults were chosen by
@@ -277,11 +280,18 @@ impl Model {
     /// graphs run one at a time). On an error `seq` is left as it was.
     pub fn prefill_sequence(&self, seq: &mut Sequence, tokens: &[u32], opts: &PrefillOptions) -> Result<Tensor> {
         let chunk_len = opts.chunk_len.unwrap_or(self.chunk_len);
+        let all = opts.logits == Logits::All;
         let plan = match opts.rows {
             PrefillRows::Planned => self.plan_chunked(tokens.len(), chunk_len)?,
             PrefillRows::NpuOnly => self.npu_only_plan(tokens.len(), chunk_len)?,
+            PrefillRows::Cpu => {
+                let x = self.run_cpu(&mut [(seq, tokens)], None, false)?;
+                return match all {
+                    true => self.logits(&x),
+                    false => Ok(self.logits(&x.narrow(0, tokens.len() - 1, 1)?)?.squeeze(0)?),
+                };
+            }
         };
-        let all = opts.logits == Logits::All;
         let logits = self.run_prefill(seq, tokens, &plan, self.precision, all)?;
         Ok(if all { logits } else { logits.squeeze(0)? })
     }
