@@ -66,19 +66,18 @@ impl Sequence {
         self.pos = self.pos.min(n);
     }
 
-    /// The caches, taken out (a [`crate::Session`]'s, back from a turn): the sequence is left
-    /// with empty ones, at position 0.
-    pub(crate) fn take_caches(&mut self) -> Vec<KvCache> {
-        self.pos = 0;
-        let t = self.kv_type();
-        self.kv.iter_mut().map(|kv| std::mem::replace(kv.get_mut().unwrap_or_else(|e| e.into_inner()), KvCache::new(t))).collect()
-    }
-
     /// Replaces the caches (one per layer, of one length, checked by the caller) and the
     /// position with theirs, held as `t`.
     pub(crate) fn set_caches(&mut self, caches: Vec<KvCache>, t: KvType) {
         self.pos = caches.first().map_or(0, KvCache::len);
         self.kv = caches.into_iter().map(|c| Mutex::new(c.into_type(t))).collect();
+    }
+}
+
+/// A copy of the conversation (a [`crate::Session`] forked), its caches copied.
+impl Clone for Sequence {
+    fn clone(&self) -> Self {
+        Sequence { kv: self.kv.iter().map(|kv| Mutex::new(kv.lock().unwrap_or_else(|e| e.into_inner()).clone())).collect(), pos: self.pos }
     }
 }
 

@@ -1,6 +1,7 @@
-//! Conversations on a [`Pipeline`] ([`Session`]): each owns its messages and its KV cache, so
-//! a turn prefills only what its conversation does not hold yet, and several conversations share
-//! one loaded model (its weights, device and NPU graphs): a turn lends its cache to the model.
+//! Conversations on a [`Pipeline`] ([`Session`]): each owns its messages and its
+//! [`Sequence`] (KV cache and position), so a turn prefills only what its conversation does not
+//! hold yet, and several conversations share one loaded model (its weights, device and NPU
+//! graphs), which runs each turn on the conversation's own sequence.
 //! A conversation's state saved to a file and restored ([`Session::save`],
 //! [`Pipeline::restore_session`]), so that a long system prompt or document is prefilled once.
 //!
@@ -30,8 +31,9 @@ use crate::attention::KvCache;
 use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
+use crate::sequence::Sequence;
 use crate::speculative::{Proposer, SpeculationStats, Speculative, Verify};
-use crate::transformer::Model;
+use crate::transformer::{Logits, Model, PrefillOptions, PrefillRows};
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
 /// 2: a conversation's messages (1 held tokens and a pending token only).
@@ -46,7 +48,7 @@ impl Pipeline {
     /// A new conversation (nothing is prefilled until its first turn). Any number of them can
     /// share this pipeline; each owns its KV cache.
     pub fn session(&self) -> Session {
-        Session { messages: vec![], tokens: vec![], kv: vec![], model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() }
+        Session { messages: vec![], tokens: vec![], seq: Sequence::default(), model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() }
     }
 
     /// The conversation saved at `path` ([`Session::save`]), its KV cache restored: its next
@@ -54,7 +56,9 @@ impl Pipeline {
     /// other weights, another quant profile or precision, or a damaged one.
     pub fn restore_session(&self, path: &Path) -> Result<Session> {
         let (kv, tokens, messages) = read_state(&self.model, path)?;
-        Ok(Session { messages, tokens, kv, model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() })
+        let mut seq = self.model.sequence();
+        seq.set_caches(kv, self.model.kv_type());
+        Ok(Session { messages, tokens, seq, model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() })
     }
 }
 
@@ -66,8 +70,8 @@ pub struct Session {
     messages: Vec<Message>,
     /// The tokens the cache holds.
     tokens: Vec<u32>,
-    /// Per layer; empty before the first turn.
-    kv: Vec<KvCache>,
+    /// Its KV caches and position (no layers before the first turn).
+    seq: Sequence,
     /// The model the cache belongs to (`Model::model_id`: its weights' digest).
     model_id: String,
     /// What decided the cached rows' values (`Model::arithmetic`): a model given another
@@ -139,27 +143,22 @@ impl Session {
             return Err(Error::Input("an empty prompt: nothing to answer".into()));
         }
         // What the cache holds (all of `tokens`, unless a turn unwound mid-way and lost it).
-        let cached = match self.kv.first() {
-            Some(c) if c.len() == self.tokens.len() => self.tokens.len(),
-            _ => 0,
+        let cached = match self.seq.position() == self.tokens.len() {
+            true => self.tokens.len(),
+            false => 0,
         };
         let keep = self.tokens[..cached].iter().zip(&ids).take_while(|(a, b)| a == b).count().min(ids.len() - 1);
         let new = &ids[keep..];
-        // The cache goes to the model for the turn, and comes back whatever happens.
-        let mut kv = std::mem::take(&mut self.kv);
-        kv.iter_mut().for_each(|c| c.truncate(keep));
-        match kv.is_empty() {
-            true => p.model.clear(),
-            false => p.model.set_kv_caches(kv),
+        if self.seq.kv.is_empty() {
+            self.seq = p.model.sequence();
         }
-        let r = answer(p, &ids, keep, opts, &mut on_text);
-        self.kv = p.model.take_kv_caches();
-        let (answer, stats, tokens) = match r {
+        self.seq.truncate(keep);
+        let (answer, stats, tokens) = match answer(p, &mut self.seq, &ids, keep, opts, &mut on_text) {
             Ok(done) => done,
             Err(e) => {
                 // The cache holds what it held up to `keep` (a failed step takes back its rows).
-                self.tokens.truncate(keep.min(self.kv.first().map_or(0, KvCache::len)));
-                self.kv.iter_mut().for_each(|c| c.truncate(self.tokens.len()));
+                self.tokens.truncate(keep.min(self.seq.position()));
+                self.seq.truncate(self.tokens.len());
                 return Err(e);
             }
         };
@@ -194,14 +193,14 @@ impl Session {
                 reason: format!("not saved: a conversation of {} bytes, over the {HEADER_LIMIT} a saved one may hold", json.len()),
             });
         }
-        let empty = KvCache::default();
+        let empty = std::sync::Mutex::new(KvCache::default());
         candle_npu::fs::write_atomic(path, |f| {
             let mut h = HashingWriter { inner: f, hash: Sha256::new() };
             h.write_all(MAGIC)?;
             h.write_all(&(json.len() as u32).to_le_bytes())?;
             h.write_all(&json)?;
             for l in 0..cfg.n_layer {
-                self.kv.get(l).unwrap_or(&empty).write_to(&mut h)?;
+                self.seq.kv.get(l).unwrap_or(&empty).lock().unwrap_or_else(|e| e.into_inner()).write_to(&mut h)?;
             }
             let digest = h.hash.finalize();
             h.inner.write_all(&digest)
@@ -209,13 +208,20 @@ impl Session {
     }
 }
 
-/// A turn on the model holding the conversation's cache of `ids[..keep]`: prefill the rest of
+/// A turn on `seq`, holding the conversation's cache of `ids[..keep]`: prefill the rest of
 /// `ids`, then sample the answer. Its text, stats, and the tokens the cache then holds.
-fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<(String, GenerateStats, Vec<u32>)> {
+fn answer(
+    p: &mut Pipeline,
+    seq: &mut Sequence,
+    ids: &[u32],
+    keep: usize,
+    opts: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<(String, GenerateStats, Vec<u32>)> {
     let context = p.model.config().context_len;
     let new = &ids[keep..];
     let t = Instant::now();
-    let mut logits = p.model.extend(new)?;
+    let mut logits = p.model.prefill_sequence(seq, new, &Default::default())?;
     let prefill = t.elapsed();
     let mut tokens = ids.to_vec();
     let mut sampler = LogitsProcessor::from_sampling(opts.seed, opts.sampling());
@@ -271,7 +277,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
                     l.judged(in_pass, in_pass - pending.len() - 1);
                 }
                 pending.clear();
-                p.model.rewind(tokens.len())?;
+                seq.rewind(tokens.len())?;
             }
             None => {}
         }
@@ -292,7 +298,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
         };
         let step = Instant::now();
         if proposal.is_empty() {
-            logits = p.model.decode(next)?;
+            logits = p.model.decode_sequences(&mut [(&mut *seq, &[next])])?.squeeze(0)?;
             if let Some(l) = proposer.as_mut() {
                 l.timed_step(step.elapsed().as_secs_f64());
             }
@@ -300,8 +306,8 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
         }
         let pass = [&[next], proposal.as_slice()].concat();
         let rows = match opts.speculative.verify() {
-            Verify::Cpu => p.model.decode_rows(&pass)?,
-            Verify::Npu => p.model.extend_rows(&pass)?,
+            Verify::Cpu => p.model.decode_sequences(&mut [(&mut *seq, &pass[..])])?,
+            Verify::Npu => p.model.prefill_sequence(seq, &pass, &PrefillOptions { logits: Logits::All, rows: PrefillRows::NpuOnly, ..Default::default() })?,
         };
         if let Some(l) = proposer.as_mut() {
             l.timed_pass(proposal.len() + 1, step.elapsed().as_secs_f64());
@@ -312,7 +318,7 @@ fn answer(p: &mut Pipeline, ids: &[u32], keep: usize, opts: &GenerateOptions, on
     }
     // Rows of proposals not reached (a stop, the length) leave the cache: it holds `tokens`.
     if !pending.is_empty() {
-        p.model.rewind(tokens.len())?;
+        seq.rewind(tokens.len())?;
     }
     if let Some(piece) = stream.finish(&p.tokenizer)? {
         on_text(&piece);

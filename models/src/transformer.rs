@@ -566,21 +566,9 @@ impl Model {
         self.layers.iter().flat_map(Layer::linears)
     }
 
-    /// Replaces the KV caches (one per layer, each of `(kv_heads, head_dim)` and one length,
-    /// checked by the caller) and the position with theirs.
-    pub(crate) fn set_kv_caches(&mut self, caches: Vec<KvCache>) {
-        self.seq.set_caches(caches, self.kv_type);
-    }
-
     /// How the KV cache holds keys and values ([`LoadOptions::kv`]).
     pub fn kv_type(&self) -> KvType {
         self.kv_type
-    }
-
-    /// The KV caches, taken out (a [`crate::Session`]'s, back from a turn): the model is left
-    /// with empty ones, at position 0.
-    pub(crate) fn take_kv_caches(&mut self) -> Vec<KvCache> {
-        self.seq.take_caches()
     }
 
     /// Forget the KV cache.
