@@ -1,12 +1,12 @@
 //! Several conversations on one loaded model at once: a step loop that batches every active
-//! conversation's next token into one decode pass ([`Model::decode_sequences`]) and admits a new
+//! conversation's next token into one decode pass ([`Model::decode_sequences`](crate::Model::decode_sequences)) and admits a new
 //! conversation's prefill between steps (continuous batching, at a phone's scale). The HTTP
 //! server (`examples/server.rs`) hands it token ids and receives text.
 //!
 //! Decode is memory-bound: a step over four conversations reads the weights once, as one does,
 //! so their aggregate tokens/s grows nearly with their number. Each conversation gets what it
 //! would alone, token for token (greedy, or sampled with its own seed): a batched row is the
-//! row decoded alone, bit for bit ([`Model::decode_sequences`]), and sampling is
+//! row decoded alone, bit for bit ([`Model::decode_sequences`](crate::Model::decode_sequences)), and sampling is
 //! [`crate::Pipeline::generate`]'s.
 //!
 //! The loop runs on a thread of its own (the model's kernels use the rayon pool); requests come
