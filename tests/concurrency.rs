@@ -93,6 +93,11 @@ fn one_device_and_its_models_from_several_threads() {
     let err = shared.decode_sequences(&mut batch).unwrap_err().to_string();
     assert!(err.contains("outside the vocabulary"), "{err}");
     assert_eq!(seqs.iter().map(Sequence::position).collect::<Vec<_>>(), before);
+    // A sequence that is not this model's (here: no layers) is refused, not indexed.
+    let err = shared.prefill_sequence(&mut Sequence::default(), &prompts[0], &by_4()).unwrap_err().to_string();
+    assert!(err.contains("a sequence of 0 layers"), "{err}");
+    let err = shared.decode_sequences(&mut [(&mut Sequence::default(), &[1])]).unwrap_err().to_string();
+    assert!(err.contains("a sequence of 0 layers"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 

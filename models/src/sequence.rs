@@ -92,6 +92,16 @@ impl Model {
     pub fn sequence(&self) -> Sequence {
         Sequence::new(self.config().n_layer, self.kv_type())
     }
+
+    /// An error unless `seq` has a cache for each of this model's layers (one made by another
+    /// model would be read out of bounds, or attend to another model's keys).
+    pub(crate) fn check_sequence(&self, seq: &Sequence) -> Result<()> {
+        let layers = self.config().n_layer;
+        match seq.kv.len() == layers {
+            true => Ok(()),
+            false => Err(Error::Input(format!("a sequence of {} layers on a model of {layers}: make it with this model's Model::sequence()", seq.kv.len()))),
+        }
+    }
 }
 
 /// One loaded model serves conversations on several threads (`Arc<Model>`): it must stay

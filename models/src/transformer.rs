@@ -647,6 +647,7 @@ impl Model {
     /// every sequence holds what it held before.
     fn run_cpu(&self, batch: &mut [(&mut Sequence, &[u32])], cal: Option<&mut Calibrator>, decode_rows: bool) -> Result<Tensor> {
         for (seq, tokens) in batch.iter() {
+            self.check_sequence(seq)?;
             self.check_tokens(tokens)?;
             let n = tokens.len();
             if n == 0 || seq.pos + n > self.cfg.context_len {
