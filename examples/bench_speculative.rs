@@ -207,7 +207,7 @@ fn phone(args: &Args) -> Result<()> {
             let fixed = Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 15, adaptive: false, verify: Verify::Cpu };
             for (draft, speculative) in [("15", fixed), ("adaptive", Speculative::lookup())] {
                 let opts = GenerateOptions { sample_len: args.tokens, speculative, ..Default::default() };
-                let (_, stats) = p.session().chat(&mut p, &[Message::user(&prompt)], &opts, |_| {})?;
+                let (_, stats) = p.session().chat(&p, &[Message::user(&prompt)], &opts, |_| {})?;
                 let (n, SpeculationStats { passes, proposed, accepted }) = (stats.generated_tokens, stats.speculation);
                 if n < 2 {
                     println!("| {name} | {task} | {draft} | {n} | - | - | - | - | - | - | - | - |");

@@ -77,24 +77,20 @@ fn main() -> anyhow::Result<()> {
 
     // A conversation; its first turn saved, then restored and continued as the live one is.
     let mut s = p.session();
-    s.send(&mut p, "What is the capital of France?", &opts, |_| {})?;
+    s.send(&p, "What is the capital of France?", &opts, |_| {})?;
     s.save(&p, Path::new("turn1.kv"))?;
     let kept = s.tokens().len();
-    let (live, stats) = s.send(&mut p, "And of Germany?", &opts, |_| {})?;
+    let (live, stats) = s.send(&p, "And of Germany?", &opts, |_| {})?;
     println!("TURN2 new {} cached {}", stats.prompt_tokens, stats.cached_tokens);
     assert!(stats.cached_tokens + 2 >= kept && stats.prompt_tokens < 20);
     let mut restored = p.restore_session(Path::new("turn1.kv"))?;
-    let (again, _) = restored.send(&mut p, "And of Germany?", &opts, |_| {})?;
+    let (again, _) = restored.send(&p, "And of Germany?", &opts, |_| {})?;
     assert_eq!(again, live);
     // Two conversations on the one loaded model, each with its own cache.
     let mut other = p.session();
-    let (a, _) = other.chat(
-        &mut p,
-        &[candle_npu_models::Message::system("Answer in one word."), candle_npu_models::Message::user("Capital of Italy?")],
-        &opts,
-        |_| {},
-    )?;
-    let (b, _) = s.send(&mut p, "And of Spain?", &opts, |_| {})?;
+    let (a, _) =
+        other.chat(&p, &[candle_npu_models::Message::system("Answer in one word."), candle_npu_models::Message::user("Capital of Italy?")], &opts, |_| {})?;
+    let (b, _) = s.send(&p, "And of Spain?", &opts, |_| {})?;
     println!("TWO SESSIONS {a:?} / {b:?}");
     println!("RESTORED same answer");
     println!("OWN MODEL relative max error {:.4}", own_model_on_the_npu()?);

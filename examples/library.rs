@@ -27,12 +27,12 @@ fn main() -> anyhow::Result<()> {
 
     // A conversation: turn 2 prefills only its own tokens; the KV can be saved and restored.
     let mut chat = p.session();
-    chat.send(&mut p, "What is the capital of France?", &opts, print)?;
+    chat.send(&p, "What is the capital of France?", &opts, print)?;
     chat.save(&p, std::path::Path::new("turn1.kv"))?;
-    let (_, stats) = chat.send(&mut p, "And of Germany?", &opts, print)?;
+    let (_, stats) = chat.send(&p, "And of Germany?", &opts, print)?;
     println!("\nturn 2: {} new tokens after {} kept", stats.prompt_tokens, stats.cached_tokens);
     let mut again = p.restore_session(std::path::Path::new("turn1.kv"))?; // same KV, no prefill
-    again.send(&mut p, "And of Spain?", &opts, print)?;
+    again.send(&p, "And of Spain?", &opts, print)?;
     // README: end
     std::fs::remove_file("turn1.kv")?;
     Ok(())

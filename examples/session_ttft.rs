@@ -57,16 +57,16 @@ fn main() -> Result<()> {
         for _ in 0..args.rounds {
             let conversation = {
                 let mut s = p.session();
-                s.send(&mut p, &turn1, &opts, |_| {})?;
+                s.send(&p, &turn1, &opts, |_| {})?;
                 s.save(&p, &state)?;
-                let (_, st) = s.send(&mut p, "Who is it about?", &opts, |_| {})?;
+                let (_, st) = s.send(&p, "Who is it about?", &opts, |_| {})?;
                 kept.push(st.ttft);
                 new_tokens = st.prompt_tokens;
                 s.tokens().to_vec()
             };
             let t = Instant::now();
             let mut s = p.restore_session(&state)?;
-            s.send(&mut p, "Who is it about?", &opts, |_| {})?;
+            s.send(&p, "Who is it about?", &opts, |_| {})?;
             restored.push(t.elapsed());
             // The whole conversation (both turns' tokens) prefilled from an empty cache.
             let t = Instant::now();

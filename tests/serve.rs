@@ -55,15 +55,13 @@ fn conversations_at_once_answer_as_each_alone() {
         ("List three prime numbers.", greedy.clone()),
         ("My name is Bob and I live in Tokyo.", greedy.clone()),
     ];
-    let mut solo = Arc::try_unwrap(p).ok().expect("not shared yet");
     let alone: Vec<(String, StopReason)> = asks
         .iter()
         .map(|(q, o)| {
-            let (t, s) = solo.generate(q, o, |_| {}).unwrap();
+            let (t, s) = p.generate(q, o, |_| {}).unwrap();
             (t, s.stop)
         })
         .collect();
-    let p = Arc::new(solo);
     let engine = Engine::start(p.clone(), Limits { sequences: 4, queue: 8 }).unwrap();
     let got = answers(&engine, &p, &asks, None);
     for (i, ((want, stop), events)) in alone.iter().zip(&got).enumerate() {

@@ -55,11 +55,11 @@ fn a_session_turn_prefills_only_its_new_tokens() {
     let opts = GenerateOptions { sample_len: 12, ..Default::default() };
     let mut s = p.session();
     let mut streamed = String::new();
-    let (a1, s1) = s.send(&mut p, "What is the capital of France?", &opts, |t| streamed += t).unwrap();
+    let (a1, s1) = s.send(&p, "What is the capital of France?", &opts, |t| streamed += t).unwrap();
     assert_eq!(streamed, a1, "the streamed text is the answer");
     assert_eq!(s1.cached_tokens, 0);
     let after1 = s.tokens().len();
-    let (a2, s2) = s.send(&mut p, "And of Germany?", &opts, |_| {}).unwrap();
+    let (a2, s2) = s.send(&p, "And of Germany?", &opts, |_| {}).unwrap();
     assert!(s2.cached_tokens >= after1 - 1, "turn 2 starts after turn 1 in the cache ({} of {after1})", s2.cached_tokens);
     assert!(s2.prompt_tokens < 20, "turn 2 prefilled {} tokens: only its own", s2.prompt_tokens);
     assert_eq!(s.messages().len(), 4, "two questions, two answers");
@@ -76,7 +76,7 @@ fn a_session_turn_prefills_only_its_new_tokens() {
     assert_eq!(p.decode_text(&ids).unwrap(), a2, "re-prefilled conversation");
     // A system message, in the template's place.
     let mut sys = p.session();
-    let (answer, _) = sys.chat(&mut p, &[Message::system("Answer in French."), Message::user("What is the capital of Italy?")], &opts, |_| {}).unwrap();
+    let (answer, _) = sys.chat(&p, &[Message::system("Answer in French."), Message::user("What is the capital of Italy?")], &opts, |_| {}).unwrap();
     assert!(p.tokenizer.decode(sys.tokens(), false).unwrap().starts_with("<|im_start|>system\nAnswer in French.<|im_end|>"), "{answer}");
 }
 
@@ -94,10 +94,10 @@ fn two_sessions_interleave_on_one_model() {
     let (fr, de) = (["What is the capital of France?", "And its largest river?"], ["Name a German city.", "How many people live there?"]);
     let (want_fr, want_de) = (alone(&mut p, fr), alone(&mut p, de));
     let (mut a, mut b) = (p.session(), p.session());
-    let mut got_fr = vec![a.send(&mut p, fr[0], &opts, |_| {}).unwrap().0];
-    let mut got_de = vec![b.send(&mut p, de[0], &opts, |_| {}).unwrap().0];
-    got_fr.push(a.send(&mut p, fr[1], &opts, |_| {}).unwrap().0);
-    got_de.push(b.send(&mut p, de[1], &opts, |_| {}).unwrap().0);
+    let mut got_fr = vec![a.send(&p, fr[0], &opts, |_| {}).unwrap().0];
+    let mut got_de = vec![b.send(&p, de[0], &opts, |_| {}).unwrap().0];
+    got_fr.push(a.send(&p, fr[1], &opts, |_| {}).unwrap().0);
+    got_de.push(b.send(&p, de[1], &opts, |_| {}).unwrap().0);
     assert_eq!(got_fr, want_fr);
     assert_eq!(got_de, want_de);
     assert_ne!(want_fr, want_de);
@@ -105,7 +105,7 @@ fn two_sessions_interleave_on_one_model() {
     let set = CalibrationSet { sequences: 1, seq_len: 64, importance_sequences: 0, ..Default::default() };
     let other = p.calibrate(set, |_, _| {}).unwrap();
     p.model.set_profile(other).unwrap();
-    let e = a.send(&mut p, "And of Spain?", &opts, |_| {}).unwrap_err().to_string();
+    let e = a.send(&p, "And of Spain?", &opts, |_| {}).unwrap_err().to_string();
     assert!(e.contains("profile") && e.contains("then") && e.contains("now") && e.contains("start a new session") && e.len() < 300, "{e}");
 }
 
@@ -127,12 +127,12 @@ fn generation_stops_and_checks_its_options() {
     }
     // Without a template an empty prompt has no token: refused, not a failed prefill.
     let (jinja, template) = (p.jinja.take(), std::mem::replace(&mut p.template, candle_npu_models::chat::ChatTemplate::None));
-    let e = p.session().send(&mut p, "", &opts, |_| {}).unwrap_err().to_string();
+    let e = p.session().send(&p, "", &opts, |_| {}).unwrap_err().to_string();
     assert!(e.contains("empty prompt"), "{e}");
     (p.jinja, p.template) = (jinja, template);
     // No message at all: nothing to answer, refused, the conversation as it was.
     let mut s = p.session();
-    let e = s.chat(&mut p, &[], &opts, |_| {}).unwrap_err().to_string();
+    let e = s.chat(&p, &[], &opts, |_| {}).unwrap_err().to_string();
     assert!(e.contains("no messages") && s.messages().is_empty() && s.tokens().is_empty(), "{e}");
     // Sampled generation is reproducible from its seed.
     let sampled = GenerateOptions { sample_len: 8, temperature: Some(0.9), top_k: Some(40), top_p: Some(0.95), ..opts };
@@ -153,14 +153,14 @@ fn a_saved_session_restores_the_same_kv() {
     let opts = GenerateOptions { sample_len: 6, ..Default::default() };
     // A turn, saved; then the same next turn on the live conversation and on the restored one.
     let mut s = p.session();
-    s.send(&mut p, "What is the capital of France?", &opts, |_| {}).unwrap();
+    s.send(&p, "What is the capital of France?", &opts, |_| {}).unwrap();
     s.save(&p, &path).unwrap();
     let saved_tokens = s.tokens().to_vec();
-    let live = s.send(&mut p, "And of Spain?", &opts, |_| {}).unwrap();
+    let live = s.send(&p, "And of Spain?", &opts, |_| {}).unwrap();
     let mut r = p.restore_session(&path).unwrap();
     assert_eq!(r.tokens(), &saved_tokens[..]);
     assert_eq!(r.messages(), &s.messages()[..2]);
-    let restored = r.send(&mut p, "And of Spain?", &opts, |_| {}).unwrap();
+    let restored = r.send(&p, "And of Spain?", &opts, |_| {}).unwrap();
     assert_eq!(restored.0, live.0, "the restored conversation answers as the live one");
     assert_eq!((restored.1.cached_tokens, restored.1.prompt_tokens), (live.1.cached_tokens, live.1.prompt_tokens), "and prefills as little");
 
@@ -217,19 +217,19 @@ fn a_saved_session_restores_the_same_kv() {
 #[test]
 fn an_f16_kv_cache_stays_f16_through_a_saved_session() {
     let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::Q8_0, kv: KvType::F16, ..Default::default() };
-    let mut p = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), opts).unwrap();
+    let p = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), opts).unwrap();
     assert_eq!(p.model.kv_type(), KvType::F16);
     let dir = std::env::temp_dir().join(format!("candle-npu-session-f16-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("turn1.kv");
     let gen = GenerateOptions { sample_len: 6, ..Default::default() };
     let mut s = p.session();
-    s.send(&mut p, "What is the capital of France?", &gen, |_| {}).unwrap();
+    s.send(&p, "What is the capital of France?", &gen, |_| {}).unwrap();
     s.save(&p, &path).unwrap();
-    let live = s.send(&mut p, "And of Spain?", &gen, |_| {}).unwrap();
+    let live = s.send(&p, "And of Spain?", &gen, |_| {}).unwrap();
     assert_eq!(p.model.kv_type(), KvType::F16, "after a session's turns");
     let mut r = p.restore_session(&path).unwrap();
-    let restored = r.send(&mut p, "And of Spain?", &gen, |_| {}).unwrap();
+    let restored = r.send(&p, "And of Spain?", &gen, |_| {}).unwrap();
     assert_eq!(restored.0, live.0, "the restored conversation answers as the live one");
     assert_eq!(p.model.kv_type(), KvType::F16, "after a restore");
     std::fs::remove_dir_all(&dir).unwrap();
@@ -269,7 +269,7 @@ fn a_session_saved_while_calibrating_restores_with_the_saved_profile() {
     let mut first = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
     first.ensure_profile(Some(&profile), set, |_, _| {}).unwrap();
     let mut s = first.session();
-    s.send(&mut first, "Hello", &gen, |_| {}).unwrap();
+    s.send(&first, "Hello", &gen, |_| {}).unwrap();
     s.save(&first, &state).unwrap();
     drop(first);
     let mut later = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);

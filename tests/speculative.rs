@@ -130,11 +130,11 @@ fn npu_verification_rows_are_the_npus_prefill_of_each_token() {
 /// answer took a pass's row.
 #[test]
 fn prompt_lookup_verified_on_the_npu_takes_the_npus_tokens() {
-    let mut p = smollm2_npu();
+    let p = smollm2_npu();
     let speculative = Speculative::Lookup { ngram_max: 3, ngram_min: 2, max_draft: 8, adaptive: false, verify: Verify::Npu };
     let opts = GenerateOptions { sample_len: 40, speculative, ..Default::default() };
     let mut s = p.session();
-    let (answer, stats) = s.send(&mut p, PROMPT, &opts, |_| {}).unwrap();
+    let (answer, stats) = s.send(&p, PROMPT, &opts, |_| {}).unwrap();
     eprintln!("NPU-verified: {:?}\n{answer}", stats.speculation);
     assert!(stats.speculation.passes > 0 && stats.speculation.accepted > 0, "{:?}", stats.speculation);
     // The NPU's prefill of the whole conversation (every row a padded chunk's) against the
@@ -149,7 +149,7 @@ fn prompt_lookup_verified_on_the_npu_takes_the_npus_tokens() {
     eprintln!("NPU prefill of the conversation picks the answer's token at {same} of {} positions", picked.len());
     assert_eq!(same, picked.len(), "the NPU's prefill picks other tokens: {picked:?} against {:?}", &tokens[n_prompt..]);
     // A second turn runs on the cache the first left (every rejected row rewound).
-    let (second, _) = s.send(&mut p, "Now the same with a discount parameter.", &opts, |_| {}).unwrap();
+    let (second, _) = s.send(&p, "Now the same with a discount parameter.", &opts, |_| {}).unwrap();
     assert!(!second.is_empty());
 }
 
@@ -169,9 +169,15 @@ fn a_draft_model_decodes_what_plain_decoding_does() {
         ("sampled", GenerateOptions { sample_len: 48, temperature: Some(0.7), top_k: Some(40), repeat_penalty: 1.1, ..Default::default() }),
     ] {
         let plain = two_turns(&mut p, &base);
+        // A draft model of its own (the whole model, loaded again), and the model's own first
+        // 10 layers sharing its weights.
         for layers in [None, Some(10)] {
-            p.set_draft(smollm2_draft(layers)).unwrap();
-            assert_eq!(p.draft().unwrap().config().n_layer, layers.unwrap_or(30));
+            match layers {
+                None => p.set_draft(smollm2_draft(None)).unwrap(),
+                Some(n) => p.set_draft_layers(n).unwrap(),
+            }
+            assert_eq!(p.draft().unwrap().1, layers.unwrap_or(30));
+            assert_eq!(std::ptr::eq(p.draft().unwrap().0, &p.model), layers.is_some(), "a cut draft is the model itself");
             let fixed = Speculative::Draft { max_draft: 4, adaptive: false, verify: Verify::Cpu };
             for speculative in [fixed, Speculative::draft()] {
                 let spec = two_turns(&mut p, &GenerateOptions { speculative, ..base.clone() });

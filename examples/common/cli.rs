@@ -510,21 +510,28 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
     bar.finish_and_clear();
     eprintln!("profile ready ({})", candle_npu_models::memory::describe());
 
-    // The draft runs on the CPU only: F32 "prefill" (its CPU path), no profile, no graphs.
+    // The draft runs on the CPU only: F32 "prefill" (its CPU path), no profile, no graphs. The
+    // model's own first layers share its weights; another model (maybe cut) is loaded.
     let drafting = args.draft_model.is_some() || args.draft_layers.is_some();
-    if drafting {
-        let t = Instant::now();
-        let draft_path = args.draft_model.clone().unwrap_or_else(|| path.clone());
-        let opts = LoadOptions { precision: Some(Precision::F32), layers: args.draft_layers.map(|n| n as usize), ..Default::default() };
-        let draft = Pipeline::load(&draft_path, None, &NpuDevice::host(), opts).with_context(|| format!("loading the draft {}", draft_path.display()))?;
-        p.set_draft(draft)?;
-        eprintln!(
-            "draft {} ({} layers) loaded in {:.1}s ({})",
-            draft_path.display(),
-            p.draft().map_or(0, |d| d.config().n_layer),
-            t.elapsed().as_secs_f32(),
-            candle_npu_models::memory::describe()
-        );
+    match (&args.draft_model, args.draft_layers) {
+        (None, Some(n)) => {
+            p.set_draft_layers(n as usize)?;
+            eprintln!("draft: the model's own first {n} layers (its weights, no copy)");
+        }
+        (Some(draft_path), layers) => {
+            let t = Instant::now();
+            let opts = LoadOptions { precision: Some(Precision::F32), layers: layers.map(|n| n as usize), ..Default::default() };
+            let draft = Pipeline::load(draft_path, None, &NpuDevice::host(), opts).with_context(|| format!("loading the draft {}", draft_path.display()))?;
+            p.set_draft(draft)?;
+            eprintln!(
+                "draft {} ({} layers) loaded in {:.1}s ({})",
+                draft_path.display(),
+                p.draft().map_or(0, |(_, n)| n),
+                t.elapsed().as_secs_f32(),
+                candle_npu_models::memory::describe()
+            );
+        }
+        (None, None) => {}
     }
 
     let t = Instant::now();
@@ -586,7 +593,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         let _ = std::io::stdout().flush();
     };
     let before = device.stats();
-    let (_, stats) = session.chat(&mut p, &first, &gen, print)?;
+    let (_, stats) = session.chat(&p, &first, &gen, print)?;
     println!();
     if args.interactive {
         let mut n = if args.prompt.is_some() { 0 } else { 1 };
@@ -596,7 +603,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
             let Some(line) = read_turn(&mut input, n) else { break };
             // A turn that fails (a prompt too long for what is left of the context, say) ends
             // the conversation, which is still saved below.
-            match session.send(&mut p, &line, &gen, print) {
+            match session.send(&p, &line, &gen, print) {
                 Ok((_, s)) => {
                     println!();
                     eprintln!("({} new tokens after {} kept; first token after {:.2}s)", s.prompt_tokens, s.cached_tokens, s.ttft.as_secs_f64());

@@ -137,7 +137,7 @@ impl Pipeline {
     /// prefill on the model's device, then decode on the CPU, sampling with candle's
     /// `LogitsProcessor`, until a stop token, `sample_len` tokens or the end of the context.
     /// `on_text` gets the text as it comes, never a split character. Returns the answer.
-    pub fn generate(&mut self, prompt: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
+    pub fn generate(&self, prompt: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         self.session().send(self, prompt, opts, on_text)
     }
 }

@@ -211,7 +211,20 @@ impl Pipeline {
         }
         tracing::info!("draft model for speculative decoding: {} ({} layers)", draft.model_path.display(), draft.model.config().n_layer);
         self.reads.extend(draft.reads);
-        self.draft = Some(Draft::new(draft.model));
+        self.draft = Some(Draft::Model(Box::new(draft.model)));
+        Ok(())
+    }
+
+    /// Sets this model's own first `layers` (then its final norm and output) as the draft that
+    /// [`crate::Speculative::Draft`] proposes with: no weights of its own, the model's decode
+    /// path on the CPU ([`Model::sequence_of_layers`]). `layers` from 1 to the model's.
+    pub fn set_draft_layers(&mut self, layers: usize) -> Result<()> {
+        let n = self.model.config().n_layer;
+        if !(1..=n).contains(&layers) {
+            return Err(Error::Input(format!("a draft of the first {layers} layers of a model of {n}: expected 1 to {n}")));
+        }
+        tracing::info!("draft for speculative decoding: the model's first {layers} layers of {n}");
+        self.draft = Some(Draft::FirstLayers(layers));
         Ok(())
     }
 
@@ -223,9 +236,13 @@ impl Pipeline {
         candle_npu::fs::check_not_an_input(path, what, &reads)
     }
 
-    /// The draft model set by [`Pipeline::set_draft`], if any.
-    pub fn draft(&self) -> Option<&Model> {
-        self.draft.as_ref().map(|d| &d.model)
+    /// The draft's model and how many of its layers it runs ([`Pipeline::set_draft`]: a model
+    /// of its own, all its layers; [`Pipeline::set_draft_layers`]: this model, its first ones).
+    pub fn draft(&self) -> Option<(&Model, usize)> {
+        self.draft.as_ref().map(|d| match d {
+            Draft::Model(m) => (&**m, m.config().n_layer),
+            Draft::FirstLayers(n) => (&self.model, *n),
+        })
     }
 
     /// Token ids of a prompt, with the special tokens the tokenizer adds (Gemma's BOS), wrapped

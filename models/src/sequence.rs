@@ -93,13 +93,25 @@ impl Model {
         Sequence::new(self.config().n_layer, self.kv_type())
     }
 
-    /// An error unless `seq` has a cache for each of this model's layers (one made by another
-    /// model would be read out of bounds, or attend to another model's keys).
-    pub(crate) fn check_sequence(&self, seq: &Sequence) -> Result<()> {
-        let layers = self.config().n_layer;
-        match seq.kv.len() == layers {
+    /// A conversation on the model cut to its first `layers` (then its final norm and output):
+    /// on the CPU paths ([`Model::decode_sequences`], [`crate::PrefillRows::Cpu`]) a draft of
+    /// itself for speculative decoding, sharing its weights. `layers` from 1 to the model's.
+    pub fn sequence_of_layers(&self, layers: usize) -> Result<Sequence> {
+        let n = self.config().n_layer;
+        match (1..=n).contains(&layers) {
+            true => Ok(Sequence::new(layers, self.kv_type())),
+            false => Err(Error::Input(format!("a draft of the first {layers} layers of a model of {n}: expected 1 to {n}"))),
+        }
+    }
+
+    /// An error unless `seq` has a cache for each of this model's layers, or (`cut`: the CPU
+    /// paths) for each of its first ones (a sequence of another model would be read out of
+    /// bounds, or attend to another model's keys).
+    pub(crate) fn check_sequence(&self, seq: &Sequence, cut: bool) -> Result<()> {
+        let (layers, have) = (self.config().n_layer, seq.kv.len());
+        match have == layers || cut && (1..layers).contains(&have) {
             true => Ok(()),
-            false => Err(Error::Input(format!("a sequence of {} layers on a model of {layers}: make it with this model's Model::sequence()", seq.kv.len()))),
+            false => Err(Error::Input(format!("a sequence of {have} layers on a model of {layers}: make it with this model's Model::sequence()"))),
         }
     }
 }

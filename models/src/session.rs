@@ -32,7 +32,7 @@ use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
 use crate::sequence::Sequence;
-use crate::speculative::{Proposer, SpeculationStats, Speculative, Verify};
+use crate::speculative::{DraftState, Drafter, Proposer, SpeculationStats, Speculative, Verify};
 use crate::transformer::{Logits, Model, PrefillOptions, PrefillRows};
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
@@ -48,7 +48,14 @@ impl Pipeline {
     /// A new conversation (nothing is prefilled until its first turn). Any number of them can
     /// share this pipeline; each owns its KV cache.
     pub fn session(&self) -> Session {
-        Session { messages: vec![], tokens: vec![], seq: Sequence::default(), model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() }
+        Session {
+            messages: vec![],
+            tokens: vec![],
+            seq: Sequence::default(),
+            draft: DraftState::default(),
+            model_id: self.model.model_id().to_string(),
+            arithmetic: self.model.arithmetic(),
+        }
     }
 
     /// The conversation saved at `path` ([`Session::save`]), its KV cache restored: its next
@@ -58,7 +65,7 @@ impl Pipeline {
         let (kv, tokens, messages) = read_state(&self.model, path)?;
         let mut seq = self.model.sequence();
         seq.set_caches(kv, self.model.kv_type());
-        Ok(Session { messages, tokens, seq, model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() })
+        Ok(Session { messages, tokens, seq, draft: DraftState::default(), model_id: self.model.model_id().to_string(), arithmetic: self.model.arithmetic() })
     }
 }
 
@@ -72,6 +79,8 @@ pub struct Session {
     tokens: Vec<u32>,
     /// Its KV caches and position (no layers before the first turn).
     seq: Sequence,
+    /// Its speculative draft's cache, when a draft proposes.
+    draft: DraftState,
     /// The model the cache belongs to (`Model::model_id`: its weights' digest).
     model_id: String,
     /// What decided the cached rows' values (`Model::arithmetic`): a model given another
@@ -116,7 +125,7 @@ impl Session {
     }
 
     /// The user's next turn: [`Session::chat`] of one user message.
-    pub fn send(&mut self, p: &mut Pipeline, text: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
+    pub fn send(&mut self, p: &Pipeline, text: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         self.chat(p, &[Message::user(text)], opts, on_text)
     }
 
@@ -125,7 +134,7 @@ impl Session {
     /// template and only what the KV cache does not hold yet is prefilled. The answer joins the
     /// conversation. Control tokens spelled in the messages stay text unless
     /// [`GenerateOptions::parse_special`]. On an error the conversation is as it was.
-    pub fn chat(&mut self, p: &mut Pipeline, messages: &[Message], opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
+    pub fn chat(&mut self, p: &Pipeline, messages: &[Message], opts: &GenerateOptions, mut on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         opts.validate()?;
         // No new message: nothing was said to answer (the model would answer its own last turn).
         if messages.is_empty() {
@@ -153,7 +162,11 @@ impl Session {
             self.seq = p.model.sequence();
         }
         self.seq.truncate(keep);
-        let (answer, stats, tokens) = match answer(p, &mut self.seq, &ids, keep, opts, &mut on_text) {
+        let mut drafter = match &p.draft {
+            Some(d) if matches!(opts.speculative, Speculative::Draft { .. }) => Some(Drafter::new(d, &p.model, &mut self.draft)?),
+            _ => None,
+        };
+        let (answer, stats, tokens) = match answer(p, &mut self.seq, drafter.as_mut(), &ids, keep, opts, &mut on_text) {
             Ok(done) => done,
             Err(e) => {
                 // The cache holds what it held up to `keep` (a failed step takes back its rows).
@@ -211,8 +224,9 @@ impl Session {
 /// A turn on `seq`, holding the conversation's cache of `ids[..keep]`: prefill the rest of
 /// `ids`, then sample the answer. Its text, stats, and the tokens the cache then holds.
 fn answer(
-    p: &mut Pipeline,
+    p: &Pipeline,
     seq: &mut Sequence,
+    mut draft: Option<&mut Drafter>,
     ids: &[u32],
     keep: usize,
     opts: &GenerateOptions,
@@ -288,11 +302,11 @@ fn answer(
         let proposal = match proposer.as_mut() {
             Some(l) => match l.draft_len().min(room) {
                 0 => {
-                    let shadow = l.propose(&tokens, l.shadow_len().min(room), p.draft.as_mut())?;
+                    let shadow = l.propose(&tokens, l.shadow_len().min(room), draft.as_deref_mut())?;
                     l.shadow(shadow);
                     vec![]
                 }
-                want => l.propose(&tokens, want, p.draft.as_mut())?,
+                want => l.propose(&tokens, want, draft.as_deref_mut())?,
             },
             None => vec![],
         };

@@ -45,7 +45,8 @@
 use candle_npu::{Error, Result};
 
 use crate::logits::argmax;
-use crate::transformer::Model;
+use crate::sequence::Sequence;
+use crate::transformer::{Model, PrefillOptions, PrefillRows};
 
 /// How [`crate::GenerateOptions`] proposes tokens to verify.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -279,7 +280,7 @@ impl Proposer {
     /// Up to `want` tokens to follow `tokens`: prompt lookup's (those that followed the latest
     /// earlier occurrence of `tokens`' last n-gram, largest n first; none without a match), or
     /// the draft model's (then `draft` is needed; its time per token is measured).
-    pub(crate) fn propose(&mut self, tokens: &[u32], want: usize, draft: Option<&mut Draft>) -> Result<Vec<u32>> {
+    pub(crate) fn propose(&mut self, tokens: &[u32], want: usize, draft: Option<&mut Drafter>) -> Result<Vec<u32>> {
         if want == 0 {
             return Ok(vec![]);
         }
@@ -368,17 +369,43 @@ impl Proposer {
     }
 }
 
-/// A draft model and the tokens its KV cache holds ([`crate::Pipeline::set_draft`]).
-pub(crate) struct Draft {
-    pub(crate) model: Model,
-    /// The tokens in the draft's cache (its position).
-    held: Vec<u32>,
+/// A draft's weights ([`crate::Pipeline::set_draft`], [`crate::Pipeline::set_draft_layers`]).
+pub(crate) enum Draft {
+    /// A model of its own (a smaller one of the same tokenizer).
+    Model(Box<Model>),
+    /// The pipeline's model cut to its first layers: no weights of its own.
+    FirstLayers(usize),
 }
 
-impl Draft {
-    pub(crate) fn new(mut model: Model) -> Self {
-        model.clear();
-        Draft { model, held: vec![] }
+/// A conversation's draft: its KV cache and the tokens it holds (kept to the conversation's
+/// longest common prefix with them), and which draft made them.
+#[derive(Clone, Default)]
+pub(crate) struct DraftState {
+    seq: Sequence,
+    held: Vec<u32>,
+    /// The draft's model id and layers: a state another draft made is started again.
+    of: Option<(String, usize)>,
+}
+
+/// A draft at work for one conversation: its model, how many of its layers run, its state.
+pub(crate) struct Drafter<'a> {
+    model: &'a Model,
+    layers: usize,
+    state: &'a mut DraftState,
+}
+
+impl<'a> Drafter<'a> {
+    /// `draft` (of the pipeline whose model is `main`) on `state`.
+    pub(crate) fn new(draft: &'a Draft, main: &'a Model, state: &'a mut DraftState) -> Result<Self> {
+        let (model, layers) = match draft {
+            Draft::Model(m) => (&**m, m.config().n_layer),
+            Draft::FirstLayers(n) => (main, *n),
+        };
+        let of = Some((model.model_id().to_string(), layers));
+        if state.of != of {
+            *state = DraftState { seq: model.sequence_of_layers(layers)?, held: vec![], of };
+        }
+        Ok(Drafter { model, layers, state })
     }
 
     /// The draft's greedy continuation of `tokens`, `want` tokens (none where its context would
@@ -390,23 +417,26 @@ impl Draft {
         }
         let r = self.continue_greedily(tokens, want);
         if r.is_err() {
-            self.model.clear();
-            self.held.clear();
+            self.state.seq.clear();
+            self.state.held.clear();
         }
         r
     }
 
     fn continue_greedily(&mut self, tokens: &[u32], want: usize) -> Result<(Vec<u32>, usize)> {
+        debug_assert_eq!(self.state.seq.kv.len(), self.layers);
+        let (model, state) = (self.model, &mut *self.state);
         // The longest prefix it holds stays; at least the last token is fed again, for its logits.
-        let common = self.held.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(tokens.len() - 1);
-        self.model.rewind(common)?;
-        self.held.truncate(common);
+        let common = state.held.iter().zip(tokens).take_while(|(a, b)| a == b).count().min(tokens.len() - 1);
+        state.seq.rewind(common)?;
+        state.held.truncate(common);
         let fed = &tokens[common..];
+        // Its CPU path: decode steps, or candle's CPU prefill to catch up.
         let mut logits = match fed {
-            [t] => self.model.decode(*t)?,
-            _ => self.model.extend_cpu(fed)?,
+            [_] => model.decode_sequences(&mut [(&mut state.seq, fed)])?.squeeze(0)?,
+            _ => model.prefill_sequence(&mut state.seq, fed, &PrefillOptions { rows: PrefillRows::Cpu, ..Default::default() })?,
         };
-        self.held.extend_from_slice(fed);
+        state.held.extend_from_slice(fed);
         let mut out = Vec::with_capacity(want);
         loop {
             let d = argmax(&logits)?;
@@ -414,8 +444,8 @@ impl Draft {
             if out.len() == want {
                 return Ok((out, fed.len()));
             }
-            logits = self.model.decode(d)?;
-            self.held.push(d);
+            logits = model.decode_sequences(&mut [(&mut state.seq, &[d])])?.squeeze(0)?;
+            state.held.push(d);
         }
     }
 }

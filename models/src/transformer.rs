@@ -643,11 +643,16 @@ impl Model {
     /// position, the rows of all of them together through the linears (one pass over the
     /// weights), each sequence's attention over its own cache; returns the last layer's rows,
     /// the sequences' one after another. With `cal`, every stage's input is observed
-    /// (calibration); `decode_rows`: each row's attention as its own decode step's. On an error
+    /// (calibration); `decode_rows`: each row's attention as its own decode step's. Sequences of
+    /// the model's first layers ([`Model::sequence_of_layers`]) run only those. On an error
     /// every sequence holds what it held before.
     fn run_cpu(&self, batch: &mut [(&mut Sequence, &[u32])], cal: Option<&mut Calibrator>, decode_rows: bool) -> Result<Tensor> {
+        let depth = batch.first().map_or(0, |(s, _)| s.kv.len());
         for (seq, tokens) in batch.iter() {
-            self.check_sequence(seq)?;
+            self.check_sequence(seq, true)?;
+            if seq.kv.len() != depth {
+                return Err(Error::Input(format!("one pass over sequences of {depth} and {} layers: a batch runs the same layers", seq.kv.len())));
+            }
             self.check_tokens(tokens)?;
             let n = tokens.len();
             if n == 0 || seq.pos + n > self.cfg.context_len {
@@ -674,7 +679,8 @@ impl Model {
             parts.push((at, if decode_rows { rows.decode_rows() } else { rows.decode_step() }));
             at += n;
         }
-        for (l, layer) in self.layers.iter().enumerate() {
+        let depth = batch.first().map_or(0, |(s, _)| s.kv.len());
+        for (l, layer) in self.layers.iter().enumerate().take(depth) {
             let attn: Vec<Attn> = batch.iter().zip(&parts).map(|((seq, _), (at, rows))| Attn { at: *at, rows, kv: &seq.kv[l] }).collect();
             let mut run = |s: usize, h: &Tensor| {
                 if let Some(cal) = cal.as_deref_mut() {

@@ -375,7 +375,7 @@ impl Model {
 
     /// Runs `plan` over `tokens` from `seq`'s position (after the tokens its KV cache holds).
     pub(super) fn run_prefill(&self, seq: &mut Sequence, tokens: &[u32], plan: &ChunkPlan, precision: Precision, all_logits: bool) -> Result<Tensor> {
-        self.check_sequence(seq)?;
+        self.check_sequence(seq, false)?;
         self.check_tokens(tokens)?;
         self.check_profile(precision)?;
         let base = seq.pos;
