@@ -98,15 +98,18 @@ fn a_busy_server_answers_503_and_a_client_gone_frees_its_place() {
     let long = chat_body("Write a long story about a lighthouse keeper.", 400, true);
     let addr = server.url.trim_start_matches("http://").to_string();
     let mut leaver = std::net::TcpStream::connect(&addr).unwrap();
+    // A stream that never comes fails the test rather than hanging it.
+    leaver.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     write!(leaver, "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{long}", long.len())
         .unwrap();
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     // Until its answer has begun: the first text chunk after the role's.
     while String::from_utf8_lossy(&seen).matches("data: ").count() < 2 {
-        let n = leaver.read(&mut buf).unwrap();
+        let n = leaver.read(&mut buf).expect("the stream's first chunks within 60 s");
         assert!(n > 0, "the stream ended: {}", String::from_utf8_lossy(&seen));
         seen.extend_from_slice(&buf[..n]);
+        assert!(!seen.starts_with(b"HTTP/1.1 ") || seen.starts_with(b"HTTP/1.1 200"), "the first request was refused: {}", String::from_utf8_lossy(&seen));
     }
     let (code, body) = server.post("/v1/chat/completions", &chat_body("Hi", 4, false));
     assert_eq!(code, 503, "a second conversation while the only place is taken: {body}");

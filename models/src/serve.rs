@@ -10,11 +10,13 @@
 //! [`crate::Pipeline::generate`]'s.
 //!
 //! The loop runs on a thread of its own (the model's kernels use the rayon pool); requests come
-//! through a bounded queue ([`Engine::submit`] refuses when it is full), and each answer goes
+//! through a queue whose places are counted ([`Engine::submit`] refuses a request when
+//! [`Limits::sequences`] are answered and [`Limits::queue`] wait), and each answer goes
 //! back through its request's `events` callback, which says whether anyone still listens: a
 //! client gone cancels its conversation at the next token.
 
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -81,7 +83,10 @@ pub struct Busy;
 /// The step loop's handle: requests go in with [`Engine::submit`]; dropping it lets the loop
 /// finish the conversations it holds and stop.
 pub struct Engine {
-    tx: Option<SyncSender<Request>>,
+    tx: Option<Sender<Request>>,
+    /// Requests taken and not ended (waiting or being answered): at most `places`.
+    taken: Arc<AtomicUsize>,
+    places: usize,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -91,18 +96,28 @@ impl Engine {
         if limits.sequences == 0 {
             return Err(Error::Input("an engine of 0 sequences answers nothing: give at least 1".into()));
         }
-        let (tx, rx) = sync_channel(limits.queue);
+        let (tx, rx) = channel();
+        let taken = Arc::new(AtomicUsize::new(0));
+        let ended = taken.clone();
         let thread = std::thread::Builder::new()
             .name("candle-npu-engine".into())
-            .spawn(move || run(&p, rx, limits.sequences))
+            .spawn(move || run(&p, rx, limits.sequences, &ended))
             .map_err(|e| Error::Internal(format!("cannot start the engine's thread: {e}")))?;
-        Ok(Engine { tx: Some(tx), thread: Some(thread) })
+        Ok(Engine { tx: Some(tx), taken, places: limits.sequences + limits.queue, thread: Some(thread) })
     }
 
     /// Queues `r`, or refuses it when the queue is full (an HTTP server answers 503: try later).
     pub fn submit(&self, r: Request) -> std::result::Result<(), Busy> {
         let tx = self.tx.as_ref().ok_or(Busy)?;
-        tx.try_send(r).map_err(|_| Busy)
+        // A place is taken before the request is sent, and given back when its answer ends.
+        if self.taken.fetch_add(1, Ordering::AcqRel) >= self.places {
+            self.taken.fetch_sub(1, Ordering::AcqRel);
+            return Err(Busy);
+        }
+        tx.send(r).map_err(|_| {
+            self.taken.fetch_sub(1, Ordering::AcqRel);
+            Busy
+        })
     }
 }
 
@@ -132,7 +147,8 @@ struct Active {
 
 /// The loop: one new conversation admitted (prefilled) per step while there is room, then one
 /// decode step of every active one; waits for a request when none is active.
-fn run(p: &Pipeline, rx: Receiver<Request>, sequences: usize) {
+/// `ended`: the engine's count of requests taken, decremented as each answer ends.
+fn run(p: &Pipeline, rx: Receiver<Request>, sequences: usize, ended: &AtomicUsize) {
     let mut active: Vec<Active> = Vec::new();
     let mut open = true;
     loop {
@@ -152,10 +168,17 @@ fn run(p: &Pipeline, rx: Receiver<Request>, sequences: usize) {
             (false, false) => None,
         };
         if let Some(r) = request {
-            active.extend(admit(p, r));
+            match admit(p, r) {
+                Some(a) => active.push(a),
+                None => {
+                    ended.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
         }
         if !active.is_empty() {
+            let before = active.len();
             step(p, &mut active);
+            ended.fetch_sub(before - active.len(), Ordering::AcqRel);
         }
     }
 }
