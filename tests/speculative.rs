@@ -221,6 +221,10 @@ fn bad_drafts_are_errors() {
         .unwrap()
         .to_string();
         assert!(e.contains(&format!("first {layers} layers")) && e.contains("1 to 30"), "{e}");
+        // The model's own first layers as its draft: the same bound.
+        let e = p.set_draft_layers(layers).unwrap_err().to_string();
+        assert!(e.contains(&format!("first {layers} layers")) && e.contains("1 to 30"), "{e}");
+        assert!(p.draft().is_none());
     }
 }
 

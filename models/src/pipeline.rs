@@ -219,11 +219,8 @@ impl Pipeline {
     /// [`crate::Speculative::Draft`] proposes with: no weights of its own, the model's decode
     /// path on the CPU ([`Model::sequence_of_layers`]). `layers` from 1 to the model's.
     pub fn set_draft_layers(&mut self, layers: usize) -> Result<()> {
-        let n = self.model.config().n_layer;
-        if !(1..=n).contains(&layers) {
-            return Err(Error::Input(format!("a draft of the first {layers} layers of a model of {n}: expected 1 to {n}")));
-        }
-        tracing::info!("draft for speculative decoding: the model's first {layers} layers of {n}");
+        self.model.check_draft_layers(layers)?;
+        tracing::info!("draft for speculative decoding: the model's first {layers} layers of {}", self.model.config().n_layer);
         self.draft = Some(Draft::FirstLayers(layers));
         Ok(())
     }

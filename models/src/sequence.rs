@@ -97,9 +97,15 @@ impl Model {
     /// on the CPU paths ([`Model::decode_sequences`], [`crate::PrefillRows::Cpu`]) a draft of
     /// itself for speculative decoding, sharing its weights. `layers` from 1 to the model's.
     pub fn sequence_of_layers(&self, layers: usize) -> Result<Sequence> {
+        self.check_draft_layers(layers)?;
+        Ok(Sequence::new(layers, self.kv_type()))
+    }
+
+    /// An error unless the model has a first `layers` to cut a draft to (1 to its own).
+    pub(crate) fn check_draft_layers(&self, layers: usize) -> Result<()> {
         let n = self.config().n_layer;
         match (1..=n).contains(&layers) {
-            true => Ok(Sequence::new(layers, self.kv_type())),
+            true => Ok(()),
             false => Err(Error::Input(format!("a draft of the first {layers} layers of a model of {n}: expected 1 to {n}"))),
         }
     }
