@@ -42,8 +42,8 @@ use serde_json::json;
 #[command(about = "Accuracy suite: perplexity on three domains, top-1 agreement, MMLU, pruning curve, domain shift")]
 struct Args {
     /// How the pipelines of the rows, decode and htp sections hold their KV cache: `f32` or
-    /// `f16` (`KvType`).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+    /// `f16` (`KvType`, the default) or `q8`.
+    #[arg(long, default_value = "f16", value_parser = ["f32", "f16", "q8"])]
     kv_cache: String,
     /// Windows of 512 tokens per text domain.
     #[arg(long, default_value_t = 3)]
@@ -475,7 +475,12 @@ struct HotPoint {
 fn main() -> Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let mut args = Args::parse();
-    KV.set(if args.kv_cache == "f16" { KvType::F16 } else { KvType::F32 }).expect("set once");
+    KV.set(match args.kv_cache.as_str() {
+        "f32" => KvType::F32,
+        "q8" => KvType::Q8,
+        _ => KvType::F16,
+    })
+    .expect("set once");
     let on = |s: &str| args.sections.iter().any(|x| x == s);
     let (do_rows, do_curve, do_hot, do_decode, do_htp) = (on("rows"), on("curve"), on("hot"), on("decode"), on("htp"));
     let (do_calibration, do_chat) = (on("calibration"), on("chat"));

@@ -10,7 +10,7 @@ mod common;
 
 use candle_npu::{NpuDevice, Numerics, Tail};
 use candle_npu_models::chat_eval::{self, Conversation};
-use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
+use candle_npu_models::{CalibrationSet, DecodeWeights, KvType, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
 /// The subset: one conversation of each kind the eval holds.
@@ -90,19 +90,29 @@ fn residual_weights_keep_the_issue_s_example_from_derailing() {
     let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Checkpoint);
     let r = chat_eval::reference(&mut f32p, &bob).unwrap();
     let residual: Vec<String> = candle_npu_models::transformer::linear_names().map(String::from).collect();
+    // With f16 KV (the default) the tie can fall to another of its first tokens: measured
+    // 2026-12-01, the HTP numerics' answer became "Konnichiwa! I'm glad to have you in my city."
+    // (not derailed; the host's stayed "Nice to meet you"). f16's rounding of the keys and
+    // values (2^-11) moves logits by more than the tie's 0.02, so the first words are asserted
+    // with f32 KV, the configuration the claim was measured in (`docs/chat.md`), and no
+    // derailment with both.
     for (device, padded) in [(NpuDevice::host(), false), (NpuDevice::host_with(Numerics::Htp), true)] {
-        let opts = LoadOptions { precision: Some(Precision::W8A8), residual: residual.clone(), ..Default::default() };
-        let mut p = Pipeline::load(&candle_npu_models::assets::smollm2(), None, &device, opts).unwrap();
-        let profile = p.calibrate(CalibrationSet::default(), |_, _| {}).unwrap();
-        p.model.set_profile(profile).unwrap();
-        if padded {
-            p.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() }).unwrap();
+        for kv in [KvType::F32, KvType::F16] {
+            let opts = LoadOptions { precision: Some(Precision::W8A8), residual: residual.clone(), kv, ..Default::default() };
+            let mut p = Pipeline::load(&candle_npu_models::assets::smollm2(), None, &device, opts).unwrap();
+            let profile = p.calibrate(CalibrationSet::default(), |_, _| {}).unwrap();
+            p.model.set_profile(profile).unwrap();
+            if padded {
+                p.model.set_sched(SchedOptions { tail: Tail::Pad, ..Default::default() }).unwrap();
+            }
+            let o = chat_eval::measure(&mut p, &mut f32p, &r).unwrap();
+            let text = p.decode_text(&o.answer).unwrap();
+            eprintln!("{} ({kv:?} KV): kl {:.4}, {} tokens agree: {text:?}", device.executor_name(), o.kl, o.agree);
+            assert!(o.derail.is_none(), "{} ({kv:?} KV): derailed ({:?}): {text:?}", device.executor_name(), o.derail);
+            if kv == KvType::F32 {
+                assert!(text.starts_with("Nice to meet you"), "{}: {text:?}", device.executor_name());
+            }
         }
-        let o = chat_eval::measure(&mut p, &mut f32p, &r).unwrap();
-        let text = p.decode_text(&o.answer).unwrap();
-        eprintln!("{}: kl {:.4}, {} tokens agree: {text:?}", device.executor_name(), o.kl, o.agree);
-        assert!(o.derail.is_none(), "{}: derailed ({:?}): {text:?}", device.executor_name(), o.derail);
-        assert!(text.starts_with("Nice to meet you"), "{}: {text:?}", device.executor_name());
     }
 }
 

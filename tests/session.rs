@@ -184,11 +184,14 @@ fn a_saved_session_restores_the_same_kv() {
     std::fs::write(&damaged, b"not a kv file at all").unwrap();
     refused(&mut p, &damaged, "magic");
     refused(&mut p, &dir, "not a regular file");
-    // Values no attention produces, the checksum recomputed over them: refused by content.
-    let body = bytes.len() - 32 - 64 * 4;
-    for (value, why) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf"), (3.0e30, "3e30")] {
+    // Values no attention produces, the checksum recomputed over them: refused by content. The
+    // file holds f16 values (the default cache's type), so beyond f16's range is infinite
+    // (an f32 file's 3e30 is refused by the same comparison after widening).
+    assert_eq!(p.model.kv_type(), candle_npu_models::KvType::F16);
+    let body = bytes.len() - 32 - 64 * 2;
+    for (value, why) in [(half::f16::NAN, "NaN"), (half::f16::INFINITY, "inf"), (half::f16::NEG_INFINITY, "-inf")] {
         let mut b = bytes[..bytes.len() - 32].to_vec();
-        b[body..body + 4].copy_from_slice(&value.to_le_bytes());
+        b[body..body + 2].copy_from_slice(&value.to_le_bytes());
         let digest = sha2::Sha256::digest(&b);
         b.extend_from_slice(&digest);
         std::fs::write(&damaged, &b).unwrap();
@@ -211,28 +214,37 @@ fn a_saved_session_restores_the_same_kv() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// With an f16 KV cache (`LoadOptions::kv`) a conversation's cache is f16 through its turns, a
-/// save and a restore: the restored conversation answers as the live one, and the model's cache
-/// stays f16 (a restore widens nothing it holds).
+/// With an f16 (the default) or q8 KV cache (`LoadOptions::kv`) a conversation's cache keeps
+/// its type through its turns, a save and a restore: the restored conversation answers as the
+/// live one, and the file holds f16 values for f16 (half an f32 file) and f32 for q8 (its values
+/// exactly).
 #[test]
-fn an_f16_kv_cache_stays_f16_through_a_saved_session() {
-    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::Q8_0, kv: KvType::F16, ..Default::default() };
-    let p = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), opts).unwrap();
-    assert_eq!(p.model.kv_type(), KvType::F16);
-    let dir = std::env::temp_dir().join(format!("candle-npu-session-f16-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("turn1.kv");
-    let gen = GenerateOptions { sample_len: 6, ..Default::default() };
-    let mut s = p.session();
-    s.send(&p, "What is the capital of France?", &gen, |_| {}).unwrap();
-    s.save(&p, &path).unwrap();
-    let live = s.send(&p, "And of Spain?", &gen, |_| {}).unwrap();
-    assert_eq!(p.model.kv_type(), KvType::F16, "after a session's turns");
-    let mut r = p.restore_session(&path).unwrap();
-    let restored = r.send(&p, "And of Spain?", &gen, |_| {}).unwrap();
-    assert_eq!(restored.0, live.0, "the restored conversation answers as the live one");
-    assert_eq!(p.model.kv_type(), KvType::F16, "after a restore");
-    std::fs::remove_dir_all(&dir).unwrap();
+fn a_kv_cache_keeps_its_type_through_a_saved_session() {
+    let mut sizes = vec![];
+    for kv in [KvType::F16, KvType::Q8, KvType::F32] {
+        let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::Q8_0, kv, ..Default::default() };
+        let p = Pipeline::load(&assets::smollm2(), None, &NpuDevice::host(), opts).unwrap();
+        assert_eq!(p.model.kv_type(), kv);
+        let dir = std::env::temp_dir().join(format!("candle-npu-session-{kv:?}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("turn1.kv");
+        let gen = GenerateOptions { sample_len: 6, ..Default::default() };
+        let mut s = p.session();
+        s.send(&p, "What is the capital of France?", &gen, |_| {}).unwrap();
+        assert_eq!(s.sequence().kv_type(), kv, "after a turn");
+        s.save(&p, &path).unwrap();
+        sizes.push(std::fs::metadata(&path).unwrap().len());
+        let live = s.send(&p, "And of Spain?", &gen, |_| {}).unwrap();
+        let mut r = p.restore_session(&path).unwrap();
+        assert_eq!(r.sequence().kv_type(), kv, "restored");
+        let restored = r.send(&p, "And of Spain?", &gen, |_| {}).unwrap();
+        assert_eq!(restored.0, live.0, "{kv:?}: the restored conversation answers as the live one");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    // The header (tokens, messages) is the same size for all three: the values differ.
+    let (f16, q8, f32) = (sizes[0], sizes[1], sizes[2]);
+    assert_eq!(q8, f32, "q8 saved as f32");
+    assert!(f16 < f32 && f32 - f16 > f16 / 2, "f16 file {f16} bytes, f32 {f32}");
 }
 
 /// The chunk length is set once, at load (or with `set_chunk_len`), and checked there.

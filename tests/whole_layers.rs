@@ -5,13 +5,17 @@
 mod common;
 
 use candle_npu::{NpuDevice, Numerics};
-use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, KvType, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
-/// The model at `path` on the host executor, its first `layers` layers (`None`: all).
+/// The model at `path` on the host executor, its first `layers` layers (`None`: all), with f32
+/// KV caches: the two plans compute the same values only then (with the default f16 caches the
+/// stages round a chunk's own keys and values before attending to them, a whole-layer graph
+/// attends to them as computed and rounds them into the cache after).
 fn load(path: &std::path::Path, precision: Precision, decode_weights: DecodeWeights, layers: Option<usize>) -> Pipeline {
     assert!(path.exists(), "{} missing: run scripts/setup.sh first", path.display());
-    Pipeline::load(path, None, &NpuDevice::host(), LoadOptions { precision: Some(precision), decode_weights, layers, ..Default::default() }).unwrap()
+    let opts = LoadOptions { precision: Some(precision), decode_weights, layers, kv: KvType::F32, ..Default::default() };
+    Pipeline::load(path, None, &NpuDevice::host(), opts).unwrap()
 }
 
 /// The last token's logits of `tokens` in chunks of 16, with `plan`.

@@ -50,6 +50,7 @@ enum QnnContexts {
 enum KvArg {
     F32,
     F16,
+    Q8,
 }
 
 /// Weights of the CPU decode path (see `DecodeWeights`).
@@ -225,8 +226,9 @@ struct Args {
     /// Weights of the CPU decode path (docs/memory.md, "Decode weights", has the measurements).
     #[arg(long, value_enum, default_value = "checkpoint")]
     decode_weights: DecodeFormat,
-    /// How the KV cache holds keys and values: f32, or f16 at half the memory (docs/memory.md).
-    #[arg(long, value_enum, default_value = "f32")]
+    /// How the KV cache holds keys and values: f16 (llama.cpp's default, half of f32's memory),
+    /// f32, or q8 (llama.cpp's q8_0 blocks, about a quarter of f32's) (docs/memory.md).
+    #[arg(long, value_enum, default_value = "f16")]
     kv_cache: KvArg,
     /// Quant profile file (default: next to the model; calibrated and saved when missing).
     #[arg(long)]
@@ -460,6 +462,7 @@ pub fn run(family: &str, default: Option<Which>) -> Result<()> {
         kv: match args.kv_cache {
             KvArg::F32 => KvType::F32,
             KvArg::F16 => KvType::F16,
+            KvArg::Q8 => KvType::Q8,
         },
         ..Default::default()
     };

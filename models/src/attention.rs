@@ -7,7 +7,7 @@ use half::f16;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use candle_npu::kernels::attention::{self as kernel, HeadKv, KvRows, Partial, Scratch};
+use candle_npu::kernels::attention::{self as kernel, HeadKv, KvRows, Partial, Scratch, Q8_BLOCK};
 use candle_npu::kernels::claim;
 use candle_npu::kernels::rows::{rows_per_task, with_f32};
 use candle_npu::{Error, Result};
@@ -71,22 +71,48 @@ impl Rows {
 }
 
 /// How a [`KvCache`] holds its keys and values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KvType {
-    /// f32, as computed: the reference.
-    #[default]
+    /// f32, as computed: the reference (candle-transformers' own caches are f32), which the
+    /// tests that compare with candle at tight tolerances ask for.
     F32,
-    /// f16 (llama.cpp's default): half the memory; attention widens each tile to f32, so only
-    /// the values held are rounded (2^-11 relative), never a sum.
+    /// f16 (llama.cpp's default, and this crate's): half the memory; attention widens each tile
+    /// to f32, so only the values held are rounded (2^-11 relative), never a sum
+    /// (`docs/memory.md`: perplexity and the chat eval the same as with f32).
+    #[default]
     F16,
+    /// llama.cpp's `q8_0` (its `--cache-type-k q8_0`): i8 values in blocks of 32 with an f16
+    /// scale each, 1.0625 bytes a value (a head size that is a multiple of 32); attention
+    /// widens each tile to f32 as for f16 (`docs/memory.md` has its perplexity).
+    Q8,
 }
 
 impl KvType {
-    /// Bytes per value held.
-    pub fn size(self) -> usize {
+    /// Bytes that `values` values take (a q8 cache's in whole blocks).
+    pub fn bytes(self, values: usize) -> usize {
         match self {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
+            KvType::F32 => 4 * values,
+            KvType::F16 => 2 * values,
+            KvType::Q8 => values + 2 * values.div_ceil(Q8_BLOCK),
+        }
+    }
+
+    /// The type a saved state holds a cache of this type in: its own, but q8 as f32 (its values
+    /// exactly; restored into q8 they quantize to the same blocks).
+    pub fn saved(self) -> KvType {
+        match self {
+            KvType::Q8 => KvType::F32,
+            t => t,
+        }
+    }
+
+    /// An error unless a cache of this type can hold heads of `head_dim` values (q8 blocks do
+    /// not straddle tokens).
+    pub fn check_head_dim(self, head_dim: usize) -> Result<()> {
+        match self == KvType::Q8 && !head_dim.is_multiple_of(Q8_BLOCK) {
+            true => Err(Error::Input(format!("a q8 KV cache holds heads of a multiple of {Q8_BLOCK} values: this model's have {head_dim} (use f16)"))),
+            false => Ok(()),
         }
     }
 }
@@ -96,11 +122,13 @@ impl KvType {
 enum Store {
     F32(Vec<f32>),
     F16(Vec<f16>),
+    /// Values and a scale per [`Q8_BLOCK`] of them.
+    Q8(Vec<i8>, Vec<f16>),
 }
 
 impl Default for Store {
     fn default() -> Self {
-        Store::F32(Vec::new())
+        Store::empty(KvType::default())
     }
 }
 
@@ -109,6 +137,7 @@ impl Store {
         match t {
             KvType::F32 => Store::F32(Vec::new()),
             KvType::F16 => Store::F16(Vec::new()),
+            KvType::Q8 => Store::Q8(Vec::new(), Vec::new()),
         }
     }
 
@@ -116,6 +145,7 @@ impl Store {
         match self {
             Store::F32(_) => KvType::F32,
             Store::F16(_) => KvType::F16,
+            Store::Q8(..) => KvType::Q8,
         }
     }
 
@@ -130,6 +160,7 @@ impl Store {
         Ok(match self {
             Store::F32(_) => Store::F32(z(values, 0f32)?),
             Store::F16(_) => Store::F16(z(values, f16::ZERO)?),
+            Store::Q8(..) => Store::Q8(z(values, 0i8)?, z(values.div_ceil(Q8_BLOCK), f16::ZERO)?),
         })
     }
 
@@ -138,16 +169,22 @@ impl Store {
         match (self, src) {
             (Store::F32(d), Store::F32(s)) => d[at2..][..len].copy_from_slice(&s[at..][..len]),
             (Store::F16(d), Store::F16(s)) => d[at2..][..len].copy_from_slice(&s[at..][..len]),
+            (Store::Q8(dq, dd), Store::Q8(sq, sd)) => {
+                // Whole blocks: every offset and length is a multiple of the head size.
+                dq[at2..][..len].copy_from_slice(&sq[at..][..len]);
+                dd[at2 / Q8_BLOCK..][..len / Q8_BLOCK].copy_from_slice(&sd[at / Q8_BLOCK..][..len / Q8_BLOCK]);
+            }
             _ => unreachable!("one cache's stores have one type"),
         }
     }
 
-    /// `x` written at `at` (rounded to f16 in an f16 store).
+    /// `x` written at `at` (rounded to f16 in an f16 store, quantized in blocks in a q8 one).
     fn write(&mut self, at: usize, x: &[f32]) {
         use half::slice::HalfFloatSliceExt;
         match self {
             Store::F32(d) => d[at..][..x.len()].copy_from_slice(x),
             Store::F16(d) => d[at..][..x.len()].convert_from_f32_slice(x),
+            Store::Q8(q, d) => kernel::quantize_q8(x, &mut q[at..][..x.len()], &mut d[at / Q8_BLOCK..][..x.len() / Q8_BLOCK]),
         }
     }
 
@@ -164,6 +201,10 @@ impl Store {
         match self {
             Store::F32(d) => out.copy_from_slice(&d[r]),
             Store::F16(d) => d[r].convert_to_f32_slice(out),
+            Store::Q8(..) => {
+                let mut buf = vec![];
+                out.copy_from_slice(self.rows(r).as_f32(&mut buf));
+            }
         }
     }
 
@@ -171,6 +212,7 @@ impl Store {
         match self {
             Store::F32(d) => KvRows::F32(&d[r]),
             Store::F16(d) => KvRows::F16(&d[r]),
+            Store::Q8(q, d) => KvRows::Q8 { q: &q[r.clone()], d: &d[r.start / Q8_BLOCK..r.end.div_ceil(Q8_BLOCK)] },
         }
     }
 }
@@ -240,7 +282,7 @@ impl KvCache {
 
     /// Bytes the values take (capacity included).
     pub fn bytes(&self) -> usize {
-        2 * self.heads * self.cap * self.head_dim * self.kind().size()
+        2 * self.kind().bytes(self.heads * self.cap * self.head_dim)
     }
 
     /// Append `n` tokens of `k`, `v` (`[n, kv_heads, head_dim]`); room for `reserve` tokens in
@@ -257,10 +299,10 @@ impl KvCache {
             let (len, old_cap) = (self.len, self.cap);
             let values = heads.checked_mul(cap).and_then(|x| x.checked_mul(head_dim));
             // Keys and values: two stores of `values`.
-            let bytes_per = 2 * self.kind().size() as u64;
+            let kind = self.kind();
             let oom = || Error::OutOfMemory {
                 what: format!("a layer's KV cache of {cap} tokens ({heads} KV heads of {head_dim})"),
-                bytes: values.map_or(u64::MAX, |n| bytes_per * n as u64),
+                bytes: values.and_then(|n| n.checked_mul(2)).map_or(u64::MAX, |n| kind.bytes(n) as u64),
             };
             let values = values.ok_or_else(oom)?;
             let grow = |old: &Store| -> Result<Store> {
@@ -285,7 +327,7 @@ impl KvCache {
     }
 
     /// Append `n` tokens of `heads` heads of `hd` given head-major (`[heads, n, hd]` keys, then
-    /// values), as [`Self::into_type`] and [`Self::from_bytes`] have them.
+    /// values), as [`Self::into_type`] and [`Self::from_values`] have them.
     fn append_heads(&mut self, k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize) -> Result<()> {
         let token_major = |x: &[f32]| -> Vec<f32> { (0..n).flat_map(|t| (0..heads).flat_map(move |h| x[(h * n + t) * hd..][..hd].iter().copied())).collect() };
         self.append(&token_major(k), &token_major(v), n, heads, hd, n)
@@ -307,26 +349,36 @@ impl KvCache {
         (self.heads, self.head_dim)
     }
 
-    /// Every head's keys, then every head's values, `len` tokens each, as little-endian f32
-    /// bytes (the saved form of a prompt's KV, see `crate::session`; an f16 cache's values
-    /// widened, exactly).
-    pub fn write_to(&self, out: &mut impl std::io::Write) -> std::io::Result<()> {
+    /// Every head's keys, then every head's values, `len` tokens each, as little-endian values
+    /// of type `t.saved()` (the saved form of a prompt's KV, see `crate::session`): an f16 cache saved as
+    /// f16 (half the file) or widened to f32, exactly; an f32 one as f32, or rounded to f16.
+    pub fn write_to(&self, out: &mut impl std::io::Write, t: KvType) -> std::io::Result<()> {
         let (k, v) = self.head_major();
         for data in [k, v] {
-            let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let bytes: Vec<u8> = match t.saved() {
+                KvType::F32 | KvType::Q8 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                KvType::F16 => data.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
+            };
             out.write_all(&bytes)?;
         }
         Ok(())
     }
 
-    /// A cache of `len` tokens from [`KvCache::write_to`]'s bytes, held as `t`; `None` unless
-    /// they are exactly `2 * heads * len * head_dim` f32 values.
-    pub fn from_bytes(bytes: &[u8], heads: usize, head_dim: usize, len: usize, t: KvType) -> Option<Self> {
+    /// The values of [`KvCache::write_to`]'s bytes of type `t.saved()`, widened to f32.
+    pub fn values_of(bytes: &[u8], t: KvType) -> Vec<f32> {
+        match t.saved() {
+            KvType::F32 | KvType::Q8 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            KvType::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        }
+    }
+
+    /// A cache of `len` tokens from [`KvCache::write_to`]'s values ([`KvCache::values_of`]),
+    /// held as `t`; `None` unless they are exactly `2 * heads * len * head_dim` values.
+    pub fn from_values(values: &[f32], heads: usize, head_dim: usize, len: usize, t: KvType) -> Option<Self> {
         let half = heads.checked_mul(len)?.checked_mul(head_dim)?;
-        if bytes.len() != half.checked_mul(8)? {
+        if values.len() != half.checked_mul(2)? {
             return None;
         }
-        let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         let (k, v) = values.split_at(half);
         let mut c = KvCache::new(t);
         if len == 0 {
@@ -637,13 +689,56 @@ mod tests {
         assert_eq!(c16.bytes() * 2, c32.bytes());
         let (p32, p16) = (c32.padded(512, heads, hd), c16.padded(512, heads, hd));
         assert_eq!((round(p32.0), round(p32.1)), p16);
-        let mut bytes = vec![];
-        c16.write_to(&mut bytes).unwrap();
-        let back = KvCache::from_bytes(&bytes, heads, hd, 305, KvType::F16).unwrap();
+        // Saved as f16 (half the bytes) or widened to f32, and read back, exactly.
+        let (mut b16, mut b32) = (vec![], vec![]);
+        c16.write_to(&mut b16, KvType::F16).unwrap();
+        c16.write_to(&mut b32, KvType::F32).unwrap();
+        assert_eq!(b16.len() * 2, b32.len());
+        assert_eq!(KvCache::values_of(&b16, KvType::F16), KvCache::values_of(&b32, KvType::F32));
+        let back = KvCache::from_values(&KvCache::values_of(&b16, KvType::F16), heads, hd, 305, KvType::F16).unwrap();
         assert_eq!((back.kind(), back.len(), back.head_major()), (KvType::F16, 305, c16.head_major()));
+        assert!(KvCache::from_values(&KvCache::values_of(&b16, KvType::F16), heads, hd, 304, KvType::F16).is_none(), "a wrong length");
         let mut cleared = back;
         cleared.clear();
         assert_eq!((cleared.kind(), cleared.len()), (KvType::F16, 0), "clearing keeps the type");
+    }
+
+    /// A q8 cache holds each token's heads as q8 blocks (those `quantize_q8` gives), through
+    /// growth, conversion and the graph's padded inputs, in about a quarter of f32's bytes; its
+    /// saved form is f32, exactly, and restores to the same blocks.
+    #[test]
+    fn a_q8_cache_holds_blocks_of_its_values() {
+        let (heads, hd) = (2, 64);
+        let vals = |n: usize, s: f32| (0..n * heads * hd).map(|i| ((i as f32 + s) * 0.377).sin() * 2.5).collect::<Vec<f32>>();
+        let (mut c32, mut c8) = (KvCache::new(KvType::F32), KvCache::new(KvType::Q8));
+        for (n, s, reserve) in [(3, 0.0, 3), (260, 1.0, 0)] {
+            let (k, v) = (vals(n, s), vals(n, s + 0.5));
+            c32.append(&k, &v, n, heads, hd, reserve).unwrap();
+            c8.append(&k, &v, n, heads, hd, reserve).unwrap();
+        }
+        let blocks = |v: Vec<f32>| {
+            let (mut q, mut d) = (vec![0i8; v.len()], vec![f16::ZERO; v.len() / Q8_BLOCK]);
+            kernel::quantize_q8(&v, &mut q, &mut d);
+            q.iter().enumerate().map(|(i, &x)| x as f32 * d[i / Q8_BLOCK].to_f32()).collect::<Vec<f32>>()
+        };
+        let (k32, v32) = c32.head_major();
+        let held = c8.head_major();
+        assert_eq!(held, (blocks(k32.clone()), blocks(v32.clone())));
+        // Within half a step (the block's largest value over 127, at most 2.5 / 127 here), plus
+        // the f16 scale's rounding times up to 127 steps (2^-11 relative: 0.062 of a step).
+        let step = 2.5 / 127.0;
+        assert!(held.0.iter().zip(&k32).all(|(a, b)| (a - b).abs() <= step * (0.5 + 127.0 / 2048.0)));
+        assert_eq!(c32.clone().into_type(KvType::Q8).head_major(), held, "converted as appended");
+        assert_eq!(c8.bytes(), KvType::Q8.bytes(2 * heads * c8.cap * hd));
+        assert!(c8.bytes() * 3 < c32.bytes(), "{} bytes against f32's {}", c8.bytes(), c32.bytes());
+        let (p32, p8) = (c32.padded(300, heads, hd), c8.padded(300, heads, hd));
+        assert_eq!((blocks(p32.0), blocks(p32.1)), p8);
+        let mut bytes = vec![];
+        c8.write_to(&mut bytes, KvType::Q8).unwrap();
+        assert_eq!(bytes.len(), 2 * heads * 263 * hd * 4, "saved as f32");
+        let back = KvCache::from_values(&KvCache::values_of(&bytes, KvType::Q8), heads, hd, 263, KvType::Q8).unwrap();
+        assert_eq!((back.kind(), back.head_major()), (KvType::Q8, held));
+        assert!(KvType::Q8.check_head_dim(96).is_ok() && KvType::Q8.check_head_dim(80).is_err() && KvType::F16.check_head_dim(80).is_ok());
     }
 
     /// A KV cache that cannot be allocated is an error saying what it was for, where Rust's
@@ -673,7 +768,8 @@ mod tests {
         let (nh, nkv, hd, scale) = (6, 2, 8, 0.35f32);
         // (tokens already cached, rows, valid rows, window)
         for (start, m, n_valid, window) in [(0, 70, 70, None), (0, 150, 150, Some(5)), (40, 30, 25, Some(17)), (130, 1, 1, None)] {
-            let mut cache = KvCache::default();
+            // f32: the definition's values (an f16 cache rounds them, 2^-11).
+            let mut cache = KvCache::new(KvType::F32);
             let mut random = |n: usize| -> Vec<f32> {
                 (0..n)
                     .map(|_| {

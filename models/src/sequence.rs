@@ -36,7 +36,7 @@ impl Sequence {
 
     /// How the caches hold keys and values.
     pub fn kv_type(&self) -> KvType {
-        self.kv.first().map_or(KvType::F32, |kv| kv.lock().unwrap_or_else(|e| e.into_inner()).kind())
+        self.kv.first().map_or(KvType::default(), |kv| kv.lock().unwrap_or_else(|e| e.into_inner()).kind())
     }
 
     /// Bytes the caches hold (keys and values of every layer).

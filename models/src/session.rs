@@ -12,8 +12,9 @@
 //! generated.
 //!
 //! The file: 8 magic bytes, a little-endian u32 header length and the header (JSON: format,
-//! model id, what decides the rows' values, layers, KV heads, head size, tokens, messages), then
-//! each layer's keys and values ([`KvCache::write_to`]), then the SHA-256 of all that. Written
+//! model id, what decides the rows' values, layers, KV heads, head size, the values' type (the
+//! cache's own: f16 by default), tokens, messages), then each layer's keys and values
+//! ([`KvCache::write_to`]), then the SHA-256 of all that. Written
 //! atomically ([`candle_npu::fs::write_atomic`]); read only up to the size its header gives;
 //! refused, with the reason in one line, for another model, profile or precision.
 
@@ -27,7 +28,7 @@ use candle_npu::{Error, Result};
 use candle_transformers::generation::LogitsProcessor;
 use sha2::{Digest, Sha256};
 
-use crate::attention::KvCache;
+use crate::attention::{KvCache, KvType};
 use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
@@ -36,8 +37,9 @@ use crate::speculative::{DraftState, Drafter, Proposer, SpeculationStats, Specul
 use crate::transformer::{Logits, Model, PrefillOptions, PrefillRows};
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
-/// 2: a conversation's messages (1 held tokens and a pending token only).
-const FORMAT: u32 = 2;
+/// 3: the values in the cache's own type (`kv`: f16, half the file, or f32); 2 added a
+/// conversation's messages (1 held tokens and a pending token only).
+const FORMAT: u32 = 3;
 /// The largest key or value magnitude a restored state may hold: f16's largest finite value.
 const KV_LIMIT: f32 = 65504.0;
 /// The largest header (JSON: the conversation's tokens and messages) saved or read: 256 MiB, far
@@ -124,6 +126,11 @@ impl Session {
         &self.messages
     }
 
+    /// The conversation's KV caches and position.
+    pub fn sequence(&self) -> &Sequence {
+        &self.seq
+    }
+
     /// The user's next turn: [`Session::chat`] of one user message.
     pub fn send(&mut self, p: &Pipeline, text: &str, opts: &GenerateOptions, on_text: impl FnMut(&str)) -> Result<(String, GenerateStats)> {
         self.chat(p, &[Message::user(text)], opts, on_text)
@@ -189,6 +196,8 @@ impl Session {
         let arithmetic = self.check_model(p)?;
         let model = &p.model;
         let cfg = model.config();
+        // The conversation's own type (a sequence never prefilled is empty: the model's).
+        let kv = if self.seq.kv.is_empty() { model.kv_type() } else { self.seq.kv_type() }.saved();
         let header = Header {
             format: FORMAT,
             model_id: model.model_id().to_string(),
@@ -196,6 +205,7 @@ impl Session {
             layers: cfg.n_layer,
             kv_heads: cfg.n_kv_head,
             head_dim: cfg.head_dim,
+            kv,
             tokens: self.tokens.clone(),
             messages: self.messages.clone(),
         };
@@ -213,7 +223,7 @@ impl Session {
             h.write_all(&(json.len() as u32).to_le_bytes())?;
             h.write_all(&json)?;
             for l in 0..cfg.n_layer {
-                self.seq.kv.get(l).unwrap_or(&empty).lock().unwrap_or_else(|e| e.into_inner()).write_to(&mut h)?;
+                self.seq.kv.get(l).unwrap_or(&empty).lock().unwrap_or_else(|e| e.into_inner()).write_to(&mut h, kv)?;
             }
             let digest = h.hash.finalize();
             h.inner.write_all(&digest)
@@ -365,6 +375,8 @@ struct Header {
     layers: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The type of the values that follow.
+    kv: KvType,
     tokens: Vec<u32>,
     messages: Vec<Message>,
 }
@@ -432,7 +444,10 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Vec
     }
     model.check_tokens(&h.tokens).map_err(|e| bad(e.to_string()))?;
     crate::chat::check_roles(&h.messages).map_err(bad)?;
-    let layer_bytes = 2 * h.kv_heads * len * h.head_dim * 4;
+    if h.kv != h.kv.saved() {
+        return Err(bad(format!("values of type {:?}, which no saved state holds", h.kv)));
+    }
+    let layer_bytes = h.kv.bytes(2 * h.kv_heads * len * h.head_dim);
     let want = 12 + json_len as u64 + (h.layers * layer_bytes) as u64 + 32;
     if meta.len() != want {
         return Err(bad(format!("{} bytes, its header says {want}", meta.len())));
@@ -448,10 +463,11 @@ fn read_state(model: &Model, path: &Path) -> Result<(Vec<KvCache>, Vec<u32>, Vec
     for layer in 0..h.layers {
         f.read_exact(&mut buf).map_err(io)?;
         hash.update(&buf);
+        let values = KvCache::values_of(&buf, h.kv);
         if out_of_range.is_none() {
-            out_of_range = buf.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).find(|x| !(x.abs() <= KV_LIMIT)).map(|x| (layer, x));
+            out_of_range = values.iter().find(|x| !(x.abs() <= KV_LIMIT)).map(|&x| (layer, x));
         }
-        caches.push(KvCache::from_bytes(&buf, h.kv_heads, h.head_dim, len, model.kv_type()).ok_or_else(|| bad("a layer of the wrong size".into()))?);
+        caches.push(KvCache::from_values(&values, h.kv_heads, h.head_dim, len, model.kv_type()).ok_or_else(|| bad("a layer of the wrong size".into()))?);
     }
     let mut digest = [0u8; 32];
     f.read_exact(&mut digest).map_err(io)?;

@@ -54,6 +54,33 @@ pub enum KvRows<'a> {
     F32(&'a [f32]),
     /// Rounded to f16 (nearest, ties to even).
     F16(&'a [half::f16]),
+    /// llama.cpp's `q8_0`: blocks of [`Q8_BLOCK`] values, each `q[i] * d[i / 32]` (i8 values,
+    /// an f16 scale per block): 1.0625 bytes a value. A range of rows starts and ends on a block
+    /// (rows of a head size that is a multiple of 32).
+    Q8 {
+        /// The values.
+        q: &'a [i8],
+        /// A scale per block of 32 values.
+        d: &'a [half::f16],
+    },
+}
+
+/// Values per scale of [`KvRows::Q8`].
+pub const Q8_BLOCK: usize = 32;
+
+/// `x` (a multiple of [`Q8_BLOCK`] values) as llama.cpp's `q8_0` blocks, into `q` and `d`: per
+/// block `d = max |x| / 127` (as f16) and `q = round(x / d)`, so the largest keeps 127 steps.
+pub fn quantize_q8(x: &[f32], q: &mut [i8], d: &mut [half::f16]) {
+    debug_assert!(x.len().is_multiple_of(Q8_BLOCK) && q.len() == x.len() && d.len() * Q8_BLOCK == x.len());
+    for ((x, q), d) in x.chunks_exact(Q8_BLOCK).zip(q.chunks_exact_mut(Q8_BLOCK)).zip(d.iter_mut()) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        *d = half::f16::from_f32(scale);
+        for (q, &v) in q.iter_mut().zip(x) {
+            *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        }
+    }
 }
 
 impl<'a> KvRows<'a> {
@@ -62,6 +89,7 @@ impl<'a> KvRows<'a> {
         match self {
             KvRows::F32(v) => v.len(),
             KvRows::F16(v) => v.len(),
+            KvRows::Q8 { q, .. } => q.len(),
         }
     }
 
@@ -75,12 +103,17 @@ impl<'a> KvRows<'a> {
         match self {
             KvRows::F32(v) => KvRows::F32(&v[r]),
             KvRows::F16(v) => KvRows::F16(&v[r]),
+            KvRows::Q8 { q, d } => {
+                debug_assert!(r.start.is_multiple_of(Q8_BLOCK) && r.end.is_multiple_of(Q8_BLOCK), "q8 rows of whole blocks");
+                KvRows::Q8 { q: &q[r.clone()], d: &d[r.start / Q8_BLOCK..r.end / Q8_BLOCK] }
+            }
         }
     }
 
     /// The values as f32: in place, or widened into `buf` (F16C on x86_64, the FP16
-    /// conversions on aarch64, through `half`'s slice conversion).
-    fn as_f32<'b>(&self, buf: &'b mut Vec<f32>) -> &'b [f32]
+    /// conversions on aarch64, through `half`'s slice conversion; q8 blocks times their scale,
+    /// exact in f32).
+    pub fn as_f32<'b>(&self, buf: &'b mut Vec<f32>) -> &'b [f32]
     where
         'a: 'b,
     {
@@ -90,6 +123,16 @@ impl<'a> KvRows<'a> {
             KvRows::F16(v) => {
                 buf.resize(v.len(), 0.0);
                 v.convert_to_f32_slice(buf);
+                buf
+            }
+            KvRows::Q8 { q, d } => {
+                buf.resize(q.len(), 0.0);
+                for ((out, q), d) in buf.chunks_exact_mut(Q8_BLOCK).zip(q.chunks_exact(Q8_BLOCK)).zip(d.iter()) {
+                    let d = d.to_f32();
+                    for (o, &v) in out.iter_mut().zip(q) {
+                        *o = v as f32 * d;
+                    }
+                }
                 buf
             }
         }
@@ -117,7 +160,7 @@ impl HeadKv<'_> {
 }
 
 std::thread_local! {
-    /// A tile's keys and values widened from f16 ([`KvRows::as_f32`]), per thread.
+    /// A tile's keys and values widened from f16 or q8 ([`KvRows::as_f32`]), per thread.
     static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 

@@ -38,6 +38,42 @@ fn f16_rows_compute_as_f32_rows_of_their_values() {
         let wide = run(HeadKv { keys: KvRows::F32(&k32), values: KvRows::F32(&v32), first: 0, head_dim: hd });
         let half = run(HeadKv { keys: KvRows::F16(&k16), values: KvRows::F16(&v16), first: 0, head_dim: hd });
         assert_eq!(half, wide, "hd {hd}, {len} keys");
+        if hd % Q8_BLOCK != 0 {
+            continue;
+        }
+        // The same for q8 blocks against f32 rows of their dequantized values.
+        let q8 = |x: &[f32]| {
+            let (mut q, mut d) = (vec![0i8; x.len()], vec![half::f16::ZERO; x.len() / Q8_BLOCK]);
+            quantize_q8(x, &mut q, &mut d);
+            let wide: Vec<f32> = q.iter().enumerate().map(|(i, &v)| v as f32 * d[i / Q8_BLOCK].to_f32()).collect();
+            (q, d, wide)
+        };
+        let ((kq, kd, kw), (vq, vd, vw)) = (q8(&k32), q8(&v32));
+        let wide = run(HeadKv { keys: KvRows::F32(&kw), values: KvRows::F32(&vw), first: 0, head_dim: hd });
+        let q8 = run(HeadKv { keys: KvRows::Q8 { q: &kq, d: &kd }, values: KvRows::Q8 { q: &vq, d: &vd }, first: 0, head_dim: hd });
+        assert_eq!(q8, wide, "q8: hd {hd}, {len} keys");
+    }
+}
+
+/// q8 blocks hold every value within half a step of its block's scale (the largest exactly at
+/// 127 steps), zeros as zeros, and blocks of one sign or one magnitude.
+#[test]
+fn q8_blocks_round_to_their_scale() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let mut x = random(&mut rng, 4 * Q8_BLOCK, 3.0);
+    x[Q8_BLOCK..2 * Q8_BLOCK].fill(0.0);
+    x[2 * Q8_BLOCK..3 * Q8_BLOCK].fill(-1e-3);
+    let (mut q, mut d) = (vec![0i8; x.len()], vec![half::f16::ZERO; 4]);
+    quantize_q8(&x, &mut q, &mut d);
+    for (b, (x, q)) in x.chunks_exact(Q8_BLOCK).zip(q.chunks_exact(Q8_BLOCK)).enumerate() {
+        let d = d[b].to_f32();
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!((d - amax / 127.0).abs() <= amax / 127.0 * 1e-3, "block {b}: scale {d} for a largest value {amax}");
+        for (&x, &q) in x.iter().zip(q) {
+            // The scale rounded to f16 moves each value by at most 127 * its rounding.
+            assert!((q as f32 * d - x).abs() <= d / 2.0 + amax * 1e-3, "block {b}: {x} held as {q} x {d}");
+        }
+        assert_eq!(q.iter().map(|v| v.unsigned_abs()).max().unwrap(), if amax > 0.0 { 127 } else { 0 }, "block {b}");
     }
 }
 
