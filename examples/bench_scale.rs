@@ -30,9 +30,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_npu::{HtpConfig, NpuDevice};
+use candle_npu::{HostExecutor, HtpConfig, NpuDevice};
 use candle_npu_models::logits::argmax;
-use candle_npu_models::{assets, memory, CalibrationSet, LoadOptions, Pipeline, Precision};
+use candle_npu_models::{assets, memory, transformer, CalibrationSet, LoadOptions, Pipeline, Precision};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -62,6 +62,10 @@ struct Args {
     /// Internal: run the main job on this model file and print its peak RSS.
     #[arg(long, hide = true)]
     main_job: Option<PathBuf>,
+    /// The NPU's weights: `int8` (per channel, W8A8: the default) or `lpbq` (4-bit LPBQ on every
+    /// linear, with the u16 activations it needs: shadow W8A16).
+    #[arg(long, default_value = "int8", value_parser = ["int8", "lpbq"])]
+    npu_weights: String,
 }
 
 const PROMPT: usize = 700;
@@ -89,8 +93,11 @@ fn is_synthetic(path: &Path) -> bool {
     path.to_string_lossy().contains("-random.gguf")
 }
 
-fn load(path: &Path) -> Result<Pipeline> {
-    let opts = LoadOptions { precision: Some(Precision::W8A8), ..Default::default() };
+fn load(path: &Path, npu_weights: &str) -> Result<Pipeline> {
+    let opts = match npu_weights {
+        "lpbq" => LoadOptions { precision: Some(Precision::W8A16Shadow), lpbq: transformer::linear_names().map(String::from).collect(), ..Default::default() },
+        _ => LoadOptions { precision: Some(Precision::W8A8), ..Default::default() },
+    };
     Ok(Pipeline::load(path, None, &NpuDevice::host(), opts)?)
 }
 
@@ -106,9 +113,9 @@ fn prompt(p: &Pipeline, n: usize) -> Result<Vec<u32>> {
 }
 
 /// The child: the main job, then its peak RSS in bytes on stdout.
-fn main_job(path: &Path, hot_coverage: Option<f64>) -> Result<()> {
+fn main_job(path: &Path, hot_coverage: Option<f64>, npu_weights: &str) -> Result<()> {
     memory::limit_malloc_arenas(1);
-    let mut p = load(path)?;
+    let mut p = load(path, npu_weights)?;
     profile(&mut p, is_synthetic(path), hot_coverage)?;
     let ids = prompt(&p, PROMPT)?;
     p.model.prepare_chunked(256)?;
@@ -117,14 +124,14 @@ fn main_job(path: &Path, hot_coverage: Option<f64>) -> Result<()> {
         t = argmax(&p.model.decode(t)?)?;
     }
     let (_, peak) = memory::rss().context("/proc/self/status")?;
-    println!("{peak} {}", p.model.weight_bytes());
+    println!("{peak} {}, host executor's packed NPU weights {:.0} MB", p.model.weight_bytes(), HostExecutor::packed_bytes() as f64 / 1e6);
     Ok(())
 }
 
 /// The main job's peak RSS (MiB) and what the engine holds, in a child process.
-fn ours_rss(path: &Path, hot_coverage: Option<f64>) -> Result<(f64, String)> {
+fn ours_rss(path: &Path, hot_coverage: Option<f64>, npu_weights: &str) -> Result<(f64, String)> {
     let mut cmd = Command::new(std::env::current_exe()?);
-    cmd.arg("--main-job").arg(path);
+    cmd.arg("--main-job").arg(path).arg("--npu-weights").arg(npu_weights);
     if let Some(c) = hot_coverage {
         cmd.arg("--hot-coverage").arg(c.to_string());
     }
@@ -199,12 +206,12 @@ fn main() -> Result<()> {
         .init();
     let args = Args::parse();
     if let Some(path) = &args.main_job {
-        return main_job(path, args.hot_coverage);
+        return main_job(path, args.hot_coverage, &args.npu_weights);
     }
     if let Some(path) = &args.contexts_of {
         // In a process of its own, without the host executor's graphs: the emulator holds what
         // it finalizes in the process's memory.
-        let mut p = load(path)?;
+        let mut p = load(path, &args.npu_weights)?;
         profile(&mut p, is_synthetic(path), None)?;
         let (n, bytes, need, secs) = npu_contexts(&p)?;
         println!("{n} {bytes} {need} {secs}");
@@ -226,10 +233,10 @@ fn main() -> Result<()> {
         };
         let file_mb = std::fs::metadata(&path)?.len() as f64 / 1e6;
         eprintln!("{name}: main job");
-        let (rss, holds) = ours_rss(&path, args.hot_coverage)?;
+        let (rss, holds) = ours_rss(&path, args.hot_coverage, &args.npu_weights)?;
         let llama_rss = llama.as_deref().map(|b| llama_rss(b, &path, args.threads)).transpose()?;
 
-        let mut p = load(&path)?;
+        let mut p = load(&path, &args.npu_weights)?;
         profile(&mut p, is_synthetic(&path), args.hot_coverage)?;
         let ids = prompt(&p, 1024)?;
         p.model.prepare_chunked(256)?;

@@ -24,7 +24,7 @@ use crate::kernels::gemv::{BlockFormat, BlockMatrix};
 use crate::kernels::rows::{quantize_i8, rows_per_task, shadow_row};
 use crate::kernels::{prefetch, PackedI8};
 use crate::outlier::{Outliers, WeightSource};
-use crate::quant::{quantize_weight_i8, quantize_weight_i8_per_channel, quantize_weight_lpbq};
+use crate::quant::{lpbq_value, quantize_weight_i8, quantize_weight_i8_per_channel, quantize_weight_lpbq};
 
 /// How the NPU weight is quantized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -136,12 +136,39 @@ enum Int8 {
     Q8_0(BlockMatrix),
     /// As they are (decode has its own weight).
     Raw(Arc<Vec<i8>>),
+    /// An LPBQ weight's 4-bit values, row-major, two a byte (the even one low): the INT8 values
+    /// are each times its block's scale ([`NpuWeight::lpbq`]), as the HTP expands them. Half
+    /// the bytes of [`Int8::Raw`]. With the weight's `K`.
+    Nibbles(Arc<Vec<u8>>, usize),
     /// Not held: requantized when needed from the decode weight's blocks, which are the
     /// checkpoint's own (mapped) and dequantize to exactly the float weight they were quantized
     /// from (checked at load). A graph build takes them all (`values`); the shadow path's cold
     /// columns come from the host executor's packed copy while one lives, else one value at a
     /// time from the blocks.
     Blocks(BlockMatrix),
+}
+
+impl Int8 {
+    /// An LPBQ weight's raw INT8 values (`blocks` given) held as their 4-bit values, half the
+    /// bytes; any other as it is. The values are LPBQ's by construction (`quantize_weight_lpbq`).
+    fn lpbq(self, blocks: Option<&BlockScales>, k: usize) -> Self {
+        match (self, blocks) {
+            (Int8::Raw(q), Some(b)) => {
+                let mut v = vec![0u8; q.len().div_ceil(2)];
+                for (i, &x) in q.iter().enumerate() {
+                    let nib = x / b.of(i, k) as i8;
+                    v[i / 2] |= ((nib as u8) & 0xf) << (4 * (i % 2));
+                }
+                Int8::Nibbles(Arc::new(v), k)
+            }
+            (int8, _) => int8,
+        }
+    }
+}
+
+/// The 4-bit value at `i` of `v` (two a byte, the even one low), sign-extended.
+fn nibble(v: &[u8], i: usize) -> i8 {
+    (((v[i / 2] >> (4 * (i % 2))) << 4) as i8) >> 4
 }
 
 enum Scales {
@@ -218,6 +245,10 @@ impl NpuWeight {
         }
         Ok(match &self.int8 {
             Int8::Raw(q) => gather(cs, n, |r, c| q[r * k + c], |r, c| q.as_ptr().wrapping_add(r * k + c).cast()),
+            Int8::Nibbles(v, _) => {
+                let b = &self.lpbq.as_ref().expect("nibbles are an LPBQ weight's").blocks;
+                gather(cs, n, |r, c| nibble(v, r * k + c) * b.of(r * k + c, k) as i8, |r, c| v.as_ptr().wrapping_add((r * k + c) / 2))
+            }
             Int8::Q8_0(t) => {
                 let (data, at) = (t.data(), |r: usize, c: usize| (r * k + c) / 32 * Q8_0_BLOCK + 2 + c % 32);
                 gather(cs, n, |r, c| data[at(r, c)] as i8, |r, c| data.as_ptr().wrapping_add(at(r, c)))
@@ -227,15 +258,29 @@ impl NpuWeight {
                 let mut w = [0f32; ROWS];
                 let w = &mut w[..part.len()];
                 b.column(c, r0..r0 + part.len(), w);
-                part.iter_mut().zip(w.iter()).enumerate().for_each(|(i, (q, &v))| *q = quantize_i8(v, self.scales.row(r0 + i)));
+                part.iter_mut().zip(w.iter()).enumerate().for_each(|(i, (q, &v))| *q = self.requantize(v, r0 + i, c, k));
             }),
         })
+    }
+
+    /// The INT8 value of `v`, the float weight at `[r, c]` of `K` = `k`, quantized as this
+    /// weight is: per channel, or LPBQ's 4-bit value times its block scale.
+    fn requantize(&self, v: f32, r: usize, c: usize, k: usize) -> i8 {
+        match &self.lpbq {
+            Some(l) => lpbq_value(v, l.blocks.of(r * k + c, k), self.scales.row(r)),
+            None => quantize_i8(v, self.scales.row(r)),
+        }
     }
 
     /// The INT8 values, row-major `[N, K]`.
     fn values(&self) -> Result<Arc<Vec<i8>>> {
         match &self.int8 {
             Int8::Raw(q) => Ok(q.clone()),
+            Int8::Nibbles(v, k) => {
+                let b = &self.lpbq.as_ref().expect("nibbles are an LPBQ weight's").blocks;
+                let n = b.scales.len() / (k / b.block).max(1);
+                Ok(Arc::new((0..n * k).map(|i| nibble(v, i) * b.of(i, *k) as i8).collect()))
+            }
             Int8::Blocks(b) => {
                 // The float weight (candle's dequantization: `source.matrix()`'s values for a
                 // checkpoint's blocks), each row by its scale.
@@ -243,8 +288,7 @@ impl NpuWeight {
                 let w = b.dequantize()?.flatten_all()?.to_vec1::<f32>()?;
                 let mut q = vec![0i8; n * k];
                 q.par_chunks_mut(k.max(1)).zip(w.par_chunks(k.max(1))).enumerate().for_each(|(r, (q, w))| {
-                    let s = self.scales.row(r);
-                    q.iter_mut().zip(w).for_each(|(q, &v)| *q = quantize_i8(v, s));
+                    q.iter_mut().zip(w).enumerate().for_each(|(c, (q, &v))| *q = self.requantize(v, r, c, k));
                 });
                 Ok(Arc::new(q))
             }
@@ -445,14 +489,18 @@ impl ShadowLinear {
         // matrix again).
         let residual_data = (weights == WeightQuant::PerChannelResidual).then(|| rounding_error(&data, &q, &row_scales, k));
         let (int8, decode) = match (decode, checkpoint) {
-            (_, Some(b)) if matches!(weights, WeightQuant::Lpbq { .. }) => (Int8::Raw(Arc::new(q)), DecodeMatrix::Blocks(b)),
             (_, Some(b)) => {
                 // The INT8 values are dropped and taken from the blocks when needed: they must be
-                // the blocks' values requantized. Spot-checked (each row's first and last 32
-                // values): a source whose blocks are not its matrix would give the NPU one
-                // weight and the shadow path another.
+                // the blocks' values requantized (an LPBQ weight's by its block scales too, which
+                // are held). Spot-checked (each row's first and last 32 values): a source whose
+                // blocks are not its matrix would give the NPU one weight and the shadow path
+                // another.
+                let requantize = |r: usize, c: usize| match &blocks {
+                    Some(bs) => lpbq_value(b.value(r, c), bs.of(r * k + c, k), row_scales[r]),
+                    None => quantize_i8(b.value(r, c), row_scales[r]),
+                };
                 let spots = (0..n).flat_map(|r| (0..k.min(32)).chain(k.saturating_sub(32)..k).map(move |c| (r, c)));
-                if let Some((r, c)) = spots.into_iter().find(|&(r, c)| quantize_i8(b.value(r, c), row_scales[r]) != q[r * k + c]) {
+                if let Some((r, c)) = spots.into_iter().find(|&(r, c)| requantize(r, c) != q[r * k + c]) {
                     return Err(Error::Internal(format!(
                         "{name}: the blocks of {} give {} at [{r}, {c}] where its matrix gives {}",
                         source.describe(),
@@ -462,7 +510,7 @@ impl ShadowLinear {
                 }
                 (Int8::Blocks(b.clone()), DecodeMatrix::Blocks(b))
             }
-            (DecodeWeights::F32, None) => (Int8::Raw(Arc::new(q)), DecodeMatrix::F32(Tensor::from_vec(data, (n, k), &Device::Cpu)?)),
+            (DecodeWeights::F32, None) => (Int8::Raw(Arc::new(q)).lpbq(blocks.as_deref(), k), DecodeMatrix::F32(Tensor::from_vec(data, (n, k), &Device::Cpu)?)),
             (_, None) if k % 32 == 0 => {
                 if let Some(r) = row_scales.iter().position(|&s| s > half::f16::MAX.to_f32()) {
                     return Err(Error::Input(format!("{name}: row {r}'s weights (scale {}) are beyond Q8_0's f16 scales", row_scales[r])));
@@ -665,6 +713,7 @@ impl ShadowLinear {
             + match &self.npu.int8 {
                 Int8::Q8_0(_) => 0,
                 Int8::Raw(q) => q.len(),
+                Int8::Nibbles(v, _) => v.len(),
                 Int8::Blocks(_) => 0,
             }
     }
@@ -675,6 +724,7 @@ impl ShadowLinear {
         self.residual.as_ref().map_or(0, |r| r.decode_bytes())
             + match &self.npu.int8 {
                 Int8::Raw(q) => q.len(),
+                Int8::Nibbles(v, _) => v.len(),
                 Int8::Q8_0(_) | Int8::Blocks(_) => 0,
             }
     }

@@ -72,6 +72,13 @@ impl Lpbq {
     }
 }
 
+/// LPBQ's INT8 value of `v` (the 4-bit value times the block scale) under block scale `s` and
+/// channel scale `c`: the one formula of [`quantize_weight_lpbq`] and of every requantization
+/// of an LPBQ weight from the file's blocks.
+pub fn lpbq_value(v: f32, s: u8, c: f32) -> i8 {
+    (v / (s as f32 * c)).round().clamp(-8.0, 7.0) as i8 * s as i8
+}
+
 /// LPBQ quantization of a weight `[N, K]` over blocks of `block` inputs. Each row's channel scale
 /// is its largest block step over 15; each block's scale is the one of the integers around its
 /// own step (`absmax / 7`) that gives the block the least squared error.
@@ -99,7 +106,7 @@ pub fn quantize_weight_lpbq(w: &[f32], n: usize, k: usize, block: usize) -> Resu
                 .unwrap_or(1.0);
             out.block_scales[r * blocks + b] = s as u8;
             for (i, &v) in vals.iter().enumerate() {
-                out.values[r * k + b * block + i] = q(v, s * c) as i8;
+                out.values[r * k + b * block + i] = lpbq_value(v, s as u8, c) / s as i8;
             }
         }
     }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use super::htp_numerics::{self, ChannelScales, Numerics};
 use super::{ExecutableGraph, Executor};
 use crate::error::Result;
-use crate::graph::{DType, Graph, Op, Quant, StaticData, TensorData, TensorId, TensorKind};
+use crate::graph::{BlockScales, DType, Graph, Op, Quant, StaticData, TensorData, TensorId, TensorKind};
 use crate::kernels::rows::dequantize_row;
 use crate::kernels::{matmul_f32, PackedF32, PackedI8};
 
@@ -34,6 +34,13 @@ impl HostExecutor {
     /// The arithmetic this executor's results follow.
     pub fn numerics(&self) -> Numerics {
         self.numerics
+    }
+
+    /// Bytes of the INT8 (and LPBQ) weights packed for the graphs alive in this process: the
+    /// host's copy of what an NPU would hold in its contexts (each weight once, whatever graphs
+    /// share it).
+    pub fn packed_bytes() -> usize {
+        PACKED.lock().unwrap_or_else(|e| e.into_inner()).iter().filter_map(|(_, p)| p.upgrade()).map(|p| p.bytes()).sum()
     }
 }
 
@@ -64,6 +71,12 @@ fn shared<T>(cache: &Mutex<Vec<(PackKey, Weak<T>)>>, key: Option<PackKey>, pack:
 
 fn pack_i8(d: &[i8], n: usize, k: usize, id: Option<u64>) -> Arc<PackedI8> {
     shared(&PACKED, id.map(|id| (id, n, k, false)), || PackedI8::new(d, n, k))
+}
+
+/// An LPBQ weight (its INT8 form `d` and its block scales) packed at half the bytes
+/// ([`PackedI8::with_lpbq`]): the same products, as the HTP expands it.
+fn pack_lpbq(d: &[i8], n: usize, k: usize, blocks: &BlockScales, id: Option<u64>) -> Arc<PackedI8> {
+    shared(&PACKED, id.map(|id| (id, n, k, false)), || PackedI8::with_lpbq(d, n, k, blocks.block, &blocks.scales))
 }
 
 impl Executor for HostExecutor {
@@ -113,7 +126,10 @@ impl Executor for HostExecutor {
                         },
                         StaticData::I8(d) => Fc::W8A8 {
                             data_id: w.data_id,
-                            w: pack_i8(d, n, k, w.data_id),
+                            w: match &w.block_scales {
+                                Some(b) => pack_lpbq(d, n, k, b, w.data_id),
+                                None => pack_i8(d, n, k, w.data_id),
+                            },
                             x_quant: x.quant.expect("validated"),
                             w_scale: match (&w.channel_scales, w.quant) {
                                 // The HTP lowering's FP16 channel multiply: F32 outputs of 32 columns

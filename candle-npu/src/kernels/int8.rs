@@ -239,12 +239,25 @@ impl Int8Path {
 
 /// An INT8 weight `[N, K]` in 16-column panels laid out for one [`Int8Path`] (module docs).
 pub struct Panels {
-    data: Vec<i8>,
+    data: PanelData,
     n: usize,
     k: usize,
     /// K rounded up to a multiple of the path's group.
     kp: usize,
     path: Int8Path,
+}
+
+/// What a [`Panels`] holds: the INT8 values, or an LPBQ weight's 4-bit parts.
+enum PanelData {
+    /// The values in the panel layout ([`at`]).
+    I8(Vec<i8>),
+    /// An LPBQ weight (`value * block scale`, [`crate::quant::Lpbq`]) at half the bytes: its
+    /// 4-bit values in the same layout, two a byte (the even position in the low nibble), and
+    /// per panel, block of `block` K and column, the block's scale (`scales[(p * blocks + b) *
+    /// NR + j]`: a block's 16 scales side by side, as a K group's 16 columns are). A tile's
+    /// micro-panel is expanded into INT8 once per row block ([`Panels::expand`]), so the tiles
+    /// and the results are the INT8 path's.
+    Lpbq { nibbles: Vec<u8>, scales: Vec<u8>, block: usize },
 }
 
 impl Panels {
@@ -263,7 +276,87 @@ impl Panels {
                 panel[at(g, j, kk)] = v;
             }
         }
-        Panels { data, n, k, kp, path }
+        Panels { data: PanelData::I8(data), n, k, kp, path }
+    }
+
+    /// An LPBQ weight's panels at half the bytes: `w` (`[N, K]`, row-major) is its INT8 form,
+    /// each value its 4-bit value (in [-8, 7]) times `scales[n * K / block + k / block]` (in
+    /// 1..=15); `None` when it is not (a weight that is no LPBQ weight is packed as INT8 by the
+    /// caller), or when a block is not whole K groups of the path.
+    pub fn new_lpbq(w: &[i8], n: usize, k: usize, block: usize, scales: &[u8], path: Int8Path) -> Option<Self> {
+        let g = path.group();
+        if w.len() != n * k || block == 0 || !k.is_multiple_of(block) || !block.is_multiple_of(g) || scales.len() != n * (k / block) {
+            return None;
+        }
+        let (kp, blocks, n_panels) = (k, k / block, n.div_ceil(NR));
+        let mut nibbles = vec![0u8; (n_panels * kp * NR).div_ceil(2)];
+        let mut packed = vec![0u8; n_panels * blocks * NR];
+        for (col, row) in w.chunks_exact(k.max(1)).enumerate() {
+            let (p, j) = (col / NR, col % NR);
+            for (b, vals) in row.chunks_exact(block).enumerate() {
+                let s = scales[col * blocks + b];
+                if !(1..=15).contains(&s) {
+                    return None;
+                }
+                packed[(p * blocks + b) * NR + j] = s;
+                for (i, &v) in vals.iter().enumerate() {
+                    let q = v / s as i8;
+                    if q * s as i8 != v || !(-8..=7).contains(&q) {
+                        return None;
+                    }
+                    let at = p * kp * NR + at(g, j, b * block + i);
+                    nibbles[at / 2] |= ((q as u8) & 0xf) << (4 * (at % 2));
+                }
+            }
+        }
+        Some(Panels { data: PanelData::Lpbq { nibbles, scales: packed, block }, n, k, kp, path })
+    }
+
+    /// Bytes the weight takes (values and block scales).
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            PanelData::I8(d) => d.len(),
+            PanelData::Lpbq { nibbles, scales, .. } => nibbles.len() + scales.len(),
+        }
+    }
+
+    /// The value at `at` of panel `p` (`at(g, j, k)`), from either form.
+    fn value(&self, p: usize, j: usize, kk: usize) -> i8 {
+        let i = p * self.kp * NR + at(self.path.group(), j, kk);
+        match &self.data {
+            PanelData::I8(d) => d[i],
+            PanelData::Lpbq { nibbles, scales, block } => nibble(nibbles, i) * scales[(p * (self.k / block) + kk / block) * NR + j] as i8,
+        }
+    }
+
+    /// Groups `t0..t1` of panel `p` as INT8 in `out` (`(t1 - t0) * g * NR` values, the layout of
+    /// [`PanelData::I8`]): what a tile reads. A group's `g * NR` values are the `g` of column 0,
+    /// then of column 1, ..., and one block's 16 scales serve every group in it: each byte of
+    /// nibbles gives two values of one column.
+    fn expand(&self, p: usize, t0: usize, t1: usize, out: &mut Vec<i8>) {
+        let PanelData::Lpbq { nibbles, scales, block } = &self.data else { unreachable!("an LPBQ panel") };
+        let g = self.path.group();
+        let (gbytes, blocks) = (g * NR, self.k / block);
+        out.resize((t1 - t0) * gbytes, 0);
+        let mut rep = [0i8; 8 * NR];
+        let mut held = usize::MAX;
+        for (t, dst) in (t0..t1).zip(out.chunks_exact_mut(gbytes)) {
+            let b = t * g / block;
+            if b != held {
+                // Each column's scale, once per value of the column in a group.
+                let s = &scales[(p * blocks + b) * NR..][..NR];
+                for (i, r) in rep[..gbytes].iter_mut().enumerate() {
+                    *r = s[i / g] as i8;
+                }
+                held = b;
+            }
+            // g is even: a group starts on a whole byte.
+            let src = &nibbles[(p * self.kp * NR + t * gbytes) / 2..][..gbytes / 2];
+            for ((pair, &byte), s) in dst.chunks_exact_mut(2).zip(src).zip(rep[..gbytes].chunks_exact(2)) {
+                pair[0] = (((byte << 4) as i8) >> 4).wrapping_mul(s[0]);
+                pair[1] = ((byte as i8) >> 4).wrapping_mul(s[1]);
+            }
+        }
     }
 
     /// The path the panels are laid out for, and the one [`Self::matmul`] runs.
@@ -277,11 +370,16 @@ impl Panels {
     pub fn columns(&self, cs: &[usize]) -> Vec<i8> {
         let (n, g) = (self.n, self.path.group());
         let mut out = vec![0i8; cs.len() * n];
-        for (p, panel) in self.data.chunks_exact(self.kp * NR).enumerate() {
+        for p in 0..n.div_ceil(NR) {
             let cols = NR.min(n - p * NR);
             for (j, &c) in cs.iter().enumerate() {
-                for (i, v) in out[j * n + p * NR..][..cols].iter_mut().enumerate() {
-                    *v = panel[at(g, i, c)];
+                let dst = &mut out[j * n + p * NR..][..cols];
+                match &self.data {
+                    PanelData::I8(d) => {
+                        let panel = &d[p * self.kp * NR..][..self.kp * NR];
+                        dst.iter_mut().enumerate().for_each(|(i, v)| *v = panel[at(g, i, c)]);
+                    }
+                    PanelData::Lpbq { .. } => dst.iter_mut().enumerate().for_each(|(i, v)| *v = self.value(p, i, c)),
                 }
             }
         }
@@ -442,12 +540,21 @@ impl Panels {
         let (kc, mc) = self.path.blocking();
         let groups = self.kp / g;
         let kc = k_block(groups, kc / g);
+        // An LPBQ micro-panel, expanded to INT8 (once per row block: once per GEMM up to `mc`
+        // rows, where each of its values then serves every row).
+        let mut wide = Vec::new();
         for t0 in (0..groups).step_by(kc) {
             let t1 = (t0 + kc).min(groups);
             for r0 in (0..m).step_by(mc) {
                 let r1 = (r0 + mc).min(m);
                 for p in panels.clone() {
-                    let b = self.data.as_ptr().add((p * self.kp + t0 * g) * NR);
+                    let b = match &self.data {
+                        PanelData::I8(d) => d.as_ptr().add((p * self.kp + t0 * g) * NR),
+                        PanelData::Lpbq { .. } => {
+                            self.expand(p, t0, t1, &mut wide);
+                            wide.as_ptr()
+                        }
+                    };
                     let cols = NR.min(self.n - p * NR);
                     for r in (r0..r1).step_by(mr) {
                         // i16 rows (`kp` apart), or the block of mr rows at `r` (a multiple of mr:
@@ -469,6 +576,11 @@ impl Panels {
             }
         }
     }
+}
+
+/// The 4-bit value at `i` of `nibbles` (two a byte, the even one low), sign-extended.
+fn nibble(nibbles: &[u8], i: usize) -> i8 {
+    (((nibbles[i / 2] >> (4 * (i % 2))) << 4) as i8) >> 4
 }
 
 /// Where value `k` of column `j` (0-15) is in a panel of K groups of `g`: the group's `g * NR`

@@ -133,6 +133,38 @@ impl PackedI8 {
         PackedI8 { packed, n, k, col_sums }
     }
 
+    /// An LPBQ weight (`w`, `[N, K]`: each value a 4-bit value times its block's scale in
+    /// `scales`, `[N, K / block]`; [`crate::quant::Lpbq::expand`]) held at half the bytes, in our
+    /// panels ([`Panels::new_lpbq`]) whatever [`Int8Kernel::detect`] chooses: a tile's
+    /// micro-panel is expanded to INT8 once per row block, so the products are exactly the INT8
+    /// weight's. Without AVX-512 VNNI that is the path INT8 runs on too; with it, rten's VNNI
+    /// kernel is not used for these weights (its packing is its own). A weight that is not such
+    /// a weight is packed as INT8.
+    pub fn with_lpbq(w: &[i8], n: usize, k: usize, block: usize, scales: &[u8]) -> Self {
+        let path = match Int8Kernel::detect() {
+            Int8Kernel::Own(path) => path,
+            Int8Kernel::Rten => Int8Path::detect(),
+        };
+        match Panels::new_lpbq(w, n, k, block, scales, path) {
+            Some(p) => {
+                let col_sums = w.chunks_exact(k.max(1)).map(|row| row.iter().map(|&v| v as i32).sum()).collect();
+                PackedI8 { packed: Packed::Own(p), n, k, col_sums }
+            }
+            None => {
+                tracing::warn!(n, k, block, "a weight with block scales is no LPBQ weight of 4-bit values: packed as INT8");
+                Self::new(w, n, k)
+            }
+        }
+    }
+
+    /// Bytes the packed weight takes (our panels'; rten's packing is about the INT8 weight's).
+    pub fn bytes(&self) -> usize {
+        match &self.packed {
+            Packed::Own(p) => p.bytes(),
+            Packed::Rten(_) => self.n * self.k,
+        }
+    }
+
     /// Columns `cs` of the weight (`cs.len()` x `N` values), read from our panels (one K group, a
     /// line or two, per 16 outputs); None for rten's packing, whose layout is its own.
     pub fn columns(&self, cs: &[usize]) -> Option<Vec<i8>> {
@@ -481,6 +513,46 @@ mod tests {
                 assert_eq!(pool.install(|| p.matmul_u8_then(&x, m, 40_000, &each)), mapped, "{kernel:?} {m} rows, offset 40000");
             }
         }
+    }
+
+    /// An LPBQ weight packed at half the bytes multiplies exactly as its INT8 form on every path
+    /// this machine has, over blocking edges (K of several blocks and K blocks, N not a
+    /// multiple of 16, rows split over tasks), and reads its columns back; a weight whose values
+    /// are not 4-bit values times the scales is packed as INT8, with the same results.
+    #[test]
+    fn lpbq_panels_multiply_as_their_int8_weight() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for (m, k, n, block) in [(7, 64, 33, 32), (300, 1536, 40, 32), (13, 2048, 16, 64), (1, 96, 5, 32)] {
+            let scales: Vec<u8> = (0..n * (k / block)).map(|_| rng.random_range(1..=15)).collect();
+            let w: Vec<i8> = (0..n * k).map(|i| rng.random_range(-8i8..=7) * scales[(i / k) * (k / block) + (i % k) / block] as i8).collect();
+            let x: Vec<u8> = (0..m * k).map(|_| rng.random()).collect();
+            let xi: Vec<i8> = (0..m * k).map(|_| rng.random()).collect();
+            for path in Int8Path::available() {
+                let panels = Panels::new_lpbq(&w, n, k, block, &scales, path).expect("an LPBQ weight");
+                assert!(panels.bytes() * 2 <= n.next_multiple_of(int8::NR) * k * 17 / 16 + 64, "{path:?}: {} bytes for {n} x {k}", panels.bytes());
+                let p = PackedI8 { packed: Packed::Own(panels), n, k, col_sums: w.chunks_exact(k).map(|r| r.iter().map(|&v| v as i32).sum()).collect() };
+                for off in [0, -128, 17] {
+                    assert_eq!(p.matmul_u8(&x, m, off), reference(&x, &w, m, k, n, off), "{path:?} {m}x{k}x{n} u8 offset {off}");
+                    assert_eq!(p.matmul_i8(&xi, m, off), reference(&xi, &w, m, k, n, off), "{path:?} {m}x{k}x{n} i8 offset {off}");
+                }
+                let cs = [0, k - 1, k / 2, 3];
+                let want: Vec<i8> = cs.iter().flat_map(|&c| (0..n).map(|r| w[r * k + c]).collect::<Vec<_>>()).collect();
+                assert_eq!(p.columns(&cs).unwrap(), want, "{path:?} columns");
+            }
+            let lp = PackedI8::with_lpbq(&w, n, k, block, &scales);
+            assert_eq!(lp.matmul_u8(&x, m, -3), reference(&x, &w, m, k, n, -3), "with_lpbq");
+            assert!(lp.bytes() < n.next_multiple_of(16) * k * 6 / 10, "with_lpbq: {} bytes for {n} x {k}", lp.bytes());
+        }
+        // 9 is no 4-bit value times a scale of 1; 3 x 3 is, but not under a scale of 2.
+        let (w, scales) = (vec![9i8; 64], vec![1u8, 1]);
+        assert!(Panels::new_lpbq(&w, 1, 64, 32, &scales, Int8Path::Portable).is_none());
+        let mut w = vec![6i8; 64];
+        w[40] = 9;
+        assert!(Panels::new_lpbq(&w, 1, 64, 32, &[3, 2], Int8Path::Portable).is_none());
+        let fallback = PackedI8::with_lpbq(&w, 1, 64, 32, &[3, 2]);
+        let x: Vec<u8> = (0..64).map(|i| i as u8).collect();
+        assert_eq!(fallback.matmul_u8(&x, 1, 0), reference(&x, &w, 1, 64, 1, 0));
+        assert_eq!(fallback.bytes(), 64, "packed as INT8");
     }
 
     #[test]

@@ -154,15 +154,25 @@ fn checkpoint_decode_holds_no_int8_and_gives_the_same_int8_values() {
 }
 
 #[test]
-fn lpbq_weights_are_held_as_int8_and_decode_keeps_the_blocks() {
-    // LPBQ cannot be requantized from the blocks row by row: its INT8 values are held, they
-    // are the LPBQ weight expanded, and decode still reads the checkpoint's blocks.
+fn lpbq_weights_come_from_the_blocks_or_are_held_in_4_bits() {
+    // An LPBQ weight is requantized from the file's blocks when needed, as INT8 is (its channel
+    // and block scales held): no copy; it gives the LPBQ weight expanded and its columns, and
+    // decode still reads the checkpoint's blocks. Without blocks its 4-bit values are held
+    // (half the INT8 bytes), with the same values.
     let (n, k) = (70, 256);
     let src = block_source(BlockFormat::Q4_1, n, k, false);
-    let lin = ShadowLinear::new("l", src.clone(), None, WeightQuant::Lpbq { block: 32 }, DecodeWeights::Checkpoint).unwrap();
-    assert!(matches!(lin.npu.int8, Int8::Raw(_)));
     let want = quantize_weight_lpbq(&src.matrix().unwrap(), n, k, 32).unwrap();
-    assert_eq!(*lin.npu.values().unwrap(), want.expand());
+    let expanded = want.expand();
+    let cs = [0, 5, k - 1];
+    let cols: Vec<i8> = cs.iter().flat_map(|&c| (0..n).map(|r| expanded[r * k + c]).collect::<Vec<_>>()).collect();
+    for (decode, bytes) in [(DecodeWeights::Checkpoint, 0), (DecodeWeights::F32, n * k / 2)] {
+        let lin = ShadowLinear::new("l", src.clone(), None, WeightQuant::Lpbq { block: 32 }, decode).unwrap();
+        assert_eq!(lin.int8_bytes(), bytes, "{decode:?}");
+        assert!(matches!((decode, &lin.npu.int8), (DecodeWeights::Checkpoint, Int8::Blocks(_)) | (DecodeWeights::F32, Int8::Nibbles(..))));
+        assert_eq!(*lin.npu.values().unwrap(), expanded, "{decode:?}");
+        assert_eq!(lin.npu.columns(&cs, n, k).unwrap(), cols, "{decode:?}");
+    }
+    let lin = ShadowLinear::new("l", src.clone(), None, WeightQuant::Lpbq { block: 32 }, DecodeWeights::Checkpoint).unwrap();
     assert_eq!(lin.row_scales, want.channel_scales);
     assert!(matches!(lin.decode(), DecodeMatrix::Blocks(_)));
     // A block that does not divide the width is an input error naming the linear.
