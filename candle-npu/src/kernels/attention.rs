@@ -362,15 +362,32 @@ pub fn attend_tile_one(q: &[f32], kv: HeadKv<'_>, span: Range<usize>, scale: f32
     }
     let n = seen.len();
     let at = (seen.start - held.start) * hd;
-    with_f32_kv(&kv, at..at + n * hd, |keys, values| {
-        scores.resize(rows * n, 0.0);
-        let s = &mut scores[..rows * n];
-        dots(q, keys, hd, s);
+    scores.resize(rows * n, 0.0);
+    let s = &mut scores[..rows * n];
+    let softmax = |s: &mut [f32], tile: &mut Partial| {
         for (r, row) in s.chunks_exact_mut(n).enumerate() {
             let m = scale * row_max(row);
             tile.sum[r] = exp_shifted(row, scale, m);
             tile.max[r] = m;
         }
+    };
+    // f16 keys and values read as they lie, widened in the register (a decode step reads each
+    // once: widening them into a buffer first cost 8% of SmolLM2's decode at 1.4k tokens).
+    // The same f32 values and sums as the widened rows', so the same bits.
+    #[cfg(target_arch = "x86_64")]
+    if let (KvRows::F16(k), KvRows::F16(v)) = (kv.keys, kv.values) {
+        if hd.is_multiple_of(8) && super::rows::avx2_fma() && super::cpu::cpu().f16c {
+            let (k, v) = (&k[at..at + n * hd], &v[at..at + n * hd]);
+            // SAFETY: the CPU has AVX2, FMA and F16C; the sizes are whole vectors.
+            unsafe { x86::dots_f16(q, k, hd, s) };
+            softmax(s, tile);
+            // SAFETY: as above.
+            return unsafe { x86::weighted_sum_f16(s, v, hd, &mut tile.out) };
+        }
+    }
+    with_f32_kv(&kv, at..at + n * hd, |keys, values| {
+        dots(q, keys, hd, s);
+        softmax(s, tile);
         weighted_sum(s, values, hd, &mut tile.out);
     })
 }
@@ -432,25 +449,53 @@ mod x86 {
 
     use crate::kernels::hsum8;
 
+    /// Eight keys or values at `p` (element `i`) as f32: f32 as they are, or f16 (`F16`)
+    /// widened by F16C's `vcvtph2ps` (exact: the values `half` widens them to). Inlined into
+    /// its callers, whose features (F16C for `F16`) it needs.
+    #[inline(always)]
+    unsafe fn load8<const F16: bool>(p: *const u8, i: usize) -> __m256 {
+        // SAFETY: the caller's: eight elements from `i` lie in `p`'s allocation, and F16C for f16.
+        unsafe {
+            match F16 {
+                true => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * i).cast())),
+                false => _mm256_loadu_ps(p.add(4 * i).cast()),
+            }
+        }
+    }
+
     /// [`super::dots`], `hd` a multiple of 8: two keys at a time, so each query vector loaded
     /// serves two products; the keys are read once, in order.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
-        let n = keys.len() / hd;
+        // SAFETY: the caller's (AVX2, FMA, whole vectors); `keys` holds `len` f32.
+        unsafe { dots_of::<false>(q, keys.as_ptr().cast(), keys.len(), hd, s) }
+    }
+
+    /// [`dots`] on f16 keys, widened as they are loaded.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots_f16(q: &[f32], keys: &[half::f16], hd: usize, s: &mut [f32]) {
+        // SAFETY: the caller's (AVX2, FMA, F16C, whole vectors); `keys` holds `len` f16.
+        unsafe { dots_of::<true>(q, keys.as_ptr().cast(), keys.len(), hd, s) }
+    }
+
+    /// [`dots`] over `len` keys' values at `keys` (f32, or f16 with `F16`).
+    #[inline(always)]
+    unsafe fn dots_of<const F16: bool>(q: &[f32], keys: *const u8, len: usize, hd: usize, s: &mut [f32]) {
+        let n = len / hd;
         let rows = q.len() / hd;
         let mut j = 0;
         while j < n {
             let two = j + 1 < n;
-            let (k0, k1) = (keys[j * hd..].as_ptr(), keys[(j + two as usize) * hd..].as_ptr());
+            let (k0, k1) = (j * hd, (j + two as usize) * hd);
             for r in 0..rows {
                 let qr = q[r * hd..].as_ptr();
                 let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 for c in (0..hd).step_by(8) {
-                    // SAFETY: c + 8 <= hd, and each pointer starts a row of hd values.
+                    // SAFETY: c + 8 <= hd, and k0, k1 start rows of hd values within `len`.
                     unsafe {
                         let x = _mm256_loadu_ps(qr.add(c));
-                        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0.add(c)), a0);
-                        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1.add(c)), a1);
+                        a0 = _mm256_fmadd_ps(x, load8::<F16>(keys, k0 + c), a0);
+                        a1 = _mm256_fmadd_ps(x, load8::<F16>(keys, k1 + c), a1);
                     }
                 }
                 // SAFETY: this function's AVX2 (its caller's check).
@@ -467,36 +512,50 @@ mod x86 {
     /// rows in registers over every key.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
-        let n = values.len() / hd;
+        // SAFETY: the caller's (AVX2, FMA, whole vectors); `values` holds `len` f32.
+        unsafe { weighted_sum_of::<false>(p, values.as_ptr().cast(), values.len(), hd, out) }
+    }
+
+    /// [`weighted_sum`] on f16 values, widened as they are loaded.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_sum_f16(p: &[f32], values: &[half::f16], hd: usize, out: &mut [f32]) {
+        // SAFETY: the caller's (AVX2, FMA, F16C, whole vectors); `values` holds `len` f16.
+        unsafe { weighted_sum_of::<true>(p, values.as_ptr().cast(), values.len(), hd, out) }
+    }
+
+    /// [`weighted_sum`] over `len` values at `values` (f32, or f16 with `F16`).
+    #[inline(always)]
+    unsafe fn weighted_sum_of<const F16: bool>(p: &[f32], values: *const u8, len: usize, hd: usize, out: &mut [f32]) {
+        let n = len / hd;
         let rows = p.len() / n.max(1);
         for r0 in (0..rows).step_by(8) {
             let (p, out) = (&p[r0 * n..], &mut out[r0 * hd..]);
             // SAFETY (each): the rows exist (`rows - r0` of them), `hd` is a multiple of 8.
             unsafe {
                 match rows - r0 {
-                    1 => strips::<1>(p, values, hd, n, out),
-                    2 => strips::<2>(p, values, hd, n, out),
-                    3 => strips::<3>(p, values, hd, n, out),
-                    4 => strips::<4>(p, values, hd, n, out),
-                    5 => strips::<5>(p, values, hd, n, out),
-                    6 => strips::<6>(p, values, hd, n, out),
-                    7 => strips::<7>(p, values, hd, n, out),
-                    _ => strips::<8>(p, values, hd, n, out),
+                    1 => strips::<1, F16>(p, values, len, hd, n, out),
+                    2 => strips::<2, F16>(p, values, len, hd, n, out),
+                    3 => strips::<3, F16>(p, values, len, hd, n, out),
+                    4 => strips::<4, F16>(p, values, len, hd, n, out),
+                    5 => strips::<5, F16>(p, values, len, hd, n, out),
+                    6 => strips::<6, F16>(p, values, len, hd, n, out),
+                    7 => strips::<7, F16>(p, values, len, hd, n, out),
+                    _ => strips::<8, F16>(p, values, len, hd, n, out),
                 }
             }
         }
     }
 
-    /// `R` rows of [`weighted_sum`] (`p` and `out` start at the first).
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn strips<const R: usize>(p: &[f32], values: &[f32], hd: usize, n: usize, out: &mut [f32]) {
-        assert!(p.len() >= R * n && out.len() >= R * hd && values.len() >= n * hd && hd.is_multiple_of(8));
+    /// `R` rows of [`weighted_sum`] (`p` and `out` start at the first) over `len` values.
+    #[inline(always)]
+    unsafe fn strips<const R: usize, const F16: bool>(p: &[f32], values: *const u8, len: usize, hd: usize, n: usize, out: &mut [f32]) {
+        assert!(p.len() >= R * n && out.len() >= R * hd && len >= n * hd && hd.is_multiple_of(8));
         for c in (0..hd).step_by(8) {
             let mut acc = [_mm256_setzero_ps(); R];
             for j in 0..n {
                 // SAFETY: j < n and c + 8 <= hd (asserted): within `values`; i < R rows of `p`.
                 unsafe {
-                    let v = _mm256_loadu_ps(values.as_ptr().add(j * hd + c));
+                    let v = load8::<F16>(values, j * hd + c);
                     for (i, a) in acc.iter_mut().enumerate() {
                         *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.get_unchecked(i * n + j)), v, *a);
                     }
