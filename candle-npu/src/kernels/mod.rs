@@ -552,7 +552,7 @@ mod tests {
         let fallback = PackedI8::with_lpbq(&w, 1, 64, 32, &[3, 2]);
         let x: Vec<u8> = (0..64).map(|i| i as u8).collect();
         assert_eq!(fallback.matmul_u8(&x, 1, 0), reference(&x, &w, 1, 64, 1, 0));
-        assert_eq!(fallback.bytes(), 64, "packed as INT8");
+        assert_eq!(fallback.bytes(), PackedI8::new(&w, 1, 64).bytes(), "packed as INT8");
     }
 
     #[test]
