@@ -26,12 +26,12 @@
 //! `head_dim` is a multiple of 8, NEON on aarch64 when it is a multiple of 4 (`mod neon`; every
 //! model's is: 64, 128, 256), the plain loops otherwise.
 //!
-//! No fp16 kernel: it would not be free in accuracy. FEAT_FP16's `fmla .8h` rounds every
+//! No fp16 arithmetic: it would not be free in accuracy. FEAT_FP16's `fmla .8h` rounds every
 //! product and partial sum to 11 bits (relative steps of 2^-11 = 4.9e-4, against f32's 6e-8):
-//! a 512-key sum would miss the tests' 2e-5 by orders of magnitude. FEAT_FHM's `fmlal` (f16
-//! products summed in f32) rounds only its inputs, but the queries, keys and values are f32
-//! here: rounding them to f16 is 2^-12 relative each, again far above 2e-5. The K/V cache would
-//! have to be f16 in the first place, a model-level choice with its own accuracy study.
+//! a 512-key sum would miss the tests' 2e-5 by orders of magnitude. An f16 KV cache (the
+//! default since 2026-12-01, `docs/memory.md`) is read in f16 and widened, exactly, before any
+//! product: into a buffer per tile where the tile serves a chunk's rows, in the register
+//! (`vcvtph2ps`, `fcvtl`) for a decode step's one position, so every sum stays f32.
 
 use std::ops::Range;
 
@@ -372,8 +372,8 @@ pub fn attend_tile_one(q: &[f32], kv: HeadKv<'_>, span: Range<usize>, scale: f32
         }
     };
     // f16 keys and values read as they lie, widened in the register (a decode step reads each
-    // once: widening them into a buffer first cost 8% of SmolLM2's decode at 1.4k tokens).
-    // The same f32 values and sums as the widened rows', so the same bits.
+    // once: widening them into a buffer first cost 8% of SmolLM2's decode at 1.4k tokens on
+    // x86). The same f32 values and sums as the widened rows', so the same bits.
     #[cfg(target_arch = "x86_64")]
     if let (KvRows::F16(k), KvRows::F16(v)) = (kv.keys, kv.values) {
         if hd.is_multiple_of(8) && super::rows::avx2_fma() && super::cpu::cpu().f16c {
@@ -383,6 +383,17 @@ pub fn attend_tile_one(q: &[f32], kv: HeadKv<'_>, span: Range<usize>, scale: f32
             softmax(s, tile);
             // SAFETY: as above.
             return unsafe { x86::weighted_sum_f16(s, v, hd, &mut tile.out) };
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if let (KvRows::F16(k), KvRows::F16(v)) = (kv.keys, kv.values) {
+        if hd.is_multiple_of(4) {
+            let (k, v) = (&k[at..at + n * hd], &v[at..at + n * hd]);
+            // SAFETY: NEON is in the aarch64 baseline; the sizes are whole vectors.
+            unsafe { neon::dots_f16(q, k, hd, s) };
+            softmax(s, tile);
+            // SAFETY: as above.
+            return unsafe { neon::weighted_sum_f16(s, v, hd, &mut tile.out) };
         }
     }
     with_f32_kv(&kv, at..at + n * hd, |keys, values| {
@@ -589,12 +600,43 @@ mod neon {
     /// reduced together, by three `faddp` of two vectors each, in [`hsum4`]'s order.
     #[target_feature(enable = "neon")]
     pub fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
-        let n = keys.len() / hd;
+        dots_of::<false>(q, keys.as_ptr().cast(), keys.len(), hd, s)
+    }
+
+    /// [`dots`] on f16 keys, widened as they are loaded (`fcvtl`: the values `half` widens them
+    /// to, so the same sums and bits).
+    #[target_feature(enable = "neon")]
+    pub fn dots_f16(q: &[f32], keys: &[half::f16], hd: usize, s: &mut [f32]) {
+        dots_of::<true>(q, keys.as_ptr().cast(), keys.len(), hd, s)
+    }
+
+    /// Four values at element `i` of `p` as f32: f32 as they are, or f16 (`F16`) widened.
+    ///
+    /// # Safety
+    /// Four elements from `i` lie within `p`'s allocation.
+    #[inline(always)]
+    unsafe fn load4<const F16: bool>(p: *const u8, i: usize) -> float32x4_t {
+        // SAFETY: the caller's; NEON and its f16 conversions are in the aarch64 baseline.
+        unsafe {
+            match F16 {
+                true => vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p.add(2 * i).cast()))),
+                false => vld1q_f32(p.add(4 * i).cast()),
+            }
+        }
+    }
+
+    /// [`dots`] over `len` keys' values at `keys` (f32, or f16 with `F16`).
+    #[target_feature(enable = "neon")]
+    #[inline]
+    fn dots_of<const F16: bool>(q: &[f32], keys: *const u8, len: usize, hd: usize, s: &mut [f32]) {
+        let n = len / hd;
         let rows = q.len() / hd;
-        assert!(hd.is_multiple_of(4) && keys.len() == n * hd && s.len() >= rows * n, "neon::dots: {} keys of {hd}, {} scores", keys.len(), s.len());
+        assert!(hd.is_multiple_of(4) && len == n * hd && s.len() >= rows * n, "neon::dots: {len} keys of {hd}, {} scores", s.len());
+        let size = if F16 { 2 } else { 4 };
         let mut j = 0;
         while j < n {
-            let k = keys[j * hd..].as_ptr();
+            // SAFETY: key j < n starts within the `len` values.
+            let k = unsafe { keys.add(j * hd * size) };
             for r in 0..rows {
                 let qr = q[r * hd..][..hd].as_ptr();
                 let out = &mut s[r * n + j..];
@@ -603,12 +645,12 @@ mod neon {
                 // of 4.
                 unsafe {
                     match n - j {
-                        1 => out[0] = hsum4(dot_keys::<1>(qr, k, hd)[0]),
-                        2 => out[..2].copy_from_slice(&dot_keys::<2>(qr, k, hd).map(hsum4)),
-                        3 => out[..3].copy_from_slice(&dot_keys::<3>(qr, k, hd).map(hsum4)),
+                        1 => out[0] = hsum4(dot_keys::<1, F16>(qr, k, hd)[0]),
+                        2 => out[..2].copy_from_slice(&dot_keys::<2, F16>(qr, k, hd).map(hsum4)),
+                        3 => out[..3].copy_from_slice(&dot_keys::<3, F16>(qr, k, hd).map(hsum4)),
                         _ => {
                             // [(a0 + a1) + (a2 + a3), (b0 + b1) + (b2 + b3), ...]: hsum4 of each.
-                            let [a, b, c, d] = dot_keys::<4>(qr, k, hd);
+                            let [a, b, c, d] = dot_keys::<4, F16>(qr, k, hd);
                             vst1q_f32(out[..4].as_mut_ptr(), vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
                         }
                     }
@@ -621,10 +663,11 @@ mod neon {
     /// `q . k_i` for the `K` keys of `hd` values from `k` on, as a vector of 4 partial sums each.
     ///
     /// # Safety
-    /// `q` points at `hd` values, `k` at `K * hd`, and `hd` is a multiple of 4.
+    /// `q` points at `hd` values, `k` at `K * hd` (f32, or f16 with `F16`), and `hd` is a
+    /// multiple of 4.
     #[target_feature(enable = "neon")]
     #[inline]
-    unsafe fn dot_keys<const K: usize>(q: *const f32, k: *const f32, hd: usize) -> [float32x4_t; K] {
+    unsafe fn dot_keys<const K: usize, const F16: bool>(q: *const f32, k: *const u8, hd: usize) -> [float32x4_t; K] {
         let (mut even, mut odd) = ([vdupq_n_f32(0.0); K], [vdupq_n_f32(0.0); K]);
         let mut c = 0;
         // SAFETY (both blocks): c + 8 <= hd, or c + 4 <= hd in the last; the caller's sizes.
@@ -632,8 +675,8 @@ mod neon {
             unsafe {
                 let (x0, x1) = (vld1q_f32(q.add(c)), vld1q_f32(q.add(c + 4)));
                 for i in 0..K {
-                    even[i] = vfmaq_f32(even[i], x0, vld1q_f32(k.add(i * hd + c)));
-                    odd[i] = vfmaq_f32(odd[i], x1, vld1q_f32(k.add(i * hd + c + 4)));
+                    even[i] = vfmaq_f32(even[i], x0, load4::<F16>(k, i * hd + c));
+                    odd[i] = vfmaq_f32(odd[i], x1, load4::<F16>(k, i * hd + c + 4));
                 }
             }
             c += 8;
@@ -642,7 +685,7 @@ mod neon {
             unsafe {
                 let x = vld1q_f32(q.add(c));
                 for i in 0..K {
-                    even[i] = vfmaq_f32(even[i], x, vld1q_f32(k.add(i * hd + c)));
+                    even[i] = vfmaq_f32(even[i], x, load4::<F16>(k, i * hd + c));
                 }
             }
         }
@@ -658,13 +701,25 @@ mod neon {
     /// kernel, and of `f32::mul_add` in that order (the tests' twin).
     #[target_feature(enable = "neon")]
     pub fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
-        let n = values.len() / hd;
+        weighted_sum_of::<false>(p, values.as_ptr().cast(), values.len(), hd, out)
+    }
+
+    /// [`weighted_sum`] on f16 values, widened as they are loaded.
+    #[target_feature(enable = "neon")]
+    pub fn weighted_sum_f16(p: &[f32], values: &[half::f16], hd: usize, out: &mut [f32]) {
+        weighted_sum_of::<true>(p, values.as_ptr().cast(), values.len(), hd, out)
+    }
+
+    /// [`weighted_sum`] over `len` values at `values` (f32, or f16 with `F16`).
+    #[target_feature(enable = "neon")]
+    #[inline]
+    fn weighted_sum_of<const F16: bool>(p: &[f32], values: *const u8, len: usize, hd: usize, out: &mut [f32]) {
+        let n = len / hd;
         let rows = p.len() / n.max(1);
         assert!(
-            hd.is_multiple_of(4) && values.len() == n * hd && p.len() == rows * n && out.len() >= rows * hd,
-            "neon::weighted_sum: {} weights, {} values of {hd}, {} outputs",
+            hd.is_multiple_of(4) && len == n * hd && p.len() == rows * n && out.len() >= rows * hd,
+            "neon::weighted_sum: {} weights, {len} values of {hd}, {} outputs",
             p.len(),
-            values.len(),
             out.len()
         );
         for r0 in (0..rows).step_by(4) {
@@ -673,10 +728,10 @@ mod neon {
             // (asserted), `values` `n` rows of `hd`, `hd` a multiple of 4.
             unsafe {
                 match rows - r0 {
-                    1 => strip::<1>(p, values, hd, n, out),
-                    2 => strip::<2>(p, values, hd, n, out),
-                    3 => strip::<3>(p, values, hd, n, out),
-                    _ => strip::<4>(p, values, hd, n, out),
+                    1 => strip::<1, F16>(p, values, hd, n, out),
+                    2 => strip::<2, F16>(p, values, hd, n, out),
+                    3 => strip::<3, F16>(p, values, hd, n, out),
+                    _ => strip::<4, F16>(p, values, hd, n, out),
                 }
             }
         }
@@ -686,21 +741,21 @@ mod neon {
     /// the last 4, 8 or 12 one vector at a time.
     ///
     /// # Safety
-    /// `p` holds `R` rows of `n` weights, `out` `R` rows of `hd`, `values` `n` rows of `hd`, and
-    /// `hd` is a multiple of 4.
+    /// `p` holds `R` rows of `n` weights, `out` `R` rows of `hd`, `values` `n` rows of `hd` (f32,
+    /// or f16 with `F16`), and `hd` is a multiple of 4.
     #[target_feature(enable = "neon")]
     #[inline(never)]
-    unsafe fn strip<const R: usize>(p: &[f32], values: &[f32], hd: usize, n: usize, out: &mut [f32]) {
-        let (p, v, o) = (p.as_ptr(), values.as_ptr(), out.as_mut_ptr());
+    unsafe fn strip<const R: usize, const F16: bool>(p: &[f32], values: *const u8, hd: usize, n: usize, out: &mut [f32]) {
+        let (p, v, o) = (p.as_ptr(), values, out.as_mut_ptr());
         let mut c = 0;
         while c + 16 <= hd {
             // SAFETY: c + 16 <= hd; the caller's sizes.
-            unsafe { columns::<R, 4>(p, v, hd, n, o.add(c), c) };
+            unsafe { columns::<R, 4, F16>(p, v, hd, n, o.add(c), c) };
             c += 16;
         }
         while c < hd {
             // SAFETY: c + 4 <= hd (a multiple of 4); the caller's sizes.
-            unsafe { columns::<R, 1>(p, v, hd, n, o.add(c), c) };
+            unsafe { columns::<R, 1, F16>(p, v, hd, n, o.add(c), c) };
             c += 4;
         }
     }
@@ -711,7 +766,7 @@ mod neon {
     /// As [`strip`], and `c + 4 C <= hd`.
     #[target_feature(enable = "neon")]
     #[inline]
-    unsafe fn columns<const R: usize, const C: usize>(p: *const f32, v: *const f32, hd: usize, n: usize, o: *mut f32, c: usize) {
+    unsafe fn columns<const R: usize, const C: usize, const F16: bool>(p: *const f32, v: *const u8, hd: usize, n: usize, o: *mut f32, c: usize) {
         let mut acc = [[vdupq_n_f32(0.0); C]; R];
         let mut j = 0;
         // SAFETY (each block): keys j..j + 4 (or j) < n, rows i < R, columns c..c + 4C <= hd.
@@ -720,7 +775,7 @@ mod neon {
                 let w: [float32x4_t; R] = std::array::from_fn(|i| vld1q_f32(p.add(i * n + j)));
                 macro_rules! key {
                     ($l:literal) => {
-                        let x: [float32x4_t; C] = std::array::from_fn(|k| vld1q_f32(v.add((j + $l) * hd + c + 4 * k)));
+                        let x: [float32x4_t; C] = std::array::from_fn(|k| load4::<F16>(v, (j + $l) * hd + c + 4 * k));
                         for i in 0..R {
                             for k in 0..C {
                                 acc[i][k] = vfmaq_laneq_f32::<$l>(acc[i][k], x[k], w[i]);
@@ -737,7 +792,7 @@ mod neon {
         }
         while j < n {
             unsafe {
-                let x: [float32x4_t; C] = std::array::from_fn(|k| vld1q_f32(v.add(j * hd + c + 4 * k)));
+                let x: [float32x4_t; C] = std::array::from_fn(|k| load4::<F16>(v, j * hd + c + 4 * k));
                 for i in 0..R {
                     let w = *p.add(i * n + j);
                     for k in 0..C {
