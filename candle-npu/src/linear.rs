@@ -21,6 +21,7 @@ use crate::device::PreparedGraph;
 use crate::error::{Error, Result};
 use crate::graph::{BlockScales, DType, Graph, Op, Quant, StaticData, TensorId};
 use crate::kernels::gemv::{BlockFormat, BlockMatrix};
+use crate::kernels::int8::{nibble, put_nibble};
 use crate::kernels::rows::{quantize_i8, rows_per_task, shadow_row};
 use crate::kernels::{prefetch, PackedI8};
 use crate::outlier::{Outliers, WeightSource};
@@ -156,19 +157,13 @@ impl Int8 {
             (Int8::Raw(q), Some(b)) => {
                 let mut v = vec![0u8; q.len().div_ceil(2)];
                 for (i, &x) in q.iter().enumerate() {
-                    let nib = x / b.of(i, k) as i8;
-                    v[i / 2] |= ((nib as u8) & 0xf) << (4 * (i % 2));
+                    put_nibble(&mut v, i, x / b.of(i, k) as i8);
                 }
                 Int8::Nibbles(Arc::new(v), k)
             }
             (int8, _) => int8,
         }
     }
-}
-
-/// The 4-bit value at `i` of `v` (two a byte, the even one low), sign-extended.
-fn nibble(v: &[u8], i: usize) -> i8 {
-    (((v[i / 2] >> (4 * (i % 2))) << 4) as i8) >> 4
 }
 
 enum Scales {

@@ -304,8 +304,7 @@ impl Panels {
                     if q * s as i8 != v || !(-8..=7).contains(&q) {
                         return None;
                     }
-                    let at = p * kp * NR + at(g, j, b * block + i);
-                    nibbles[at / 2] |= ((q as u8) & 0xf) << (4 * (at % 2));
+                    put_nibble(&mut nibbles, p * kp * NR + at(g, j, b * block + i), q);
                 }
             }
         }
@@ -578,9 +577,15 @@ impl Panels {
     }
 }
 
-/// The 4-bit value at `i` of `nibbles` (two a byte, the even one low), sign-extended.
-fn nibble(nibbles: &[u8], i: usize) -> i8 {
-    (((nibbles[i / 2] >> (4 * (i % 2))) << 4) as i8) >> 4
+/// The 4-bit value at `i` of `v` (two a byte, the even one in the low nibble), sign-extended:
+/// how LPBQ's values are held on the host (the panels' and a float checkpoint's linears).
+pub fn nibble(v: &[u8], i: usize) -> i8 {
+    (((v[i / 2] >> (4 * (i % 2))) << 4) as i8) >> 4
+}
+
+/// Writes the 4-bit value `q` (in [-8, 7]) at `i` of `v`, whose nibble there is zero.
+pub fn put_nibble(v: &mut [u8], i: usize, q: i8) {
+    v[i / 2] |= ((q as u8) & 0xf) << (4 * (i % 2));
 }
 
 /// Where value `k` of column `j` (0-15) is in a panel of K groups of `g`: the group's `g * NR`
