@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_npu::NpuDevice;
-use candle_npu_models::{CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use candle_npu_models::{CalibrationSet, DecodeWeights, KvType, LoadOptions, Pipeline, Precision};
 use clap::Parser;
 use serde::{Deserialize, Serialize};
 
@@ -124,10 +124,12 @@ fn relative_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
-/// The logits of the model in F32 (prefill and decode, F32 weights: no quantizer anywhere) for the
-/// prompt and then each of `tokens` but the last, forced: one row per step of the W8A8 run.
+/// The logits of the model in F32 (prefill and decode, F32 weights and KV cache: no quantizer
+/// anywhere; an f16 cache's rounding would turn the two machines' last-bit differences into
+/// f16 steps now and then) for the prompt and then each of `tokens` but the last, forced: one row
+/// per step of the W8A8 run.
 fn f32_logits(path: &std::path::Path, prompt: &[u32], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
-    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, ..Default::default() };
+    let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, kv: KvType::F32, ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts)?;
     let mut rows = vec![p.model.prefill(prompt)?.to_vec1::<f32>()?];
     for &t in &tokens[..tokens.len().saturating_sub(1)] {
