@@ -364,58 +364,45 @@ pub fn attend_tile_one(q: &[f32], kv: HeadKv<'_>, span: Range<usize>, scale: f32
     let at = (seen.start - held.start) * hd;
     scores.resize(rows * n, 0.0);
     let s = &mut scores[..rows * n];
-    let softmax = |s: &mut [f32], tile: &mut Partial| {
-        for (r, row) in s.chunks_exact_mut(n).enumerate() {
-            let m = scale * row_max(row);
-            tile.sum[r] = exp_shifted(row, scale, m);
-            tile.max[r] = m;
-        }
-    };
-    // f16 keys and values read as they lie, widened in the register (a decode step reads each
-    // once: widening them into a buffer first cost 8% of SmolLM2's decode at 1.4k tokens on
-    // x86). The same f32 values and sums as the widened rows', so the same bits.
-    #[cfg(target_arch = "x86_64")]
-    if let (KvRows::F16(k), KvRows::F16(v)) = (kv.keys, kv.values) {
-        if hd.is_multiple_of(8) && super::rows::avx2_fma() && super::cpu::cpu().f16c {
-            let (k, v) = (&k[at..at + n * hd], &v[at..at + n * hd]);
-            // SAFETY: the CPU has AVX2, FMA and F16C; the sizes are whole vectors.
-            unsafe { x86::dots_f16(q, k, hd, s) };
-            softmax(s, tile);
-            // SAFETY: as above.
-            return unsafe { x86::weighted_sum_f16(s, v, hd, &mut tile.out) };
-        }
+    dots(q, kv.keys.range(at..at + n * hd), hd, s);
+    for (r, row) in s.chunks_exact_mut(n).enumerate() {
+        let m = scale * row_max(row);
+        tile.sum[r] = exp_shifted(row, scale, m);
+        tile.max[r] = m;
     }
-    #[cfg(target_arch = "aarch64")]
-    if let (KvRows::F16(k), KvRows::F16(v)) = (kv.keys, kv.values) {
-        if hd.is_multiple_of(4) {
-            let (k, v) = (&k[at..at + n * hd], &v[at..at + n * hd]);
-            // SAFETY: NEON is in the aarch64 baseline; the sizes are whole vectors.
-            unsafe { neon::dots_f16(q, k, hd, s) };
-            softmax(s, tile);
-            // SAFETY: as above.
-            return unsafe { neon::weighted_sum_f16(s, v, hd, &mut tile.out) };
-        }
-    }
-    with_f32_kv(&kv, at..at + n * hd, |keys, values| {
-        dots(q, keys, hd, s);
-        softmax(s, tile);
-        weighted_sum(s, values, hd, &mut tile.out);
-    })
+    weighted_sum(s, kv.values.range(at..at + n * hd), hd, &mut tile.out);
 }
 
-/// `s[r * n + j] = q_r . k_j` for the rows of `q` and the `n` keys (`[n, hd]`).
-fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
+/// `s[r * n + j] = q_r . k_j` for the rows of `q` and the `n` keys (`[n, hd]`). f16 keys are
+/// read as they lie and widened in the register on the vector paths (a decode step reads each
+/// once: widening them into a buffer first cost 8% of SmolLM2's decode at 1.4k tokens on x86);
+/// q8 keys, and f16 ones elsewhere, are widened into a buffer. The same f32 values and sums
+/// either way, so the same bits.
+fn dots(q: &[f32], keys: KvRows<'_>, hd: usize, s: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(8) && super::rows::avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA; the sizes are whole vectors (checked above).
-        return unsafe { x86::dots(q, keys, hd, s) };
+        // SAFETY (each): the CPU has AVX2 and FMA (and F16C for f16); the sizes are whole
+        // vectors (checked above).
+        match keys {
+            KvRows::F32(k) => return unsafe { x86::dots(q, k, hd, s) },
+            KvRows::F16(k) if super::cpu::cpu().f16c => return unsafe { x86::dots_f16(q, k, hd, s) },
+            _ => {}
+        }
     }
     #[cfg(target_arch = "aarch64")]
     if hd.is_multiple_of(4) {
-        // SAFETY: NEON is in the aarch64 baseline; the sizes are whole vectors (checked above).
-        return unsafe { neon::dots(q, keys, hd, s) };
+        // SAFETY (each): NEON is in the aarch64 baseline; the sizes are whole vectors (checked
+        // above).
+        match keys {
+            KvRows::F32(k) => return unsafe { neon::dots(q, k, hd, s) },
+            KvRows::F16(k) => return unsafe { neon::dots_f16(q, k, hd, s) },
+            _ => {}
+        }
     }
-    dots_plain(q, keys, hd, s)
+    match keys {
+        KvRows::F32(k) => dots_plain(q, k, hd, s),
+        _ => WIDE.with_borrow_mut(|(kb, _)| dots(q, KvRows::F32(keys.as_f32(kb)), hd, s)),
+    }
 }
 
 /// [`dots`] as plain loops (each product rounded, then summed in order), for any `hd`.
@@ -428,19 +415,31 @@ fn dots_plain(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
     }
 }
 
-/// `out[r] = sum_j p[r * n + j] v_j` for the rows of `p` and the `n` values (`[n, hd]`).
-fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
+/// `out[r] = sum_j p[r * n + j] v_j` for the rows of `p` and the `n` values (`[n, hd]`), the
+/// values read as [`dots`] reads the keys.
+fn weighted_sum(p: &[f32], values: KvRows<'_>, hd: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(8) && super::rows::avx2_fma() {
-        // SAFETY: as in `dots`.
-        return unsafe { x86::weighted_sum(p, values, hd, out) };
+        // SAFETY (each): as in `dots`.
+        match values {
+            KvRows::F32(v) => return unsafe { x86::weighted_sum(p, v, hd, out) },
+            KvRows::F16(v) if super::cpu::cpu().f16c => return unsafe { x86::weighted_sum_f16(p, v, hd, out) },
+            _ => {}
+        }
     }
     #[cfg(target_arch = "aarch64")]
     if hd.is_multiple_of(4) {
-        // SAFETY: as in `dots`.
-        return unsafe { neon::weighted_sum(p, values, hd, out) };
+        // SAFETY (each): as in `dots`.
+        match values {
+            KvRows::F32(v) => return unsafe { neon::weighted_sum(p, v, hd, out) },
+            KvRows::F16(v) => return unsafe { neon::weighted_sum_f16(p, v, hd, out) },
+            _ => {}
+        }
     }
-    weighted_sum_plain(p, values, hd, out)
+    match values {
+        KvRows::F32(v) => weighted_sum_plain(p, v, hd, out),
+        _ => WIDE.with_borrow_mut(|(_, vb)| weighted_sum(p, KvRows::F32(values.as_f32(vb)), hd, out)),
+    }
 }
 
 /// [`weighted_sum`] as plain loops (a product rounded, then added, key after key), for any `hd`.
