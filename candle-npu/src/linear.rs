@@ -149,6 +149,16 @@ enum Int8 {
     Blocks(BlockMatrix),
 }
 
+/// The INT8 value of `v`, the float weight at `[r, c]` of a `[N, k]` weight whose row `r` has
+/// scale `row_scale`: per channel, or with `blocks` LPBQ's 4-bit value times its block scale.
+/// How the INT8 weight is taken back from the file's blocks, and how load checks it.
+fn requantize(v: f32, r: usize, c: usize, k: usize, row_scale: f32, blocks: Option<&BlockScales>) -> i8 {
+    match blocks {
+        Some(b) => lpbq_value(v, b.of(r * k + c, k), row_scale),
+        None => quantize_i8(v, row_scale),
+    }
+}
+
 impl Int8 {
     /// An LPBQ weight's raw INT8 values (`blocks` given) held as their 4-bit values, half the
     /// bytes; any other as it is. The values are LPBQ's by construction (`quantize_weight_lpbq`).
@@ -261,10 +271,7 @@ impl NpuWeight {
     /// The INT8 value of `v`, the float weight at `[r, c]` of `K` = `k`, quantized as this
     /// weight is: per channel, or LPBQ's 4-bit value times its block scale.
     fn requantize(&self, v: f32, r: usize, c: usize, k: usize) -> i8 {
-        match &self.lpbq {
-            Some(l) => lpbq_value(v, l.blocks.of(r * k + c, k), self.scales.row(r)),
-            None => quantize_i8(v, self.scales.row(r)),
-        }
+        requantize(v, r, c, k, self.scales.row(r), self.lpbq.as_ref().map(|l| &*l.blocks))
     }
 
     /// The INT8 values, row-major `[N, K]`.
@@ -490,12 +497,8 @@ impl ShadowLinear {
                 // are held). Spot-checked (each row's first and last 32 values): a source whose
                 // blocks are not its matrix would give the NPU one weight and the shadow path
                 // another.
-                let requantize = |r: usize, c: usize| match &blocks {
-                    Some(bs) => lpbq_value(b.value(r, c), bs.of(r * k + c, k), row_scales[r]),
-                    None => quantize_i8(b.value(r, c), row_scales[r]),
-                };
                 let spots = (0..n).flat_map(|r| (0..k.min(32)).chain(k.saturating_sub(32)..k).map(move |c| (r, c)));
-                if let Some((r, c)) = spots.into_iter().find(|&(r, c)| requantize(r, c) != q[r * k + c]) {
+                if let Some((r, c)) = spots.into_iter().find(|&(r, c)| requantize(b.value(r, c), r, c, k, row_scales[r], blocks.as_deref()) != q[r * k + c]) {
                     return Err(Error::Internal(format!(
                         "{name}: the blocks of {} give {} at [{r}, {c}] where its matrix gives {}",
                         source.describe(),
