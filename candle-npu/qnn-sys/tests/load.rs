@@ -776,10 +776,25 @@ fn fc_weight_encodings_on(lib: &'static QnnLibrary, soc: u32) {
         Ok(r) => panic!("{enc:?} {act:#x} -> {out:#x} ran ({} steps off): the library changed", steps_off(&r)),
     };
 
+    // The library's prepare of LPBQ graphs is not deterministic (docs/npu_weights.md; the HTP
+    // executor checks each one and prepares it again): the same W4A16 graph comes out 0.71, 0.84
+    // or 2.3 steps off from prepare to prepare, and about one run of this binary in 30 (2026-12-01,
+    // two busy cores) had W4A8 some 128 steps off, once in CI. What is measured here is what the
+    // library computes, so a case that must be within one step is prepared again from a fresh
+    // runtime, up to three times, each miss printed, as the executor does.
+    let within_one_step = |enc, act, out| {
+        let mut offs = Vec::new();
+        while offs.len() < 3 && offs.last().is_none_or(|&off| off > 1.0) {
+            offs.push(steps_off(&ok(enc, act, out)));
+        }
+        if offs.len() > 1 {
+            eprintln!("fc_weight_encodings: {enc:?} {act:#x} -> {out:#x}: {offs:?} steps off (the emulator's rare wrong run, then again)");
+        }
+        assert!(offs.last().is_some_and(|&off| off <= 1.0), "{enc:?} {act:#x} -> {out:#x}: {offs:?} steps off in three runs");
+    };
     // LPBQ, 4-bit values and 4-bit block scales: W4A8 and W4A16 within one output step.
     for (act, out) in [(u8_, u8_), (u16_, u16_)] {
-        let off = steps_off(&ok(lpbq(4, false, 4), act, out));
-        assert!(off <= 1.0, "W4 LPBQ {act:#x}: {off} steps off");
+        within_one_step(lpbq(4, false, 4), act, out);
     }
     // ... not into an F32 output from u8 or u16 (as per-channel weights: "could not create
     // op"; 2026-11-29: a whole-layer graph's u16 -> F32 linears cannot take LPBQ as they are),
@@ -801,7 +816,7 @@ fn fc_weight_encodings_on(lib: &'static QnnLibrary, soc: u32) {
     // range, as if accumulated in lower precision), bounded here at 32.
     let int16 = |per_channel| WeightEnc::Int16 { per_channel };
     assert!(steps_off(&ok(int16(false), u16_, f32_)) < 1e-5);
-    assert!(steps_off(&ok(int16(false), u8_, u16_)) <= 1.0);
+    within_one_step(int16(false), u8_, u16_);
     let off = steps_off(&ok(int16(true), u16_, u16_));
     assert!(off <= 32.0, "W16A16 per channel: {off} steps of 2^-16 off");
     refused(int16(true), u16_, f32_, "graphFinalize");
