@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_npu::NpuDevice;
-use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
+use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillOptions, Sequence};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -54,6 +54,10 @@ struct Args {
     /// Tokens generated in the chat case.
     #[arg(long, default_value_t = 128)]
     chat_tokens: usize,
+    /// Batched decode instead: this many conversations on one loaded model, every step one
+    /// `decode_sequences` pass over all of them (e.g. `--streams 1,2,4`); aggregate tokens/s.
+    #[arg(long, value_delimiter = ',')]
+    streams: Vec<usize>,
 }
 
 /// A process spinning on one core until dropped.
@@ -102,6 +106,66 @@ fn ours(p: &mut Pipeline, context: usize, tokens: usize) -> Result<f64> {
     Ok(tokens as f64 / t.elapsed().as_secs_f64())
 }
 
+/// Aggregate decode tokens/s of `streams` conversations on one model, each with `context`
+/// tokens in its cache (different prompts), every step one pass over the weights for all of them.
+fn ours_batched(p: &Pipeline, context: usize, tokens: usize, streams: usize) -> Result<f64> {
+    let m = &p.model;
+    let mut seqs: Vec<Sequence> = (0..streams).map(|_| m.sequence()).collect();
+    let mut next = vec![];
+    for (i, s) in seqs.iter_mut().enumerate() {
+        let prompt: Vec<u32> = (0..context as u32).map(|j| 100 + (j + 7 * i as u32) % 1000).collect();
+        next.push(candle_npu_models::logits::argmax(&m.prefill_sequence(s, &prompt, &PrefillOptions::default())?)?);
+    }
+    let t = Instant::now();
+    for _ in 0..tokens {
+        let mut batch: Vec<(&mut Sequence, &[u32])> = seqs.iter_mut().zip(&next).map(|(s, t)| (s, std::slice::from_ref(t))).collect();
+        let rows = m.decode_sequences(&mut batch)?;
+        next = (0..streams).map(|i| Ok(candle_npu_models::logits::argmax(&rows.get(i)?)?)).collect::<Result<_>>()?;
+    }
+    Ok((tokens * streams) as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Batched decode: per model and context, aggregate tokens/s for each count of `streams`,
+/// interleaved rounds, and the ratio to one stream.
+fn batched(args: &Args) -> Result<()> {
+    println!("Batched decode, aggregate tokens/s, median of {} interleaved rounds of {} steps, {} threads", args.rounds, args.tokens, args.threads);
+    println!("\n| model | context | streams | aggregate tok/s | per stream | against 1 stream |");
+    println!("|---|---|---|---|---|---|");
+    for m in &args.models {
+        let (path, name) = model(m)?;
+        let opts = LoadOptions { precision: Some(Precision::W8A8), ..Default::default() };
+        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
+        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        for &context in &args.contexts {
+            let mut runs = vec![vec![]; args.streams.len()];
+            for _ in 0..args.rounds {
+                for (r, &n) in runs.iter_mut().zip(&args.streams) {
+                    r.push(ours_batched(&p, context, args.tokens, n)?);
+                }
+            }
+            let medians: Vec<f64> = runs.into_iter().map(median).collect();
+            let one = match args.streams.iter().position(|&n| n == 1) {
+                Some(i) => medians[i],
+                None => ours_batched(&p, context, args.tokens, 1)?,
+            };
+            for (&agg, &n) in medians.iter().zip(&args.streams) {
+                println!("| {name} | {context} | {n} | {agg:.1} | {:.1} | {:.2}x |", agg / n as f64, agg / one);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A model's file and short name from its `--models` name.
+fn model(m: &str) -> Result<(PathBuf, &'static str)> {
+    Ok(match m {
+        "smollm2" => (assets::smollm2(), "smollm2"),
+        "qwen" => (assets::qwen25_coder_05b()?, "qwen25-coder-05b"),
+        "gemma" => (assets::gemma3_270m()?, "gemma3-270m"),
+        other => bail!("unknown model {other}: smollm2, qwen or gemma"),
+    })
+}
+
 /// Seconds of a chat turn on our engine: the prompt's prefill (chunked, on the host executor's
 /// W8A8 graphs) and `tokens` greedy decode steps, from an empty cache.
 fn ours_chat(p: &mut Pipeline, prompt: usize, tokens: usize) -> Result<f64> {
@@ -137,6 +201,9 @@ fn main() -> Result<()> {
     if args.rounds == 0 || args.tokens == 0 {
         bail!("--rounds and --tokens must be at least 1");
     }
+    if !args.streams.is_empty() {
+        return batched(&args);
+    }
     let bw = bandwidth(args.threads);
     println!("Memory read bandwidth ({} threads, 512 MiB, best of 5): {bw:.1} GB/s", args.threads);
     println!(
@@ -150,12 +217,7 @@ fn main() -> Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|");
     let mut chat = vec![];
     for m in &args.models {
-        let (path, name) = match m.as_str() {
-            "smollm2" => (assets::smollm2(), "smollm2"),
-            "qwen" => (assets::qwen25_coder_05b()?, "qwen25-coder-05b"),
-            "gemma" => (assets::gemma3_270m()?, "gemma3-270m"),
-            other => bail!("unknown model {other}: smollm2, qwen or gemma"),
-        };
+        let (path, name) = model(m)?;
         let load = |decode_weights| -> Result<Pipeline> {
             let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights, ..Default::default() };
             let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
