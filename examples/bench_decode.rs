@@ -128,14 +128,15 @@ fn ours_batched(p: &Pipeline, context: usize, tokens: usize, streams: usize) -> 
 /// Batched decode: per model and context, aggregate tokens/s for each count of `streams`,
 /// interleaved rounds, and the ratio to one stream.
 fn batched(args: &Args) -> Result<()> {
-    println!("Batched decode, aggregate tokens/s, median of {} interleaved rounds of {} steps, {} threads", args.rounds, args.tokens, args.threads);
+    if args.streams.contains(&0) {
+        bail!("--streams: every count must be at least 1");
+    }
+    println!("Batched decode, aggregate tokens/s, median of {} interleaved rounds of {} steps", args.rounds, args.tokens);
     println!("\n| model | context | streams | aggregate tok/s | per stream | against 1 stream |");
     println!("|---|---|---|---|---|---|");
     for m in &args.models {
         let (path, name) = model(m)?;
-        let opts = LoadOptions { precision: Some(Precision::W8A8), ..Default::default() };
-        let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
-        p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+        let p = load(&path, DecodeWeights::Checkpoint)?;
         for &context in &args.contexts {
             let mut runs = vec![vec![]; args.streams.len()];
             for _ in 0..args.rounds {
@@ -154,6 +155,14 @@ fn batched(args: &Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The model at `path` on the host executor, W8A8 with its profile, decoding `decode_weights`.
+fn load(path: &Path, decode_weights: DecodeWeights) -> Result<Pipeline> {
+    let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights, ..Default::default() };
+    let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts)?;
+    p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
+    Ok(p)
 }
 
 /// A model's file and short name from its `--models` name.
@@ -218,13 +227,7 @@ fn main() -> Result<()> {
     let mut chat = vec![];
     for m in &args.models {
         let (path, name) = model(m)?;
-        let load = |decode_weights| -> Result<Pipeline> {
-            let opts = LoadOptions { precision: Some(Precision::W8A8), decode_weights, ..Default::default() };
-            let mut p = Pipeline::load(&path, None, &NpuDevice::host(), opts)?;
-            p.ensure_profile(None, CalibrationSet::default(), |_, _| {})?;
-            Ok(p)
-        };
-        let (mut file, mut q8) = (load(DecodeWeights::Checkpoint)?, load(DecodeWeights::Q8_0)?);
+        let (mut file, mut q8) = (load(&path, DecodeWeights::Checkpoint)?, load(&path, DecodeWeights::Q8_0)?);
         // Bytes one decode step reads: every decode weight as stored and, per context token, a K
         // and a V row per layer in f32.
         let cfg = file.model.config().clone();
