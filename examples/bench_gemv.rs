@@ -8,12 +8,17 @@
 //!
 //! The shape defaults to Qwen2.5-0.5B's `ffn_gate` (4864 x 896); a K-quant needs K a multiple
 //! of 256, so those rows use K rounded up to one (1024 for the default).
+//!
+//! A second table is batched decode's kernel (`gemv_rows`): 1, 2 and 4 input rows against a
+//! piece of 64 weight rows in L2 (as `BlockMatrix::product` gives it, SmolLM2's K = 576), in
+//! nanoseconds per input row and weight row, so that it shows the arithmetic a row adds, not
+//! the memory.
 use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
-use candle_npu::kernels::gemv::{gemv_on, BlockFormat, GemvPath, Q8Activation};
+use candle_npu::kernels::gemv::{gemv_on, gemv_rows_on, BlockFormat, GemvPath, Q8Activation};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -27,6 +32,18 @@ struct Args {
     /// Rounds; the best of them is shown.
     #[arg(long, default_value_t = 5)]
     rounds: usize,
+    /// Only the batched table (kernel arithmetic, weights in L2).
+    #[arg(long)]
+    rows_only: bool,
+}
+
+/// Uniform values in [-0.5, 0.5), the same every run.
+fn random() -> impl FnMut() -> f32 {
+    let mut seed = 1u64;
+    move || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+    }
 }
 
 /// One thread's read bandwidth, GB/s: the best of 5 sums over 512 MiB.
@@ -43,19 +60,18 @@ fn bandwidth() -> f64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let bw = bandwidth();
     let paths: Vec<GemvPath> =
         [GemvPath::Avx512, GemvPath::Avx2, GemvPath::I8mm, GemvPath::Dotprod, GemvPath::Neon].into_iter().filter(|p| p.runs_here()).collect();
+    if args.rows_only {
+        return rows_at_once(&paths, args.rounds, &mut random());
+    }
+    let bw = bandwidth();
     println!("One thread; read bandwidth of one thread (sum over 512 MiB, best of 5): {bw:.1} GB/s (the default path: {:?})", GemvPath::detect());
     println!("Weights from memory: copies of the matrix in turn, 512 MiB; best of {} rounds; GB/s of weight bytes (share of the bandwidth)\n", args.rounds);
     let names: Vec<String> = paths.iter().map(|p| format!("{p:?}")).collect();
     println!("| format | shape | bytes per weight | {} |", names.join(" | "));
     println!("|---|---|---|{}", "---|".repeat(paths.len()));
-    let mut seed = 1u64;
-    let mut random = move || {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-    };
+    let mut random = random();
     for format in BlockFormat::ALL {
         let k = args.k.next_multiple_of(format.block_len());
         let (n, k) = (args.n, k);
@@ -80,6 +96,40 @@ fn main() -> Result<()> {
         }
         let per_weight = bytes.len() as f64 / (n * k) as f64;
         println!("| {format:?} | {n} x {k} | {per_weight:.3} | {} |", cells.join(" | "));
+    }
+    rows_at_once(&paths, args.rounds, &mut random)
+}
+
+/// Batched decode's kernel: ns per input row and weight row for 1, 2 and 4 input rows at once,
+/// 64 weight rows of K = 576 in L2 (best of `rounds`).
+fn rows_at_once(paths: &[GemvPath], rounds: usize, random: &mut impl FnMut() -> f32) -> Result<()> {
+    let (n, k, repeats) = (64, 576, 2000);
+    println!("\nBatched rows (`gemv_rows`): {n} x {k} weights in L2, {repeats} products per round, best of {rounds} rounds; ns per input row and weight row\n");
+    let cols: Vec<String> = paths.iter().flat_map(|p| [1, 2, 4].map(|m| format!("{p:?} x{m}"))).collect();
+    println!("| format | {} |", cols.join(" | "));
+    println!("|---|{}", "---|".repeat(cols.len()));
+    for format in [BlockFormat::Q8_0, BlockFormat::Q4_1] {
+        let w = Tensor::from_vec((0..n * k).map(|_| random()).collect::<Vec<f32>>(), (n, k), &Device::Cpu)?;
+        let bytes = QTensor::quantize(&w, format.dtype())?.data()?.into_owned();
+        let xs: Vec<Q8Activation> = (0..4).map(|_| Q8Activation::quantize(&(0..k).map(|_| random()).collect::<Vec<f32>>())).collect();
+        let mut cells = vec![];
+        for &path in paths {
+            for m in [1, 2, 4] {
+                let x: Vec<&Q8Activation> = xs[..m].iter().collect();
+                let mut outs = vec![vec![0f32; n]; m];
+                let mut best = f64::INFINITY;
+                for _ in 0..rounds {
+                    let t = Instant::now();
+                    for _ in 0..repeats {
+                        gemv_rows_on(path, format, &bytes, k, &x, 0..n, &mut outs.iter_mut().map(|o| o.as_mut_slice()).collect::<Vec<_>>());
+                    }
+                    best = best.min(t.elapsed().as_secs_f64() * 1e9 / (repeats * m * n) as f64);
+                    std::hint::black_box(&outs);
+                }
+                cells.push(format!("{best:.1}"));
+            }
+        }
+        println!("| {format:?} | {} |", cells.join(" | "));
     }
     Ok(())
 }

@@ -26,9 +26,14 @@
 //! - [`GemvPath::Avx2`] (x86_64 with AVX2, FMA and F16C): a Q8_0 block of 32 i8 x 32 i8 in four
 //!   instructions with ggml's sign trick (`vpsignb` twice, `vpmaddubsw`, `vpmaddwd` by ones), a
 //!   Q4_1 block's nibbles unpacked into 32 bytes (a broadcast load, a shift of its upper half and
-//!   a mask) and then `vpmaddubsw` directly (the nibbles are the unsigned operand); the rows one
-//!   after another so that the weights are one sequential stream, prefetched 8 KiB ahead (see
-//!   `x86` for why, and the measurements).
+//!   a mask) and then `vpmaddubsw` directly (the nibbles are the unsigned operand), eight
+//!   blocks' products summed in integers before any float work; the rows one after another so
+//!   that the weights are one sequential stream, prefetched 8 KiB ahead; several input rows
+//!   share each block's loads and unpacking ([`gemv_rows`]; see `x86` for why, and the
+//!   measurements).
+//! - [`GemvPath::Avx512`] (AVX-512 VNNI too): the same Q8_0 and Q4_1 kernels with `vpdpbusd` in
+//!   place of `vpmaddubsw` + `vpmaddwd` (the same i32 lanes, so the same bits as Avx2) and 32
+//!   vector registers (four input rows at once); faster kernels for Q4_0, Q5_0 and the K-quants.
 //! - [`GemvPath::Dotprod`] (aarch64 with FEAT_DotProd, every phone core since the Cortex-A55 and
 //!   A76): a block of 32 i8 x 32 i8 in two `sdot` (16 multiply-adds each, into i32: nothing
 //!   saturates, a -128 anywhere is fine), a Q4_1 block's nibbles unpacked with `and` and `ushr`
@@ -38,7 +43,7 @@
 //! - [`GemvPath::I8mm`] (aarch64 with FEAT_I8MM too, Snapdragon 8 Gen 1 on): Q8_0 and Q4_1 take
 //!   two input rows by two weight rows per `smmla`, a single row paired with itself, so a
 //!   speculative verifier's second row is free and each row has the bits it gets alone
-//!   ([`gemv_pair`]); its own float order (one FMA chain per output), so it does not agree with
+//!   ([`gemv_rows`]); its own float order (one FMA chain per output), so it does not agree with
 //!   Dotprod to the bit. The other formats run Dotprod's kernels.
 //! - [`GemvPath::Neon`] (any aarch64 CPU: NEON is baseline): the same with the products widened
 //!   to i16 (`smull`, `smlal`: two products per i16, which a Q8_0 activation of -128 could
@@ -129,9 +134,10 @@ impl Q8Activation {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemvPath {
     /// x86_64 with AVX-512 F, BW, VL and VNNI besides AVX2, FMA and F16C (AMD Zen 4 on, Intel
-    /// Ice Lake on): `vpdpbusd` multiplies 32 bytes and sums them into i32 in one instruction,
-    /// and a block's 32 fifth bits become a byte mask in one (`formats`: Q4_0 and Q5_0, the
-    /// formats whose kernels it speeds up); every other format runs the AVX2 kernels here.
+    /// Ice Lake on): `vpdpbusd` multiplies 32 bytes and sums them into i32 in one instruction
+    /// (Q8_0, Q4_1, and in `formats` Q4_0, Q5_0, Q4_K and Q5_K), a block's 32 fifth bits become a
+    /// byte mask in one (Q5_0), and 32 vector registers hold four input rows' accumulators
+    /// ([`gemv_rows`]); Q6_K runs the AVX2 kernel here.
     Avx512,
     /// x86_64 with AVX2, FMA and F16C (every AVX2 CPU has F16C: Intel since Ivy Bridge, AMD
     /// since Piledriver, so asking for it loses no machine and spares a path without it).
@@ -139,7 +145,7 @@ pub enum GemvPath {
     /// aarch64 with FEAT_I8MM besides FEAT_DotProd (Cortex-A510/A710 and later: Snapdragon 8
     /// Gen 1 on): Q8_0 takes two input rows and two weight rows at a time by `smmla` (a 2 x 2
     /// block of 8-byte dot products per instruction), one input row paired with itself, so a
-    /// verifier's second row costs what the first does ([`gemv_pair`]); Q4_1 the same, the other
+    /// verifier's second row costs what the first does ([`gemv_rows`]); Q4_1 the same, the other
     /// formats run the Dotprod kernels.
     I8mm,
     /// aarch64 with FEAT_DotProd (`sdot`: Cortex-A55/A76 and later, every Snapdragon since the
@@ -186,6 +192,17 @@ impl GemvPath {
         }
     }
 
+    /// How many input rows [`gemv_rows`] gives one call of this path's kernel for `format`
+    /// (1: a call per row). Four Q4_1 rows keep 20 accumulators, which AVX2's 16 vector
+    /// registers cannot hold (AVX-512 VL's 32 can); Q8_0 keeps two per row.
+    pub fn rows_at_once(self, format: BlockFormat) -> usize {
+        match (self, format) {
+            (GemvPath::Avx512, BlockFormat::Q8_0 | BlockFormat::Q4_1) | (GemvPath::Avx2, BlockFormat::Q8_0) => 4,
+            (GemvPath::Avx2 | GemvPath::I8mm, BlockFormat::Q4_1) | (GemvPath::I8mm, BlockFormat::Q8_0) => 2,
+            _ => 1,
+        }
+    }
+
     /// Whether the path's Q8_0 kernel takes an activation of -128. Avx2 and Neon do not: they
     /// add two byte products in an i16, which (-128) * (-128) twice overflows (see their docs).
     /// `sdot` and the portable path form every product and sum in i32 and take any i8.
@@ -224,7 +241,10 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
         // of `nb` blocks and the activation has `nb` blocks (`checked_rows`), with no -128
         // (asserted above).
-        GemvPath::Avx2 | GemvPath::Avx512 => unsafe { x86::gemv_avx2(w, nb, x, out) },
+        GemvPath::Avx2 => unsafe { x86::gemv_q8_0_avx2::<1>(w, nb, [x], [out]) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as for Avx2, and the CPU has AVX-512 VNNI (asserted above).
+        GemvPath::Avx512 => unsafe { x86::gemv_q8_0_vnni::<1>(w, nb, [x], [out]) },
         #[cfg(not(target_arch = "x86_64"))]
         GemvPath::Avx2 | GemvPath::Avx512 => unreachable!("GemvPath::{path:?} never runs off x86_64 (asserted above)"),
         #[cfg(target_arch = "aarch64")]
@@ -245,59 +265,114 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
     }
 }
 
-/// [`gemv`] of two input rows at once: `out0` for `x0`, `out1` for `x1`, each with the bits
-/// [`gemv`] gives that row alone. On [`GemvPath::I8mm`], Q8_0 and Q4_1 share every instruction
-/// between the two (`smmla` takes two input rows by two weight rows), so a speculative
-/// verifier's second row is nearly free; elsewhere, and for the other formats, it is two calls.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_pair(format: BlockFormat, w: &[u8], k: usize, x0: &Q8Activation, x1: &Q8Activation, rows: Range<usize>, out0: &mut [f32], out1: &mut [f32]) {
-    gemv_pair_on(GemvPath::detect(), format, w, k, x0, x1, rows, out0, out1)
+/// [`gemv`] of several input rows at once: `outs[i]` for `xs[i]`, each with the bits [`gemv`]
+/// gives that row alone. For Q8_0 and Q4_1 the rows share a kernel that reads and unpacks each
+/// weight block once for all of them ([`GemvPath::rows_at_once`] at a time), so batched decode
+/// (several conversations, a speculative verifier's rows) pays per added row only its own
+/// multiply-adds: on i8mm `smmla` takes two input rows by two weight rows; on x86 a block's
+/// `|w|` or nibbles and its scales' conversion are shared. The other formats run a call per row.
+pub fn gemv_rows(format: BlockFormat, w: &[u8], k: usize, xs: &[&Q8Activation], rows: Range<usize>, outs: &mut [&mut [f32]]) {
+    gemv_rows_on(GemvPath::detect(), format, w, k, xs, rows, outs)
 }
 
-/// [`gemv_pair`] on `path`; panics if the CPU lacks the path's features.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_pair_on(
-    path: GemvPath,
-    format: BlockFormat,
-    w: &[u8],
-    k: usize,
-    x0: &Q8Activation,
-    x1: &Q8Activation,
-    rows: Range<usize>,
-    out0: &mut [f32],
-    out1: &mut [f32],
-) {
-    if path != GemvPath::I8mm || !matches!(format, BlockFormat::Q8_0 | BlockFormat::Q4_1) {
-        gemv_on(path, format, w, k, x0, rows.clone(), out0);
-        return gemv_on(path, format, w, k, x1, rows, out1);
+/// [`gemv_rows`] on `path`; panics if the CPU lacks the path's features.
+pub fn gemv_rows_on(path: GemvPath, format: BlockFormat, w: &[u8], k: usize, xs: &[&Q8Activation], rows: Range<usize>, outs: &mut [&mut [f32]]) {
+    let name = "gemv_rows";
+    assert_eq!(xs.len(), outs.len(), "{name}: {} input rows and {} outputs", xs.len(), outs.len());
+    let at_once = path.rows_at_once(format);
+    if at_once == 1 || xs.len() == 1 {
+        for (x, out) in xs.iter().zip(outs.iter_mut()) {
+            gemv_on(path, format, w, k, x, rows.clone(), out);
+        }
+        return;
     }
-    let name = "gemv_pair";
-    assert_eq!(x1.q.len(), x0.q.len(), "{name}: rows of {} and {} values", x0.q.len(), x1.q.len());
-    assert_eq!(out1.len(), out0.len(), "{name}: outputs of {} and {} values", out0.len(), out1.len());
     let block_bytes = if format == BlockFormat::Q8_0 { BLOCK_BYTES } else { Q4_1_BLOCK_BYTES };
-    let Some((w, nb)) = checked_rows(name, block_bytes, QK, w, k, x0, &rows, out0) else {
-        return out1.fill(0.0);
-    };
-    assert_eq!(x1.scales.len(), nb, "{name}: the second row has {} scales for {nb} blocks", x1.scales.len());
-    assert!(path.runs_here(), "{name}: this CPU cannot run {path:?}");
-    if format == BlockFormat::Q4_1 {
-        assert_sums(name, x0);
-        assert_sums(name, x1);
+    let (k0, n0) = (xs[0].q.len(), outs[0].len());
+    for (x, out) in xs.iter().zip(outs.iter()).skip(1) {
+        assert_eq!(x.q.len(), k0, "{name}: rows of {k0} and {} values", x.q.len());
+        assert_eq!(out.len(), n0, "{name}: outputs of {n0} and {} values", out.len());
     }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: the CPU has i8mm (asserted); `w` is `out0.len()` whole rows of `nb` blocks, both
-    // activations have `nb` blocks (and, for Q4_1, sums: asserted), and `out1` is as long as
-    // `out0` (asserted).
-    unsafe {
+    let Some((w, nb)) = checked_rows(name, block_bytes, QK, w, k, xs[0], &rows, outs[0]) else {
+        return outs.iter_mut().for_each(|o| o.fill(0.0));
+    };
+    assert!(path.runs_here(), "{name}: this CPU cannot run {path:?}");
+    for x in xs {
+        assert_eq!(x.scales.len(), nb, "{name}: a row has {} scales for {nb} blocks", x.scales.len());
         match format {
-            BlockFormat::Q8_0 => aarch64::gemv_q8_0_i8mm(w, nb, [x0, x1], out0, Some(out1)),
-            _ => aarch64::gemv_q4_1_i8mm(w, nb, [x0, x1], out0, Some(out1)),
+            BlockFormat::Q4_1 => assert_sums(name, x),
+            _ => assert!(
+                path.takes_minus_128() || !x.q.contains(&i8::MIN),
+                "{name}: the activation has a -128, which {path:?} cannot take (Q8Activation::quantize gives [-127, 127])"
+            ),
         }
     }
-    #[cfg(not(target_arch = "aarch64"))]
+    let (mut xs, mut outs) = (xs, outs);
+    while !xs.is_empty() {
+        let r = if xs.len() >= 4 && at_once >= 4 { 4 } else { xs.len().min(2) };
+        let (x, rest) = xs.split_at(r);
+        let (out, rest_out) = outs.split_at_mut(r);
+        // SAFETY: the CPU runs `path` (asserted); `w` is `out[i].len()` whole rows of `nb`
+        // blocks for every `i` (`checked_rows`, the lengths asserted equal), every activation
+        // has `nb` blocks and, for Q4_1, sums, for Q8_0 no -128 where the path cannot take it
+        // (asserted above).
+        unsafe { shared_rows(path, format, w, nb, x, out) };
+        (xs, outs) = (rest, rest_out);
+    }
+}
+
+/// One call of the shared-rows kernel of `path` and `format` (Q8_0 or Q4_1) for 1, 2 or 4 rows
+/// (at most [`GemvPath::rows_at_once`]).
+///
+/// # Safety
+/// The CPU runs `path`; `w` is `out[i].len()` whole rows of `nb` blocks of `format` for every
+/// `i`; every `x[i]` has `nb` blocks and, for Q4_1, sums, for Q8_0 no -128 unless the path takes
+/// it.
+unsafe fn shared_rows(path: GemvPath, format: BlockFormat, w: &[u8], nb: usize, x: &[&Q8Activation], out: &mut [&mut [f32]]) {
+    #[cfg(target_arch = "x86_64")]
     {
-        let _ = (w, nb);
-        unreachable!("GemvPath::I8mm never runs off aarch64 (asserted above)")
+        macro_rules! call {
+            ($kernel:ident, $r:literal) => {{
+                let x: [&Q8Activation; $r] = std::array::from_fn(|i| x[i]);
+                let mut it = out.iter_mut();
+                let out: [&mut [f32]; $r] = std::array::from_fn(|_| &mut **it.next().expect("as many outputs as rows"));
+                // SAFETY: the caller's contract.
+                unsafe { x86::$kernel::<$r>(w, nb, x, out) }
+            }};
+        }
+        macro_rules! rows {
+            ($kernel:ident) => {
+                match x.len() {
+                    1 => call!($kernel, 1),
+                    2 => call!($kernel, 2),
+                    _ => call!($kernel, 4),
+                }
+            };
+        }
+        match (path, format) {
+            (GemvPath::Avx512, BlockFormat::Q8_0) => rows!(gemv_q8_0_vnni),
+            (GemvPath::Avx512, _) => rows!(gemv_q4_1_vnni),
+            (_, BlockFormat::Q8_0) => rows!(gemv_q8_0_avx2),
+            _ => rows!(gemv_q4_1_avx2),
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        let _ = path;
+        let (first, second) = out.split_at_mut(1);
+        let x = [x[0], *x.get(1).unwrap_or(&x[0])];
+        let second = second.first_mut().map(|o| &mut **o);
+        // SAFETY: the caller's contract; on aarch64 only I8mm shares rows (`rows_at_once`).
+        unsafe {
+            match format {
+                BlockFormat::Q8_0 => aarch64::gemv_q8_0_i8mm(w, nb, x, first[0], second),
+                _ => aarch64::gemv_q4_1_i8mm(w, nb, x, first[0], second),
+            }
+        }
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        let _ = (path, format, w, nb, x, out);
+        unreachable!("no path shares rows here (`rows_at_once`)")
     }
 }
 
@@ -325,7 +400,10 @@ pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
         // of `nb` blocks and the activation has `nb` blocks (`checked_rows`) and `nb` sums
         // (asserted above).
-        GemvPath::Avx2 | GemvPath::Avx512 => unsafe { x86::gemv_q4_1_avx2(w, nb, x, out) },
+        GemvPath::Avx2 => unsafe { x86::gemv_q4_1_avx2::<1>(w, nb, [x], [out]) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as for Avx2, and the CPU has AVX-512 VNNI (asserted above).
+        GemvPath::Avx512 => unsafe { x86::gemv_q4_1_vnni::<1>(w, nb, [x], [out]) },
         #[cfg(not(target_arch = "x86_64"))]
         GemvPath::Avx2 | GemvPath::Avx512 => unreachable!("GemvPath::{path:?} never runs off x86_64 (asserted above)"),
         #[cfg(target_arch = "aarch64")]
@@ -872,6 +950,7 @@ impl BlockMatrix {
         let total = y.len() / xq.len().max(1);
         let Some(k) = xq.first().map(|x| x.q.len()) else { return };
         let out = OutPtr(y.as_mut_ptr());
+        let xs: Vec<&Q8Activation> = xq.iter().collect();
         // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB in Q8_0, ~23 KB in Q4_1:
         // microseconds, enough to amortize claiming one, small enough that a late helper leaves
         // little to wait for, and in L2 for every input row of a group). Products under 2M
@@ -899,15 +978,10 @@ impl BlockMatrix {
                         // exactly one call (`for_each_chunk`), so the slices (of input row r's
                         // outputs) are disjoint; `y` outlives the loop.
                         let out_of = |r: usize| unsafe { std::slice::from_raw_parts_mut(out.get().add(r * total + p0), p1 - p0) };
-                        // Input rows two at a time (`gemv_pair`: on i8mm they share the
-                        // instructions), each with the bits it gets alone.
-                        let pairs = xq.len() / 2;
-                        for i in 0..pairs {
-                            gemv_pair(w.format, w.data(), k, &xq[2 * i], &xq[2 * i + 1], p0 - s..p1 - s, out_of(2 * i), out_of(2 * i + 1));
-                        }
-                        for (r, x) in xq.iter().enumerate().skip(2 * pairs) {
-                            gemv(w.format, w.data(), k, x, p0 - s..p1 - s, out_of(r));
-                        }
+                        // Every input row in one call (`gemv_rows`: each weight block is read
+                        // and unpacked once for several rows), each with the bits it gets alone.
+                        let mut outs: Vec<&mut [f32]> = (0..xq.len()).map(out_of).collect();
+                        gemv_rows(w.format, w.data(), k, &xs, p0 - s..p1 - s, &mut outs);
                     }
                 }
             }

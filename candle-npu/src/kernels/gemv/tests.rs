@@ -532,20 +532,23 @@ fn quantize_into_reuses_its_buffers() {
     assert_eq!(a, Q8Activation::quantize(&x[..64]));
 }
 
-/// Two input rows at once give each the bits it gets alone, Q8_0 and Q4_1, on every path (on I8mm they
-/// share every instruction, a row paired with itself when alone), with an odd number of
-/// weight rows (the last pairs with itself) and a row range off the first; and
-/// `BlockMatrix::forward_all` of several rows gives each the bits of a one-row call.
+/// Several input rows at once (`gemv_rows`: 1 to 5, so a group of four, a pair and one alone
+/// all run) give each the bits it gets alone, Q8_0 and Q4_1, on every path (on I8mm they share
+/// every instruction, a row paired with itself when alone; on x86 a block's unpacking), with an
+/// odd number of weight rows (the last pairs with itself on I8mm), a row range off the first and
+/// block counts that leave a remainder of Q4_1's groups of four; and `BlockMatrix::forward_all`
+/// of several rows gives each the bits of a one-row call.
 #[test]
-fn rows_in_pairs_are_each_rows_product_to_the_bit() {
+fn rows_together_are_each_rows_product_to_the_bit() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     for path in paths() {
-        for (format, (n, k)) in [BlockFormat::Q8_0, BlockFormat::Q4_1].into_iter().flat_map(|f| [(7, 96), (4, 32), (9, 160), (1, 64)].map(|s| (f, s))) {
+        for (format, (n, k)) in [BlockFormat::Q8_0, BlockFormat::Q4_1].into_iter().flat_map(|f| [(7, 96), (4, 32), (9, 160), (1, 64), (5, 224)].map(|s| (f, s)))
+        {
             let w = match format {
                 BlockFormat::Q8_0 => weights(&mut rng, n, k),
                 _ => q4_1_weights(&mut rng, n, k),
             };
-            let xs: Vec<Q8Activation> = (0..2).map(|_| Q8Activation::quantize(&activations(&mut rng, k, true))).collect();
+            let xs: Vec<Q8Activation> = (0..5).map(|_| Q8Activation::quantize(&activations(&mut rng, k, true))).collect();
             for rows in [0..n, n / 2..n] {
                 let alone: Vec<Vec<f32>> = xs
                     .iter()
@@ -555,14 +558,19 @@ fn rows_in_pairs_are_each_rows_product_to_the_bit() {
                         o
                     })
                     .collect();
-                let (mut o0, mut o1) = (vec![f32::NAN; rows.len()], vec![f32::NAN; rows.len()]);
-                gemv_pair_on(path, format, &w, k, &xs[0], &xs[1], rows.clone(), &mut o0, &mut o1);
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!((bits(&o0), bits(&o1)), (bits(&alone[0]), bits(&alone[1])), "{path:?} {format:?}: n {n}, k {k}, rows {rows:?}");
+                for m in 1..=xs.len() {
+                    let mut outs = vec![vec![f32::NAN; rows.len()]; m];
+                    let x: Vec<&Q8Activation> = xs[..m].iter().collect();
+                    gemv_rows_on(path, format, &w, k, &x, rows.clone(), &mut outs.iter_mut().map(|o| o.as_mut_slice()).collect::<Vec<_>>());
+                    for (i, (got, want)) in outs.iter().zip(&alone).enumerate() {
+                        assert_eq!(bits(got), bits(want), "{path:?} {format:?}: n {n}, k {k}, rows {rows:?}, row {i} of {m}");
+                    }
+                }
             }
         }
     }
-    // Through the decode product, on the detected path: three rows (a pair and one alone).
+    // Through the decode product, on the detected path: three rows.
     let (n, k) = (70, 128);
     for (format, bytes) in [(BlockFormat::Q8_0, weights(&mut rng, n, k)), (BlockFormat::Q4_1, q4_1_weights(&mut rng, n, k))] {
         let m = BlockMatrix::new(format, n, k, std::sync::Arc::new(bytes), 0).unwrap();
@@ -669,6 +677,38 @@ fn neon_and_dotprod_agree_to_the_bit() {
             gemv_on(GemvPath::Dotprod, format, &w, k, &x, 0..n, &mut dotprod);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&neon), bits(&dotprod), "{format:?} K = {k}: {neon:?} {dotprod:?}");
+        }
+    }
+}
+
+#[test]
+fn avx2_and_avx512_agree_to_the_bit_on_q8_0_and_q4_1() {
+    // `vpdpbusd` fills the i32 lanes that `vpmaddubsw` + `vpmaddwd` fill (no i16 pair saturates
+    // on these operands, see `x86`), and the float work is the same, so Q8_0's and Q4_1's results
+    // are equal bit for bit, for every K (Q4_1's groups of four and every tail); Q4_1 with -128 in
+    // the activation too (both take it).
+    if !(GemvPath::Avx2.runs_here() && GemvPath::Avx512.runs_here()) {
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(28);
+    for format in [Format::Q8_0, Format::Q4_1] {
+        for k in [32, 64, 96, 128, 224, 576, 1536 + 96] {
+            let n = 13;
+            let w = format.weights(&mut rng, n, k);
+            for mixed in [false, true] {
+                let mut x = Q8Activation::quantize(&activations(&mut rng, k, mixed));
+                if let (Format::Q4_1, true) = (format, mixed) {
+                    for (qb, sum) in x.q.chunks_exact_mut(QK).zip(&mut x.sums) {
+                        qb[rng.random_range(0..QK)] = i8::MIN;
+                        *sum = qb.iter().map(|&q| q as i32).sum();
+                    }
+                }
+                let (mut avx2, mut avx512) = (vec![0.0; n], vec![0.0; n]);
+                format.gemv_on(GemvPath::Avx2, &w, k, &x, 0..n, &mut avx2);
+                format.gemv_on(GemvPath::Avx512, &w, k, &x, 0..n, &mut avx512);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&avx2), bits(&avx512), "{format:?} K = {k}: {avx2:?} {avx512:?}");
+            }
         }
     }
 }

@@ -1,4 +1,14 @@
-//! The x86_64 paths of the decode product (AVX2 + FMA; see the parent module for what each does).
+//! The x86_64 paths of the decode product (AVX2 + FMA, and AVX-512 VNNI's `vpdpbusd` where the
+//! CPU has it; see the parent module for what each does).
+//!
+//! Each kernel takes `R` input rows (1, 2 or 4) against the same weight rows: a weight block is
+//! loaded and unpacked once for all of them (the sign trick's `|w|`, Q4_1's nibbles, the f16
+//! scales' conversion), and every input row then does exactly the single row's arithmetic, in
+//! the same order, into accumulators of its own. So a row's output has the bits it gets alone
+//! (batched decode must answer each conversation as it is answered alone), and the work a row
+//! adds is its own multiply-adds only. `VNNI` replaces `vpmaddubsw` + `vpmaddwd` by one
+//! `vpdpbusd`: the same i32 lanes (each the sum of four byte products; no pair saturates the i16
+//! step, see the parent module), so the same bits on either path.
 
 use std::arch::x86_64::*;
 
@@ -8,133 +18,239 @@ use super::{Q8Activation, BLOCK_BYTES, Q4_1_BLOCK_BYTES, QK};
 /// Bytes ahead of the current block to prefetch (see the module docs).
 pub(super) const PREFETCH: usize = 8192;
 
-/// # Safety
-/// The CPU has AVX2, FMA and F16C; `w` is `out.len()` whole rows of `nb` blocks; `x` has `nb`
-/// blocks and no -128.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn gemv_avx2(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
-    let (xq, xd) = (x.q.as_ptr(), x.scales.as_ptr());
-    for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * BLOCK_BYTES)) {
-        // SAFETY: `row` is `nb` blocks, the activation `nb` blocks with no -128; the CPU
-        // has the features.
-        *o = unsafe { row_dot(row.as_ptr(), nb, xq, xd) };
+/// One input row's side of a product: its quantized values, block scales and block sums.
+#[derive(Clone, Copy)]
+struct Act {
+    q: *const i8,
+    d: *const f32,
+    s: *const i32,
+}
+
+impl Act {
+    fn of(x: &Q8Activation) -> Self {
+        Act { q: x.q.as_ptr(), d: x.scales.as_ptr(), s: x.sums.as_ptr() }
     }
 }
 
-/// One row's product.
+/// `out[i][j]`, for each input row `x[i]`, is weight row j's Q8_0 product with it.
 ///
 /// # Safety
-/// As [`gemv_avx2`], for the `nb` blocks at `w`; inlined only into it (its features).
+/// The CPU has AVX2, FMA and F16C; `w` is `out[i].len()` whole rows of `nb` blocks for every
+/// `i`; each `x[i]` has `nb` blocks and no -128.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn gemv_q8_0_avx2<const R: usize>(w: &[u8], nb: usize, x: [&Q8Activation; R], out: [&mut [f32]; R]) {
+    // SAFETY: the caller's contract, passed on; the CPU has the features.
+    unsafe { rows::<R>(w, nb * BLOCK_BYTES, x, out, |row, x| rows_dot_q8_0::<R, false>(row, nb, x)) }
+}
+
+/// [`gemv_q8_0_avx2`] with `vpdpbusd` (and AVX-512 VL's 32 vector registers).
+///
+/// # Safety
+/// As [`gemv_q8_0_avx2`], and the CPU has AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn gemv_q8_0_vnni<const R: usize>(w: &[u8], nb: usize, x: [&Q8Activation; R], out: [&mut [f32]; R]) {
+    // SAFETY: as in `gemv_q8_0_avx2`.
+    unsafe { rows::<R>(w, nb * BLOCK_BYTES, x, out, |row, x| rows_dot_q8_0::<R, true>(row, nb, x)) }
+}
+
+/// `out[i][j]`, for each input row `x[i]`, is weight row j's Q4_1 product with it.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `w` is `out[i].len()` whole rows of `nb` Q4_1 blocks for
+/// every `i`; each `x[i]` has `nb` blocks and `nb` sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn gemv_q4_1_avx2<const R: usize>(w: &[u8], nb: usize, x: [&Q8Activation; R], out: [&mut [f32]; R]) {
+    // SAFETY: the caller's contract, passed on; the CPU has the features.
+    unsafe { rows::<R>(w, nb * Q4_1_BLOCK_BYTES, x, out, |row, x| rows_dot_q4_1::<R, false>(row, nb, x)) }
+}
+
+/// [`gemv_q4_1_avx2`] with `vpdpbusd` (and AVX-512 VL's 32 vector registers, which four rows'
+/// twenty accumulators need).
+///
+/// # Safety
+/// As [`gemv_q4_1_avx2`], and the CPU has AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn gemv_q4_1_vnni<const R: usize>(w: &[u8], nb: usize, x: [&Q8Activation; R], out: [&mut [f32]; R]) {
+    // SAFETY: as in `gemv_q4_1_avx2`.
+    unsafe { rows::<R>(w, nb * Q4_1_BLOCK_BYTES, x, out, |row, x| rows_dot_q4_1::<R, true>(row, nb, x)) }
+}
+
+/// The weight rows of `w` (`row_bytes` each) one after another, so that the weights are one
+/// sequential stream, each against every input row by `dot`.
+///
+/// # Safety
+/// `dot` is safe for each of `w`'s rows with the activations of `x` (the callers' contracts).
 #[inline(always)]
-unsafe fn row_dot(w: *const u8, nb: usize, xq: *const i8, xd: *const f32) -> f32 {
-    // SAFETY: every read is of blocks below `nb`, in the row and the activation (the
-    // caller's contract); prefetches never fault, wherever they point.
+unsafe fn rows<const R: usize>(w: &[u8], row_bytes: usize, x: [&Q8Activation; R], mut out: [&mut [f32]; R], dot: impl Fn(*const u8, [Act; R]) -> [f32; R]) {
+    let x = x.map(Act::of);
+    for (j, row) in w.chunks_exact(row_bytes).take(out[0].len()).enumerate() {
+        let got = dot(row.as_ptr(), x);
+        for (o, g) in out.iter_mut().zip(got) {
+            o[j] = g;
+        }
+    }
+}
+
+/// One weight row's Q8_0 products with `R` input rows: per block `|w|` once (the sign trick:
+/// `vpsignb` of the weights by themselves, unsigned for `vpmaddubsw`), then per row its values
+/// signed by the weights', the i32 dot and one FMA, even and odd blocks into two accumulators.
+///
+/// # Safety
+/// As the callers', for the `nb` blocks at `w`; inlined only into them (their features).
+#[inline(always)]
+unsafe fn rows_dot_q8_0<const R: usize, const VNNI: bool>(w: *const u8, nb: usize, x: [Act; R]) -> [f32; R] {
+    // SAFETY: every read is of blocks below `nb`, in the row and the activations (the caller's
+    // contract); prefetches never fault, wherever they point.
     unsafe {
-        let ones = _mm256_set1_epi16(1);
-        let block = |b: usize, acc: __m256| {
-            let blk = w.add(BLOCK_BYTES * b);
-            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH).cast());
-            let wv = _mm256_loadu_si256(blk.add(2).cast());
-            let xv = _mm256_loadu_si256(xq.add(QK * b).cast());
-            let dw = f16_to_f32(u16::from_le(blk.cast::<u16>().read_unaligned()));
-            // |w| (unsigned) times x * sign(w): see the module docs for why no pair saturates.
-            let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-            let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * *xd.add(b)), acc)
-        };
-        let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        // A function, not a closure: a closure called twice per loop may stay a call, and a
+        // closure has no target features of its own, so its intrinsics would be calls too.
+        #[inline(always)]
+        unsafe fn block<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R], b: usize, acc: &mut [__m256; R]) {
+            // SAFETY: as the enclosing function's.
+            unsafe {
+                let blk = w.add(BLOCK_BYTES * b);
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH).cast());
+                let wv = _mm256_loadu_si256(blk.add(2).cast());
+                // `d_w` in every lane (`vpbroadcastw`, `vcvtph2ps`): converted as a scalar, LLVM
+                // inserts the word into whatever register is at hand (`vpinsrw`), an
+                // accumulator as often as not, and each block's scale then waits on that
+                // accumulator's FMA (the single-row VNNI kernel ran at two thirds of AVX2's).
+                let dw = _mm256_cvtph_ps(_mm_set1_epi16(blk.cast::<i16>().read_unaligned()));
+                let aw = _mm256_sign_epi8(wv, wv);
+                for (a, x) in acc.iter_mut().zip(x) {
+                    // |w| (unsigned) times x * sign(w): see the module docs for why no pair
+                    // saturates.
+                    let sx = _mm256_sign_epi8(_mm256_loadu_si256(x.q.add(QK * b).cast()), wv);
+                    let dot = if VNNI {
+                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
+                    } else {
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
+                    };
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.add(b))), *a);
+                }
+            }
+        }
+        let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
         for b in (0..nb - nb % 2).step_by(2) {
-            even = block(b, even);
-            odd = block(b + 1, odd);
+            block::<R, VNNI>(w, &x, b, &mut even);
+            block::<R, VNNI>(w, &x, b + 1, &mut odd);
         }
         if nb % 2 == 1 {
-            even = block(nb - 1, even);
+            block::<R, VNNI>(w, &x, nb - 1, &mut even);
         }
-        hsum(_mm256_add_ps(even, odd))
+        std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
     }
 }
 
-/// # Safety
-/// The CPU has AVX2, FMA and F16C; `w` is `out.len()` whole rows of `nb` Q4_1 blocks; `x` has
-/// `nb` blocks and `nb` sums.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn gemv_q4_1_avx2(w: &[u8], nb: usize, x: &Q8Activation, out: &mut [f32]) {
-    let (xq, xd, xs) = (x.q.as_ptr(), x.scales.as_ptr(), x.sums.as_ptr());
-    for (o, row) in out.iter_mut().zip(w.chunks_exact(nb * Q4_1_BLOCK_BYTES)) {
-        // SAFETY: `row` is `nb` blocks, the activation `nb` blocks and sums; the CPU has the
-        // features.
-        *o = unsafe { row_dot_q4_1(row.as_ptr(), nb, xq, xd, xs) };
-    }
-}
-
-/// One row's Q4_1 product.
+/// One weight row's Q4_1 products with `R` input rows, eight blocks at a time: per block the
+/// nibbles unpacked once, and per row its 32 products summed into 8 i32 lanes (`vpdpbusd`, or
+/// `vpmaddubsw` + `vpmaddwd`); the eight blocks' lanes are then summed in integers (`vphaddd`,
+/// exact) into one vector of eight block sums, so that the float work is per eight blocks, not
+/// per block: one `cvt`, one FMA by `d_w d_x` and one by `m_w` times `d_x sum_x` (the eight
+/// blocks' `d` and `m` converted once for every row). Where the single-row kernel spent three
+/// float operations and a broadcast per block and row, this spends under one, and where four
+/// rows kept twenty accumulators, each row keeps one. A last group of fewer than eight blocks
+/// takes zeros in the missing lanes (`d`, `m` and the products zero: `acc + 0 * 0`).
 ///
 /// # Safety
-/// As [`gemv_q4_1_avx2`], for the `nb` blocks at `w`; inlined only into it (its features).
+/// As the callers', for the `nb` blocks at `w`; inlined only into them (their features).
 #[inline(always)]
-unsafe fn row_dot_q4_1(w: *const u8, nb: usize, xq: *const i8, xd: *const f32, xs: *const i32) -> f32 {
-    // SAFETY: every read is of blocks below `nb`, in the row, and of the activation's first
-    // `nb` blocks and sums (the caller's contract), or of `scales` below; prefetches never
-    // fault, wherever they point.
+unsafe fn rows_dot_q4_1<const R: usize, const VNNI: bool>(w: *const u8, nb: usize, x: [Act; R]) -> [f32; R] {
+    // SAFETY: every read is of blocks below `nb`, in the row, and of the activations' first
+    // `nb` blocks and sums (the caller's contract), or of the stack copies below; prefetches
+    // never fault, wherever they point.
     unsafe {
-        let ones = _mm256_set1_epi16(1);
-        let low = _mm256_set1_epi8(0x0F);
-        let shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-        let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-        let blk = |b: usize| w.add(Q4_1_BLOCK_BYTES * b);
-        // Block b's d and m as one i32 (little-endian: d in the low half).
-        let dm = |b: usize| blk(b).cast::<i32>().read_unaligned();
-        // Block b's 32 products (nibbles times activations) summed in 8 lanes, as f32.
-        let dot = |b: usize| {
-            // `qs` in both halves, the high one shifted right by 4 (`qs >> 4`): with the mask,
-            // the low half is the low nibbles (weights 0..16), the high half the high nibbles
-            // (16..32), in the order of the activation's 32 bytes. The 32-bit shift brings
-            // the next byte's low bits into the top of each byte; the mask drops them.
-            let qs = _mm256_broadcastsi128_si256(_mm_loadu_si128(blk(b).add(4).cast()));
-            let nibbles = _mm256_and_si256(_mm256_srlv_epi32(qs, shifts), low);
-            let xv = _mm256_loadu_si256(xq.add(QK * b).cast());
-            // Nibbles (unsigned) times x: see the module docs for why no pair saturates.
-            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(nibbles, xv), ones))
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in (0..nb - nb % 8).step_by(8) {
+            // A group is 160 bytes: three prefetches 64 bytes apart reach every cache line.
+            for line in 0..3 {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(Q4_1_BLOCK_BYTES * b + PREFETCH + 64 * line).cast());
+            }
+            group_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * b), 8, &x, b, &mut acc);
+        }
+        if !nb.is_multiple_of(8) {
+            group_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * (nb - nb % 8)), nb % 8, &x, nb - nb % 8, &mut acc);
+        }
+        acc.map(|a| hsum(a))
+    }
+}
+
+/// [`rows_dot_q4_1`]'s group: the `n` (at most 8) blocks at `w`, which are blocks `b..b + n` of
+/// every row in `x`, onto each row's accumulator. The scales and sums of a short group are
+/// masked loads (`vmaskmovps`: the lanes past `n` read as zero and are never touched).
+///
+/// # Safety
+/// `n` blocks at `w`; each `x[r]` has blocks `b..b + n`.
+#[inline(always)]
+unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x: &[Act; R], b: usize, acc: &mut [__m256; R]) {
+    // SAFETY: the caller's contract; registers otherwise.
+    unsafe {
+        let blk = |j: usize| w.add(Q4_1_BLOCK_BYTES * j);
+        // Block j's 32 nibbles: `qs` in both halves, the high one shifted right by 4 (`qs >> 4`):
+        // with the mask, the low half is the low nibbles (weights 0..16), the high half the high
+        // nibbles (16..32), in the order of the activation's 32 bytes. The 32-bit shift brings
+        // the next byte's low bits into the top of each byte; the mask drops them. A missing
+        // block is zeros.
+        let nibbles = |j: usize| {
+            if j >= n {
+                return _mm256_setzero_si256();
+            }
+            let qs = _mm256_broadcastsi128_si256(_mm_loadu_si128(blk(j).add(4).cast()));
+            _mm256_and_si256(_mm256_srlv_epi32(qs, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F))
         };
-        let mut acc = [_mm256_setzero_ps(); 4];
-        // The odd lanes collect the minimum terms (the even ones `d_w * d_x * sum`, unused).
-        let mut mins = _mm256_setzero_ps();
-        // A group's four block scales go through memory, one store and four broadcast loads
-        // (load ports), where registers would take four shuffles on the vector ALUs that the
-        // dot products keep busy: 5-8% faster. `black_box` hides that the loads read what was
-        // just stored, or LLVM turns them back into shuffles.
-        let mut scales = [0f32; 8];
-        let scales_out = scales.as_mut_ptr();
-        let scales_in = std::hint::black_box(scales_out);
-        for b in (0..nb - nb % 4).step_by(4) {
-            // A group is 80 bytes: two prefetches 40 bytes apart reach every cache line.
-            _mm_prefetch::<_MM_HINT_T0>(blk(b).wrapping_add(PREFETCH).cast());
-            _mm_prefetch::<_MM_HINT_T0>(blk(b).wrapping_add(PREFETCH + 2 * Q4_1_BLOCK_BYTES).cast());
-            // Four blocks' [d0, m0, d1, m1, d2, m2, d3, m3] times [dx0, dx0, dx1, dx1, ...]:
-            // per block `d_w * d_x`, then `m_w * d_x`, which takes the block sum in an FMA.
-            let dms = _mm_insert_epi32::<1>(_mm_cvtsi32_si128(dm(b)), dm(b + 1));
-            let dms = _mm_insert_epi32::<3>(_mm_insert_epi32::<2>(dms, dm(b + 2)), dm(b + 3));
-            let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd.add(b))), pairs);
-            let scaled = _mm256_mul_ps(_mm256_cvtph_ps(dms), dx);
-            let sums = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(_mm_loadu_si128(xs.add(b).cast())), pairs);
-            mins = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(sums), mins);
-            _mm256_storeu_ps(scales_out, scaled);
-            acc[0] = _mm256_fmadd_ps(dot(b), _mm256_broadcast_ss(&*scales_in), acc[0]);
-            acc[1] = _mm256_fmadd_ps(dot(b + 1), _mm256_broadcast_ss(&*scales_in.add(2)), acc[1]);
-            acc[2] = _mm256_fmadd_ps(dot(b + 2), _mm256_broadcast_ss(&*scales_in.add(4)), acc[2]);
-            acc[3] = _mm256_fmadd_ps(dot(b + 3), _mm256_broadcast_ss(&*scales_in.add(6)), acc[3]);
+        // Block j's products with row x, in 8 i32 lanes (nibbles unsigned: see the module docs
+        // for why no pair saturates `vpmaddubsw`'s i16); zeros for a missing block.
+        let dot = |nib: __m256i, x: &Act, j: usize| {
+            if j >= n {
+                return _mm256_setzero_si256();
+            }
+            let xv = _mm256_loadu_si256(x.q.add(QK * (b + j)).cast());
+            if VNNI {
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, xv)
+            } else {
+                _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xv), _mm256_set1_epi16(1))
+            }
+        };
+        // Pairs of blocks: `vphaddd` of two blocks' lanes gives, per 128-bit half, two sums of
+        // each block's pairs of lanes; of two such, one sum of four lanes per block and half.
+        // A group of four blocks or fewer (a row's last) leaves the second half zero.
+        let mut quads = [[_mm256_setzero_si256(); 2]; R];
+        for h in 0..n.div_ceil(4) {
+            let mut pairs = [[_mm256_setzero_si256(); 2]; R];
+            for p in 0..2 {
+                let j = 4 * h + 2 * p;
+                let (n0, n1) = (nibbles(j), nibbles(j + 1));
+                for (r, x) in x.iter().enumerate() {
+                    pairs[r][p] = _mm256_hadd_epi32(dot(n0, x, j), dot(n1, x, j + 1));
+                }
+            }
+            for r in 0..R {
+                quads[r][h] = _mm256_hadd_epi32(pairs[r][0], pairs[r][1]);
+            }
         }
-        // The last nb % 4 blocks one at a time, with the same roundings.
-        for b in nb - nb % 4..nb {
-            _mm_prefetch::<_MM_HINT_T0>(blk(b).wrapping_add(PREFETCH).cast());
-            // [d * d_x, m * d_x, 0, 0], the upper lanes zero.
-            let scaled = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dm(b))), _mm_set1_ps(*xd.add(b)));
-            let scaled = _mm256_set_m128(_mm_setzero_ps(), scaled);
-            mins = _mm256_fmadd_ps(scaled, _mm256_set1_ps(*xs.add(b) as f32), mins);
-            acc[0] = _mm256_fmadd_ps(dot(b), _mm256_broadcastss_ps(_mm256_castps256_ps128(scaled)), acc[0]);
+        // The blocks' d and m (an i32 each: d in the low half), zero for a missing block, as
+        // [d0..d3, m0..m3 | d4..d7, m4..m7] (`vpackusdw` of the halves: exact, both below 2^16),
+        // then in block order and converted: d in `dw`, m in `mw`.
+        let dm = |j: usize| if j < n { blk(j).cast::<i32>().read_unaligned() } else { 0 };
+        let dms = _mm256_setr_epi32(dm(0), dm(1), dm(2), dm(3), dm(4), dm(5), dm(6), dm(7));
+        let packed = _mm256_packus_epi32(_mm256_and_si256(dms, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32::<16>(dms));
+        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+        let dw = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+        let mw = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(packed));
+        let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (r, x) in x.iter().enumerate() {
+            // Block j's sum in lane j: the low halves' four-lane sums of blocks 0..4 and 4..8,
+            // then the high halves'.
+            let [q0, q1] = quads[r];
+            let sums = _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(q0, q1), _mm256_permute2x128_si256::<0x31>(q0, q1));
+            let (dx, xs) = if n == 8 {
+                (_mm256_loadu_ps(x.d.add(b)), _mm256_loadu_si256(x.s.add(b).cast()))
+            } else {
+                (_mm256_maskload_ps(x.d.add(b), lanes), _mm256_maskload_epi32(x.s.add(b), lanes))
+            };
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mw, _mm256_mul_ps(dx, _mm256_cvtepi32_ps(xs)), acc[r]);
         }
-        let acc = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        hsum(_mm256_add_ps(acc, _mm256_blend_ps::<0b0101_0101>(mins, _mm256_setzero_ps())))
     }
 }
 
