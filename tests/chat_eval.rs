@@ -109,8 +109,13 @@ fn residual_weights_keep_the_issue_s_example_from_derailing() {
             let text = p.decode_text(&o.answer).unwrap();
             eprintln!("{} ({kv:?} KV): kl {:.4}, {} tokens agree: {text:?}", device.executor_name(), o.kl, o.agree);
             assert!(o.derail.is_none(), "{} ({kv:?} KV): derailed ({:?}): {text:?}", device.executor_name(), o.derail);
+            // The first word is one of the tie's two non-katakana first tokens, "N" and "K",
+            // 24.07 each in F32 (`docs/chat.md`): which wins is a draw of float order (until
+            // 2026-12-02 "Nice to meet you" here; the batched decode kernels, summing a Q4_1
+            // row's blocks in another order, turned the host's to "Konnichiwa!"). A katakana
+            // byte, the derailment, is neither.
             if kv == KvType::F32 {
-                assert!(text.starts_with("Nice to meet you"), "{}: {text:?}", device.executor_name());
+                assert!(text.starts_with("Nice to meet you") || text.starts_with("Konnichiwa"), "{}: {text:?}", device.executor_name());
             }
         }
     }

@@ -185,8 +185,7 @@ impl Layer {
         let eps = cfg.rms_eps as f32;
         let h = x.add_norm(&self.attn_norm, eps)?;
         let [q, k, v]: [Tensor; 3] = run(QKV, &h)?.try_into().map_err(|_| Error::Internal("QKV stage must return three outputs".into()))?;
-        let mut parts = Vec::with_capacity(attn.len());
-        for a in attn {
+        let one = |a: &Attn| -> Result<Tensor> {
             let rows = |t: &Tensor| -> Result<Tensor> {
                 Ok(match (a.at, a.rows.m) == (0, t.dim(0)?) {
                     true => t.clone(),
@@ -194,13 +193,33 @@ impl Layer {
                 })
             };
             // Uncontended: a layer's attention runs for one chunk of a sequence at a time, in
-            // chunk order (the schedule's cross-chunk edge).
+            // chunk order (the schedule's cross-chunk edge), and each sequence has its own cache.
             let mut kv = a.kv.lock().unwrap_or_else(|e| e.into_inner());
-            parts.push(attend(cfg, spec, &spec.layers[l], self.qk_norm.as_ref(), &mut kv, &rows(&q)?, &rows(&k)?, &rows(&v)?, a.rows)?);
-        }
-        let a = match parts.len() {
-            1 => parts.remove(0),
-            _ => Tensor::cat(&parts, 0)?,
+            attend(cfg, spec, &spec.layers[l], self.qk_norm.as_ref(), &mut kv, &rows(&q)?, &rows(&k)?, &rows(&v)?, a.rows)
+        };
+        let a = match attn {
+            [a] => one(a)?,
+            _ => {
+                // Several sequences (batched decode): their attentions are independent, a few
+                // tens of microseconds each at a short context, each too small to split over the
+                // cores itself (`attention::split_keys`), so the sequences are spread over them
+                // instead: on one core they were a fifth of a four-stream step with the other
+                // core idle. Each sequence's arithmetic is what it is alone.
+                let parts: Vec<std::sync::Mutex<Option<Result<Tensor>>>> = attn.iter().map(|_| Default::default()).collect();
+                let helpers = rayon::current_num_threads().saturating_sub(1);
+                candle_npu::kernels::claim::for_each_chunk(attn.len(), 1, helpers, &|range| {
+                    for i in range {
+                        *parts[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(one(&attn[i]));
+                    }
+                });
+                let parts = parts
+                    .into_iter()
+                    .map(|p| {
+                        p.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| Err(Error::Internal("a sequence's attention did not run".into())))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 0)?
+            }
         };
         let mut o = run(O, &a)?.remove(0);
         if let Some((post_attn, _)) = &self.post_norms {
