@@ -3,6 +3,7 @@
 //! on the host executor.
 //! The side-by-side prefill table is `cargo run --release --example bench_prefill`.
 use candle_npu::kernels::PackedI8;
+use candle_npu_models::PrefillOptions;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 fn gemm(c: &mut Criterion) {
@@ -69,7 +70,7 @@ fn prefill(c: &mut Criterion) {
     g.sample_size(10);
     for n in [256, 1024] {
         g.throughput(Throughput::Elements(n as u64));
-        g.bench_function(format!("{n}_tokens"), |b| b.iter(|| p.model.prefill_chunked(&text[..n], 256).expect("prefill")));
+        g.bench_function(format!("{n}_tokens"), |b| b.iter(|| p.model.prefill(&text[..n], &PrefillOptions::chunked(256)).expect("prefill")));
     }
     g.finish();
 }

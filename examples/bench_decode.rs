@@ -97,7 +97,7 @@ fn bandwidth(threads: usize) -> f64 {
 /// Our decode tokens/s after `context` tokens in the cache (filled by the engine's prefill).
 fn ours(p: &mut Pipeline, context: usize, tokens: usize) -> Result<f64> {
     let prompt: Vec<u32> = (0..context as u32).map(|i| 100 + i % 1000).collect();
-    p.model.prefill(&prompt)?;
+    p.model.prefill(&prompt, &PrefillOptions::default())?;
     let mut next = 1u32;
     let t = Instant::now();
     for _ in 0..tokens {
@@ -180,7 +180,7 @@ fn model(m: &str) -> Result<(PathBuf, &'static str)> {
 fn ours_chat(p: &mut Pipeline, prompt: usize, tokens: usize) -> Result<f64> {
     let prompt: Vec<u32> = (0..prompt as u32).map(|i| 100 + i % 1000).collect();
     let t = Instant::now();
-    let mut next = candle_npu_models::logits::argmax(&p.model.prefill(&prompt)?)?;
+    let mut next = candle_npu_models::logits::argmax(&p.model.prefill(&prompt, &PrefillOptions::default())?)?;
     for _ in 0..tokens {
         next = candle_npu_models::logits::argmax(&p.model.decode(next)?)?;
     }

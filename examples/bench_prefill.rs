@@ -25,6 +25,7 @@ use candle_core::{Device, Tensor};
 use candle_npu::kernels::{Int8Kernel, PackedI8};
 use candle_npu::sched::Policy;
 use candle_npu::NpuDevice;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, CalibrationSet, LoadOptions, Pipeline, Precision, SchedOptions};
 use candle_transformers::models::quantized_llama::ModelWeights;
 
@@ -184,7 +185,7 @@ fn main() -> Result<()> {
     let tps = interleaved(labels.len(), &lens, |e, n| {
         let t = Instant::now();
         match e {
-            0 | 1 => drop(p.model.prefill_chunked(&text[..n], [256, 64][e])?),
+            0 | 1 => drop(p.model.prefill(&text[..n], &PrefillOptions::chunked([256, 64][e]))?),
             2 | 3 if n > 1024 => return Ok(None),
             2 | 3 => {
                 let m = &mut candle[e - 2].1;
@@ -209,7 +210,7 @@ fn main() -> Result<()> {
         let tps = interleaved(labels.len(), &lens, |e, n| match e {
             0 => {
                 let t = Instant::now();
-                q.model.prefill_chunked(&text[..n], 256)?;
+                q.model.prefill(&text[..n], &PrefillOptions::chunked(256))?;
                 Ok(Some(t.elapsed().as_secs_f64()))
             }
             _ => llama.as_mut().expect("a row only when running").prefill(n).map(Some),
@@ -236,7 +237,7 @@ fn main() -> Result<()> {
         let mut best: Option<(f64, std::collections::BTreeMap<String, f64>)> = None;
         for _ in 0..=REPS {
             let t = Instant::now();
-            p.model.prefill_chunked(&text[..n], 256)?;
+            p.model.prefill(&text[..n], &PrefillOptions::chunked(256))?;
             let secs = t.elapsed().as_secs_f64();
             let run = p.model.last_run().ok_or_else(|| anyhow::anyhow!("no schedule recorded"))?;
             let (dag, schedule) = &*run;

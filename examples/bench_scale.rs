@@ -32,6 +32,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_npu::{HostExecutor, HtpConfig, NpuDevice};
 use candle_npu_models::logits::argmax;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, memory, transformer, CalibrationSet, LoadOptions, Pipeline, Precision};
 use clap::Parser;
 
@@ -119,7 +120,7 @@ fn main_job(path: &Path, hot_coverage: Option<f64>, npu_weights: &str) -> Result
     profile(&mut p, is_synthetic(path), hot_coverage)?;
     let ids = prompt(&p, PROMPT)?;
     p.model.prepare_chunked(256)?;
-    let mut t = argmax(&p.model.prefill_chunked(&ids, 256)?)?;
+    let mut t = argmax(&p.model.prefill(&ids, &PrefillOptions::chunked(256))?)?;
     for _ in 0..DECODE {
         t = argmax(&p.model.decode(t)?)?;
     }
@@ -246,10 +247,10 @@ fn main() -> Result<()> {
             let mut row = [0f64; 3];
             for (j, n) in [256usize, 1024].into_iter().enumerate() {
                 let t = Instant::now();
-                p.model.prefill_chunked(&ids[..n], 256)?;
+                p.model.prefill(&ids[..n], &PrefillOptions::chunked(256))?;
                 row[j] = n as f64 / t.elapsed().as_secs_f64();
             }
-            p.model.prefill(&ids[..64])?;
+            p.model.prefill(&ids[..64], &PrefillOptions::default())?;
             let mut next = ids[64];
             let t = Instant::now();
             for _ in 0..64 {

@@ -29,6 +29,7 @@ use anyhow::{bail, Context, Result};
 use candle_npu::sched::{AnalyticCosts, CostModel, Node, Processor, Rates};
 use candle_npu::{ChunkPlan, NpuDevice, Tail};
 use candle_npu_models::{assets, prefill_dag, CalibrationSet, GenerateOptions, LoadOptions, Message, Pipeline, SpeculationStats, Speculative, Verify};
+use candle_npu_models::{PrefillOptions, PrefillRows};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -133,7 +134,7 @@ fn llama_lookup(bin: &Path, model: &Path, text: &str, tokens: usize, threads: us
 fn pass_ms(p: &mut Pipeline, k: usize) -> Result<f64> {
     p.model.clear();
     let prompt = p.encode_piece(CHAT)?;
-    p.model.forward_cpu(&prompt)?;
+    p.model.extend(&prompt, &PrefillOptions::default().all_logits().rows(PrefillRows::Cpu))?;
     let base = p.model.position();
     let rows: Vec<u32> = prompt.iter().cycle().take(k).copied().collect();
     let mut ms = vec![];

@@ -33,6 +33,7 @@ use clap::Parser;
 mod chat_section;
 #[path = "common/requantize.rs"]
 mod requantize;
+use candle_npu_models::{PrefillOptions, PrefillRows};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -249,20 +250,20 @@ enum Path {
 
 fn logits_all(p: &mut Pipeline, path: Path, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
     Ok(match path {
-        Path::Npu => p.model.prefill_all_logits_chunked(tokens, chunk_len)?,
+        Path::Npu => p.model.prefill(tokens, &PrefillOptions::chunked(chunk_len).all_logits())?,
         Path::Cpu => {
             p.model.clear();
-            p.model.forward_cpu(tokens)?
+            p.model.extend(tokens, &PrefillOptions::default().all_logits().rows(PrefillRows::Cpu))?
         }
     })
 }
 
 fn logits_last(p: &mut Pipeline, path: Path, tokens: &[u32], chunk_len: usize) -> Result<Vec<f32>> {
     let l = match path {
-        Path::Npu => p.model.prefill_chunked(tokens, chunk_len)?,
+        Path::Npu => p.model.prefill(tokens, &PrefillOptions::chunked(chunk_len))?,
         Path::Cpu => {
             p.model.clear();
-            let l = p.model.forward_cpu(tokens)?;
+            let l = p.model.extend(tokens, &PrefillOptions::default().all_logits().rows(PrefillRows::Cpu))?;
             l.get(l.dim(0)? - 1)?
         }
     };
@@ -447,7 +448,7 @@ fn decode_row(suite: &mut Suite, name: &str, p: &mut Pipeline) -> Result<DecodeR
     let mut speeds = vec![];
     for _ in 0..3 {
         p.model.clear();
-        let mut next = p.model.forward_cpu(prompt)?.get(15)?.argmax(0)?.to_scalar::<u32>()?;
+        let mut next = p.model.extend(prompt, &PrefillOptions::default().all_logits().rows(PrefillRows::Cpu))?.get(15)?.argmax(0)?.to_scalar::<u32>()?;
         let t = Instant::now();
         for _ in 0..64 {
             next = p.model.decode(next)?.argmax(0)?.to_scalar::<u32>()?;

@@ -30,6 +30,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_npu::{Contexts, Graph, HtpConfig, NpuDevice, Origin, PreparedGraph, ProfilingLevel, WeightQuant};
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, CalibrationSet, LoadOptions, Pipeline, Precision, SchedOptions};
 use clap::Parser;
 
@@ -207,7 +208,7 @@ fn measure(args: &Args, name: &str, path: &Path) -> Result<()> {
             x.model.set_profile(profile.clone())?;
             let t = Instant::now();
             x.model.prepare()?;
-            x.model.prefill(&tokens)?;
+            x.model.prefill(&tokens, &PrefillOptions::default())?;
             let s = t.elapsed().as_secs_f64();
             match htp.stats().graphs_prepared {
                 0 => format!("{s:.1}"),

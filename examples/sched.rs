@@ -37,6 +37,7 @@ use candle_npu::sched::{
     Prediction, Processor, Rates, Schedule, SubgraphDag, TableCosts, Trace, WholePlan,
 };
 use candle_npu::{ChunkPlan, NpuDevice, Tail};
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, prefill_dag, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, SchedOptions};
 use clap::Parser;
 
@@ -100,11 +101,11 @@ fn measure(p: &mut Pipeline, c: &Config, tokens: &[u32], chunk: usize, reps: usi
         ..Default::default()
     };
     p.model.set_sched(sched)?;
-    p.model.prefill_chunked(tokens, chunk)?;
+    p.model.prefill(tokens, &PrefillOptions::chunked(chunk))?;
     let mut best: Option<Run> = None;
     for _ in 0..reps {
         let t = Instant::now();
-        p.model.prefill_chunked(tokens, chunk)?;
+        p.model.prefill(tokens, &PrefillOptions::chunked(chunk))?;
         let secs = t.elapsed().as_secs_f64();
         if best.as_ref().is_none_or(|b| secs < b.secs) {
             let (dag, schedule) = p.model.last_run().map(|r| (*r).clone()).ok_or_else(|| anyhow!("prefill recorded no schedule"))?;
@@ -427,11 +428,11 @@ fn main() -> Result<()> {
                 chunks_in_flight: workers,
                 ..Default::default()
             })?;
-            p.model.prefill_chunked(&text[..n], args.chunk_len)?;
+            p.model.prefill(&text[..n], &PrefillOptions::chunked(args.chunk_len))?;
             let mut best = f64::MAX;
             for _ in 0..args.reps {
                 let t = Instant::now();
-                p.model.prefill_chunked(&text[..n], args.chunk_len)?;
+                p.model.prefill(&text[..n], &PrefillOptions::chunked(args.chunk_len))?;
                 best = best.min(t.elapsed().as_secs_f64());
             }
             line += &format!(" {workers}: {:.0};", n as f64 / best);
@@ -568,7 +569,7 @@ fn interleaved(p: &mut Pipeline, scheds: &[SchedOptions], text: &[u32], lens: &[
             p.model.set_sched(sched.clone())?;
             for (j, &n) in lens.iter().enumerate() {
                 let t = Instant::now();
-                p.model.prefill_chunked(&text[..n], args.chunk_len)?;
+                p.model.prefill(&text[..n], &PrefillOptions::chunked(args.chunk_len))?;
                 if rep > 0 {
                     secs[i][j].push(t.elapsed().as_secs_f64());
                 }

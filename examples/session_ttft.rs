@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use candle_npu::NpuDevice;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, CalibrationSet, GenerateOptions, LoadOptions, Pipeline};
 use clap::Parser;
 
@@ -70,7 +71,7 @@ fn main() -> Result<()> {
             restored.push(t.elapsed());
             // The whole conversation (both turns' tokens) prefilled from an empty cache.
             let t = Instant::now();
-            p.model.prefill(&conversation)?;
+            p.model.prefill(&conversation, &PrefillOptions::default())?;
             again.push(t.elapsed());
         }
         let (k, r, a) = (median(kept), median(restored), median(again));

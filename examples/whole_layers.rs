@@ -14,6 +14,7 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_npu::{HtpConfig, NpuDevice, Numerics, Tail};
 use candle_npu_models::logits::argmax;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use clap::{Parser, ValueEnum};
 
@@ -82,7 +83,7 @@ fn main() -> Result<()> {
     }
     let mut reference = load(&NpuDevice::host(), Precision::F32)?;
     let prompt = reference.heldout_tokens(args.tokens)?;
-    let want: Vec<f32> = reference.model.prefill_chunked(&prompt, args.chunk_len)?.to_vec1()?;
+    let want: Vec<f32> = reference.model.prefill(&prompt, &PrefillOptions::chunked(args.chunk_len))?.to_vec1()?;
     let n_layer = reference.model.config().n_layer;
     drop(reference);
     let top = |v: &[f32]| -> Result<u32> { Ok(argmax(&candle_core::Tensor::new(v, &candle_core::Device::Cpu)?)?) };
@@ -120,7 +121,7 @@ fn main() -> Result<()> {
         let plan = if whole { PrefillPlan::Layers } else { PrefillPlan::Stages };
         p.model.set_sched(SchedOptions { tail: Tail::Pad, plan, ..Default::default() })?;
         let t = Instant::now();
-        let got: Vec<f32> = p.model.prefill_chunked(&prompt, args.chunk_len)?.to_vec1()?;
+        let got: Vec<f32> = p.model.prefill(&prompt, &PrefillOptions::chunked(args.chunk_len))?.to_vec1()?;
         let secs = t.elapsed().as_secs_f64();
         let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         let diff = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));

@@ -21,6 +21,7 @@ use candle_core::{Device, Tensor};
 use candle_npu::cache::{CacheKey, GraphCache, Lookup};
 use candle_npu::{DType, Graph, NpuDevice, QuantProfile, TensorId};
 use candle_npu_models::gguf::Gguf;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, families, DecodeWeights, LoadOptions, Model, Precision, TextStream};
 use props::{scratch, set, write_gguf, Metadata, Tensors, VOCAB};
 
@@ -48,7 +49,7 @@ fn the_undamaged_tiny_model_loads_and_runs() {
     // What every case below damages: without the damage, it loads and computes finite logits.
     let dir = scratch("ok");
     let mut m = load(&write_gguf(&dir.join("m.gguf"), |_, _| {})).unwrap();
-    let logits: Vec<f32> = m.prefill_chunked(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1().unwrap();
+    let logits: Vec<f32> = m.prefill(&[1, 2, 3, 4, 5], &PrefillOptions::chunked(4)).unwrap().to_vec1().unwrap();
     assert_eq!(logits.len(), VOCAB);
     assert!(logits.iter().all(|v| v.is_finite()));
     std::fs::remove_dir_all(dir).unwrap();
@@ -68,7 +69,7 @@ fn residual_weights_for_an_unknown_linear_are_refused_with_the_names() {
         error_naming(families::load_gguf(open(), &NpuDevice::host(), with(&[&bad])), &format!("residual weights for '{bad}'"), None);
     }
     let mut m = families::load_gguf(open(), &NpuDevice::host(), with(&["attn_q", "blk.0.ffn_down"])).unwrap();
-    assert!(m.prefill_chunked(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1::<f32>().unwrap().iter().all(|v| v.is_finite()));
+    assert!(m.prefill(&[1, 2, 3, 4, 5], &PrefillOptions::chunked(4)).unwrap().to_vec1::<f32>().unwrap().iter().all(|v| v.is_finite()));
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -224,7 +225,7 @@ fn bad_quant_profiles_are_errors_that_leave_the_model_as_it_was() {
     let g = Arc::new(Gguf::open(&dir.join("m.gguf")).unwrap());
     let mut w8 = families::load_gguf(g, &NpuDevice::host(), LoadOptions { precision: Some(Precision::W8A8), ..float_opts() }).unwrap();
     w8.set_profile(good.clone()).unwrap();
-    let before: Vec<f32> = w8.prefill_chunked(&seqs[0], 16).unwrap().to_vec1().unwrap();
+    let before: Vec<f32> = w8.prefill(&seqs[0], &PrefillOptions::chunked(16)).unwrap().to_vec1().unwrap();
     type Edit = fn(&mut QuantProfile);
     let cases: Vec<(Edit, &str)> = vec![
         (|p| p.model_id = "another".into(), "calibrated for model another"),
@@ -240,7 +241,7 @@ fn bad_quant_profiles_are_errors_that_leave_the_model_as_it_was() {
         edit(&mut p);
         error_naming(w8.set_profile(p), cause, None);
         // Nothing changed: the same logits as before the failed call.
-        let after: Vec<f32> = w8.prefill_chunked(&seqs[0], 16).unwrap().to_vec1().unwrap();
+        let after: Vec<f32> = w8.prefill(&seqs[0], &PrefillOptions::chunked(16)).unwrap().to_vec1().unwrap();
         assert_eq!(after, before, "a failed set_profile ({cause}) changed the model");
     }
     // A profile file that cannot be used names itself and says what to do.

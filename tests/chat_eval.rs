@@ -10,6 +10,7 @@ mod common;
 
 use candle_npu::{NpuDevice, Numerics, Tail};
 use candle_npu_models::chat_eval::{self, Conversation};
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{CalibrationSet, DecodeWeights, KvType, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
@@ -132,7 +133,7 @@ fn a_padded_chunk_s_row_does_not_depend_on_the_real_rows_beside_it() {
     let tokens = heldout_tokens(&p, 48);
     let vocab = p.model.config().vocab;
     let row32 = |p: &mut Pipeline, n: usize| -> Vec<f32> {
-        let l: Vec<f32> = p.model.prefill_all_logits_chunked(&tokens[..n], 32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let l: Vec<f32> = p.model.prefill(&tokens[..n], &PrefillOptions::chunked(32).all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         l[32 * vocab..33 * vocab].to_vec()
     };
     let alone = row32(&mut p, 33);

@@ -15,7 +15,7 @@ use candle_npu_models::{logits, CalibrationSet, DecodeWeights, Model, Precision,
 
 /// Prefill of `tokens` then `steps` greedy tokens: what each thread computes.
 fn generate(m: &mut Model, tokens: &[u32], steps: usize) -> (Vec<u32>, Vec<f32>) {
-    let logits = m.prefill_chunked(tokens, 4).unwrap();
+    let logits = m.prefill(tokens, &PrefillOptions::chunked(4)).unwrap();
     let mut out = vec![candle_npu_models::logits::argmax(&logits).unwrap()];
     let first: Vec<f32> = logits.to_vec1().unwrap();
     while out.len() < steps {
@@ -165,7 +165,7 @@ fn child() {
     barrier(&dir.join("barrier"), peers);
     let calibrated = !profile.exists();
     p.ensure_profile(Some(&profile), set, |_, _| {}).unwrap();
-    let logits: Vec<f32> = p.model.prefill_chunked(&common::heldout_tokens(&p, 40), 32).unwrap().to_vec1().unwrap();
+    let logits: Vec<f32> = p.model.prefill(&common::heldout_tokens(&p, 40), &PrefillOptions::chunked(32)).unwrap().to_vec1().unwrap();
     let graph = match HtpConfig::default().library_path().is_file() {
         true => {
             let dev = NpuDevice::hexagon(HtpConfig { cache_dir: Some(dir.join("graphs")), ..Default::default() }).unwrap();

@@ -12,6 +12,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_npu::NpuDevice;
 use candle_npu_models::logits::argmax;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, DecodeWeights, LoadOptions, Model, Pipeline, Precision};
 use common::*;
 
@@ -41,7 +42,7 @@ fn check(model: &mut Model, mut reference: impl FnMut(&[u32], usize) -> Vec<f32>
     for &len in lens {
         let want = reference(&toks[..len], 0);
         for &chunk in chunks {
-            let got: Vec<f32> = model.prefill_chunked(&toks[..len], chunk).unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = model.prefill(&toks[..len], &PrefillOptions::chunked(chunk)).unwrap().to_vec1().unwrap();
             let err = rel_max_err(&got, &want);
             worst = worst.max(err);
             // Both F32; they differ in GEMM summation order only.
@@ -59,7 +60,7 @@ fn check(model: &mut Model, mut reference: impl FnMut(&[u32], usize) -> Vec<f32>
         want.push(t);
         logits = reference(&[t], prompt.len() + step);
     }
-    let mut got = vec![argmax(&model.prefill_chunked(prompt, 16).unwrap()).unwrap()];
+    let mut got = vec![argmax(&model.prefill(prompt, &PrefillOptions::chunked(16)).unwrap()).unwrap()];
     while got.len() < 16 {
         got.push(argmax(&model.decode(*got.last().unwrap()).unwrap()).unwrap());
     }
@@ -80,7 +81,7 @@ fn check_half(
 ) {
     for &len in lens {
         let (want, want32) = (half(&toks[..len], 0), f32_reference(&toks[..len], 0));
-        let got: Vec<f32> = model.prefill_chunked(&toks[..len], chunk).unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = model.prefill(&toks[..len], &PrefillOptions::chunked(chunk)).unwrap().to_vec1().unwrap();
         let (err, tol) = (rel_max_err(&got, &want), rel_max_err(&want32, &want));
         eprintln!("prompt {len}: relative max error vs candle-transformers in half precision {err:e} (candle F32 vs half: {tol:e})");
         // 1% slack: ours and candle's F32 differ by ~1e-6 (GEMM order), not by the half rounding.

@@ -10,6 +10,7 @@ mod common;
 use candle_npu::executor::htp_numerics::fp16_step;
 use candle_npu::{Contexts, DeviceStats, HtpConfig, NpuDevice, Numerics, QuantProfile, Tail};
 use candle_npu_models::logits::argmax;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{chat_eval, CalibrationSet, DecodeWeights, GenerateOptions, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
@@ -18,7 +19,7 @@ use common::*;
 fn logits(p: &mut candle_npu_models::Pipeline, prompt: &[u32], pad: bool) -> Vec<f32> {
     let tail = if pad { Tail::Pad } else { Tail::Margin };
     p.model.set_sched(SchedOptions { tail, ..Default::default() }).unwrap();
-    p.model.prefill_all_logits_chunked(prompt, 32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    p.model.prefill(prompt, &PrefillOptions::chunked(32).all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 fn top1(logits: &[f32], vocab: usize) -> Vec<u32> {
@@ -520,9 +521,9 @@ fn whole_layer_graphs_run_on_the_library() {
             p.model.set_sched(SchedOptions { plan: PrefillPlan::Layers, ..Default::default() }).unwrap();
         }
         let t = std::time::Instant::now();
-        let got: Vec<f32> = lib.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = lib.model.prefill(&prompt, &PrefillOptions::chunked(32)).unwrap().to_vec1().unwrap();
         let secs = t.elapsed().as_secs_f32();
-        let want: Vec<f32> = host.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = host.model.prefill(&prompt, &PrefillOptions::chunked(32)).unwrap().to_vec1().unwrap();
         let err = rel_max_err(&got, &want);
         // The HTP numerics model of the same graphs is nearer the library than the exact host.
         let mut model = load(&NpuDevice::host_with(Numerics::Htp), precision);
@@ -530,7 +531,7 @@ fn whole_layer_graphs_run_on_the_library() {
             model.model.set_profile(profile.clone()).unwrap();
         }
         model.model.set_sched(SchedOptions { plan: PrefillPlan::Layers, ..Default::default() }).unwrap();
-        let modelled: Vec<f32> = model.model.prefill_chunked(&prompt, 32).unwrap().to_vec1().unwrap();
+        let modelled: Vec<f32> = model.model.prefill(&prompt, &PrefillOptions::chunked(32)).unwrap().to_vec1().unwrap();
         let err_model = rel_max_err(&got, &modelled);
         eprintln!("{precision:?}: library against the HTP numerics model {err_model:.2e}, against the exact host {err:.2e}");
         // Op by op the model is the library's rounding (htp_conformance.rs); over a whole layer
@@ -561,7 +562,9 @@ fn whole_layer_graphs_run_on_the_library() {
         p
     };
     let prompt = heldout_tokens(&gemma(&NpuDevice::host()), 40);
-    let all = |dev: &NpuDevice| -> Vec<f32> { gemma(dev).model.prefill_all_logits_chunked(&prompt, 32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+    let all = |dev: &NpuDevice| -> Vec<f32> {
+        gemma(dev).model.prefill(&prompt, &PrefillOptions::chunked(32).all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    };
     let got = all(&htp);
     let (modelled, exact) = (all(&NpuDevice::host_with(Numerics::Htp)), all(&NpuDevice::host()));
     assert!(got.iter().all(|v| v.is_finite()), "Gemma 3: non-finite logits through the library");

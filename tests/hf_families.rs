@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_npu::NpuDevice;
 use candle_npu_models::logits::argmax;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{hf, DecodeWeights, KvType, LoadOptions, Model, Precision, PrefillPlan, SchedOptions};
 use common::*;
 use rand::{Rng, SeedableRng};
@@ -152,14 +153,14 @@ fn compare(model: &mut Model, r32: &mut dyn Reference, r16: &mut dyn Reference, 
     for &len in lens {
         let want = r32.logits(&toks[..len], 0);
         for chunk in [16usize, 32] {
-            let got: Vec<f32> = model.prefill_chunked(&toks[..len], chunk).unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = model.prefill(&toks[..len], &PrefillOptions::chunked(chunk)).unwrap().to_vec1().unwrap();
             let err = rel_max_err(&got, &want);
             // Both F32; they differ in summation order only.
             assert!(err < 1e-4, "prompt {len}, chunk {chunk}: relative max error {err}");
             assert_eq!(top1(&got), top1(&want));
         }
         let half = r16.logits(&toks[..len], 0);
-        let got: Vec<f32> = model.prefill_chunked(&toks[..len], 32).unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = model.prefill(&toks[..len], &PrefillOptions::chunked(32)).unwrap().to_vec1().unwrap();
         let (err, gap) = (rel_max_err(&got, &half), rel_max_err(&want, &half));
         eprintln!("prompt {len}: vs candle F16 {err:e} (candle's own F32 vs F16: {gap:e})");
         // The tolerance is candle's own F16 rounding, measured: ours is F32, as close to F16 as
@@ -176,7 +177,7 @@ fn compare(model: &mut Model, r32: &mut dyn Reference, r16: &mut dyn Reference, 
         want.push(top1(&logits));
         logits = r32.logits(&[*want.last().unwrap()], prompt.len() + step);
     }
-    let mut got = vec![argmax(&model.prefill_chunked(prompt, 16).unwrap()).unwrap()];
+    let mut got = vec![argmax(&model.prefill(prompt, &PrefillOptions::chunked(16)).unwrap()).unwrap()];
     while got.len() < 16 {
         got.push(argmax(&model.decode(*got.last().unwrap()).unwrap()).unwrap());
     }
@@ -221,7 +222,7 @@ fn mistral_with_a_sliding_window_matches_candle_transformers() {
     compare(&mut model, &mut r32, &mut r16, &[7, 100], 20);
     // ... and beyond it against candle's one-call forward of the whole sequence so far.
     let toks = seq(60, 9);
-    model.prefill_chunked(&toks[..50], 16).unwrap();
+    model.prefill(&toks[..50], &PrefillOptions::chunked(16)).unwrap();
     for n in 50..60 {
         let got: Vec<f32> = model.decode(toks[n]).unwrap().to_vec1().unwrap();
         let want = r32.logits(&toks[..=n], 0);
@@ -245,7 +246,7 @@ fn phi3_and_mistral_whole_layer_graphs_compute_the_four_stage_prefill() {
         let prompt = seq(40, 9);
         let mut run = |plan| -> (Vec<f32>, Vec<f32>) {
             m.set_sched(SchedOptions { plan, ..Default::default() }).unwrap();
-            let all = m.prefill_all_logits_chunked(&prompt, 16).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let all = m.prefill(&prompt, &PrefillOptions::chunked(16).all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
             (all, m.decode(prompt[0]).unwrap().to_vec1().unwrap())
         };
         let (want, want_next) = run(PrefillPlan::Stages);
@@ -272,7 +273,7 @@ fn phi3_and_mistral_prefills_run_on_the_htp_library() {
         let run = |dev: &NpuDevice| -> Vec<f32> {
             let mut m = hf::load(&dir, dev, opts.clone()).unwrap();
             m.set_profile(profile.clone()).unwrap();
-            m.prefill_all_logits(&prompt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+            m.prefill(&prompt, &PrefillOptions::default().all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
         };
         let want = run(&NpuDevice::host_with(Numerics::Htp));
         let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();
@@ -293,7 +294,7 @@ fn phi3_and_mistral_prefills_run_on_the_htp_library() {
             let mut m = hf::load(&dir, dev, opts.clone()).unwrap();
             assert_eq!((m.precision(), m.sched().plan), (Precision::W8A16Shadow, PrefillPlan::Layers), "{name}: the default on {}", dev.executor_name());
             m.set_profile(profile.clone()).unwrap();
-            m.prefill_all_logits(&prompt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+            m.prefill(&prompt, &PrefillOptions::default().all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
         };
         let want = run(&NpuDevice::host_with(Numerics::Htp));
         let htp = NpuDevice::hexagon(HtpConfig { cache_dir: None, ..Default::default() }).unwrap();

@@ -9,6 +9,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor, D};
 use candle_npu::{Calibrator, ClipMethod, NpuDevice, QuantProfile, WeightQuant};
 use candle_npu_models::logits::{argmax, mean_nll};
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, LoadOptions, Pipeline, Precision};
 use common::*;
 
@@ -41,9 +42,9 @@ fn calibrated(p: &mut Pipeline) -> QuantProfile {
 /// Perplexity and top-1 agreement of `q` against the F32 prefill on 512 held-out tokens.
 fn against_f32(q: &mut Pipeline) -> (f64, f64, f64) {
     let text = heldout_tokens(q, 512);
-    let lq = q.model.prefill_all_logits_chunked(&text, 256).unwrap();
+    let lq = q.model.prefill(&text, &PrefillOptions::chunked(256).all_logits()).unwrap();
     let mut f = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Q8_0);
-    let lr = f.model.prefill_all_logits_chunked(&text, 256).unwrap();
+    let lr = f.model.prefill(&text, &PrefillOptions::chunked(256).all_logits()).unwrap();
     let top_q = lq.argmax(D::Minus1).unwrap().to_vec1::<u32>().unwrap();
     let top_r = lr.argmax(D::Minus1).unwrap().to_vec1::<u32>().unwrap();
     let agree = top_q.iter().zip(&top_r).filter(|(a, b)| a == b).count() as f64 / top_q.len() as f64;
@@ -103,7 +104,7 @@ fn npu_graphs_are_prepared_once_and_shared_by_all_chunks() {
     // on the 256-row graphs (the host runs them on any row count).
     let plan = p.model.plan_chunked(1000, 256).unwrap();
     assert_eq!((plan.npu_sizes(), plan.chunks.len(), plan.margin_tokens(), plan.padded_tokens()), (vec![32, 256], 11, 8, 0), "{plan:?}");
-    p.model.prefill_chunked(&tokens, 256).unwrap();
+    p.model.prefill(&tokens, &PrefillOptions::chunked(256)).unwrap();
     let after = dev.stats();
     let layers = p.model.config().n_layer as u64;
     let per_chunk = layers * candle_npu_models::transformer::N_STAGES as u64;
@@ -111,7 +112,7 @@ fn npu_graphs_are_prepared_once_and_shared_by_all_chunks() {
     assert_eq!(after.executions - before.executions, per_chunk * 11, "10 chunks and the margin");
     assert_eq!(after.fallbacks, 0);
     // A second prompt of another length with the same chunk length prepares nothing new.
-    p.model.prefill_chunked(&tokens[..300], 256).unwrap();
+    p.model.prefill(&tokens[..300], &PrefillOptions::chunked(256)).unwrap();
     assert_eq!(dev.stats().graphs_prepared, after.graphs_prepared);
 }
 
@@ -134,7 +135,7 @@ fn calibration_runs_on_its_own_host_device_and_keeps_the_models_graphs() {
 /// Greedy answer (at most 16 tokens, or to a stop token) to a chat question.
 fn answer(p: &mut Pipeline, question: &str) -> String {
     let prompt = p.encode(question, true).unwrap();
-    let mut out = vec![argmax(&p.model.prefill_chunked(&prompt, 256).unwrap()).unwrap()];
+    let mut out = vec![argmax(&p.model.prefill(&prompt, &PrefillOptions::chunked(256)).unwrap()).unwrap()];
     while out.len() < 16 && !p.stop_tokens.contains(out.last().unwrap()) {
         out.push(argmax(&p.model.decode(*out.last().unwrap()).unwrap()).unwrap());
     }
@@ -181,18 +182,18 @@ fn load_err(path: &std::path::Path) -> String {
 fn bad_prompts_are_errors() {
     let dev = NpuDevice::host();
     let mut p = smollm2(&dev, Precision::F32, DecodeWeights::Q8_0);
-    let e = p.model.prefill_chunked(&[], 256).unwrap_err().to_string();
+    let e = p.model.prefill(&[], &PrefillOptions::chunked(256)).unwrap_err().to_string();
     assert!(e.contains("empty prompt"), "{e}");
     let ctx = p.model.config().context_len;
-    let e = p.model.prefill_chunked(&vec![1; ctx + 1], 256).unwrap_err().to_string();
+    let e = p.model.prefill(&vec![1; ctx + 1], &PrefillOptions::chunked(256)).unwrap_err().to_string();
     assert!(e.contains("longer than the model's context") && e.contains(&ctx.to_string()), "{e}");
-    let e = p.model.prefill_chunked(&[1, 2, 3], 0).unwrap_err().to_string();
+    let e = p.model.prefill(&[1, 2, 3], &PrefillOptions::chunked(0)).unwrap_err().to_string();
     assert!(e.contains("chunk length 0"), "{e}");
-    let e = p.model.prefill_chunked(&[1, 9_999_999], 32).unwrap_err().to_string();
+    let e = p.model.prefill(&[1, 9_999_999], &PrefillOptions::chunked(32)).unwrap_err().to_string();
     assert!(e.contains("9999999") && e.contains("vocabulary"), "{e}");
     // W8A8 without a profile says what to do.
     let mut q = smollm2(&dev, Precision::W8A8, DecodeWeights::Q8_0);
-    let e = q.model.prefill_chunked(&[1, 2], 32).unwrap_err().to_string();
+    let e = q.model.prefill(&[1, 2], &PrefillOptions::chunked(32)).unwrap_err().to_string();
     assert!(e.contains("quant profile"), "{e}");
 }
 

@@ -7,6 +7,7 @@ mod common;
 
 use candle_npu::NpuDevice;
 use candle_npu_models::logits::argmax;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{memory, CalibrationSet, DecodeWeights, Precision};
 use common::*;
 
@@ -41,7 +42,7 @@ fn smollm2_main_job_peaks_under_370_mib() {
     eprintln!("profile: {}", memory::describe());
     p.model.prepare_chunked(256).unwrap();
     eprintln!("graphs: {}", memory::describe());
-    let mut t = argmax(&p.model.prefill_chunked(&prompt, 256).unwrap()).unwrap();
+    let mut t = argmax(&p.model.prefill(&prompt, &PrefillOptions::chunked(256)).unwrap()).unwrap();
     eprintln!("prefill: {}", memory::describe());
     for _ in 0..16 {
         t = argmax(&p.model.decode(t).unwrap()).unwrap();

@@ -10,6 +10,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_npu::NpuDevice;
 use candle_npu_models::logits::argmax;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, DecodeWeights, Precision};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use common::*;
@@ -39,7 +40,7 @@ fn chunked_f32_prefill_matches_candle_transformers() {
         reference.clear_kv_cache();
         let want = ref_logits(&mut reference, &text[..len], 0);
         for chunk in [32usize, 128, 256] {
-            let got: Vec<f32> = p.model.prefill_chunked(&text[..len], chunk).unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = p.model.prefill(&text[..len], &PrefillOptions::chunked(chunk)).unwrap().to_vec1().unwrap();
             let err = rel_max_err(&got, &want);
             worst = worst.max(err);
             // Both are F32; they differ only in GEMM summation order (rten vs gemm) over 30 layers.
@@ -69,7 +70,7 @@ fn decode_after_chunked_prefill_matches_candle_greedy() {
     }
 
     // Chunk 16: three chunks, the last one padded (37 = 16 + 16 + 5).
-    let mut got = vec![argmax(&p.model.prefill_chunked(&prompt, 16).unwrap()).unwrap()];
+    let mut got = vec![argmax(&p.model.prefill(&prompt, &PrefillOptions::chunked(16)).unwrap()).unwrap()];
     while got.len() < 16 {
         got.push(argmax(&p.model.decode(*got.last().unwrap()).unwrap()).unwrap());
     }

@@ -16,6 +16,7 @@ use candle_core::{Device, Tensor};
 use candle_npu::NpuDevice;
 use candle_npu_models::logits::argmax;
 use candle_npu_models::{assets, DecodeWeights, KvType, LoadOptions, Pipeline, Precision};
+use candle_npu_models::{PrefillOptions, PrefillRows};
 use common::*;
 
 /// Build a reference in a new thread with `var` = 1 (and the other unset; `""`: neither, the
@@ -51,7 +52,7 @@ fn check(path: &Path, r32: &mut dyn FnMut(&Tensor, usize) -> candle_core::Result
     let toks = p.heldout_tokens(300).unwrap();
     for len in [37usize, 300] {
         let (want32, want16) = (logits(r32, &toks[..len]), logits(r16, &toks[..len]));
-        let got: Vec<f32> = p.model.prefill_chunked(&toks[..len], 256).unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = p.model.prefill(&toks[..len], &PrefillOptions::chunked(256)).unwrap().to_vec1().unwrap();
         let (err, gap) = (rel_max_err(&got, &want16), rel_max_err(&want32, &want16));
         eprintln!("{}: prompt {len}: vs candle F16 {err:e} (candle's own F32 vs F16: {gap:e})", path.display());
         // 1% slack: ours and candle's F32 differ by ~1e-6 (GEMM order), not by the F16 rounding.
@@ -96,7 +97,7 @@ fn checkpoint_decode_weights_match_candle_quantized_qwen2() {
     });
     let toks = p.heldout_tokens(37).unwrap();
     let want = logits(&mut |x, pos| r.forward(x, pos), &toks);
-    let l = p.model.forward_cpu(&toks).unwrap();
+    let l = p.model.extend(&toks, &PrefillOptions::default().all_logits().rows(PrefillRows::Cpu)).unwrap();
     let got: Vec<f32> = l.get(l.dim(0).unwrap() - 1).unwrap().to_vec1().unwrap();
     let err = rel_max_err(&got, &want);
     // The size of that amplification, measured on candle alone: its own logits with the prompt

@@ -7,13 +7,14 @@ mod common;
 use candle_npu::sched::{Policy, Trace};
 use candle_npu::{NpuDevice, Tail};
 use candle_npu_models::Pipeline;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{CalibrationSet, DecodeWeights, Precision, SchedOptions};
 use common::*;
 
 /// All-position logits of `toks` in chunks of 64, scheduled by `policy` (NPU queue: one thread).
 fn prefill(p: &mut Pipeline, toks: &[u32], tail: Tail, policy: Policy) -> Vec<f32> {
     p.model.set_sched(SchedOptions { policy, tail, npu_threads: Some(1), small_chunks: vec![], ..Default::default() }).unwrap();
-    p.model.prefill_all_logits_chunked(toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    p.model.prefill(toks, &PrefillOptions::chunked(64).all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
 }
 
 #[test]
@@ -77,7 +78,7 @@ fn the_default_plan_has_no_padding_and_small_graphs_keep_the_logits() {
     assert_eq!(plan_of(Policy::Fifo), (vec![64], 22, 0));
     for policy in [Policy::InOrder, Policy::Fifo] {
         p.model.set_sched(SchedOptions { policy: policy.clone(), small_chunks: vec![16], npu_threads: Some(1), ..Default::default() }).unwrap();
-        let got: Vec<f32> = p.model.prefill_all_logits_chunked(&toks, 64).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = p.model.prefill(&toks, &PrefillOptions::chunked(64).all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         let err = rel_max_err(&got, &padded);
         assert!(err < 1e-4, "{}: graphs of 64 and 16 vs padded 64: {err}", policy.name());
     }

@@ -5,6 +5,7 @@ mod common;
 
 use candle_npu::NpuDevice;
 use candle_npu_models::logits::argmax;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, GenerateOptions, KvType, LoadOptions, Message, Pipeline, Precision, StopReason};
 use common::*;
 use sha2::Digest;
@@ -29,19 +30,19 @@ fn extend_continues_a_prefill() {
     for precision in [Precision::F32, Precision::W8A8] {
         let mut p = calibrated(&host, precision);
         let toks = heldout_tokens(&p, 150);
-        let whole = p.model.prefill(&toks).unwrap().to_vec1::<f32>().unwrap();
+        let whole = p.model.prefill(&toks, &PrefillOptions::default()).unwrap().to_vec1::<f32>().unwrap();
         for cut in [1, 64, 100, 149] {
-            p.model.prefill(&toks[..cut]).unwrap();
+            p.model.prefill(&toks[..cut], &PrefillOptions::default()).unwrap();
             assert_eq!(p.model.position(), cut);
-            let got = p.model.extend(&toks[cut..]).unwrap().to_vec1::<f32>().unwrap();
+            let got = p.model.extend(&toks[cut..], &PrefillOptions::default()).unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(p.model.position(), toks.len());
             assert_eq!(got, whole, "{precision:?}, cut at {cut}");
         }
         // Beyond the context: refused, and the cache is as it was.
         let ctx = p.model.config().context_len;
-        p.model.prefill(&toks[..10]).unwrap();
+        p.model.prefill(&toks[..10], &PrefillOptions::default()).unwrap();
         let long = vec![toks[0]; ctx];
-        assert!(p.model.extend(&long).is_err());
+        assert!(p.model.extend(&long, &PrefillOptions::default()).is_err());
         assert_eq!(p.model.position(), 10);
     }
 }
@@ -68,7 +69,7 @@ fn a_session_turn_prefills_only_its_new_tokens() {
     assert!(a1.contains("Paris"), "{a1:?}");
     // The same conversation rendered and prefilled from scratch: the same answer to turn 2.
     let conversation = p.encode_chat(&s.messages()[..3], true, false).unwrap();
-    let logits = p.model.prefill(&conversation).unwrap();
+    let logits = p.model.prefill(&conversation, &PrefillOptions::default()).unwrap();
     let mut ids = vec![argmax(&logits).unwrap()];
     while ids.len() < s2.generated_tokens {
         ids.push(argmax(&p.model.decode(*ids.last().unwrap()).unwrap()).unwrap());
@@ -166,7 +167,7 @@ fn a_saved_session_restores_the_same_kv() {
 
     let refused = |p: &mut Pipeline, file: &std::path::Path, why: &str| {
         p.model.clear();
-        p.model.prefill(&saved_tokens[..5]).unwrap();
+        p.model.prefill(&saved_tokens[..5], &PrefillOptions::default()).unwrap();
         let e = p.restore_session(file).err().unwrap_or_else(|| panic!("{} accepted", file.display()));
         assert!(matches!(e, candle_npu::Error::KvState { .. } | candle_npu::Error::Io { .. }), "{e}");
         assert!(e.to_string().contains(why), "{e}");

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_npu::{ClipMethod, NpuDevice};
 use candle_npu_models::checkpoint::{Checkpoint, GgufCheckpoint};
 use candle_npu_models::gguf::Gguf;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, Precision};
 use common::*;
 
@@ -78,16 +79,16 @@ fn a_pruned_layer_runs_its_full_range_and_coverage_narrows_the_hot_set() {
     // must not keep the tight clip range (it would drop every outlier).
     p.model.set_profile(cal.finish(id.clone(), ClipMethod::MinMax)).unwrap();
     p.model.set_shadow_layers(&vec![false; n]).unwrap();
-    let want: Vec<f32> = p.model.prefill_chunked(&text, 64).unwrap().to_vec1().unwrap();
+    let want: Vec<f32> = p.model.prefill(&text, &PrefillOptions::chunked(64)).unwrap().to_vec1().unwrap();
     let tight = cal.finish(id, set.clip);
     p.model.set_profile(tight.clone()).unwrap();
     p.model.set_shadow_layers(&vec![false; n]).unwrap();
-    let got: Vec<f32> = p.model.prefill_chunked(&text, 64).unwrap().to_vec1().unwrap();
+    let got: Vec<f32> = p.model.prefill(&text, &PrefillOptions::chunked(64)).unwrap().to_vec1().unwrap();
     assert_eq!(got, want);
     // ... and switching the shadow path back on restores the tight ranges.
     let with_shadow: Vec<f32> = {
         p.model.set_shadow_layers(&vec![true; n]).unwrap();
-        p.model.prefill_chunked(&text, 64).unwrap().to_vec1().unwrap()
+        p.model.prefill(&text, &PrefillOptions::chunked(64)).unwrap().to_vec1().unwrap()
     };
     assert_ne!(with_shadow, want);
 
@@ -114,13 +115,14 @@ fn a_pruned_layer_runs_its_full_range_and_coverage_narrows_the_hot_set() {
 fn shadow_w8a16_is_closer_to_f32_than_shadow_w8a8() {
     let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Q8_0);
     let text = heldout_tokens(&f32p, 64);
-    let want: Vec<f32> = f32p.model.prefill_chunked(&text, 64).unwrap().to_vec1().unwrap();
+    let want: Vec<f32> = f32p.model.prefill(&text, &PrefillOptions::chunked(64)).unwrap().to_vec1().unwrap();
     let mut w8 = smollm2(&NpuDevice::host(), Precision::W8A8, DecodeWeights::Q8_0);
     let set = CalibrationSet { sequences: 2, seq_len: 64, ..Default::default() };
     let profile = w8.calibrate(set, |_, _| {}).unwrap();
     let mut w16 = smollm2(&NpuDevice::host(), Precision::W8A16Shadow, DecodeWeights::Q8_0);
     w16.model.set_profile(profile).unwrap();
-    let err = |p: &mut candle_npu_models::Pipeline| rel_max_err(&p.model.prefill_chunked(&text, 64).unwrap().to_vec1::<f32>().unwrap(), &want);
+    let err =
+        |p: &mut candle_npu_models::Pipeline| rel_max_err(&p.model.prefill(&text, &PrefillOptions::chunked(64)).unwrap().to_vec1::<f32>().unwrap(), &want);
     let (e8, e16) = (err(&mut w8), err(&mut w16));
     eprintln!("logits against F32, of the largest: shadow W8A8 {e8:.4}, shadow W8A16 {e16:.4}");
     assert!(e16 < e8, "shadow W8A16 {e16} is not closer to F32 than shadow W8A8 {e8}");

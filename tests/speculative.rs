@@ -7,6 +7,7 @@ mod common;
 
 use candle_npu::{NpuDevice, Numerics};
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, GenerateOptions, LoadOptions, Pipeline, Precision, Speculative, Verify};
+use candle_npu_models::{PrefillOptions, PrefillRows};
 
 /// A prompt whose answer copies it: where prompt lookup proposes.
 const PROMPT: &str = "Rewrite this function with the same names, adding a comment line above it:\n\
@@ -71,7 +72,7 @@ fn verification_rows_are_decode_steps_bit_for_bit() {
         let mut p = common::smollm2(&NpuDevice::host(), Precision::F32, dw);
         let prompt = p.encode("The quick brown fox jumps over the lazy dog and then", false).unwrap();
         let next = [1010u32, 2020, 3030, 40, 50, 60, 70];
-        p.model.forward_cpu(&prompt).unwrap();
+        p.model.extend(&prompt, &PrefillOptions::default().all_logits().rows(PrefillRows::Cpu)).unwrap();
         let one: Vec<Vec<f32>> = next.iter().map(|&t| p.model.decode(t).unwrap().to_vec1().unwrap()).collect();
         p.model.rewind(prompt.len()).unwrap();
         let many: Vec<Vec<f32>> = p.model.decode_rows(&next).unwrap().to_vec2().unwrap();
@@ -95,7 +96,7 @@ fn smollm2_npu() -> Pipeline {
     p
 }
 
-/// An NPU verifier's pass (`Model::extend_rows`, one padded chunk) gives each row what the NPU's
+/// An NPU verifier's pass (`PrefillRows::NpuOnly`, one padded chunk) gives each row what the NPU's
 /// prefill gives that token alone after the ones before it, and the rows it leaves in the KV
 /// cache are those of the NPU's prefill: so the tokens sampled from a pass are the NPU's own.
 #[test]
@@ -103,11 +104,11 @@ fn npu_verification_rows_are_the_npus_prefill_of_each_token() {
     let mut p = smollm2_npu();
     let prompt = p.encode(PROMPT, true).unwrap();
     let next = [1010u32, 2020, 3030, 40, 50, 60, 70];
-    p.model.extend(&prompt).unwrap();
-    let alone: Vec<Vec<f32>> = next.iter().map(|&t| p.model.extend(&[t]).unwrap().to_vec1().unwrap()).collect();
+    p.model.extend(&prompt, &PrefillOptions::default()).unwrap();
+    let alone: Vec<Vec<f32>> = next.iter().map(|&t| p.model.extend(&[t], &PrefillOptions::default()).unwrap().to_vec1().unwrap()).collect();
     let after_alone = p.model.decode(9).unwrap().to_vec1::<f32>().unwrap();
     p.model.rewind(prompt.len()).unwrap();
-    let pass: Vec<Vec<f32>> = p.model.extend_rows(&next).unwrap().to_vec2().unwrap();
+    let pass: Vec<Vec<f32>> = p.model.extend(&next, &PrefillOptions::default().all_logits().rows(PrefillRows::NpuOnly)).unwrap().to_vec2().unwrap();
     let vocab = pass[0].len();
     let max_diff = alone.iter().flatten().zip(pass.iter().flatten()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     let top = |rows: &[Vec<f32>]| {
@@ -122,7 +123,7 @@ fn npu_verification_rows_are_the_npus_prefill_of_each_token() {
     assert_eq!(p.model.decode(9).unwrap().to_vec1::<f32>().unwrap(), after_alone);
     // A rejected tail goes exactly: rewound past three, the fourth row is computed again.
     p.model.rewind(prompt.len() + 3).unwrap();
-    assert_eq!(p.model.extend_rows(&next[3..4]).unwrap().to_vec2::<f32>().unwrap()[0], alone[3]);
+    assert_eq!(p.model.extend(&next[3..4], &PrefillOptions::default().all_logits().rows(PrefillRows::NpuOnly)).unwrap().to_vec2::<f32>().unwrap()[0], alone[3]);
 }
 
 /// Prompt lookup verified on the NPU: passes happen, greedy copying accepts proposals, and the
@@ -143,7 +144,7 @@ fn prompt_lookup_verified_on_the_npu_takes_the_npus_tokens() {
     let tokens = s.tokens().to_vec();
     let n_prompt = stats.prompt_tokens;
     let mut r = smollm2_npu();
-    let rows = r.model.extend_rows(&tokens).unwrap();
+    let rows = r.model.extend(&tokens, &PrefillOptions::default().all_logits().rows(PrefillRows::NpuOnly)).unwrap();
     let picked: Vec<u32> = (n_prompt..tokens.len()).map(|i| candle_npu_models::logits::argmax(&rows.get(i - 1).unwrap()).unwrap()).collect();
     let same = picked.iter().zip(&tokens[n_prompt..]).filter(|(a, b)| a == b).count();
     eprintln!("NPU prefill of the conversation picks the answer's token at {same} of {} positions", picked.len());

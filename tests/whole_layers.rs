@@ -5,6 +5,7 @@
 mod common;
 
 use candle_npu::{NpuDevice, Numerics};
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{assets, CalibrationSet, DecodeWeights, KvType, LoadOptions, Pipeline, Precision, PrefillPlan, SchedOptions};
 use common::*;
 
@@ -21,7 +22,7 @@ fn load(path: &std::path::Path, precision: Precision, decode_weights: DecodeWeig
 /// The last token's logits of `tokens` in chunks of 16, with `plan`.
 fn prefill(p: &mut Pipeline, tokens: &[u32], plan: PrefillPlan) -> Vec<f32> {
     p.model.set_sched(SchedOptions { plan, ..Default::default() }).unwrap();
-    logits(p.model.prefill_chunked(tokens, 16).unwrap())
+    logits(p.model.prefill(tokens, &PrefillOptions::chunked(16)).unwrap())
 }
 
 fn logits(t: candle_core::Tensor) -> Vec<f32> {
@@ -81,7 +82,7 @@ fn w8a16_whole_layer_graphs_compute_the_four_stage_w8a16_prefill() {
     assert!(hot > 0 && p.model.hot_bytes() == 0, "hot columns: {hot} bytes with the stages, {} with whole layers", p.model.hot_bytes());
     assert_eq!(prefill(&mut p, &tokens, PrefillPlan::Stages), four, "the stages again");
     assert_eq!(p.model.hot_bytes(), hot);
-    let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill_chunked(&tokens, 16).unwrap());
+    let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill(&tokens, &PrefillOptions::chunked(16)).unwrap());
     let (e_whole, e_four, apart) = (rel_max_err(&whole, &f32), rel_max_err(&four, &f32), rel_max_err(&whole, &four));
     eprintln!("SmolLM2 W8A16 against F32, max |logit diff| / max |logit|: whole-layer graphs {e_whole:.2e}, four stages {e_four:.2e}; apart {apart:.2e}");
     assert!(e_whole <= 1.5 * e_four, "whole-layer W8A16 {e_whole:e} from F32, four-stage {e_four:e}");
@@ -109,7 +110,7 @@ fn shadow_w8a16_whole_layer_graphs_keep_the_outliers_on_the_npu() {
     assert!(hot > 0 && p.model.hot_bytes() == 0, "hot columns: {hot} bytes with the stages, {} with whole layers", p.model.hot_bytes());
     assert_eq!(prefill(&mut p, &tokens, PrefillPlan::Stages), four, "the stages again");
     assert_eq!(p.model.hot_bytes(), hot);
-    let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill_chunked(&tokens, 16).unwrap());
+    let f32 = logits(load(&assets::smollm2(), Precision::F32, DecodeWeights::Q8_0, None).model.prefill(&tokens, &PrefillOptions::chunked(16)).unwrap());
     let (e_whole, e_four) = (rel_max_err(&whole, &f32), rel_max_err(&four, &f32));
     eprintln!("SmolLM2 shadow W8A16 against F32, max |logit diff| / max |logit|: outliers through float weights in the graph {e_whole:.2e}, in float on the CPU {e_four:.2e}");
     assert!(e_whole <= 1.5 * e_four, "outliers on the NPU {e_whole:e} from F32, on the CPU {e_four:e}");
@@ -126,7 +127,9 @@ fn gemma_s_stream_stays_within_fp16_on_the_htp_numerics() {
     let mut htp = Pipeline::load(&path, None, &NpuDevice::host_with(Numerics::Htp), opts.clone()).unwrap();
     assert_eq!(htp.model.sched().plan, PrefillPlan::Layers, "the HTP's default plan");
     let tokens = heldout_tokens(&htp, 40);
-    let all = |p: &mut Pipeline| -> Vec<f32> { p.model.prefill_all_logits_chunked(&tokens, 16).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+    let all = |p: &mut Pipeline| -> Vec<f32> {
+        p.model.prefill(&tokens, &PrefillOptions::chunked(16).all_logits()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    };
     let got = all(&mut htp);
     let want = all(&mut Pipeline::load(&path, None, &NpuDevice::host(), opts).unwrap());
     assert!(got.iter().all(|v| v.is_finite()), "non-finite logits on the HTP's numerics");

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Context, Result};
 use candle_npu::NpuDevice;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{CalibrationSet, DecodeWeights, KvType, LoadOptions, Pipeline, Precision};
 use clap::Parser;
 use serde::{Deserialize, Serialize};
@@ -85,7 +86,7 @@ fn main() -> Result<()> {
     if let Some(r) = &expected {
         ensure!(prompt_tokens == r.prompt_tokens, "the prompt's tokens differ from the record's: {prompt_tokens:?} against {:?}", r.prompt_tokens);
     }
-    let mut logits = vec![p.model.prefill(&prompt_tokens)?.to_vec1::<f32>()?];
+    let mut logits = vec![p.model.prefill(&prompt_tokens, &PrefillOptions::default())?.to_vec1::<f32>()?];
     let mut tokens = Vec::with_capacity(sample_len);
     while tokens.len() < sample_len && tokens.len() < logits.len() {
         let last = logits.last().expect("the prefill's row");
@@ -131,7 +132,7 @@ fn relative_diff(a: &[f32], b: &[f32]) -> f32 {
 fn f32_logits(path: &std::path::Path, prompt: &[u32], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
     let opts = LoadOptions { precision: Some(Precision::F32), decode_weights: DecodeWeights::F32, kv: KvType::F32, ..Default::default() };
     let mut p = Pipeline::load(path, None, &NpuDevice::host(), opts)?;
-    let mut rows = vec![p.model.prefill(prompt)?.to_vec1::<f32>()?];
+    let mut rows = vec![p.model.prefill(prompt, &PrefillOptions::default())?.to_vec1::<f32>()?];
     for &t in &tokens[..tokens.len().saturating_sub(1)] {
         rows.push(p.model.decode(t)?.to_vec1::<f32>()?);
     }

@@ -17,6 +17,7 @@ use crate::chat::Message;
 use crate::generate::{penalized, GenerateOptions};
 use crate::logits::{argmax, logits_f32, mean_nll};
 use crate::pipeline::Pipeline;
+use crate::PrefillOptions;
 use candle_npu::{Error, Result};
 
 /// The eval's conversations, one JSON object a line: `{"id", "tags", "messages"}`; each ends
@@ -154,7 +155,7 @@ pub fn measure(p: &mut Pipeline, f32: &mut Pipeline, r: &Reference) -> Result<Ou
 /// model's device, decode on the CPU, tokens without text never picked (as generation does).
 fn answer(p: &mut Pipeline, prompt: &[u32]) -> Result<(Vec<f32>, Vec<u32>)> {
     p.model.clear();
-    let mut logits = p.model.prefill(prompt)?;
+    let mut logits = p.model.prefill(prompt, &PrefillOptions::default())?;
     let first = logits_f32(&logits)?;
     let greedy = GenerateOptions::default();
     let mut out = Vec::with_capacity(ANSWER_TOKENS);
@@ -173,7 +174,7 @@ fn answer(p: &mut Pipeline, prompt: &[u32]) -> Result<(Vec<f32>, Vec<u32>)> {
 /// Mean negative log-likelihood (nats/token) of `answer` after `prompt` under `p`'s prefill.
 fn surprise(p: &mut Pipeline, prompt: &[u32], answer: &[u32]) -> Result<f64> {
     let all: Vec<u32> = prompt.iter().chain(answer).copied().collect();
-    let logits = p.model.prefill_all_logits(&all)?;
+    let logits = p.model.prefill(&all, &PrefillOptions::default().all_logits())?;
     p.model.clear();
     // The rows that predict the answer, from the prompt's last token on.
     let at = prompt.len() - 1;

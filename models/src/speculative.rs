@@ -36,7 +36,7 @@
 //!
 //! [`Verify::Cpu`] (the default) runs a pass as decode steps ([`crate::Model::decode_rows`]): the
 //! output is plain decoding's, as above. [`Verify::Npu`] runs it through the NPU's stage graphs
-//! as one padded chunk ([`crate::Model::extend_rows`]): a chunk costs the same whatever rows it
+//! as one padded chunk ([`PrefillRows::NpuOnly`]): a chunk costs the same whatever rows it
 //! holds, so on a phone a pass of 16 rows costs what a pass of one does. Its rows are the
 //! NPU's W8A8 arithmetic, not the CPU decode's, so the tokens sampled from them are what the
 //! NPU's own prefill of the conversation would give (within W8A8's 1% of the float model), not

@@ -638,26 +638,10 @@ impl Model {
         self.on_own(|m, s| m.decode_sequences(&mut [(s, tokens)]))
     }
 
-    /// Run `tokens` from the current position on the CPU, as [`Model::forward_cpu`] does, and
-    /// return the logits of the last one only, `[vocab]`: a draft model catching up with a
-    /// conversation (no NPU graphs, no profile).
-    pub fn extend_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let opts = PrefillOptions { rows: PrefillRows::Cpu, ..Default::default() };
-        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
-    }
-
     /// Back to the first `position` tokens (at most the current position): the KV cache rows
     /// after it are dropped, exactly (a rejected speculation leaves no trace).
     pub fn rewind(&mut self, position: usize) -> Result<()> {
         self.seq.rewind(position)
-    }
-
-    /// Run `tokens` from the current position on the CPU (the decode weights, no NPU graphs) and
-    /// return the logits of every row, `[n, vocab]`: candle's own CPU prefill, the baseline the
-    /// NPU path is measured against ([`PrefillRows::Cpu`]).
-    pub fn forward_cpu(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let opts = PrefillOptions { rows: PrefillRows::Cpu, logits: Logits::All, ..Default::default() };
-        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
     }
 
     /// The layers on the CPU for each `(sequence, its new tokens)` of `batch` from its

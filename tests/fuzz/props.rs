@@ -31,6 +31,7 @@ use candle_npu::cache::{CacheKey, GraphCache, Lookup};
 use candle_npu::graph::TensorKind;
 use candle_npu::{DType, Graph, NpuDevice, Op, Quant, QuantProfile, StaticData, TensorData, TensorId};
 use candle_npu_models::gguf::Gguf;
+use candle_npu_models::PrefillOptions;
 use candle_npu_models::{families, DecodeWeights, GenerateOptions, LoadOptions, Model, Pipeline, Precision};
 use proptest::prelude::*;
 
@@ -179,7 +180,7 @@ pub fn gguf_case(dir: &Path, good: &[u8], edit: &(Vec<(f64, u8)>, Option<f64>), 
     let loaded = load(&path, Precision::F32);
     tally.count(loaded.is_ok());
     if let Ok(mut m) = loaded {
-        let _ = m.prefill_chunked(&[1, 2, 3], 2);
+        let _ = m.prefill(&[1, 2, 3], &PrefillOptions::chunked(2));
     }
     Ok(())
 }
@@ -228,7 +229,7 @@ pub fn profile_case(dir: &Path, good: &QuantProfile, model: &mut Model, bytes: &
     let set = QuantProfile::load(&path, model.model_id()).and_then(|p| model.set_profile(p));
     tally.count(set.is_ok());
     if set.is_ok() {
-        let logits: Vec<f32> = model.prefill_chunked(&[1, 2, 3, 4, 5], 4).unwrap().to_vec1().unwrap();
+        let logits: Vec<f32> = model.prefill(&[1, 2, 3, 4, 5], &PrefillOptions::chunked(4)).unwrap().to_vec1().unwrap();
         prop_assert!(logits.iter().all(|v| v.is_finite()), "an accepted profile gave non-finite logits");
         model.set_profile(good.clone()).unwrap();
     }
@@ -499,7 +500,7 @@ pub fn session_case(
     bad.extend_from_slice(&sum);
     std::fs::write(&path, &bad).unwrap();
     p.model.clear();
-    p.model.prefill(&[1, 5, 6]).unwrap();
+    p.model.prefill(&[1, 5, 6], &PrefillOptions::default()).unwrap();
     let restored = p.restore_session(&path);
     tally.count(restored.is_ok());
     prop_assert_eq!(p.model.position(), 3, "a restore does not touch the model");

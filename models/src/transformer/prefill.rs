@@ -29,6 +29,24 @@ pub struct PrefillOptions {
     pub rows: PrefillRows,
 }
 
+impl PrefillOptions {
+    /// In chunks of `chunk_len` rows (for measurements across chunk lengths).
+    pub fn chunked(chunk_len: usize) -> Self {
+        PrefillOptions { chunk_len: Some(chunk_len), ..Default::default() }
+    }
+
+    /// Every token's logits, `[n, vocab]` (perplexity, a verifier's rows).
+    pub fn all_logits(self) -> Self {
+        PrefillOptions { logits: Logits::All, ..self }
+    }
+
+    /// These rows on the NPU's graphs: [`PrefillRows::NpuOnly`] for a verifier on the NPU,
+    /// [`PrefillRows::Cpu`] for candle's own CPU prefill.
+    pub fn rows(self, rows: PrefillRows) -> Self {
+        PrefillOptions { rows, ..self }
+    }
+}
+
 /// Which logits a prefill returns.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Logits {
@@ -248,29 +266,19 @@ impl Model {
         Ok(())
     }
 
-    /// Prefill `tokens` (resetting the KV cache) and return the logits of the last token, `[vocab]`.
-    pub fn prefill(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        self.prefill_chunked(tokens, self.chunk_len)
-    }
-
-    /// [`Model::prefill`] in chunks of `chunk_len` rows (for measurements across chunk lengths).
-    pub fn prefill_chunked(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
+    /// Prefill `tokens` on the model's own conversation from its start (the KV cache cleared
+    /// first), and return the logits `opts` asks for ([`Model::prefill_sequence`]'s): a prompt.
+    pub fn prefill(&mut self, tokens: &[u32], opts: &PrefillOptions) -> Result<Tensor> {
         self.clear();
-        self.extend_chunked(tokens, chunk_len)
+        self.extend(tokens, opts)
     }
 
-    /// Prefill `tokens` after the tokens the KV cache holds (a conversation's next turn, or a
-    /// prompt after a restored prefix) through the same chunked NPU plan, and return the logits
-    /// of the last one, `[vocab]`. Only the new tokens are computed; they attend to everything
-    /// before them. On an error the cache is left as it was.
-    pub fn extend(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        self.extend_chunked(tokens, self.chunk_len)
-    }
-
-    /// [`Model::extend`] in chunks of `chunk_len` rows.
-    pub fn extend_chunked(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
-        let opts = PrefillOptions { chunk_len: Some(chunk_len), ..Default::default() };
-        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
+    /// Prefill `tokens` on the model's own conversation after the tokens its KV cache holds (a
+    /// conversation's next turn, a prompt after a restored prefix, a speculative verifier's
+    /// rows), and return the logits `opts` asks for. Only the new tokens are computed; they
+    /// attend to everything before them. On an error the cache is left as it was.
+    pub fn extend(&mut self, tokens: &[u32], opts: &PrefillOptions) -> Result<Tensor> {
+        self.on_own(|m, s| m.prefill_sequence(s, tokens, opts))
     }
 
     /// Runs `tokens` into `seq` after the tokens it holds (a prompt, or a conversation's next
@@ -294,29 +302,6 @@ impl Model {
         };
         let logits = self.run_prefill(seq, tokens, &plan, self.precision, all)?;
         Ok(if all { logits } else { logits.squeeze(0)? })
-    }
-
-    /// The logits of every one of `tokens` after the tokens the KV cache holds, `[n, vocab]`,
-    /// every row through the NPU's stage graphs: one chunk of [`Model::chunk_len`] rows per
-    /// `chunk_len` tokens, the last padded, no CPU margin. A speculative verifier's pass on the
-    /// NPU ([`crate::Verify::Npu`]): a chunk costs the same whatever rows it holds, and each row
-    /// is what the NPU's prefill gives that token after the ones before it. Afterwards
-    /// [`Model::rewind`] drops the rows not accepted; on an error the cache is left as it was.
-    pub fn extend_rows(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let opts = PrefillOptions { logits: Logits::All, rows: PrefillRows::NpuOnly, ..Default::default() };
-        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
-    }
-
-    /// Prefill and return the logits of every prompt position, `[len, vocab]` (for perplexity).
-    pub fn prefill_all_logits(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        self.prefill_all_logits_chunked(tokens, self.chunk_len)
-    }
-
-    /// [`Model::prefill_all_logits`] in chunks of `chunk_len` rows.
-    pub fn prefill_all_logits_chunked(&mut self, tokens: &[u32], chunk_len: usize) -> Result<Tensor> {
-        self.clear();
-        let opts = PrefillOptions { chunk_len: Some(chunk_len), logits: Logits::All, ..Default::default() };
-        self.on_own(|m, s| m.prefill_sequence(s, tokens, &opts))
     }
 
     /// The chunk plan of a prefill of `n` tokens ([`Model::plan_chunked`] at the chunk length).
