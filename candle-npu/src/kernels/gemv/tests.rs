@@ -640,26 +640,7 @@ fn neon_and_dotprod_agree_to_the_bit() {
         return;
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(27);
-    for format in [Format::Q8_0, Format::Q4_1] {
-        for k in [32, 64, 96, 128, 224, 576, 1536 + 96] {
-            let n = 13;
-            let w = format.weights(&mut rng, n, k);
-            for mixed in [false, true] {
-                let mut x = Q8Activation::quantize(&activations(&mut rng, k, mixed));
-                if let (Format::Q4_1, true) = (format, mixed) {
-                    for (qb, sum) in x.q.chunks_exact_mut(QK).zip(&mut x.sums) {
-                        qb[rng.random_range(0..QK)] = i8::MIN;
-                        *sum = qb.iter().map(|&q| q as i32).sum();
-                    }
-                }
-                let (mut neon, mut dotprod) = (vec![0.0; n], vec![0.0; n]);
-                format.gemv_on(GemvPath::Neon, &w, k, &x, 0..n, &mut neon);
-                format.gemv_on(GemvPath::Dotprod, &w, k, &x, 0..n, &mut dotprod);
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&neon), bits(&dotprod), "{format:?} K = {k}: {neon:?} {dotprod:?}");
-            }
-        }
-    }
+    q8_0_and_q4_1_agree_to_the_bit(&mut rng, GemvPath::Neon, GemvPath::Dotprod);
     // The other formats (`formats`): random bytes, -128 in the activation too.
     for format in BlockFormat::ALL {
         for k in [256usize, 768, 896, 4864].into_iter().filter(|k| k.is_multiple_of(format.block_len())) {
@@ -685,29 +666,34 @@ fn neon_and_dotprod_agree_to_the_bit() {
 fn avx2_and_avx512_agree_to_the_bit_on_q8_0_and_q4_1() {
     // `vpdpbusd` fills the i32 lanes that `vpmaddubsw` + `vpmaddwd` fill (no i16 pair saturates
     // on these operands, see `x86`), and the float work is the same, so Q8_0's and Q4_1's results
-    // are equal bit for bit, for every K (Q4_1's groups of four and every tail); Q4_1 with -128 in
+    // are equal bit for bit, for every K (Q4_1's groups of eight and every tail); Q4_1 with -128 in
     // the activation too (both take it).
     if !(GemvPath::Avx2.runs_here() && GemvPath::Avx512.runs_here()) {
         return;
     }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(28);
+    q8_0_and_q4_1_agree_to_the_bit(&mut rand::rngs::StdRng::seed_from_u64(28), GemvPath::Avx2, GemvPath::Avx512);
+}
+
+/// Q8_0 and Q4_1 on paths `a` and `b` give the same bits, for every K (Q4_1's groups of four
+/// and eight blocks and every tail), row and kind of scale; Q4_1 with -128 in the activation too.
+fn q8_0_and_q4_1_agree_to_the_bit(rng: &mut impl Rng, a: GemvPath, b: GemvPath) {
     for format in [Format::Q8_0, Format::Q4_1] {
         for k in [32, 64, 96, 128, 224, 576, 1536 + 96] {
             let n = 13;
-            let w = format.weights(&mut rng, n, k);
+            let w = format.weights(rng, n, k);
             for mixed in [false, true] {
-                let mut x = Q8Activation::quantize(&activations(&mut rng, k, mixed));
+                let mut x = Q8Activation::quantize(&activations(rng, k, mixed));
                 if let (Format::Q4_1, true) = (format, mixed) {
                     for (qb, sum) in x.q.chunks_exact_mut(QK).zip(&mut x.sums) {
                         qb[rng.random_range(0..QK)] = i8::MIN;
                         *sum = qb.iter().map(|&q| q as i32).sum();
                     }
                 }
-                let (mut avx2, mut avx512) = (vec![0.0; n], vec![0.0; n]);
-                format.gemv_on(GemvPath::Avx2, &w, k, &x, 0..n, &mut avx2);
-                format.gemv_on(GemvPath::Avx512, &w, k, &x, 0..n, &mut avx512);
+                let (mut on_a, mut on_b) = (vec![0.0; n], vec![0.0; n]);
+                format.gemv_on(a, &w, k, &x, 0..n, &mut on_a);
+                format.gemv_on(b, &w, k, &x, 0..n, &mut on_b);
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&avx2), bits(&avx512), "{format:?} K = {k}: {avx2:?} {avx512:?}");
+                assert_eq!(bits(&on_a), bits(&on_b), "{format:?} K = {k}, {a:?} and {b:?}: {on_a:?} {on_b:?}");
             }
         }
     }
