@@ -32,8 +32,8 @@
 //!   share each block's loads and unpacking ([`gemv_rows`]; see `x86` for why, and the
 //!   measurements).
 //! - [`GemvPath::Avx512`] (AVX-512 VNNI too): the same Q8_0 and Q4_1 kernels with `vpdpbusd` in
-//!   place of `vpmaddubsw` + `vpmaddwd` (the same i32 lanes, so the same bits as Avx2) and 32
-//!   vector registers (four input rows at once); faster kernels for Q4_0, Q5_0 and the K-quants.
+//!   place of `vpmaddubsw` + `vpmaddwd` (the same i32 lanes, so the same bits as Avx2); faster
+//!   kernels for Q4_0, Q5_0 and the K-quants.
 //! - [`GemvPath::Dotprod`] (aarch64 with FEAT_DotProd, every phone core since the Cortex-A55 and
 //!   A76): a block of 32 i8 x 32 i8 in two `sdot` (16 multiply-adds each, into i32: nothing
 //!   saturates, a -128 anywhere is fine), a Q4_1 block's nibbles unpacked with `and` and `ushr`
@@ -139,8 +139,7 @@ pub enum GemvPath {
     /// x86_64 with AVX-512 F, BW, VL and VNNI besides AVX2, FMA and F16C (AMD Zen 4 on, Intel
     /// Ice Lake on): `vpdpbusd` multiplies 32 bytes and sums them into i32 in one instruction
     /// (Q8_0, Q4_1, and in `formats` Q4_0, Q5_0, Q4_K and Q5_K), a block's 32 fifth bits become a
-    /// byte mask in one (Q5_0), and 32 vector registers hold four input rows' accumulators
-    /// ([`gemv_rows`]); Q6_K runs the AVX2 kernel here.
+    /// byte mask in one (Q5_0); Q6_K runs the AVX2 kernel here.
     Avx512,
     /// x86_64 with AVX2, FMA and F16C (every AVX2 CPU has F16C: Intel since Ivy Bridge, AMD
     /// since Piledriver, so asking for it loses no machine and spares a path without it).
@@ -196,12 +195,13 @@ impl GemvPath {
     }
 
     /// How many input rows [`gemv_rows`] gives one call of this path's kernel for `format`
-    /// (1: a call per row). Four Q4_1 rows keep 20 accumulators, which AVX2's 16 vector
-    /// registers cannot hold (AVX-512 VL's 32 can); Q8_0 keeps two per row.
+    /// (1: a call per row). Four on x86 (a server's batch here): a Q4_1 row keeps about five
+    /// vectors in flight, so four rows fill AVX2's 16 registers (and run faster than two pairs,
+    /// `bench_gemv`).
     pub fn rows_at_once(self, format: BlockFormat) -> usize {
         match (self, format) {
-            (GemvPath::Avx512, BlockFormat::Q8_0 | BlockFormat::Q4_1) | (GemvPath::Avx2, BlockFormat::Q8_0) => 4,
-            (GemvPath::Avx2 | GemvPath::I8mm, BlockFormat::Q4_1) | (GemvPath::I8mm, BlockFormat::Q8_0) => 2,
+            (GemvPath::Avx512 | GemvPath::Avx2, BlockFormat::Q8_0 | BlockFormat::Q4_1) => 4,
+            (GemvPath::I8mm, BlockFormat::Q8_0 | BlockFormat::Q4_1) => 2,
             _ => 1,
         }
     }

@@ -64,8 +64,7 @@ pub(super) unsafe fn gemv_q4_1_avx2<const R: usize>(w: &[u8], nb: usize, x: [&Q8
     unsafe { rows::<R>(w, nb * Q4_1_BLOCK_BYTES, x, out, |row, x| rows_dot_q4_1::<R, false>(row, nb, x)) }
 }
 
-/// [`gemv_q4_1_avx2`] with `vpdpbusd` (and AVX-512 VL's 32 vector registers, which four rows'
-/// twenty accumulators need).
+/// [`gemv_q4_1_avx2`] with `vpdpbusd` (and AVX-512 VL's 32 vector registers).
 ///
 /// # Safety
 /// As [`gemv_q4_1_avx2`], and the CPU has AVX-512 F, BW, VL and VNNI.
