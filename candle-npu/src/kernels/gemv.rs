@@ -812,36 +812,35 @@ impl BlockMatrix {
         }
         let m = x.elem_count() / k.max(1);
         let xs = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.reshape((m, k))?;
-        let total: usize = ws.iter().map(|w| w.n).sum();
-        let mut y = vec![0f32; m * total];
+        // Each matrix's outputs in a buffer of its own, written in place by the product (the
+        // tensors take them as they are: no copy of the columns out of a shared one).
+        let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.n]).collect();
         let xq: Vec<Q8Activation> = crate::kernels::rows::with_f32(&xs, |v| v.chunks_exact(k.max(1)).take(m).map(Q8Activation::quantize).collect())?;
         // Rows a chunk of weights is kept in cache for: beyond that, the next group of rows reads
         // the weights again (a prompt on the CPU path is many rows; a verifier's are a few).
         const ROWS_PER_READ: usize = 16;
-        for (group, out) in xq.chunks(ROWS_PER_READ).zip(y.chunks_mut(ROWS_PER_READ * total.max(1))) {
-            Self::product(ws, group, out);
+        for (g, group) in xq.chunks(ROWS_PER_READ).enumerate() {
+            let mut outs: Vec<&mut [f32]> = ys.iter_mut().zip(ws).map(|(y, w)| &mut y[g * ROWS_PER_READ * w.n..][..group.len() * w.n]).collect();
+            Self::product(ws, group, &mut outs);
         }
-        // Matrix j's columns of each row.
-        let mut at = 0;
         let mut shape = x.dims().to_vec();
-        ws.iter()
-            .map(|w| {
-                let cols: Vec<f32> = y.chunks_exact(total.max(1)).take(m).flat_map(|row| &row[at..at + w.n]).copied().collect();
-                at += w.n;
+        ys.into_iter()
+            .zip(ws)
+            .map(|(y, w)| {
                 *shape.last_mut().expect("checked above") = w.n;
-                Ok(Tensor::from_vec(cols, shape.as_slice(), &Device::Cpu)?.to_dtype(x.dtype())?)
+                Ok(Tensor::from_vec(y, shape.as_slice(), &Device::Cpu)?.to_dtype(x.dtype())?)
             })
             .collect()
     }
 
-    /// Quantized rows `xq` times each of `ws`: row `r`'s outputs, the matrices' one after
-    /// another, at `y[r * total..]` (`total` the matrices' rows together).
-    fn product(ws: &[&BlockMatrix], xq: &[Q8Activation], y: &mut [f32]) {
-        // Row offsets of each matrix in one row's output.
+    /// Quantized rows `xq` times each of `ws`: row `r`'s outputs of matrix `j` at
+    /// `ys[j][r * n_j..]`.
+    fn product(ws: &[&BlockMatrix], xq: &[Q8Activation], ys: &mut [&mut [f32]]) {
+        // Row offsets of each matrix in the loop's rows (the matrices' one after another).
         let starts: Vec<usize> = ws.iter().scan(0, |at, w| Some(std::mem::replace(at, *at + w.n))).collect();
-        let total = y.len() / xq.len().max(1);
+        let total: usize = ws.iter().map(|w| w.n).sum();
         let Some(k) = xq.first().map(|x| x.q.len()) else { return };
-        let out = OutPtr(y.as_mut_ptr());
+        let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
         let xs: Vec<&Q8Activation> = xq.iter().collect();
         // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB in Q8_0, ~23 KB in Q4_1:
         // microseconds, enough to amortize claiming one, small enough that a late helper leaves
@@ -858,7 +857,7 @@ impl BlockMatrix {
         super::claim::for_each_chunk(total, 64, helpers, &|rows| {
             // The chunk's rows, matrix by matrix (a chunk may cross from one matrix to the next),
             // each with every input row while its weights are in cache.
-            for (w, &s) in ws.iter().zip(&starts) {
+            for ((w, &s), out) in ws.iter().zip(&starts).zip(&outs) {
                 let (a, b) = (rows.start.max(s), rows.end.min(s + w.n));
                 if a < b {
                     // Several input rows take the weights 64 rows at a time, so that each piece is
@@ -869,8 +868,9 @@ impl BlockMatrix {
                         let p1 = (p0 + piece).min(b);
                         // SAFETY: `p0..p1` is within `rows`, which is within 0..total and goes to
                         // exactly one call (`for_each_chunk`), so the slices (of input row r's
-                        // outputs) are disjoint; `y` outlives the loop.
-                        let out_of = |r: usize| unsafe { std::slice::from_raw_parts_mut(out.get().add(r * total + p0), p1 - p0) };
+                        // outputs of this matrix, its rows `p0 - s..p1 - s`) are disjoint; `ys`
+                        // outlives the loop.
+                        let out_of = |r: usize| unsafe { std::slice::from_raw_parts_mut(out.get().add(r * w.n + p0 - s), p1 - p0) };
                         // Every input row in one call (`gemv_rows`: each weight block is read
                         // and unpacked once for several rows), each with the bits it gets alone.
                         let mut outs: Vec<&mut [f32]> = (0..xq.len()).map(out_of).collect();
