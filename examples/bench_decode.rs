@@ -42,7 +42,8 @@ struct Args {
     /// Contexts (tokens in the KV cache before decoding).
     #[arg(long, value_delimiter = ',', default_value = "64,2048")]
     contexts: Vec<usize>,
-    /// Threads of both engines.
+    /// Threads of llama.cpp and of the bandwidth probe (ours runs on every core: rayon's pool,
+    /// which `RAYON_NUM_THREADS` sizes).
     #[arg(long, default_value_t = 2)]
     threads: usize,
     /// The chat case: prompts of these lengths, then `--chat-tokens` generated, end to end.
@@ -216,7 +217,7 @@ fn main() -> Result<()> {
     let bw = bandwidth(args.threads);
     println!("Memory read bandwidth ({} threads, 512 MiB, best of 5): {bw:.1} GB/s", args.threads);
     println!(
-        "Decode tokens/s, median of {} interleaved rounds of {} tokens, {} threads{}",
+        "Decode tokens/s, median of {} interleaved rounds of {} tokens, ours on every core, llama.cpp on {} threads{}",
         args.rounds,
         args.tokens,
         args.threads,
