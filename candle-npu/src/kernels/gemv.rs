@@ -234,11 +234,7 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         return;
     };
     assert!(path.runs_here(), "gemv_q8_0: this CPU cannot run {path:?}");
-    // `contains` on bytes is a memchr: K bytes, against rows.len() * K of weights.
-    assert!(
-        path.takes_minus_128() || !x.q.contains(&i8::MIN),
-        "gemv_q8_0: the activation has a -128, which {path:?} cannot take (Q8Activation::quantize gives [-127, 127])"
-    );
+    assert_in_range("gemv_q8_0", path, x);
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
@@ -314,6 +310,16 @@ pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
         GemvPath::I8mm | GemvPath::Dotprod | GemvPath::Neon => unreachable!("GemvPath::{path:?} never runs off aarch64 (asserted above)"),
         GemvPath::Portable => gemv_q4_1_portable(w, nb, x, out),
     }
+}
+
+/// That `path`'s Q8_0 kernel takes `x`: no -128 where it cannot ([`GemvPath::takes_minus_128`];
+/// `name`: the caller's, for the message). `contains` on bytes is a memchr: K bytes, against
+/// rows.len() * K of weights.
+fn assert_in_range(name: &str, path: GemvPath, x: &Q8Activation) {
+    assert!(
+        path.takes_minus_128() || !x.q.contains(&i8::MIN),
+        "{name}: the activation has a -128, which {path:?} cannot take (Q8Activation::quantize gives [-127, 127])"
+    );
 }
 
 /// That `x`'s block sums are its values' (`name`: the caller's, for the message): K additions,

@@ -7,7 +7,7 @@ use std::ops::Range;
 use super::aarch64;
 #[cfg(target_arch = "x86_64")]
 use super::x86;
-use super::{assert_sums, checked_rows, gemv_on, BlockFormat, GemvPath, Q8Activation, BLOCK_BYTES, Q4_1_BLOCK_BYTES, QK};
+use super::{assert_in_range, assert_sums, checked_rows, gemv_on, BlockFormat, GemvPath, Q8Activation, BLOCK_BYTES, Q4_1_BLOCK_BYTES, QK};
 
 /// [`gemv`](super::gemv) of several input rows at once: `outs[i]` for `xs[i]`, each with the bits [`gemv`](super::gemv)
 /// gives that row alone. For Q8_0 and Q4_1 the rows share a kernel that reads and unpacks each
@@ -66,10 +66,7 @@ pub(super) fn rows_on(
         }
         match format {
             BlockFormat::Q4_1 => assert_sums(name, x),
-            _ => assert!(
-                path.takes_minus_128() || !x.q.contains(&i8::MIN),
-                "{name}: the activation has a -128, which {path:?} cannot take (Q8Activation::quantize gives [-127, 127])"
-            ),
+            _ => assert_in_range(name, path, x),
         }
     }
     let (mut xs, mut outs) = (xs, outs);

@@ -536,13 +536,15 @@ fn quantize_into_reuses_its_buffers() {
 /// all run) give each the bits it gets alone, Q8_0 and Q4_1, on every path (on I8mm they share
 /// every instruction, a row paired with itself when alone; on x86 a block's unpacking), with an
 /// odd number of weight rows (the last pairs with itself on I8mm), a row range off the first and
-/// block counts that leave a remainder of Q4_1's groups of four; and `BlockMatrix::forward_all`
-/// of several rows gives each the bits of a one-row call.
+/// block counts below, at and past Q4_1's groups of eight (1 to 25 blocks: whole groups, short
+/// last groups of at most four and of more); and `BlockMatrix::forward_all` of several rows
+/// gives each the bits of a one-row call.
 #[test]
 fn rows_together_are_each_rows_product_to_the_bit() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     for path in paths() {
-        for (format, (n, k)) in [BlockFormat::Q8_0, BlockFormat::Q4_1].into_iter().flat_map(|f| [(7, 96), (4, 32), (9, 160), (1, 64), (5, 224)].map(|s| (f, s)))
+        for (format, (n, k)) in
+            [BlockFormat::Q8_0, BlockFormat::Q4_1].into_iter().flat_map(|f| [(7, 96), (4, 32), (9, 160), (1, 64), (5, 224), (3, 576), (2, 800)].map(|s| (f, s)))
         {
             let w = match format {
                 BlockFormat::Q8_0 => weights(&mut rng, n, k),

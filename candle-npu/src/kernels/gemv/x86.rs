@@ -146,9 +146,9 @@ unsafe fn rows_dot_q8_0<const R: usize, const VNNI: bool>(w: *const u8, nb: usiz
 /// `vpmaddubsw` + `vpmaddwd`); the eight blocks' lanes are then summed in integers (`vphaddd`,
 /// exact) into one vector of eight block sums, so that the float work is per eight blocks, not
 /// per block: one `cvt`, one FMA by `d_w d_x` and one by `m_w` times `d_x sum_x` (the eight
-/// blocks' `d` and `m` converted once for every row). Where the single-row kernel spent three
-/// float operations and a broadcast per block and row, this spends under one, and where four
-/// rows kept twenty accumulators, each row keeps one. A last group of fewer than eight blocks
+/// blocks' `d` and `m` converted once for every row). Where a block-by-block kernel spends three
+/// float operations and a broadcast per block and row, this spends under one, and each row
+/// keeps one accumulator. A last group of fewer than eight blocks
 /// takes zeros in the missing lanes (`d`, `m` and the products zero: `acc + 0 * 0`).
 ///
 /// # Safety
@@ -156,8 +156,8 @@ unsafe fn rows_dot_q8_0<const R: usize, const VNNI: bool>(w: *const u8, nb: usiz
 #[inline(always)]
 unsafe fn rows_dot_q4_1<const R: usize, const VNNI: bool>(w: *const u8, nb: usize, x: [Act; R]) -> [f32; R] {
     // SAFETY: every read is of blocks below `nb`, in the row, and of the activations' first
-    // `nb` blocks and sums (the caller's contract), or of the stack copies below; prefetches
-    // never fault, wherever they point.
+    // `nb` blocks and sums (the caller's contract; a short last group's loads are masked);
+    // prefetches never fault, wherever they point.
     unsafe {
         let mut acc = [_mm256_setzero_ps(); R];
         for b in (0..nb - nb % 8).step_by(8) {
