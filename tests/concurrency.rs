@@ -103,7 +103,7 @@ fn one_device_and_its_models_from_several_threads() {
 
 /// Chunks of 4 rows, as `generate`'s prefill.
 fn by_4() -> PrefillOptions {
-    PrefillOptions { chunk_len: Some(4), ..Default::default() }
+    PrefillOptions::chunked(4)
 }
 
 /// [`generate`] on a conversation of its own on a shared model.

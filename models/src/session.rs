@@ -34,7 +34,7 @@ use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
 use crate::sequence::Sequence;
 use crate::speculative::{DraftState, Drafter, Proposer, SpeculationStats, Speculative, Verify};
-use crate::transformer::{Logits, Model, PrefillOptions, PrefillRows};
+use crate::transformer::{Model, PrefillOptions, PrefillRows};
 
 const MAGIC: &[u8; 8] = b"CNPU-KV\0";
 /// 3: the values in the cache's own type (`kv`: f16, half the file, or f32); 2 added a
@@ -331,7 +331,7 @@ fn answer(
         let pass = [&[next], proposal.as_slice()].concat();
         let rows = match opts.speculative.verify() {
             Verify::Cpu => p.model.decode_sequences(&mut [(&mut *seq, &pass[..])])?,
-            Verify::Npu => p.model.prefill_sequence(seq, &pass, &PrefillOptions { logits: Logits::All, rows: PrefillRows::NpuOnly, ..Default::default() })?,
+            Verify::Npu => p.model.prefill_sequence(seq, &pass, &PrefillOptions::default().all_logits().rows(PrefillRows::NpuOnly))?,
         };
         if let Some(l) = proposer.as_mut() {
             l.timed_pass(proposal.len() + 1, step.elapsed().as_secs_f64());

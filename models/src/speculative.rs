@@ -434,7 +434,7 @@ impl<'a> Drafter<'a> {
         // Its CPU path: decode steps, or candle's CPU prefill to catch up.
         let mut logits = match fed {
             [_] => model.decode_sequences(&mut [(&mut state.seq, fed)])?.squeeze(0)?,
-            _ => model.prefill_sequence(&mut state.seq, fed, &PrefillOptions { rows: PrefillRows::Cpu, ..Default::default() })?,
+            _ => model.prefill_sequence(&mut state.seq, fed, &PrefillOptions::default().rows(PrefillRows::Cpu))?,
         };
         state.held.extend_from_slice(fed);
         let mut out = Vec::with_capacity(want);
