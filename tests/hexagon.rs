@@ -214,9 +214,33 @@ fn readme_question_on_the_default_hexagon_plan() {
 /// Chinese, several turns.
 const LIBRARY_CHATS: &[&str] = &["intro-bob-tokyo", "py-fizzbuzz", "zh-ni-hao-capabilities", "riddle-keys"];
 
+/// How far apart (logits) the numerics model's top choice and the library's may be on the model
+/// where their greedy answers part. The model reproduces the library's graphs bit for bit on
+/// 99.6% of outputs and within one FP16 step on 99.96%, but over a whole prefill the rest moves
+/// logits by up to 0.77 (`docs/accuracy.md`), and the library's float arithmetic differs by
+/// machine: on 2026-12-02 the same code's four answers were the model's on CI's machine but for
+/// the example (its first token a 0.02-logit tie in F32: "Konnichiwa!" on the library,
+/// "Nice to meet you" on the model, both the tie's), and on an Intel Xeon three of the four
+/// parted, each where the model's own pick led by 0.000-0.055 (the library's by 0.05-0.17 on
+/// the library). 0.25, a third of the worst distance: a parting where the model leads by more
+/// is a numerics model that no longer predicts the library.
+const NEAR_TIE: f32 = 0.25;
+
+/// `p`'s logits for the answer token after `prompt` and `prefix`, on the path
+/// `chat_eval::measure` takes (prefill on the model's device, then each prefix token decoded).
+fn logits_after(p: &mut candle_npu_models::Pipeline, prompt: &[u32], prefix: &[u32]) -> Vec<f32> {
+    p.model.clear();
+    let mut l = p.model.prefill(prompt, &PrefillOptions::default()).unwrap();
+    for &t in prefix {
+        l = p.model.decode(t).unwrap();
+    }
+    p.model.clear();
+    l.flatten_all().unwrap().to_vec1().unwrap()
+}
+
 /// [`LIBRARY_CHATS`] through the library (`x`) and through the HTP numerics model (`m`), both
 /// on the default plan: the same 16 greedy answer tokens (decode on the CPU after either
-/// prefill), and no answer derailed (judged by the F32 prefill, `chat_eval::measure`).
+/// prefill) but where the model's choice is a near tie ([`NEAR_TIE`]), and no answer derailed (judged by the F32 prefill, `chat_eval::measure`).
 fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle_npu_models::Pipeline) {
     let all = chat_eval::conversations().unwrap();
     let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Checkpoint);
@@ -227,12 +251,20 @@ fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle
         let (on_library, on_model) = (chat_eval::measure(x, &mut f32p, &r).unwrap(), chat_eval::measure(m, &mut f32p, &r).unwrap());
         let text = x.decode_text(&on_library.answer).unwrap();
         eprintln!("{id}: library kl {:.4}, numerics model kl {:.4}: {text:?}", on_library.kl, on_model.kl);
-        assert_eq!(
-            on_library.answer,
-            on_model.answer,
-            "{id}: the library's answer {text:?} against the numerics model's {:?}",
-            m.decode_text(&on_model.answer).unwrap()
-        );
+        // Token for token the model's answer, up to where the model's own choice is a near tie
+        // the library may break the other way (below).
+        let at = on_library.answer.iter().zip(&on_model.answer).take_while(|(a, b)| a == b).count();
+        if on_library.answer != on_model.answer {
+            let (lib, own) = (on_library.answer[at] as usize, on_model.answer[at] as usize);
+            let (lm, ll) = (logits_after(m, &r.prompt, &on_model.answer[..at]), logits_after(x, &r.prompt, &on_model.answer[..at]));
+            let (gap_model, gap_library) = (lm[own] - lm[lib], ll[lib] - ll[own]);
+            eprintln!("{id}: parts from the model's answer at token {at}, the model's pick ahead by {gap_model:.3} on the model, the library's by {gap_library:.3} on the library");
+            assert!(
+                gap_model <= NEAR_TIE,
+                "{id}: the library's answer {text:?} parts from the numerics model's {:?} at token {at}, where the model leads by {gap_model:.3} logits",
+                m.decode_text(&on_model.answer).unwrap()
+            );
+        }
         assert!(on_library.derail.is_none(), "{id}: derailed ({:?}) through the library: {text:?}", on_library.derail);
     }
 }
