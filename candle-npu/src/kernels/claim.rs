@@ -14,7 +14,7 @@
 //! between loops (`Team`), so that handing a helper a product costs no system call.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Shared by the caller and its helpers for one loop.
@@ -99,6 +99,101 @@ pub fn for_each_chunk(n: usize, chunk: usize, helpers: usize, f: &(dyn Fn(Range<
     let panic = cursor.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some(payload) = panic {
         std::panic::resume_unwind(payload);
+    }
+}
+
+/// Whether helpers pay for a loop of a given size, learnt from the loops' own times.
+///
+/// Below [`Tuner::ALONE`] units of work (a product's weights times its input rows) the caller
+/// works alone, from [`Tuner::TEAM`] on with the team; in between it depends on the machine,
+/// by a factor: SmolLM2's one-stream decode, whose products but the output table are all in the
+/// band, decoded 1.18-1.21x llama.cpp's speed with them alone on a 2-core AMD EPYC, where one
+/// core reads most of the machine's bandwidth, and 1.10-1.15x with helpers (`docs/decode.md`);
+/// on a 2-core Intel Xeon it decoded 100.6-101.5 tokens/s alone, 137.6-143.5 with helpers and
+/// 137.1-145.9 with this tuner (2026-12-02, `bench_decode --streams 1`, three interleaved runs of
+/// three rounds). So in the band each size class (a power of two, and one input row
+/// or several) measures both: each way [`Tuner::WARMUP`] times first, then the faster by the
+/// mean of its recent times (ns per unit, weight 1/8 to the newest), and the other every
+/// [`Tuner::EXPLORE`]th loop, so a machine whose load changes (a busy process on the other core)
+/// turns back. Who runs a chunk never changes its values, so neither does the choice.
+pub struct Tuner {
+    classes: [Class; 2 * Tuner::BANDS],
+}
+
+/// One size class's record: per way (alone, with the team) the loops timed and their recent
+/// mean (f32 bits, ns per unit). Updated without a lock: two loops recording at once may lose
+/// one sample, which a mean of many does not miss.
+struct Class {
+    loops: AtomicU32,
+    timed: [AtomicU32; 2],
+    mean: [AtomicU32; 2],
+}
+
+impl Tuner {
+    /// Below this many units a loop runs on the caller alone (a helper's start costs about a
+    /// microsecond, a few percent of such a loop).
+    pub const ALONE: usize = 1 << 16;
+    /// From this many a loop runs with the team (alone it takes over 50 us on the cores
+    /// measured, and helpers were faster on both machines).
+    pub const TEAM: usize = 1 << 21;
+    const BANDS: usize = (Self::TEAM.trailing_zeros() - Self::ALONE.trailing_zeros()) as usize;
+    /// Times each way is measured before the faster is chosen.
+    pub const WARMUP: u32 = 8;
+    /// Every this many loops of a class take the way not chosen.
+    pub const EXPLORE: u32 = 32;
+
+    /// A tuner that has measured nothing yet.
+    pub const fn new() -> Self {
+        Tuner {
+            classes: [const { Class { loops: AtomicU32::new(0), timed: [AtomicU32::new(0), AtomicU32::new(0)], mean: [AtomicU32::new(0), AtomicU32::new(0)] } };
+                2 * Self::BANDS],
+        }
+    }
+
+    /// [`for_each_chunk`] of `n` items in chunks of `chunk` with helpers when they pay for
+    /// `units` of work; `rows` (the input rows) picks the class with `units`.
+    pub fn for_each_chunk(&self, units: usize, rows: usize, n: usize, chunk: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        let helpers = rayon::current_num_threads().saturating_sub(1);
+        let class = match units {
+            _ if helpers == 0 || units < Self::ALONE => return for_each_chunk(n, chunk, 0, f),
+            _ if units >= Self::TEAM => return for_each_chunk(n, chunk, helpers, f),
+            _ => (units.ilog2() - Self::ALONE.ilog2()) as usize + Self::BANDS * usize::from(rows > 1),
+        };
+        let team = self.choose(class);
+        let t = std::time::Instant::now();
+        for_each_chunk(n, chunk, if team { helpers } else { 0 }, f);
+        self.record(class, team, t.elapsed().as_nanos() as f32 / units as f32);
+    }
+
+    /// Whether the next loop of `class` takes the team.
+    fn choose(&self, class: usize) -> bool {
+        let c = &self.classes[class];
+        let loops = c.loops.fetch_add(1, Ordering::Relaxed);
+        let [alone, team] = [0, 1].map(|w| c.timed[w].load(Ordering::Relaxed));
+        if alone < Self::WARMUP || team < Self::WARMUP {
+            return team < alone;
+        }
+        let faster = f32::from_bits(c.mean[1].load(Ordering::Relaxed)) < f32::from_bits(c.mean[0].load(Ordering::Relaxed));
+        faster != loops.is_multiple_of(Self::EXPLORE)
+    }
+
+    /// A loop of `class` took `ns` per unit, with the team or alone.
+    fn record(&self, class: usize, team: bool, ns: f32) {
+        let c = &self.classes[class];
+        let w = usize::from(team);
+        let timed = c.timed[w].fetch_add(1, Ordering::Relaxed);
+        let mean = f32::from_bits(c.mean[w].load(Ordering::Relaxed));
+        // A loop that waited for the system (a parked helper's wake-up, a preemption) counts as
+        // at most twice the mean: such outliers would otherwise steer the choice for many loops,
+        // where a lasting change still moves the mean by an eighth a loop.
+        let mean = if timed == 0 { ns } else { mean + (ns.min(2.0 * mean) - mean) / 8.0 };
+        c.mean[w].store(mean.to_bits(), Ordering::Relaxed);
+    }
+}
+
+impl Default for Tuner {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -204,7 +299,29 @@ impl Team {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU32;
+
+    /// Fed times, the tuner measures each way first, then takes the faster with the other every
+    /// `EXPLORE`th loop, and turns when the times do (the other core taken, say).
+    #[test]
+    fn the_tuner_takes_the_faster_way_and_turns_when_it_changes() {
+        let t = Tuner::new();
+        let run = |team_ns: f32, alone_ns: f32, loops: usize| -> usize {
+            (0..loops)
+                .filter(|_| {
+                    let team = t.choose(3);
+                    t.record(3, team, if team { team_ns } else { alone_ns });
+                    team
+                })
+                .count()
+        };
+        assert_eq!(run(1.0, 2.0, 2 * Tuner::WARMUP as usize), Tuner::WARMUP as usize, "each way measured first");
+        let n = 32 * Tuner::EXPLORE as usize;
+        let with_team = run(1.0, 2.0, n);
+        assert_eq!(with_team, n - n / Tuner::EXPLORE as usize, "the team, the faster, but every EXPLORE-th loop");
+        let after = run(3.0, 2.0, n);
+        assert!(after < n / 8, "the team slower now: {after} of {n} loops still took it");
+        assert_eq!(t.classes[4].timed.each_ref().map(|c| c.load(Ordering::Relaxed)), [0, 0], "another class untouched");
+    }
 
     #[test]
     fn every_item_runs_exactly_once_whatever_the_chunking() {

@@ -850,17 +850,10 @@ impl BlockMatrix {
         let xs: Vec<&Q8Activation> = xq.iter().collect();
         // Chunks of 64 rows (64 x 576 weights of SmolLM2 are ~38 KB in Q8_0, ~23 KB in Q4_1:
         // microseconds, enough to amortize claiming one, small enough that a late helper leaves
-        // little to wait for, and in L2 for every input row of a group). Products under 2M
-        // weights (2 MB, ~50 us on one core) stay on the
-        // caller: one core reads most of the machine's bandwidth (38 of 46 GB/s here), and a
-        // helper joins a few microseconds late. SmolLM2's decode, whose products are all smaller
-        // but the output matrix, against llama.cpp in the same runs (`bench_decode`, 2 runs of 3
-        // rounds each, context 64): 1.18-1.21x with this limit, 1.10-1.15x with helpers for
-        // every product of 64K weights or more (and 0.84-0.91x of that beside a busy process,
-        // against 0.93-1.02x), 1.00-1.12x from 1M.
-        let limit = if xq.len() > 1 { 1 << 19 } else { 1 << 21 };
-        let helpers = if total * k * xq.len() >= limit { rayon::current_num_threads().saturating_sub(1) } else { 0 };
-        super::claim::for_each_chunk(total, 64, helpers, &|rows| {
+        // little to wait for, and in L2 for every input row of a group). Whether helpers join a
+        // product of SmolLM2's sizes depends on the machine (`claim::Tuner`), so it is measured.
+        static SPLIT: super::claim::Tuner = super::claim::Tuner::new();
+        SPLIT.for_each_chunk(total * k * xq.len(), xq.len(), total, 64, &|rows| {
             // The chunk's rows, matrix by matrix (a chunk may cross from one matrix to the next),
             // each with every input row while its weights are in cache.
             for ((w, &s), out) in ws.iter().zip(&starts).zip(&outs) {
