@@ -210,7 +210,10 @@ fn options(s: &Sampling, prompt: usize, context: usize) -> std::result::Result<G
     if s.temperature.is_some_and(|t| !(0.0..=2.0).contains(&t)) {
         return Err(format!("temperature {:?}: between 0 and 2", s.temperature));
     }
-    let opts = GenerateOptions { sample_len, temperature: s.temperature, top_p: s.top_p, seed: s.seed.unwrap_or(299792458), ..Default::default() };
+    // A request without a seed samples with a fresh one (as OpenAI's API does): a fixed default
+    // gave every unseeded request at the same prompt and temperature the same answer.
+    let seed = s.seed.unwrap_or_else(rand::random);
+    let opts = GenerateOptions { sample_len, temperature: s.temperature, top_p: s.top_p, seed, ..Default::default() };
     opts.validate().map_err(|e| e.to_string())?;
     Ok(opts)
 }

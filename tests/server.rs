@@ -86,6 +86,22 @@ fn the_openai_client_and_curl_against_the_server() {
     assert!(code == 400 && body.contains("max_tokens"), "max_tokens beyond the context: {code} {body}");
     let (code, body) = server.post("/v1/chat/completions", r#"{"messages": [{"role": "robot", "content": "Hi"}]}"#);
     assert!(code == 400 && body.contains("role"), "an unknown role: {code} {body}");
+
+    // Sampled: a seed gives its answer again; without one, each request draws its own (three
+    // 24-token stories at temperature 1 all alike would be a fixed seed).
+    let sampled = |seed: Option<u64>| {
+        let mut body = serde_json::json!({"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24, "temperature": 1.0});
+        if let Some(seed) = seed {
+            body["seed"] = seed.into();
+        }
+        let (code, body) = server.post("/v1/chat/completions", &body.to_string());
+        assert_eq!(code, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["choices"][0]["message"]["content"].as_str().expect("an answer").to_string()
+    };
+    assert_eq!(sampled(Some(5)), sampled(Some(5)), "the same seed");
+    let unseeded: std::collections::HashSet<String> = (0..3).map(|_| sampled(None)).collect();
+    assert!(unseeded.len() > 1, "three unseeded requests answered alike: {unseeded:?}");
 }
 
 #[test]
