@@ -101,14 +101,15 @@ fn main() -> Result<()> {
 }
 
 /// Batched decode's kernel: ns per input row and weight row for 1, 2 and 4 input rows at once,
-/// 64 weight rows of K = 576 in L2 (best of `rounds`).
+/// 64 weight rows of K = 576 (the K-quants: 512) in L2 (best of `rounds`).
 fn rows_at_once(paths: &[GemvPath], rounds: usize, random: &mut impl FnMut() -> f32) -> Result<()> {
-    let (n, k, repeats) = (64, 576, 2000);
-    println!("\nBatched rows (`gemv_rows`): {n} x {k} weights in L2, {repeats} products per round, best of {rounds} rounds; ns per input row and weight row\n");
+    let (n, repeats) = (64, 2000);
+    println!("\nBatched rows (`gemv_rows`): {n} x 576 weights in L2 (the K-quants: {n} x 512), {repeats} products per round, best of {rounds} rounds; ns per input row and weight row\n");
     let cols: Vec<String> = paths.iter().flat_map(|p| [1, 2, 4].map(|m| format!("{p:?} x{m}"))).collect();
     println!("| format | {} |", cols.join(" | "));
     println!("|---|{}", "---|".repeat(cols.len()));
-    for format in [BlockFormat::Q8_0, BlockFormat::Q4_1] {
+    for format in [BlockFormat::Q8_0, BlockFormat::Q4_1, BlockFormat::Q4_0, BlockFormat::Q5_0, BlockFormat::Q4K, BlockFormat::Q6K] {
+        let k = if format.block_len() == 256 { 512 } else { 576 };
         let w = Tensor::from_vec((0..n * k).map(|_| random()).collect::<Vec<f32>>(), (n, k), &Device::Cpu)?;
         let bytes = QTensor::quantize(&w, format.dtype())?.data()?.into_owned();
         let xs: Vec<Q8Activation> = (0..4).map(|_| Q8Activation::quantize(&(0..k).map(|_| random()).collect::<Vec<f32>>())).collect();
