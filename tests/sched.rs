@@ -35,6 +35,15 @@ fn every_policy_is_bit_identical_to_in_order() {
         let trace = Trace::from_schedule(dag, schedule).to_json();
         assert_eq!(trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["ph"] == "X").count(), dag.len(), "{name}: one slice per node");
     }
+    // Another conversation's prefill (one chunk) records its schedule in its own sequence and
+    // leaves the model's own conversation's (five chunks) as it was.
+    let chunks =
+        |run: &std::sync::Arc<(candle_npu::sched::SubgraphDag, candle_npu::sched::Schedule)>| run.0.nodes().iter().map(|n| n.chunk + 1).max().unwrap_or(0);
+    let own = p.model.last_run().unwrap();
+    let mut other = p.model.sequence();
+    p.model.prefill_sequence(&mut other, &toks[..40], &PrefillOptions::chunked(64)).unwrap();
+    assert_eq!((chunks(&own), chunks(&other.last_run().unwrap())), (5, 1), "chunks of each conversation's last prefill");
+    assert!(std::sync::Arc::ptr_eq(&own, &p.model.last_run().unwrap()), "the model's own conversation's schedule was replaced");
 }
 
 #[test]

@@ -7,7 +7,9 @@
 //! A sequence is only meaningful with the model that made it ([`Model::sequence`]): its caches
 //! have that model's layers and KV type, and its rows that model's arithmetic.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+use candle_npu::sched::{Schedule, SubgraphDag};
 
 use candle_npu::{Error, Result};
 
@@ -21,17 +23,25 @@ pub struct Sequence {
     /// can each append to a layer's cache (uncontended: the schedule orders them).
     pub(crate) kv: Vec<Mutex<KvCache>>,
     pub(crate) pos: usize,
+    /// This sequence's last prefill's DAG and schedule ([`Sequence::last_run`]).
+    pub(crate) last_run: Option<Arc<(SubgraphDag, Schedule)>>,
 }
 
 impl Sequence {
     /// An empty sequence of `layers` caches holding keys and values as `kv`.
     pub(crate) fn new(layers: usize, kv: KvType) -> Self {
-        Sequence { kv: (0..layers).map(|_| Mutex::new(KvCache::new(kv))).collect(), pos: 0 }
+        Sequence { kv: (0..layers).map(|_| Mutex::new(KvCache::new(kv))).collect(), pos: 0, last_run: None }
     }
 
     /// The number of tokens the caches hold: where the next token goes.
     pub fn position(&self) -> usize {
         self.pos
+    }
+
+    /// This sequence's last prefill's DAG and schedule (what ran where and when): for traces and
+    /// bubble rates. Each sequence its own, whatever other conversations prefilled since.
+    pub fn last_run(&self) -> Option<Arc<(SubgraphDag, Schedule)>> {
+        self.last_run.clone()
     }
 
     /// How the caches hold keys and values.
@@ -77,7 +87,11 @@ impl Sequence {
 /// A copy of the conversation (a [`crate::Session`] forked), its caches copied.
 impl Clone for Sequence {
     fn clone(&self) -> Self {
-        Sequence { kv: self.kv.iter().map(|kv| Mutex::new(kv.lock().unwrap_or_else(|e| e.into_inner()).clone())).collect(), pos: self.pos }
+        Sequence {
+            kv: self.kv.iter().map(|kv| Mutex::new(kv.lock().unwrap_or_else(|e| e.into_inner()).clone())).collect(),
+            pos: self.pos,
+            last_run: self.last_run.clone(),
+        }
     }
 }
 

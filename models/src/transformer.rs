@@ -347,7 +347,6 @@ pub struct Model {
     /// One-thread pool the NPU stages run in when [`SchedOptions::npu_threads`] is set.
     npu_pool: Mutex<Option<(usize, Arc<rayon::ThreadPool>)>>,
     /// The last prefill's DAG and what ran when.
-    last_run: Mutex<Option<Arc<(SubgraphDag, Schedule)>>>,
     progress: Mutex<Option<Progress>>,
     /// CPU time of the shadow path (outlier extraction and the float product) since the last
     /// [`Model::take_shadow_time`].
@@ -510,7 +509,6 @@ impl Model {
             seq: Sequence::new(n, opts.kv),
             sched,
             npu_pool: Mutex::new(None),
-            last_run: Mutex::new(None),
             progress: Mutex::new(None),
         })
     }

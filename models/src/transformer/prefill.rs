@@ -475,7 +475,7 @@ impl Model {
         }
         let schedule = runner.schedule();
         drop(runner);
-        *self.last_run.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new((dag, schedule)));
+        seq.last_run = Some(Arc::new((dag, schedule)));
         seq.pos += tokens.len();
         let rows: Vec<Tensor> = out_rows.into_iter().filter(|r| r.dim(0).is_ok_and(|n| n > 0)).collect();
         self.logits(&Tensor::cat(&rows, 0)?)
@@ -642,9 +642,10 @@ impl Model {
         &self.sched
     }
 
-    /// The last prefill's DAG and schedule (what ran where and when): for traces and bubble rates.
+    /// The model's own conversation's last prefill's DAG and schedule (what ran where and when):
+    /// for traces and bubble rates ([`Sequence::last_run`] of another conversation's).
     pub fn last_run(&self) -> Option<Arc<(SubgraphDag, Schedule)>> {
-        self.last_run.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.seq.last_run()
     }
 
     /// The graphs a CPU margin runs its linears on, on any row count
