@@ -115,7 +115,10 @@ pub fn for_each_chunk(n: usize, chunk: usize, helpers: usize, f: &(dyn Fn(Range<
 /// or several) measures both: each way [`Tuner::WARMUP`] times first, then the faster by the
 /// mean of its recent times (ns per unit, weight 1/8 to the newest), and the other every
 /// [`Tuner::EXPLORE`]th loop, so a machine whose load changes (a busy process on the other core)
-/// turns back. Who runs a chunk never changes its values, so neither does the choice.
+/// turns back. Who runs a chunk never changes its values, so neither does the choice. What it
+/// does not see: beside a busy process, a helper kept awake costs the caller time slices outside
+/// the products (the Xeon's one stream 77-80 tokens/s there, 83-88 never asking helpers;
+/// `docs/decode.md`).
 pub struct Tuner {
     classes: [Class; 2 * Tuner::BANDS],
 }
