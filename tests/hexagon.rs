@@ -240,7 +240,8 @@ fn logits_after(p: &mut candle_npu_models::Pipeline, prompt: &[u32], prefix: &[u
 
 /// [`LIBRARY_CHATS`] through the library (`x`) and through the HTP numerics model (`m`), both
 /// on the default plan: the same 16 greedy answer tokens (decode on the CPU after either
-/// prefill) but where the model's choice is a near tie ([`NEAR_TIE`]), and no answer derailed (judged by the F32 prefill, `chat_eval::measure`).
+/// prefill) up to a near tie of the model's own ([`NEAR_TIE`]), and no answer derailed (judged
+/// by the F32 prefill, `chat_eval::measure`).
 fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle_npu_models::Pipeline) {
     let all = chat_eval::conversations().unwrap();
     let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Checkpoint);
@@ -255,10 +256,12 @@ fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle
         // the library may break the other way (below).
         let at = on_library.answer.iter().zip(&on_model.answer).take_while(|(a, b)| a == b).count();
         if on_library.answer != on_model.answer {
+            // On the model only: the library's gap (0.05-0.17 when measured, `NEAR_TIE`) would
+            // cost the emulator another prefill, for a figure no assertion reads.
             let (lib, own) = (on_library.answer[at] as usize, on_model.answer[at] as usize);
-            let (lm, ll) = (logits_after(m, &r.prompt, &on_model.answer[..at]), logits_after(x, &r.prompt, &on_model.answer[..at]));
-            let (gap_model, gap_library) = (lm[own] - lm[lib], ll[lib] - ll[own]);
-            eprintln!("{id}: parts from the model's answer at token {at}, the model's pick ahead by {gap_model:.3} on the model, the library's by {gap_library:.3} on the library");
+            let lm = logits_after(m, &r.prompt, &on_model.answer[..at]);
+            let gap_model = lm[own] - lm[lib];
+            eprintln!("{id}: parts from the model's answer at token {at}, where the model's pick leads by {gap_model:.3}");
             assert!(
                 gap_model <= NEAR_TIE,
                 "{id}: the library's answer {text:?} parts from the numerics model's {:?} at token {at}, where the model leads by {gap_model:.3} logits",
