@@ -346,7 +346,7 @@ pub struct Model {
     chunk_len: usize,
     /// One-thread pool the NPU stages run in when [`SchedOptions::npu_threads`] is set.
     npu_pool: Mutex<Option<(usize, Arc<rayon::ThreadPool>)>>,
-    /// The last prefill's DAG and what ran when.
+    /// Told of each (chunk, layer) a prefill finishes ([`Model::set_progress`]).
     progress: Mutex<Option<Progress>>,
     /// CPU time of the shadow path (outlier extraction and the float product) since the last
     /// [`Model::take_shadow_time`].

@@ -132,6 +132,12 @@ struct Class {
     mean: [AtomicU32; 2],
 }
 
+impl Class {
+    const fn new() -> Self {
+        Class { loops: AtomicU32::new(0), timed: [const { AtomicU32::new(0) }; 2], mean: [const { AtomicU32::new(0) }; 2] }
+    }
+}
+
 impl Tuner {
     /// Below this many units a loop runs on the caller alone (a helper's start costs about a
     /// microsecond, a few percent of such a loop).
@@ -147,10 +153,7 @@ impl Tuner {
 
     /// A tuner that has measured nothing yet.
     pub const fn new() -> Self {
-        Tuner {
-            classes: [const { Class { loops: AtomicU32::new(0), timed: [AtomicU32::new(0), AtomicU32::new(0)], mean: [AtomicU32::new(0), AtomicU32::new(0)] } };
-                2 * Self::BANDS],
-        }
+        Tuner { classes: [const { Class::new() }; 2 * Self::BANDS] }
     }
 
     /// [`for_each_chunk`] of `n` items in chunks of `chunk` with helpers when they pay for
