@@ -204,47 +204,31 @@ fn readme_question_on_the_default_hexagon_plan() {
     let mut x = smollm2(&htp, Precision::W8A8, DecodeWeights::Q8_0);
     assert_eq!(x.model.sched().plan, PrefillPlan::Stages, "W8A8 runs llm.npu's stages");
     x.model.set_profile(profile.clone()).unwrap();
+    x.model.set_chunk_len(32).unwrap();
     let prompt = x.encode(question, true).unwrap();
-    let split = greedy(&mut x, &prompt, 8);
+    let (_, split) = chat_eval::answer(&mut x, &prompt).unwrap();
     let contexts = std::fs::read_dir(&cache).unwrap().count();
     std::fs::remove_dir_all(&cache).unwrap();
     assert_eq!(htp.stats().fallbacks, 0);
     assert!(contexts >= 3, "{contexts} context binaries");
     m = smollm2(&model_dev, Precision::W8A8, DecodeWeights::Q8_0);
     m.model.set_profile(profile).unwrap();
-    m.model.set_chunk_len(32).unwrap(); // `logits_after`'s chunks, as `greedy`'s
-    let own = greedy(&mut m, &prompt, 8);
+    m.model.set_chunk_len(32).unwrap();
+    let (_, own) = chat_eval::answer(&mut m, &prompt).unwrap();
     let text = x.decode_text(&split).unwrap();
     eprintln!("hexagon, W8A8 stages in {contexts} contexts: {text:?}; the numerics model's: {:?}", m.decode_text(&own).unwrap());
     follows_the_model("W8A8 stages", &split, &own, &mut m, &prompt);
-}
-
-/// `n` greedy tokens after `prompt` on `p` from an empty cache, in chunks of 32 rows: the
-/// prefill on the model's device, then decode on the CPU (what `answer` runs, as tokens).
-fn greedy(p: &mut candle_npu_models::Pipeline, prompt: &[u32], n: usize) -> Vec<u32> {
-    p.model.clear();
-    let mut logits = p.model.prefill(prompt, &PrefillOptions::chunked(32)).unwrap();
-    let mut out = Vec::with_capacity(n);
-    loop {
-        let t = argmax(&logits.flatten_all().unwrap()).unwrap();
-        out.push(t);
-        if out.len() == n {
-            break;
-        }
-        logits = p.model.decode(t).unwrap();
-    }
-    p.model.clear();
-    out
 }
 
 /// Asserts the library's answer `lib` is the numerics model's (`own`, on `m`) token for token,
 /// up to where the model's own pick is a near tie ([`NEAR_TIE`]) the library may break the
 /// other way; after that the two are different conversations and nothing more is compared.
 fn follows_the_model(what: &str, lib: &[u32], own: &[u32], m: &mut candle_npu_models::Pipeline, prompt: &[u32]) {
-    let at = lib.iter().zip(own).take_while(|(a, b)| a == b).count();
-    if at == lib.len().min(own.len()) {
+    if lib == own {
         return;
     }
+    let at = lib.iter().zip(own).take_while(|(a, b)| a == b).count();
+    assert!(at < lib.len().min(own.len()), "{what}: one answer stops where the other goes on: {lib:?} / {own:?}");
     // On the model only: the library's gap (0.05-0.17 when measured, `NEAR_TIE`) would cost
     // the emulator another prefill, for a figure no assertion reads.
     let lm = logits_after(m, prompt, &own[..at]);
@@ -266,8 +250,8 @@ fn follows_the_model(what: &str, lib: &[u32], own: &[u32], m: &mut candle_npu_mo
 const LIBRARY_CHATS: &[&str] = &["intro-bob-tokyo", "py-fizzbuzz", "zh-ni-hao-capabilities", "riddle-keys"];
 
 /// How far apart (logits) the numerics model's top choice and the library's may be on the model
-/// where their greedy answers part (the chats, and the README question on W8A8 stages). The model reproduces the library's graphs bit for bit on
-/// 99.6% of outputs and within one FP16 step on 99.96%, but over a whole prefill the rest moves
+/// where their greedy answers part (the chats, and the README question on W8A8 stages). The
+/// model reproduces the library's graphs bit for bit on 99.6% of outputs and within one FP16 step on 99.96%, but over a whole prefill the rest moves
 /// logits by up to 0.77 (`docs/accuracy.md`), and the library's float arithmetic differs by
 /// machine: on 2026-12-02 the same code's four answers were the model's on CI's machine but for
 /// the example (its first token a 0.02-logit tie in F32: "Konnichiwa!" on the library,

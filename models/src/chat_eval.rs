@@ -151,9 +151,10 @@ pub fn measure(p: &mut Pipeline, f32: &mut Pipeline, r: &Reference) -> Result<Ou
     Ok(Outcome { kl, agree, same, excess_nats, derail, answer })
 }
 
-/// The first answer token's logits and the greedy answer of `p` to `prompt`: prefill on the
-/// model's device, decode on the CPU, tokens without text never picked (as generation does).
-fn answer(p: &mut Pipeline, prompt: &[u32]) -> Result<(Vec<f32>, Vec<u32>)> {
+/// The first answer token's logits and the greedy answer of `p` to `prompt` (up to
+/// [`ANSWER_TOKENS`], ending at a stop token): prefill on the model's device in its chunk length,
+/// decode on the CPU, tokens without text never picked (as generation does).
+pub fn answer(p: &mut Pipeline, prompt: &[u32]) -> Result<(Vec<f32>, Vec<u32>)> {
     p.model.clear();
     let mut logits = p.model.prefill(prompt, &PrefillOptions::default())?;
     let first = logits_f32(&logits)?;
