@@ -123,7 +123,7 @@ pub fn reference(f32: &mut Pipeline, conv: &Conversation) -> Result<Reference> {
 pub fn measure(p: &mut Pipeline, f32: &mut Pipeline, r: &Reference) -> Result<Outcome> {
     let (first, answer) = self::answer(p, &r.prompt)?;
     let lq = log_softmax(&first);
-    let kl = r.first.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).filter(|v| v.is_finite()).sum::<f64>();
+    let kl = kl_of(&r.first, &lq);
     let agree = r.answer.iter().zip(&answer).take_while(|(a, b)| a == b).count();
     let same = answer == r.answer;
     let (excess_nats, derail) = match same {
@@ -180,6 +180,16 @@ fn surprise(p: &mut Pipeline, prompt: &[u32], answer: &[u32]) -> Result<f64> {
     // The rows that predict the answer, from the prompt's last token on.
     let at = prompt.len() - 1;
     mean_nll(&logits.narrow(0, at, answer.len())?, &all[at..])
+}
+
+/// KL(p || q), nats, of the distributions two logit rows give.
+pub fn kl(p: &[f32], q: &[f32]) -> f64 {
+    kl_of(&log_softmax(p), &log_softmax(q))
+}
+
+/// KL(p || q) from log-probabilities; tokens one side rules out (masked) count nothing.
+fn kl_of(lp: &[f64], lq: &[f64]) -> f64 {
+    lp.iter().zip(lq).map(|(a, b)| a.exp() * (a - b)).filter(|v| v.is_finite()).sum()
 }
 
 fn log_softmax(v: &[f32]) -> Vec<f64> {
