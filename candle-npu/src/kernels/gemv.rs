@@ -24,10 +24,11 @@
 //!
 //! Paths, chosen once per process ([`GemvPath::detect`]; tests run every path this machine has):
 //! - [`GemvPath::Avx2`] (x86_64 with AVX2, FMA and F16C): a Q8_0 block of 32 i8 x 32 i8 in four
-//!   instructions with ggml's sign trick (`vpsignb` twice, `vpmaddubsw`, `vpmaddwd` by ones), a
-//!   Q4_1 block's nibbles unpacked into 32 bytes (a broadcast load, a shift of its upper half and
-//!   a mask) and then `vpmaddubsw` directly (the nibbles are the unsigned operand), eight
-//!   blocks' products summed in integers before any float work; the rows one after another so
+//!   instructions with ggml's sign trick (`vpsignb` twice, `vpmaddubsw`, `vpmaddwd` by ones);
+//!   Q4_1 eight blocks at a time, their nibbles unpacked and transposed into the layout the
+//!   activation keeps for it ([`Q8Activation`]'s groups), then `vpmaddubsw` directly (the
+//!   nibbles are the unsigned operand), so that the eight blocks' integer sums come out in eight
+//!   lanes before any float work; the rows one after another so
 //!   that the weights are one sequential stream, prefetched 8 KiB ahead; several input rows
 //!   share each block's loads and unpacking ([`gemv_rows`]; see `x86` for why, and the
 //!   measurements).
@@ -74,15 +75,24 @@ pub const Q4_1_BLOCK_BYTES: usize = 20;
 /// -(-128) wraps; both add two byte products in an i16, which two (-128) * (-128) overflow), and
 /// asserts it there; Dotprod and Portable take any i8. Build the fields by hand only with that
 /// range, or the same call panics on one CPU and not on another. [`gemv_q4_1`] takes any i8 but
-/// needs `sums` to be the blocks' sums, and asserts that.
+/// needs `sums` to be the blocks' sums, and asserts that. Built by hand, it is built by
+/// [`Q8Activation::from_parts`], which derives the values' second layout.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Q8Activation {
     /// One per block of 32 values (`q.len() / 32`).
     pub scales: Vec<f32>,
-    /// The quantized values, in [-127, 127].
+    /// The quantized values, in [-127, 127]. Changed in place, they no longer match their second
+    /// layout (`groups`): build the activation again ([`Q8Activation::from_parts`]).
     pub q: Vec<i8>,
     /// One per block: the sum of its 32 `q` (exact: at most 32 * 128 in magnitude).
     pub sums: Vec<i32>,
+    /// `q` again, for the x86 Q4_1 kernels: eight blocks in 256 bytes, as eight vectors of 32
+    /// whose lane i (4 bytes) is block i's values `4t..4t + 4` in vector t, zeros past the last
+    /// block. One `vpdpbusd` then takes four values of each of eight blocks, and eight of them
+    /// leave the blocks' sums in eight lanes: no horizontal sums per block and row (which were
+    /// most of a batched row's work). Written with `q`, once per token, and read by every
+    /// weight row.
+    groups: Vec<i8>,
 }
 
 impl Q8Activation {
@@ -115,6 +125,27 @@ impl Q8Activation {
         self.quantize_blocks(x)
     }
 
+    /// An activation from its parts (`q` and `scales` block for block, `sums` as [`Q8Activation`]
+    /// says), with the kernels' second layout of `q` derived.
+    pub fn from_parts(scales: Vec<f32>, q: Vec<i8>, sums: Vec<i32>) -> Self {
+        let mut a = Q8Activation { scales, q, sums, groups: Vec::new() };
+        a.group();
+        a
+    }
+
+    /// Fills `groups` from `q` (see the field).
+    fn group(&mut self) {
+        let nb = self.q.len() / QK;
+        self.groups.clear();
+        self.groups.resize(nb.div_ceil(8) * 256, 0);
+        for (b, qb) in self.q.chunks_exact(QK).enumerate() {
+            let at = 256 * (b / 8) + 4 * (b % 8);
+            for (t, four) in qb.chunks_exact(4).enumerate() {
+                self.groups[at + 32 * t..at + 32 * t + 4].copy_from_slice(four);
+            }
+        }
+    }
+
     #[inline(always)]
     fn quantize_blocks(&mut self, x: &[f32]) {
         self.q.resize(x.len(), 0);
@@ -130,6 +161,7 @@ impl Q8Activation {
             }
             *sum = qb.iter().map(|&q| q as i32).sum();
         }
+        self.group();
     }
 }
 
@@ -283,6 +315,7 @@ pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
     };
     assert!(path.runs_here(), "gemv_q4_1: this CPU cannot run {path:?}");
     assert_sums("gemv_q4_1", x);
+    assert_groups("gemv_q4_1", x, true);
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
@@ -331,6 +364,27 @@ fn assert_sums(name: &str, x: &Q8Activation) {
         x.q.chunks_exact(QK).zip(&x.sums).all(|(qb, &s)| qb.iter().map(|&q| q as i32).sum::<i32>() == s),
         "{name}: the activation's block sums are not its values' (Q8Activation::quantize fills them)"
     );
+}
+
+/// That `x` has the groups of its blocks (the x86 Q4_1 kernels read them): their length
+/// always (O(1), what the kernels' reads need), with `values` their bytes too (O(K), where the
+/// block sums are checked: `q` changed in place after the activation was built).
+fn assert_groups(name: &str, x: &Q8Activation, values: bool) {
+    let want = (x.q.len() / QK).div_ceil(8) * 256;
+    assert_eq!(
+        x.groups.len(),
+        want,
+        "{name}: the activation has {} bytes of groups for {} values (Q8Activation::from_parts builds them)",
+        x.groups.len(),
+        x.q.len()
+    );
+    if cfg!(target_arch = "x86_64") && values {
+        let same = x.q.chunks_exact(QK).enumerate().all(|(b, qb)| {
+            let at = 256 * (b / 8) + 4 * (b % 8);
+            (0..8).all(|t| x.groups[at + 32 * t..at + 32 * t + 4] == qb[4 * t..4 * t + 4])
+        });
+        assert!(same, "{name}: the activation's values were changed after it was built (build it again: Q8Activation::from_parts)");
+    }
 }
 
 /// ggml's block formats that the decode product reads where they are (candle's [`GgmlDType`]s

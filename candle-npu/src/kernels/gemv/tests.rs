@@ -303,7 +303,7 @@ fn every_path_is_exact_at_the_saturation_corners() {
         // The same with -128 for -127, for the paths that take it (Dotprod: `sdot`'s i32
         // lanes hold up to 8 * 128 * 128).
         let q = x.q.iter().map(|&q| if q == -127 { i8::MIN } else { q }).collect();
-        let x_128 = Q8Activation { q, ..x.clone() };
+        let x_128 = Q8Activation::from_parts(x.scales.clone(), q, x.sums.clone());
         for (x, only) in [(x, false), (x_128, true)] {
             let want: Vec<f32> = (0..5).map(|r| reference(&w, k, &x, r).0 as f32).collect();
             assert!(want.iter().any(|v| v.abs() >= 32.0 * 128.0 * 127.0), "the corner must be reached: {want:?}");
@@ -357,7 +357,7 @@ fn every_path_is_exact_at_q4_1s_corners() {
         let xs: [Vec<i8>; 4] = [vec![-128; k], vec![127; k], vec![-127; k], (0..k).map(|i| if i % 4 < 2 { 127 } else { -128 }).collect()];
         for q in xs {
             let sums = q.chunks_exact(QK).map(|b| b.iter().map(|&v| v as i32).sum()).collect();
-            let x = Q8Activation { scales: vec![1.0; k / QK], q, sums };
+            let x = Q8Activation::from_parts(vec![1.0; k / QK], q, sums);
             let want: Vec<f32> = (0..5).map(|r| reference_q4_1(&w, k, &x, r).0 as f32).collect();
             if m == 0.0 && x.q[0] == -128 {
                 assert_eq!(want[0], -(k as f32) * 15.0 * 128.0, "the corner must be reached");
@@ -654,6 +654,7 @@ fn neon_and_dotprod_agree_to_the_bit() {
                     qb[rng.random_range(0..QK)] = i8::MIN;
                     *sum = qb.iter().map(|&q| q as i32).sum();
                 }
+                x = Q8Activation::from_parts(x.scales, x.q, x.sums);
             }
             let (mut neon, mut dotprod) = (vec![0.0; n], vec![0.0; n]);
             gemv_on(GemvPath::Neon, format, &w, k, &x, 0..n, &mut neon);
@@ -690,6 +691,7 @@ fn q8_0_and_q4_1_agree_to_the_bit(rng: &mut impl Rng, a: GemvPath, b: GemvPath) 
                         qb[rng.random_range(0..QK)] = i8::MIN;
                         *sum = qb.iter().map(|&q| q as i32).sum();
                     }
+                    x = Q8Activation::from_parts(x.scales, x.q, x.sums);
                 }
                 let (mut on_a, mut on_b) = (vec![0.0; n], vec![0.0; n]);
                 format.gemv_on(a, &w, k, &x, 0..n, &mut on_a);
@@ -698,6 +700,21 @@ fn q8_0_and_q4_1_agree_to_the_bit(rng: &mut impl Rng, a: GemvPath, b: GemvPath) 
                 assert_eq!(bits(&on_a), bits(&on_b), "{format:?} K = {k}, {a:?} and {b:?}: {on_a:?} {on_b:?}");
             }
         }
+    }
+}
+
+#[test]
+fn an_activation_built_from_its_parts_is_the_quantized_one_and_a_changed_one_is_refused() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    for k in [32, 256, 288, 576] {
+        let x = Q8Activation::quantize(&activations(&mut rng, k, true));
+        assert_eq!(Q8Activation::from_parts(x.scales.clone(), x.q.clone(), x.sums.clone()), x, "K = {k}");
+        // Values changed in place, sums kept right: the Q4_1 kernels would read the old ones.
+        let mut stale = x.clone();
+        stale.q.swap(0, 1);
+        let w = Format::Q4_1.weights(&mut rng, 2, k);
+        let refused = std::panic::catch_unwind(|| gemv_q4_1(&w, k, &stale, 0..2, &mut [0.0; 2]));
+        assert_eq!(refused.is_err(), cfg!(target_arch = "x86_64") && stale.q[0] != stale.q[1], "K = {k}");
     }
 }
 
@@ -741,7 +758,7 @@ fn a_q8_0_activation_of_minus_128_is_exact_or_refused() {
     // weights of -128 against activations of -128 with unit scales, 2 * 32 * 16384 = 2^20.
     let k = 64;
     let w: Vec<u8> = (0..k / QK).flat_map(|_| half::f16::from_f32(1.0).to_bits().to_le_bytes().into_iter().chain([0x80; QK])).collect();
-    let x = Q8Activation { scales: vec![1.0; k / QK], q: vec![i8::MIN; k], sums: vec![QK as i32 * -128; k / QK] };
+    let x = Q8Activation::from_parts(vec![1.0; k / QK], vec![i8::MIN; k], vec![QK as i32 * -128; k / QK]);
     for path in paths() {
         let run = || {
             let mut out = [0.0];
@@ -912,7 +929,7 @@ fn every_format_is_exact_at_its_integer_corners() {
                     continue; // Q8_0's own test covers -128 (some paths refuse it).
                 }
                 let sums = q.chunks_exact(QK).map(|b| b.iter().map(|&v| v as i32).sum()).collect();
-                let x = Q8Activation { scales: vec![1.0; k / QK], q, sums };
+                let x = Q8Activation::from_parts(vec![1.0; k / QK], q, sums);
                 for path in paths() {
                     check_format(format, path, &w, k, &x, 0..2);
                 }
@@ -932,7 +949,7 @@ fn the_format_tolerance_sees_one_bit_of_any_value_byte() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(36);
     let k = 512;
     let normal: Vec<f32> = (0..k).map(|_| (0..12).map(|_| rng.random_range(-0.5f32..0.5)).sum()).collect();
-    let x = Q8Activation { scales: vec![1.0; k / QK], q: vec![127; k], sums: vec![127 * QK as i32; k / QK] };
+    let x = Q8Activation::from_parts(vec![1.0; k / QK], vec![127; k], vec![127 * QK as i32; k / QK]);
     for format in BlockFormat::ALL {
         let t = candle_core::Tensor::from_vec(normal.clone(), (1, k), &candle_core::Device::Cpu).unwrap();
         let w = QTensor::quantize(&t, format.dtype()).unwrap().data().unwrap().to_vec();

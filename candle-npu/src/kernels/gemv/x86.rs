@@ -18,17 +18,19 @@ use super::{Q8Activation, BLOCK_BYTES, Q4_1_BLOCK_BYTES, QK};
 /// Bytes ahead of the current block to prefetch (see the module docs).
 pub(super) const PREFETCH: usize = 8192;
 
-/// One input row's side of a product: its quantized values, block scales and block sums.
+/// One input row's side of a product: its quantized values (also in groups of eight blocks,
+/// [`Q8Activation`]'s `groups`), block scales and block sums.
 #[derive(Clone, Copy)]
 struct Act {
     q: *const i8,
+    g: *const i8,
     d: *const f32,
     s: *const i32,
 }
 
 impl Act {
     fn of(x: &Q8Activation) -> Self {
-        Act { q: x.q.as_ptr(), d: x.scales.as_ptr(), s: x.sums.as_ptr() }
+        Act { q: x.q.as_ptr(), g: x.groups.as_ptr(), d: x.scales.as_ptr(), s: x.sums.as_ptr() }
     }
 }
 
@@ -141,23 +143,25 @@ unsafe fn rows_dot_q8_0<const R: usize, const VNNI: bool>(w: *const u8, nb: usiz
     }
 }
 
-/// One weight row's Q4_1 products with `R` input rows, eight blocks at a time: per block the
-/// nibbles unpacked once, and per row its 32 products summed into 8 i32 lanes (`vpdpbusd`, or
-/// `vpmaddubsw` + `vpmaddwd`); the eight blocks' lanes are then summed in integers (`vphaddd`,
-/// exact) into one vector of eight block sums, so that the float work is per eight blocks, not
-/// per block: one `cvt`, one FMA by `d_w d_x` and one by `m_w` times `d_x sum_x` (the eight
-/// blocks' `d` and `m` converted once for every row). Where a block-by-block kernel spends three
-/// float operations and a broadcast per block and row, this spends under one, and each row
-/// keeps one accumulator. A last group of fewer than eight blocks
-/// takes zeros in the missing lanes (`d`, `m` and the products zero: `acc + 0 * 0`).
+/// One weight row's Q4_1 products with `R` input rows, eight blocks at a time: per group the
+/// eight blocks' nibbles unpacked and transposed once into the activation's group layout
+/// (`Q8Activation::groups`: vector `t` holds each block's values `4t..4t + 4` in its lane), and
+/// per row eight `vpdpbusd` (or `vpmaddubsw`, summed in i16, and one `vpmaddwd`) that leave the
+/// eight blocks' integer sums in eight i32 lanes, with no horizontal sums; then one `cvt`, one
+/// FMA by `d_w d_x` and one by `m_w` times `d_x sum_x` (the eight blocks' `d` and `m` converted
+/// once for every row). The transpose is shared by the rows, so a row adds about 13
+/// instructions per eight blocks, where summing each block's lanes took 31. A last group of
+/// fewer than eight blocks takes zeros in the missing lanes (nibbles, `d`, `m` and, in the
+/// activation's padding, values: `acc + 0 * 0`).
 ///
 /// # Safety
 /// As the callers', for the `nb` blocks at `w`; inlined only into them (their features).
 #[inline(always)]
 unsafe fn rows_dot_q4_1<const R: usize, const VNNI: bool>(w: *const u8, nb: usize, x: [Act; R]) -> [f32; R] {
     // SAFETY: every read is of blocks below `nb`, in the row, and of the activations' first
-    // `nb` blocks and sums (the caller's contract; a short last group's loads are masked);
-    // prefetches never fault, wherever they point.
+    // `nb` blocks, sums and groups (the caller's contract; a short last group's loads are masked
+    // or skipped, its activation values the groups' zero padding); prefetches never fault,
+    // wherever they point.
     unsafe {
         let mut acc = [_mm256_setzero_ps(); R];
         for b in (0..nb - nb % 8).step_by(8) {
@@ -175,58 +179,35 @@ unsafe fn rows_dot_q4_1<const R: usize, const VNNI: bool>(w: *const u8, nb: usiz
 }
 
 /// [`rows_dot_q4_1`]'s group: the `n` (at most 8) blocks at `w`, which are blocks `b..b + n` of
-/// every row in `x`, onto each row's accumulator. The scales and sums of a short group are
-/// masked loads (`vmaskmovps`: the lanes past `n` read as zero and are never touched).
+/// every row in `x` (`b` a multiple of 8), onto each row's accumulator. The scales and sums of a
+/// short group are masked loads (`vmaskmovps`: the lanes past `n` read as zero and are never
+/// touched).
 ///
 /// # Safety
-/// `n` blocks at `w`; each `x[r]` has blocks `b..b + n`.
+/// `n` blocks at `w`; each `x[r]` has blocks `b..b + n` and the group of `b`.
 #[inline(always)]
 unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x: &[Act; R], b: usize, acc: &mut [__m256; R]) {
     // SAFETY: the caller's contract; registers otherwise.
     unsafe {
         let blk = |j: usize| w.add(Q4_1_BLOCK_BYTES * j);
-        // Block j's 32 nibbles: `qs` in both halves, the high one shifted right by 4 (`qs >> 4`):
-        // with the mask, the low half is the low nibbles (weights 0..16), the high half the high
-        // nibbles (16..32), in the order of the activation's 32 bytes. The 32-bit shift brings
-        // the next byte's low bits into the top of each byte; the mask drops them. A missing
-        // block is zeros.
-        let nibbles = |j: usize| {
-            if j >= n {
-                return _mm256_setzero_si256();
-            }
-            let qs = _mm256_broadcastsi128_si256(_mm_loadu_si128(blk(j).add(4).cast()));
-            _mm256_and_si256(_mm256_srlv_epi32(qs, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F))
-        };
-        // Block j's products with row x, in 8 i32 lanes (nibbles unsigned: see the module docs
-        // for why no pair saturates `vpmaddubsw`'s i16); zeros for a missing block.
-        let dot = |nib: __m256i, x: &Act, j: usize| {
-            if j >= n {
-                return _mm256_setzero_si256();
-            }
-            let xv = _mm256_loadu_si256(x.q.add(QK * (b + j)).cast());
-            if VNNI {
-                _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, xv)
-            } else {
-                _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xv), _mm256_set1_epi16(1))
-            }
-        };
-        // Pairs of blocks: `vphaddd` of two blocks' lanes gives, per 128-bit half, two sums of
-        // each block's pairs of lanes; of two such, one sum of four lanes per block and half.
-        // A group of four blocks or fewer (a row's last) leaves the second half zero.
-        let mut quads = [[_mm256_setzero_si256(); 2]; R];
-        for h in 0..n.div_ceil(4) {
-            let mut pairs = [[_mm256_setzero_si256(); 2]; R];
-            for p in 0..2 {
-                let j = 4 * h + 2 * p;
-                let (n0, n1) = (nibbles(j), nibbles(j + 1));
-                for (r, x) in x.iter().enumerate() {
-                    pairs[r][p] = _mm256_hadd_epi32(dot(n0, x, j), dot(n1, x, j + 1));
-                }
-            }
-            for r in 0..R {
-                quads[r][h] = _mm256_hadd_epi32(pairs[r][0], pairs[r][1]);
-            }
-        }
+        // Block j's 16 bytes of nibbles are four dwords: dword u the low nibbles of values
+        // 4u..4u + 4 and the high ones of 16 + 4u..16 + 4u + 4. Blocks j and j + 4 in the halves
+        // of one vector, then a 4 x 4 dword transpose per half: `tq[u]` holds dword u of block i
+        // in lane i. A missing block is zeros.
+        let qs = |j: usize| if j < n { _mm_loadu_si128(blk(j).add(4).cast()) } else { _mm_setzero_si128() };
+        let y = |j: usize| _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(qs(j)), qs(j + 4));
+        let (y0, y1, y2, y3) = (y(0), y(1), y(2), y(3));
+        let (t0, t1) = (_mm256_unpacklo_epi32(y0, y1), _mm256_unpackhi_epi32(y0, y1));
+        let (t2, t3) = (_mm256_unpacklo_epi32(y2, y3), _mm256_unpackhi_epi32(y2, y3));
+        let tq = [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)];
+        // Values 4t..4t + 4 of every block: the low nibbles of `tq[t]` for t < 4, the high
+        // nibbles of `tq[t - 4]` (values 16..32) after (the 16-bit shift brings the next byte's
+        // low bits into the top of each byte; the mask drops them).
+        let mask = _mm256_set1_epi8(0x0F);
+        let nib: [__m256i; 8] = std::array::from_fn(|t| match t {
+            0..4 => _mm256_and_si256(tq[t], mask),
+            _ => _mm256_and_si256(_mm256_srli_epi16::<4>(tq[t - 4]), mask),
+        });
         // The blocks' d and m (an i32 each: d in the low half), zero for a missing block, as
         // [d0..d3, m0..m3 | d4..d7, m4..m7] (`vpackusdw` of the halves: exact, both below 2^16),
         // then in block order and converted: d in `dw`, m in `mw`.
@@ -238,10 +219,22 @@ unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x
         let mw = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(packed));
         let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         for (r, x) in x.iter().enumerate() {
-            // Block j's sum in lane j: the low halves' four-lane sums of blocks 0..4 and 4..8,
-            // then the high halves'.
-            let [q0, q1] = quads[r];
-            let sums = _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(q0, q1), _mm256_permute2x128_si256::<0x31>(q0, q1));
+            let group = x.g.add(32 * b);
+            let xv = |t: usize| _mm256_loadu_si256(group.add(32 * t).cast());
+            // Block i's sum in lane i (nibbles unsigned: see the module docs for why no pair
+            // saturates `vpmaddubsw`'s i16; eight pairs are at most 8 * 2 * 15 * 128 = 30720, so
+            // their i16 sum does not wrap). Two chains of `vpdpbusd`, not one of eight.
+            let sums = if VNNI {
+                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for t in (0..8).step_by(2) {
+                    s0 = _mm256_dpbusd_epi32(s0, nib[t], xv(t));
+                    s1 = _mm256_dpbusd_epi32(s1, nib[t + 1], xv(t + 1));
+                }
+                _mm256_add_epi32(s0, s1)
+            } else {
+                let pairs = (1..8).fold(_mm256_maddubs_epi16(nib[0], xv(0)), |s, t| _mm256_add_epi16(s, _mm256_maddubs_epi16(nib[t], xv(t))));
+                _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+            };
             let (dx, xs) = if n == 8 {
                 (_mm256_loadu_ps(x.d.add(b)), _mm256_loadu_si256(x.s.add(b).cast()))
             } else {
