@@ -69,13 +69,13 @@ pub const Q4_1_BLOCK_BYTES: usize = 20;
 
 /// The activation as Q8_0 blocks: per 32 values one f32 scale and 32 i8 (ggml's
 /// `quantize_row_q8_0`: `d = max|x| / 127`, `q = round(x / d)`, so `q` is in [-127, 127]), and
-/// per block the sum of its `q` (for [`gemv_q4_1`]'s minimum term).
+/// per block the sum of its `q` (for [`gemv_q4_1`]'s minimum term, and Avx512's Q8_0).
 ///
 /// [`gemv_q8_0`] needs `q` in [-127, 127] on its AVX2 and Neon paths (AVX2 negates `q`, and
 /// -(-128) wraps; both add two byte products in an i16, which two (-128) * (-128) overflow), and
 /// asserts it there; Dotprod and Portable take any i8. Build the fields by hand only with that
 /// range, or the same call panics on one CPU and not on another. [`gemv_q4_1`] takes any i8 but
-/// needs `sums` to be the blocks' sums, and asserts that. Built by hand, it is built by
+/// needs `sums` to be the blocks' sums, as [`gemv_q8_0`] does on Avx512, and both assert that. Built by hand, it is built by
 /// [`Q8Activation::from_parts`], which derives the values' second layout.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Q8Activation {
@@ -86,7 +86,7 @@ pub struct Q8Activation {
     pub q: Vec<i8>,
     /// One per block: the sum of its 32 `q` (exact: at most 32 * 128 in magnitude).
     pub sums: Vec<i32>,
-    /// `q` again, for the x86 Q4_1 kernels: eight blocks in 256 bytes, as eight vectors of 32
+    /// `q` again, for the x86 Q8_0 and Q4_1 kernels: eight blocks in 256 bytes, as eight vectors of 32
     /// whose lane i (4 bytes) is block i's values `4t..4t + 4` in vector t, zeros past the last
     /// block. One `vpdpbusd` then takes four values of each of eight blocks, and eight of them
     /// leave the blocks' sums in eight lanes: no horizontal sums per block and row (which were
@@ -238,6 +238,13 @@ impl GemvPath {
         }
     }
 
+    /// Whether the path's kernel for `format` (Q8_0 or Q4_1) reads the activation's block sums
+    /// ([`Q8Activation::sums`]): Q4_1's minimum term on every path, and Avx512's Q8_0, which
+    /// takes 128 times them off its products of the weights plus 128 (see `x86`).
+    fn reads_sums(self, format: BlockFormat) -> bool {
+        format == BlockFormat::Q4_1 || self == GemvPath::Avx512
+    }
+
     /// Whether the path's Q8_0 kernel takes an activation of -128. Avx2 and Neon do not: they
     /// add two byte products in an i16, which (-128) * (-128) twice overflows (see their docs).
     /// `sdot` and the portable path form every product and sum in i32 and take any i8.
@@ -267,6 +274,10 @@ pub fn gemv_q8_0_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
     };
     assert!(path.runs_here(), "gemv_q8_0: this CPU cannot run {path:?}");
     assert_in_range("gemv_q8_0", path, x);
+    if path.reads_sums(BlockFormat::Q8_0) {
+        assert_sums("gemv_q8_0", x);
+    }
+    assert_groups("gemv_q8_0", x, true);
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
@@ -366,7 +377,7 @@ fn assert_sums(name: &str, x: &Q8Activation) {
     );
 }
 
-/// That `x` has the groups of its blocks (the x86 Q4_1 kernels read them): their length
+/// That `x` has the groups of its blocks (the x86 Q8_0 and Q4_1 kernels read them): their length
 /// always (O(1), what the kernels' reads need), with `values` their bytes too (O(K), where the
 /// block sums are checked: `q` changed in place after the activation was built).
 fn assert_groups(name: &str, x: &Q8Activation, values: bool) {

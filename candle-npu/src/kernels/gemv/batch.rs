@@ -24,7 +24,7 @@ pub fn gemv_rows_on(path: GemvPath, format: BlockFormat, w: &[u8], k: usize, xs:
     rows_on(path, format, w, k, xs, rows, outs, true)
 }
 
-/// [`gemv_rows_on`], checking the activations' values (Q4_1's block sums, Q8_0's -128) only
+/// [`gemv_rows_on`], checking the activations' values (block sums, groups, Q8_0's -128) only
 /// with `check_values`: `BlockMatrix::product` quantized them itself, and at SmolLM2's K
 /// checking them again for every piece of 64 weight rows was 8% of a four-row Q4_1 product.
 pub(super) fn rows_on(
@@ -56,18 +56,21 @@ pub(super) fn rows_on(
         return outs.iter_mut().for_each(|o| o.fill(0.0));
     };
     assert!(path.runs_here(), "{name}: this CPU cannot run {path:?}");
+    let sums = path.reads_sums(format);
     for x in xs {
         assert_eq!(x.scales.len(), nb, "{name}: a row has {} scales for {nb} blocks", x.scales.len());
-        if format == BlockFormat::Q4_1 {
+        if sums {
             assert_eq!(x.sums.len(), nb, "{name}: a row has {} block sums for {nb} blocks", x.sums.len());
-            assert_groups(name, x, check_values);
         }
+        assert_groups(name, x, check_values);
         if !check_values {
             continue;
         }
-        match format {
-            BlockFormat::Q4_1 => assert_sums(name, x),
-            _ => assert_in_range(name, path, x),
+        if sums {
+            assert_sums(name, x);
+        }
+        if format == BlockFormat::Q8_0 {
+            assert_in_range(name, path, x);
         }
     }
     let (mut xs, mut outs) = (xs, outs);
@@ -77,8 +80,8 @@ pub(super) fn rows_on(
         let (out, rest_out) = outs.split_at_mut(r);
         // SAFETY: the CPU runs `path` (asserted); `w` is `out[i].len()` whole rows of `nb`
         // blocks for every `i` (`checked_rows`, the lengths asserted equal), every activation
-        // has `nb` blocks and, for Q4_1, sums, for Q8_0 no -128 where the path cannot take it
-        // (asserted above).
+        // has `nb` blocks, their groups and the sums the path reads, for Q8_0 no -128 where the
+        // path cannot take it (asserted above).
         unsafe { shared_rows(path, format, w, nb, x, out) };
         (xs, outs) = (rest, rest_out);
     }
@@ -89,8 +92,8 @@ pub(super) fn rows_on(
 ///
 /// # Safety
 /// The CPU runs `path`; `w` is `out[i].len()` whole rows of `nb` blocks of `format` for every
-/// `i`; every `x[i]` has `nb` blocks and, for Q4_1, sums, for Q8_0 no -128 unless the path takes
-/// it.
+/// `i`; every `x[i]` has `nb` blocks, their groups and the sums the path reads
+/// ([`GemvPath::reads_sums`]), for Q8_0 no -128 unless the path takes it.
 unsafe fn shared_rows(path: GemvPath, format: BlockFormat, w: &[u8], nb: usize, x: &[&Q8Activation], out: &mut [&mut [f32]]) {
     #[cfg(target_arch = "x86_64")]
     {

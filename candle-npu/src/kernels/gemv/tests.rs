@@ -279,8 +279,9 @@ fn every_path_is_exact_at_the_saturation_corners() {
     // and +127 against activations of +-127, in runs of equal signs; the Neon path's i16
     // pairs (bytes j and 16 + j of a block) reach 2 * 128 * 127 the same way. With unit
     // scales the products are integers below 2^24, exact in f32: any saturation or sign
-    // wrap shows. K = 224 is one group of four blocks (the Arm paths) and a tail of three.
-    let k = 224;
+    // wrap shows. K = 480 is fifteen blocks: three groups of four and a tail of three on the
+    // Arm paths, a group of eight and a tail of seven on x86.
+    let k = 480;
     let minus_128 = |row: usize, b: usize, i: usize| match row {
         0 => true,
         1 => false,

@@ -1,14 +1,16 @@
 //! The x86_64 paths of the decode product (AVX2 + FMA, and AVX-512 VNNI's `vpdpbusd` where the
 //! CPU has it; see the parent module for what each does).
 //!
-//! Each kernel takes `R` input rows (1, 2 or 4) against the same weight rows: a weight block is
-//! loaded and unpacked once for all of them (the sign trick's `|w|`, Q4_1's nibbles, the f16
-//! scales' conversion), and every input row then does exactly the single row's arithmetic, in
-//! the same order, into accumulators of its own. So a row's output has the bits it gets alone
-//! (batched decode must answer each conversation as it is answered alone), and the work a row
-//! adds is its own multiply-adds only. `VNNI` replaces `vpmaddubsw` + `vpmaddwd` by one
-//! `vpdpbusd`: the same i32 lanes (each the sum of four byte products; no pair saturates the i16
-//! step, see the parent module), so the same bits on either path.
+//! Each kernel takes `R` input rows (1, 2 or 4) against the same weight rows: eight weight
+//! blocks are loaded, unpacked and transposed once for all of them into the activation's group
+//! layout ([`Q8Activation`]'s groups; Q4_1's nibbles, Q8_0's bytes with the sign trick's `|w|`
+//! or VNNI's `w + 128`, the f16 scales' conversion), and every input row then does exactly the
+//! single row's arithmetic, in the same order, into accumulators of its own. So a row's output
+//! has the bits it gets alone (batched decode must answer each conversation as it is answered
+//! alone), and the work a row adds is its own multiply-adds only. The blocks' integer dots
+//! come out exact, one a lane, on either path (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`: no
+//! pair saturates the i16 step, see the parent module), and the float work on them is the same,
+//! so the same bits on either path.
 
 use std::arch::x86_64::*;
 
@@ -92,54 +94,137 @@ unsafe fn rows<const R: usize>(w: &[u8], row_bytes: usize, x: [&Q8Activation; R]
     }
 }
 
-/// One weight row's Q8_0 products with `R` input rows: per block `|w|` once (the sign trick:
-/// `vpsignb` of the weights by themselves, unsigned for `vpmaddubsw`), then per row its values
-/// signed by the weights', the i32 dot and one FMA, even and odd blocks into two accumulators.
+/// One weight row's Q8_0 products with `R` input rows, eight blocks at a time as Q4_1's
+/// ([`rows_dot_q4_1`]): per group the eight blocks' values transposed once into the
+/// activation's group layout, and per row eight `vpdpbusd` (or AVX2's sign trick, below) that
+/// leave the eight blocks' integer dots in eight lanes; then one `cvt` and one FMA by `d_w d_x`
+/// (the eight blocks' `d_w` converted once for every row). A last group of fewer than eight
+/// blocks goes block by block ([`block_q8_0`], its partial dots in the same accumulator), which
+/// at SmolLM2's K of 18 blocks is cheaper than a group of two.
 ///
 /// # Safety
 /// As the callers', for the `nb` blocks at `w`; inlined only into them (their features).
 #[inline(always)]
 unsafe fn rows_dot_q8_0<const R: usize, const VNNI: bool>(w: *const u8, nb: usize, x: [Act; R]) -> [f32; R] {
-    // SAFETY: every read is of blocks below `nb`, in the row and the activations (the caller's
-    // contract); prefetches never fault, wherever they point.
+    // SAFETY: every read is of blocks below `nb`, in the row, and of the activations' first
+    // `nb` blocks, sums and groups (the caller's contract); prefetches never fault, wherever
+    // they point.
     unsafe {
-        // A function, not a closure: a closure called twice per loop may stay a call, and a
-        // closure has no target features of its own, so its intrinsics would be calls too.
-        #[inline(always)]
-        unsafe fn block<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R], b: usize, acc: &mut [__m256; R]) {
-            // SAFETY: as the enclosing function's.
-            unsafe {
-                let blk = w.add(BLOCK_BYTES * b);
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH).cast());
-                let wv = _mm256_loadu_si256(blk.add(2).cast());
-                // `d_w` in every lane (`vpbroadcastw`, `vcvtph2ps`): converted as a scalar, LLVM
-                // inserts the word into whatever register is at hand (`vpinsrw`), an
-                // accumulator as often as not, and each block's scale then waits on that
-                // accumulator's FMA (the single-row VNNI kernel ran at two thirds of AVX2's).
-                let dw = _mm256_cvtph_ps(_mm_set1_epi16(blk.cast::<i16>().read_unaligned()));
-                let aw = _mm256_sign_epi8(wv, wv);
-                for (a, x) in acc.iter_mut().zip(x) {
-                    // |w| (unsigned) times x * sign(w): see the module docs for why no pair
-                    // saturates.
-                    let sx = _mm256_sign_epi8(_mm256_loadu_si256(x.q.add(QK * b).cast()), wv);
-                    let dot = if VNNI {
-                        _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
-                    } else {
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
-                    };
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.add(b))), *a);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in (0..nb - nb % 8).step_by(8) {
+            // A group is 272 bytes: five prefetches 64 bytes apart reach every cache line.
+            for line in 0..5 {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(BLOCK_BYTES * b + PREFETCH + 64 * line).cast());
+            }
+            group_q8_0::<R, VNNI>(w.add(BLOCK_BYTES * b), &x, b, &mut acc);
+        }
+        for b in nb - nb % 8..nb {
+            block_q8_0::<R, VNNI>(w, &x, b, &mut acc);
+        }
+        acc.map(|a| hsum(a))
+    }
+}
+
+/// [`rows_dot_q8_0`]'s group: the eight blocks at `w`, which are blocks `b..b + 8` of every row
+/// in `x` (`b` a multiple of 8), onto each row's accumulator (lane i: block `b + i`).
+///
+/// The integer dots, exact on either path: with VNNI, `vpdpbusd` of the weights plus 128 (a
+/// sign-bit flip, unsigned for its first operand, once per group) with the row's values, less
+/// 128 times the row's block sums (`sum (w + 128) x - 128 sum x`; any i8 on either side, the
+/// lanes' i32 far from overflow); on AVX2, ggml's sign trick (`|w|` once per group, each row's
+/// values signed by the weights', `vpmaddubsw` and `vpmaddwd` by ones: `vpmaddubsw`'s pair of
+/// 128 * 127 twice fits its i16, see the module docs), two groups of four columns summed in i32.
+///
+/// # Safety
+/// Eight blocks at `w`; each `x[r]` has blocks `b..b + 8`, their sums and the group of `b`.
+#[inline(always)]
+unsafe fn group_q8_0<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R], b: usize, acc: &mut [__m256; R]) {
+    // SAFETY: the caller's contract; registers otherwise.
+    unsafe {
+        // Block j's 32 values are eight dwords, dword t its values 4t..4t + 4. The first (or
+        // second) 16 bytes of blocks j and j + 4 in the halves of one vector, then a 4 x 4 dword
+        // transpose per half: `tq[t]` holds dword t of block i in lane i.
+        let half = |j: usize, h: usize| _mm_loadu_si128(w.add(BLOCK_BYTES * j + 2 + 16 * h).cast());
+        let y = |j: usize, h: usize| _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(half(j, h)), half(j + 4, h));
+        let lo = transpose4(y(0, 0), y(1, 0), y(2, 0), y(3, 0));
+        let hi = transpose4(y(0, 1), y(1, 1), y(2, 1), y(3, 1));
+        let tq: [__m256i; 8] = std::array::from_fn(|t| if t < 4 { lo[t] } else { hi[t - 4] });
+        let d = |j: usize| w.add(BLOCK_BYTES * j).cast::<i16>().read_unaligned();
+        let dw = _mm256_cvtph_ps(_mm_setr_epi16(d(0), d(1), d(2), d(3), d(4), d(5), d(6), d(7)));
+        if VNNI {
+            let wu = tq.map(|v| _mm256_xor_si256(v, _mm256_set1_epi8(i8::MIN)));
+            for (r, x) in x.iter().enumerate() {
+                let group = x.g.add(32 * b);
+                let xv = |t: usize| _mm256_loadu_si256(group.add(32 * t).cast());
+                // Two chains of `vpdpbusd`, not one of eight.
+                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for t in (0..8).step_by(2) {
+                    s0 = _mm256_dpbusd_epi32(s0, wu[t], xv(t));
+                    s1 = _mm256_dpbusd_epi32(s1, wu[t + 1], xv(t + 1));
                 }
+                let xs = _mm256_loadu_si256(x.s.add(b).cast());
+                let dots = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_slli_epi32::<7>(xs));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, _mm256_loadu_ps(x.d.add(b))), acc[r]);
+            }
+        } else {
+            let aw = tq.map(|v| _mm256_sign_epi8(v, v));
+            let ones = _mm256_set1_epi16(1);
+            for (r, x) in x.iter().enumerate() {
+                let group = x.g.add(32 * b);
+                let dot = |t: usize| {
+                    let sx = _mm256_sign_epi8(_mm256_loadu_si256(group.add(32 * t).cast()), tq[t]);
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(aw[t], sx), ones)
+                };
+                let (mut s0, mut s1) = (dot(0), dot(1));
+                for t in (2..8).step_by(2) {
+                    s0 = _mm256_add_epi32(s0, dot(t));
+                    s1 = _mm256_add_epi32(s1, dot(t + 1));
+                }
+                let dots = _mm256_add_epi32(s0, s1);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, _mm256_loadu_ps(x.d.add(b))), acc[r]);
             }
         }
-        let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-        for b in (0..nb - nb % 2).step_by(2) {
-            block::<R, VNNI>(w, &x, b, &mut even);
-            block::<R, VNNI>(w, &x, b + 1, &mut odd);
+    }
+}
+
+/// A 4 x 4 transpose of dwords in each 128-bit half: lane i of result u is lane u of `y[i]`.
+#[inline(always)]
+unsafe fn transpose4(y0: __m256i, y1: __m256i, y2: __m256i, y3: __m256i) -> [__m256i; 4] {
+    // SAFETY: registers only (the callers have AVX2).
+    unsafe {
+        let (t0, t1) = (_mm256_unpacklo_epi32(y0, y1), _mm256_unpackhi_epi32(y0, y1));
+        let (t2, t3) = (_mm256_unpacklo_epi32(y2, y3), _mm256_unpackhi_epi32(y2, y3));
+        [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)]
+    }
+}
+
+/// One Q8_0 block `b` of the row at `w` against every row of `x`, its eight lanes' partial
+/// dots (four values each) onto each row's accumulator: per block `|w|` once (the sign trick:
+/// `vpsignb` of the weights by themselves, unsigned for `vpmaddubsw`), then per row its values
+/// signed by the weights', the i32 dot and one FMA (the same lanes on either path: `vpdpbusd`
+/// sums what `vpmaddubsw` + `vpmaddwd` sum). A function, not a closure: a closure called in a
+/// loop may stay a call, and its intrinsics with it.
+///
+/// # Safety
+/// Block `b` is in the row at `w` and in every `x[r]`, which has no -128 there.
+#[inline(always)]
+unsafe fn block_q8_0<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R], b: usize, acc: &mut [__m256; R]) {
+    // SAFETY: the caller's contract; prefetches never fault.
+    unsafe {
+        let blk = w.add(BLOCK_BYTES * b);
+        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH).cast());
+        let wv = _mm256_loadu_si256(blk.add(2).cast());
+        // `d_w` in every lane (`vpbroadcastw`, `vcvtph2ps`): converted as a scalar, LLVM
+        // inserts the word into whatever register is at hand (`vpinsrw`), an accumulator as
+        // often as not, and each block's scale then waits on that accumulator's FMA.
+        let dw = _mm256_cvtph_ps(_mm_set1_epi16(blk.cast::<i16>().read_unaligned()));
+        let aw = _mm256_sign_epi8(wv, wv);
+        for (a, x) in acc.iter_mut().zip(x) {
+            let sx = _mm256_sign_epi8(_mm256_loadu_si256(x.q.add(QK * b).cast()), wv);
+            let dot =
+                if VNNI { _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)) };
+            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.add(b))), *a);
         }
-        if nb % 2 == 1 {
-            block::<R, VNNI>(w, &x, nb - 1, &mut even);
-        }
-        std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
     }
 }
 
@@ -196,10 +281,7 @@ unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x
         // in lane i. A missing block is zeros.
         let qs = |j: usize| if j < n { _mm_loadu_si128(blk(j).add(4).cast()) } else { _mm_setzero_si128() };
         let y = |j: usize| _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(qs(j)), qs(j + 4));
-        let (y0, y1, y2, y3) = (y(0), y(1), y(2), y(3));
-        let (t0, t1) = (_mm256_unpacklo_epi32(y0, y1), _mm256_unpackhi_epi32(y0, y1));
-        let (t2, t3) = (_mm256_unpacklo_epi32(y2, y3), _mm256_unpackhi_epi32(y2, y3));
-        let tq = [_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)];
+        let tq = transpose4(y(0), y(1), y(2), y(3));
         // Values 4t..4t + 4 of every block: the low nibbles of `tq[t]` for t < 4, the high
         // nibbles of `tq[t - 4]` (values 16..32) after (the 16-bit shift brings the next byte's
         // low bits into the top of each byte; the mask drops them).
