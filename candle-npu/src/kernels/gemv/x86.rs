@@ -151,38 +151,32 @@ unsafe fn group_q8_0<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R
         let tq: [__m256i; 8] = std::array::from_fn(|t| if t < 4 { lo[t] } else { hi[t - 4] });
         let d = |j: usize| w.add(BLOCK_BYTES * j).cast::<i16>().read_unaligned();
         let dw = _mm256_cvtph_ps(_mm_setr_epi16(d(0), d(1), d(2), d(3), d(4), d(5), d(6), d(7)));
-        if VNNI {
-            let wu = tq.map(|v| _mm256_xor_si256(v, _mm256_set1_epi8(i8::MIN)));
-            for (r, x) in x.iter().enumerate() {
-                let group = x.g.add(32 * b);
-                let xv = |t: usize| _mm256_loadu_si256(group.add(32 * t).cast());
-                // Two chains of `vpdpbusd`, not one of eight.
-                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for t in (0..8).step_by(2) {
-                    s0 = _mm256_dpbusd_epi32(s0, wu[t], xv(t));
-                    s1 = _mm256_dpbusd_epi32(s1, wu[t + 1], xv(t + 1));
+        // The weights as each path multiplies them: plus 128 (unsigned) for `vpdpbusd`, whose
+        // 128 times the values' sum comes off after; `|w|` for `vpmaddubsw`, the values then
+        // signed by the weights'.
+        let wp = tq.map(|v| if VNNI { _mm256_xor_si256(v, _mm256_set1_epi8(i8::MIN)) } else { _mm256_sign_epi8(v, v) });
+        let ones = _mm256_set1_epi16(1);
+        for (r, x) in x.iter().enumerate() {
+            let group = x.g.add(32 * b);
+            let xv = |t: usize| _mm256_loadu_si256(group.add(32 * t).cast());
+            let dot = |s: __m256i, t: usize| {
+                if VNNI {
+                    _mm256_dpbusd_epi32(s, wp[t], xv(t))
+                } else {
+                    _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wp[t], _mm256_sign_epi8(xv(t), tq[t])), ones))
                 }
-                let xs = _mm256_loadu_si256(x.s.add(b).cast());
-                let dots = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_slli_epi32::<7>(xs));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, _mm256_loadu_ps(x.d.add(b))), acc[r]);
+            };
+            // Two chains, not one of eight.
+            let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            for t in (0..8).step_by(2) {
+                s0 = dot(s0, t);
+                s1 = dot(s1, t + 1);
             }
-        } else {
-            let aw = tq.map(|v| _mm256_sign_epi8(v, v));
-            let ones = _mm256_set1_epi16(1);
-            for (r, x) in x.iter().enumerate() {
-                let group = x.g.add(32 * b);
-                let dot = |t: usize| {
-                    let sx = _mm256_sign_epi8(_mm256_loadu_si256(group.add(32 * t).cast()), tq[t]);
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(aw[t], sx), ones)
-                };
-                let (mut s0, mut s1) = (dot(0), dot(1));
-                for t in (2..8).step_by(2) {
-                    s0 = _mm256_add_epi32(s0, dot(t));
-                    s1 = _mm256_add_epi32(s1, dot(t + 1));
-                }
-                let dots = _mm256_add_epi32(s0, s1);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, _mm256_loadu_ps(x.d.add(b))), acc[r]);
+            let mut dots = _mm256_add_epi32(s0, s1);
+            if VNNI {
+                dots = _mm256_sub_epi32(dots, _mm256_slli_epi32::<7>(_mm256_loadu_si256(x.s.add(b).cast())));
             }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, _mm256_loadu_ps(x.d.add(b))), acc[r]);
         }
     }
 }
