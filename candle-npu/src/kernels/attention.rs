@@ -473,8 +473,14 @@ mod x86 {
         }
     }
 
-    /// [`super::dots`], `hd` a multiple of 8: two keys at a time, so each query vector loaded
-    /// serves two products; the keys are read once, in order.
+    /// [`super::dots`], `hd` a multiple of 8: blocks of four keys by up to three query rows,
+    /// each key vector widened once for all the rows (12 independent FMA chains, enough for two
+    /// FMA pipes of latency 4; a query vector is a memory operand), and the four keys' sums of a
+    /// row reduced together. Before, keys went two at a time against one row, so every key was
+    /// loaded and widened once per row, and each sum reduced alone.
+    ///
+    /// Every score is [`hsum8`] of the chain `fma(q_c, k_c, acc)` over the key's vectors in
+    /// order, whichever block it falls in: the same bits as one key at a time.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dots(q: &[f32], keys: &[f32], hd: usize, s: &mut [f32]) {
         // SAFETY: the caller's (AVX2, FMA, whole vectors); `keys` holds `len` f32.
@@ -493,33 +499,97 @@ mod x86 {
     unsafe fn dots_of<const F16: bool>(q: &[f32], keys: *const u8, len: usize, hd: usize, s: &mut [f32]) {
         let n = len / hd;
         let rows = q.len() / hd;
-        let mut j = 0;
-        while j < n {
-            let two = j + 1 < n;
-            let (k0, k1) = (j * hd, (j + two as usize) * hd);
-            for r in 0..rows {
-                let qr = q[r * hd..].as_ptr();
-                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-                for c in (0..hd).step_by(8) {
-                    // SAFETY: c + 8 <= hd, and k0, k1 start rows of hd values within `len`.
-                    unsafe {
-                        let x = _mm256_loadu_ps(qr.add(c));
-                        a0 = _mm256_fmadd_ps(x, load8::<F16>(keys, k0 + c), a0);
-                        a1 = _mm256_fmadd_ps(x, load8::<F16>(keys, k1 + c), a1);
-                    }
-                }
-                // SAFETY: this function's AVX2 (its caller's check).
-                s[r * n + j] = unsafe { hsum8(a0) };
-                if two {
-                    s[r * n + j + 1] = unsafe { hsum8(a1) };
+        assert!(hd.is_multiple_of(8) && len == n * hd && s.len() >= rows * n, "x86::dots: {len} keys of {hd}, {} scores", s.len());
+        for r0 in (0..rows).step_by(3) {
+            let (q, s) = (&q[r0 * hd..], &mut s[r0 * n..]);
+            // SAFETY (each): `rows - r0` rows of `hd` query values and of `n` scores from `q`
+            // and `s` (asserted), `keys` `n` rows of `hd`, `hd` a multiple of 8.
+            unsafe {
+                match rows - r0 {
+                    1 => key_blocks::<1, F16>(q, keys, hd, n, s),
+                    2 => key_blocks::<2, F16>(q, keys, hd, n, s),
+                    _ => key_blocks::<3, F16>(q, keys, hd, n, s),
                 }
             }
-            j += 2;
         }
     }
 
-    /// [`super::weighted_sum`], `hd` a multiple of 8: per strip of 8 values, the sums of up to 8
-    /// rows in registers over every key.
+    /// The scores of `R` query rows (`q` and `s` start at the first) against the `n` keys: blocks
+    /// of four keys, the last one to three keys one at a time.
+    ///
+    /// # Safety
+    /// `q` holds `R` rows of `hd`, `s` `R` rows of `n`, `keys` `n` rows of `hd` (f32, or f16 with
+    /// `F16`); `hd` is a multiple of 8; the CPU has the callers' features.
+    #[inline(always)]
+    unsafe fn key_blocks<const R: usize, const F16: bool>(q: &[f32], keys: *const u8, hd: usize, n: usize, s: &mut [f32]) {
+        let q = q.as_ptr();
+        let mut j = 0;
+        // SAFETY (both): keys j..j + K of the n, c + 8 <= hd, rows i < R: the caller's sizes.
+        while j + 4 <= n {
+            unsafe {
+                let acc = dot_keys::<R, 4, F16>(q, keys, hd, j);
+                for (i, a) in acc.iter().enumerate() {
+                    _mm_storeu_ps(s.as_mut_ptr().add(i * n + j), hsum8x4(a));
+                }
+            }
+            j += 4;
+        }
+        while j < n {
+            unsafe {
+                let acc = dot_keys::<R, 1, F16>(q, keys, hd, j);
+                for (i, a) in acc.iter().enumerate() {
+                    s[i * n + j] = hsum8(a[0]);
+                }
+            }
+            j += 1;
+        }
+    }
+
+    /// `q_i . k_j` for the `R` rows from `q` and the `K` keys from key `j0`, as vectors of eight
+    /// partial sums.
+    ///
+    /// # Safety
+    /// As [`key_blocks`], and keys `j0..j0 + K` exist.
+    #[inline(always)]
+    unsafe fn dot_keys<const R: usize, const K: usize, const F16: bool>(q: *const f32, keys: *const u8, hd: usize, j0: usize) -> [[__m256; K]; R] {
+        let mut acc = [[_mm256_setzero_ps(); K]; R];
+        for c in (0..hd).step_by(8) {
+            for k in 0..K {
+                // SAFETY: the caller's sizes (c + 8 <= hd, key j0 + k, row i).
+                unsafe {
+                    let kv = load8::<F16>(keys, (j0 + k) * hd + c);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(i * hd + c)), kv, a[k]);
+                    }
+                }
+            }
+        }
+        acc
+    }
+
+    /// [`hsum8`] of each of four vectors, together: `[hsum8(a[0]), .., hsum8(a[3])]`, in its order
+    /// of additions (`x_i + x_(i+4)`, then lanes 0 + 2 and 1 + 3, then those two), so the same bits.
+    #[inline(always)]
+    unsafe fn hsum8x4(a: &[__m256; 4]) -> __m128 {
+        // SAFETY: registers only (the callers have AVX).
+        unsafe {
+            // [a.y | b.y] and [c.y | d.y], y_i = x_i + x_(i+4).
+            let ab = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a[0], a[1]), _mm256_permute2f128_ps::<0x31>(a[0], a[1]));
+            let cd = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a[2], a[3]), _mm256_permute2f128_ps::<0x31>(a[2], a[3]));
+            // Per half: [y0 + y2, y1 + y3] of a and c (b and d in the upper half).
+            let w = _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(ab, cd), _mm256_shuffle_ps::<0b11_10_11_10>(ab, cd));
+            // Per half: [a, c, a, c] (upper: b, d), then interleaved into [a, b, c, d].
+            let z = _mm256_hadd_ps(w, w);
+            _mm_unpacklo_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps::<1>(z))
+        }
+    }
+
+    /// [`super::weighted_sum`], `hd` a multiple of 8: blocks of up to three rows by 32 values
+    /// (four vectors: a cache line of f16 values; four rows by 16) summed in registers over
+    /// every key: 12 independent FMA chains for three rows, 8 for four. Before, one vector of each row at a time, so
+    /// three rows (SmolLM2) were three FMA chains, waiting on the FMA's latency.
+    ///
+    /// Every output is `fma(p_j, v_j, acc)` over the keys in order from 0, as before.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn weighted_sum(p: &[f32], values: &[f32], hd: usize, out: &mut [f32]) {
         // SAFETY: the caller's (AVX2, FMA, whole vectors); `values` holds `len` f32.
@@ -538,42 +608,76 @@ mod x86 {
     unsafe fn weighted_sum_of<const F16: bool>(p: &[f32], values: *const u8, len: usize, hd: usize, out: &mut [f32]) {
         let n = len / hd;
         let rows = p.len() / n.max(1);
-        for r0 in (0..rows).step_by(8) {
+        assert!(
+            hd.is_multiple_of(8) && len == n * hd && p.len() == rows * n && out.len() >= rows * hd,
+            "x86::weighted_sum: {} weights, {len} values of {hd}, {} outputs",
+            p.len(),
+            out.len()
+        );
+        for r0 in (0..rows).step_by(4) {
             let (p, out) = (&p[r0 * n..], &mut out[r0 * hd..]);
-            // SAFETY (each): the rows exist (`rows - r0` of them), `hd` is a multiple of 8.
+            // SAFETY (each): `rows - r0` rows of `n` weights and `hd` outputs from `p` and `out`
+            // (asserted), `values` `n` rows of `hd`, `hd` a multiple of 8.
             unsafe {
                 match rows - r0 {
-                    1 => strips::<1, F16>(p, values, len, hd, n, out),
-                    2 => strips::<2, F16>(p, values, len, hd, n, out),
-                    3 => strips::<3, F16>(p, values, len, hd, n, out),
-                    4 => strips::<4, F16>(p, values, len, hd, n, out),
-                    5 => strips::<5, F16>(p, values, len, hd, n, out),
-                    6 => strips::<6, F16>(p, values, len, hd, n, out),
-                    7 => strips::<7, F16>(p, values, len, hd, n, out),
-                    _ => strips::<8, F16>(p, values, len, hd, n, out),
+                    1 => strips::<1, F16>(p, values, hd, n, out),
+                    2 => strips::<2, F16>(p, values, hd, n, out),
+                    3 => strips::<3, F16>(p, values, hd, n, out),
+                    _ => strips::<4, F16>(p, values, hd, n, out),
                 }
             }
         }
     }
 
-    /// `R` rows of [`weighted_sum`] (`p` and `out` start at the first) over `len` values.
+    /// `R` rows of [`weighted_sum`] (`p` and `out` start at the first): 32 values at a time (16
+    /// for four rows), then 16, then 8.
+    ///
+    /// # Safety
+    /// `p` holds `R` rows of `n` weights, `out` `R` rows of `hd`, `values` `n` rows of `hd` (f32,
+    /// or f16 with `F16`); `hd` is a multiple of 8; the CPU has the callers' features.
     #[inline(always)]
-    unsafe fn strips<const R: usize, const F16: bool>(p: &[f32], values: *const u8, len: usize, hd: usize, n: usize, out: &mut [f32]) {
-        assert!(p.len() >= R * n && out.len() >= R * hd && len >= n * hd && hd.is_multiple_of(8));
-        for c in (0..hd).step_by(8) {
-            let mut acc = [_mm256_setzero_ps(); R];
-            for j in 0..n {
-                // SAFETY: j < n and c + 8 <= hd (asserted): within `values`; i < R rows of `p`.
-                unsafe {
-                    let v = load8::<F16>(values, j * hd + c);
-                    for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.get_unchecked(i * n + j)), v, *a);
+    unsafe fn strips<const R: usize, const F16: bool>(p: &[f32], values: *const u8, hd: usize, n: usize, out: &mut [f32]) {
+        let (p, o) = (p.as_ptr(), out.as_mut_ptr());
+        let mut c = 0;
+        // SAFETY (each): c + 8 * S <= hd; the caller's sizes. Four vectors a row for up to three
+        // rows (12 accumulators); four rows of four would spill AVX2's 16 registers (they
+        // measured slower than four rows of two).
+        while R <= 3 && c + 32 <= hd {
+            unsafe { columns::<R, 4, F16>(p, values, hd, n, o, c) };
+            c += 32;
+        }
+        while c + 16 <= hd {
+            unsafe { columns::<R, 2, F16>(p, values, hd, n, o, c) };
+            c += 16;
+        }
+        if c < hd {
+            unsafe { columns::<R, 1, F16>(p, values, hd, n, o, c) };
+        }
+    }
+
+    /// Values `c..c + 8 * S` of `R` output rows: their sums over the `n` keys in registers.
+    ///
+    /// # Safety
+    /// As [`strips`], and `c + 8 * S <= hd`.
+    #[inline(always)]
+    unsafe fn columns<const R: usize, const S: usize, const F16: bool>(p: *const f32, values: *const u8, hd: usize, n: usize, o: *mut f32, c: usize) {
+        let mut acc = [[_mm256_setzero_ps(); S]; R];
+        for j in 0..n {
+            // SAFETY: key j < n, values c..c + 8 * S of its row, rows i < R: the caller's sizes.
+            unsafe {
+                let v: [__m256; S] = std::array::from_fn(|t| load8::<F16>(values, j * hd + c + 8 * t));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let w = _mm256_set1_ps(*p.add(i * n + j));
+                    for t in 0..S {
+                        a[t] = _mm256_fmadd_ps(w, v[t], a[t]);
                     }
                 }
             }
-            for (i, a) in acc.iter().enumerate() {
-                // SAFETY: i < R rows and c + 8 <= hd: within `out` (asserted).
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i * hd + c), *a) };
+        }
+        for (i, a) in acc.iter().enumerate() {
+            for (t, a) in a.iter().enumerate() {
+                // SAFETY: row i < R, values c + 8t..c + 8t + 8 <= hd: within `out`.
+                unsafe { _mm256_storeu_ps(o.add(i * hd + c + 8 * t), *a) };
             }
         }
     }

@@ -279,7 +279,11 @@ fn gamma(d: usize) -> f64 {
 /// The shapes of the kernel tests: (head_dim, rows, keys), head dims around the vector
 /// widths (4, 8, 16 values) and the models' (64, 128, 256), rows across the blocks in
 /// registers (4 on NEON, 8 on AVX2), keys across 4-key steps.
-const SHAPES: [(usize, usize, usize); 9] = [(4, 1, 1), (4, 3, 5), (8, 2, 7), (12, 5, 9), (20, 9, 4), (64, 3, 37), (128, 8, 13), (256, 2, 6), (64, 4, 512)];
+/// (head_dim, rows, keys): odd and even counts of vectors (56 is 32 + 16 + 8 values, the vector
+/// kernels' three strip widths), rows and keys past their blocks (x86 takes three rows and four
+/// keys at a time), and a whole tile of keys.
+const SHAPES: [(usize, usize, usize); 10] =
+    [(4, 1, 1), (4, 3, 5), (8, 2, 7), (12, 5, 9), (20, 9, 4), (56, 5, 10), (64, 3, 37), (128, 8, 13), (256, 2, 6), (64, 4, 512)];
 
 /// Every path's `dots` against f64: a scalar product computed with `d` roundings at most
 /// per term is within `gamma_d * sum |q_i k_i|` of the exact one, `d` per path: the plain
@@ -311,6 +315,30 @@ fn dots_are_within_their_rounding_bound_on_every_path() {
                 let got = s[r * n + j] as f64;
                 assert!((got - exact).abs() <= (gamma(roundings(hd)) + 1e-12) * abs, "{name} hd {hd} row {r} key {j}: {got} vs {exact}");
             }
+        }
+    }
+}
+
+/// x86's scores are, key by key, [`crate::kernels::hsum8`] of the key's eight lane chains
+/// `fma(q_c, k_c, acc)` in order, whichever block of keys and rows it is computed in: the
+/// same bits as one key and one row at a time (the lanes emulated with `f32::mul_add`).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn x86_dots_are_each_key_s_own_lane_sums() {
+    if !super::super::rows::avx2_fma() {
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+    for (hd, rows, n) in SHAPES.into_iter().filter(|s| s.0 % 8 == 0) {
+        let (q, keys) = (random(&mut rng, rows * hd, 3.0), random(&mut rng, n * hd, 3.0));
+        let mut s = vec![f32::NAN; rows * n];
+        // SAFETY: AVX2 and FMA (checked), `hd` a multiple of 8, the sizes as `dots` takes them.
+        unsafe { x86::dots(&q, &keys, hd, &mut s) };
+        for (r, j) in (0..rows).flat_map(|r| (0..n).map(move |j| (r, j))) {
+            let lane = |l: usize| (l..hd).step_by(8).fold(0f32, |a, d| q[r * hd + d].mul_add(keys[j * hd + d], a));
+            let y: [f32; 4] = std::array::from_fn(|i| lane(i) + lane(i + 4));
+            let want = (y[0] + y[2]) + (y[1] + y[3]);
+            assert_eq!(s[r * n + j].to_bits(), want.to_bits(), "hd {hd} rows {rows} keys {n}: row {r} key {j}");
         }
     }
 }
