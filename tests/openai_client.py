@@ -3,15 +3,18 @@
 
     python3 tests/openai_client.py BASE_URL            # the checks; prints "ok"
     python3 tests/openai_client.py BASE_URL --bench N  # aggregate decode tokens/s of 1 and N streams
+    python3 tests/openai_client.py BASE_URL --bench N --raw  # the same, read by a light client
 
 The checks: /v1/models lists the model; chat (streamed and not) and completions (streamed and
 not) answer, a stream's text is the whole answer's; four concurrent greedy streams each give
 the text their conversation gives alone; a bad request is a 400 the client raises.
 """
+import http.client
 import json
 import sys
 import threading
 import time
+import urllib.parse
 
 import openai
 
@@ -40,6 +43,29 @@ def chat_stream(c, question, max_tokens=24, times=None):
             if times is not None:
                 times.append(time.monotonic())
             text += delta
+    return text
+
+
+def chat_stream_raw(base, question, max_tokens, times):
+    """`chat_stream` without the `openai` client: the events read off the socket and each
+    parsed with `json` only, so that a benchmark can tell the server's own cost from its
+    client's, which shares the server's cores (`docs/server.md`)."""
+    u = urllib.parse.urlparse(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    body = json.dumps({"model": "any", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "stream": True})
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200, r.status
+    text = ""
+    for line in r:
+        if not line.startswith(b"data: {"):
+            continue
+        choices = json.loads(line[6:]).get("choices") or [{}]
+        delta = choices[0].get("delta", {}).get("content")
+        if delta:
+            times.append(time.monotonic())
+            text += delta
+    conn.close()
     return text
 
 
@@ -80,8 +106,9 @@ def checks(base):
     print("ok")
 
 
-def bench(base, n, tokens=128, rounds=3):
-    """Aggregate decode tokens/s of `n` concurrent streams against one, `rounds` times each."""
+def bench(base, n, raw=False, tokens=128, rounds=3):
+    """Aggregate decode tokens/s of `n` concurrent streams against one, `rounds` times each
+    (`raw`: read by `chat_stream_raw`, not the `openai` client)."""
     out = []
     for r in range(rounds):
         for streams in (1, n):
@@ -89,7 +116,11 @@ def bench(base, n, tokens=128, rounds=3):
 
             def run(i):
                 # Distinct prompts; long answers (no early stop token expected at this length).
-                chat_stream(client(base), f"Write a long story about a lighthouse keeper, part {i + 1}.", tokens, times[i])
+                question = f"Write a long story about a lighthouse keeper, part {i + 1}."
+                if raw:
+                    chat_stream_raw(base, question, tokens, times[i])
+                else:
+                    chat_stream(client(base), question, tokens, times[i])
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
             [t.start() for t in threads]
@@ -105,6 +136,6 @@ def bench(base, n, tokens=128, rounds=3):
 if __name__ == "__main__":
     base = sys.argv[1]
     if len(sys.argv) > 3 and sys.argv[2] == "--bench":
-        bench(base, int(sys.argv[3]))
+        bench(base, int(sys.argv[3]), raw="--raw" in sys.argv[4:])
     else:
         checks(base)
