@@ -231,10 +231,9 @@ unsafe fn block_q8_0<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R
 /// FMA by `d_w d_x` and one by `m_w` times `d_x sum_x` (the eight blocks' `d` and `m` converted
 /// once for every row; `d_x sum_x` the activation's own, `Q8Activation::mins`). The transpose is
 /// shared by the rows, so a row adds about 11 instructions per eight blocks, where summing each
-/// block's lanes took 31. A last group of more than [`SHORT_BY_BLOCKS`] blocks takes zeros in
-/// the missing lanes (nibbles, `d`, `m` and, in the activation's padding, values: `acc + 0 *
-/// 0`); fewer go block by block ([`block_q4_1`]: SmolLM2's rows of 18 blocks, 1.15-1.25x
-/// faster so).
+/// block's lanes took 31. A last group of
+/// fewer than eight blocks takes zeros in the missing lanes (nibbles, `d`, `m` and, in the
+/// activation's padding, values: `acc + 0 * 0`).
 ///
 /// # Safety
 /// As the callers', for the `nb` blocks at `w`; inlined only into them (their features).
@@ -253,50 +252,10 @@ unsafe fn rows_dot_q4_1<const R: usize, const VNNI: bool>(w: *const u8, nb: usiz
             }
             group_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * b), 8, &x, b, &mut acc);
         }
-        let tail = nb % 8;
-        if tail > SHORT_BY_BLOCKS {
-            group_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * (nb - tail)), tail, &x, nb - tail, &mut acc);
+        if !nb.is_multiple_of(8) {
+            group_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * (nb - nb % 8)), nb % 8, &x, nb - nb % 8, &mut acc);
         }
-        let mut mins = [0f32; R];
-        if tail <= SHORT_BY_BLOCKS {
-            for b in nb - tail..nb {
-                block_q4_1::<R, VNNI>(w, &x, b, &mut acc, &mut mins);
-            }
-        }
-        std::array::from_fn(|r| hsum(acc[r]) + mins[r])
-    }
-}
-
-/// A last group of at most this many Q4_1 blocks goes block by block ([`block_q4_1`]): a group
-/// costs its eight blocks' work whatever it holds, and SmolLM2's K of 576 (18 blocks) leaves
-/// two. Fixed, not chosen by the number of rows: a row's bits must not depend on the batch.
-const SHORT_BY_BLOCKS: usize = 3;
-
-/// One Q4_1 block `b` of the row at `w` against every row of `x`, as [`block_q8_0`]: the block's
-/// 32 nibbles unpacked in value order once, then per row its integer dot in eight lanes of four
-/// values (`vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`: the same lanes, exact) onto the row's
-/// accumulator by `d_w d_x`, and the minimum term `m_w d_x sum_x` onto the row's `mins`.
-///
-/// # Safety
-/// Block `b` is in the row at `w` and in every `x[r]` (its values, scale and product `mins`).
-#[inline(always)]
-unsafe fn block_q4_1<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R], b: usize, acc: &mut [__m256; R], mins: &mut [f32; R]) {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let blk = w.add(Q4_1_BLOCK_BYTES * b);
-        let qs = _mm_loadu_si128(blk.add(4).cast());
-        // Byte i holds value i (low nibble) and value 16 + i (high).
-        let mask = _mm_set1_epi8(0x0F);
-        let wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(qs), mask), _mm_and_si128(qs, mask));
-        let dw = _mm256_cvtph_ps(_mm_set1_epi16(blk.cast::<i16>().read_unaligned()));
-        let mw = f16_to_f32(blk.add(2).cast::<u16>().read_unaligned());
-        for r in 0..R {
-            let xq = _mm256_loadu_si256(x[r].q.add(QK * b).cast());
-            let dot =
-                if VNNI { _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xq) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xq), _mm256_set1_epi16(1)) };
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(*x[r].d.add(b))), acc[r]);
-            mins[r] = mw.mul_add(*x[r].m.add(b), mins[r]);
-        }
+        acc.map(|a| hsum(a))
     }
 }
 
