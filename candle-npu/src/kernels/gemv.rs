@@ -93,10 +93,6 @@ pub struct Q8Activation {
     /// most of a batched row's work). Written with `q`, once per token, and read by every
     /// weight row.
     groups: Vec<i8>,
-    /// Per block, `scales * sums` (the f32 product of the scale and the sum as f32), for the x86
-    /// Q4_1 kernel's minimum term `m_w d_x sum_x`: the product it took per block and weight row
-    /// (a `cvt` and a `mul`), now once per token, the same bits. Derived with `groups`.
-    mins: Vec<f32>,
 }
 
 impl Q8Activation {
@@ -132,15 +128,13 @@ impl Q8Activation {
     /// An activation from its parts (`q` and `scales` block for block, `sums` as [`Q8Activation`]
     /// says), with the kernels' second layout of `q` derived.
     pub fn from_parts(scales: Vec<f32>, q: Vec<i8>, sums: Vec<i32>) -> Self {
-        let mut a = Q8Activation { scales, q, sums, groups: Vec::new(), mins: Vec::new() };
+        let mut a = Q8Activation { scales, q, sums, groups: Vec::new() };
         a.group();
         a
     }
 
-    /// Fills `groups` from `q` and `mins` from `scales` and `sums` (see the fields).
+    /// Fills `groups` from `q` (see the field).
     fn group(&mut self) {
-        self.mins.clear();
-        self.mins.extend(self.scales.iter().zip(&self.sums).map(|(&d, &s)| d * s as f32));
         let nb = self.q.len() / QK;
         self.groups.clear();
         self.groups.resize(nb.div_ceil(8) * 256, 0);
@@ -333,11 +327,10 @@ pub fn gemv_q4_1_on(path: GemvPath, w: &[u8], k: usize, x: &Q8Activation, rows: 
     assert!(path.runs_here(), "gemv_q4_1: this CPU cannot run {path:?}");
     assert_sums("gemv_q4_1", x);
     assert_groups("gemv_q4_1", x, true);
-    assert_mins("gemv_q4_1", x, true);
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); `w` is `out.len()` whole rows
-        // of `nb` blocks and the activation has `nb` blocks (`checked_rows`) and `nb` sums and products
+        // of `nb` blocks and the activation has `nb` blocks (`checked_rows`) and `nb` sums
         // (asserted above).
         GemvPath::Avx2 => unsafe { x86::gemv_q4_1_avx2::<1>(w, nb, [x], [out]) },
         #[cfg(target_arch = "x86_64")]
@@ -402,22 +395,6 @@ fn assert_groups(name: &str, x: &Q8Activation, values: bool) {
             (0..8).all(|t| x.groups[at + 32 * t..at + 32 * t + 4] == qb[4 * t..4 * t + 4])
         });
         assert!(same, "{name}: the activation's values were changed after it was built (build it again: Q8Activation::from_parts)");
-    }
-}
-
-/// That `x` has the minimum terms' products of its blocks (the x86 Q4_1 kernel reads them): their
-/// count always, their values too where `values` (as [`assert_groups`]).
-fn assert_mins(name: &str, x: &Q8Activation, values: bool) {
-    assert_eq!(
-        x.mins.len(),
-        x.scales.len(),
-        "{name}: the activation has {} block products for {} blocks (Q8Activation::from_parts builds them)",
-        x.mins.len(),
-        x.scales.len()
-    );
-    if values {
-        let same = x.scales.iter().zip(&x.sums).zip(&x.mins).all(|((&d, &s), &m)| (d * s as f32).to_bits() == m.to_bits());
-        assert!(same, "{name}: the activation's scales or sums were changed after it was built (build it again: Q8Activation::from_parts)");
     }
 }
 

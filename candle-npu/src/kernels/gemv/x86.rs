@@ -28,12 +28,11 @@ struct Act {
     g: *const i8,
     d: *const f32,
     s: *const i32,
-    m: *const f32,
 }
 
 impl Act {
     fn of(x: &Q8Activation) -> Self {
-        Act { q: x.q.as_ptr(), g: x.groups.as_ptr(), d: x.scales.as_ptr(), s: x.sums.as_ptr(), m: x.mins.as_ptr() }
+        Act { q: x.q.as_ptr(), g: x.groups.as_ptr(), d: x.scales.as_ptr(), s: x.sums.as_ptr() }
     }
 }
 
@@ -62,7 +61,7 @@ pub(super) unsafe fn gemv_q8_0_vnni<const R: usize>(w: &[u8], nb: usize, x: [&Q8
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `w` is `out[i].len()` whole rows of `nb` Q4_1 blocks for
-/// every `i`; each `x[i]` has `nb` blocks, `nb` sums and `nb` products `mins`.
+/// every `i`; each `x[i]` has `nb` blocks and `nb` sums.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn gemv_q4_1_avx2<const R: usize>(w: &[u8], nb: usize, x: [&Q8Activation; R], out: [&mut [f32]; R]) {
     // SAFETY: the caller's contract, passed on; the CPU has the features.
@@ -229,9 +228,8 @@ unsafe fn block_q8_0<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R
 /// per row eight `vpdpbusd` (or `vpmaddubsw`, summed in i16, and one `vpmaddwd`) that leave the
 /// eight blocks' integer sums in eight i32 lanes, with no horizontal sums; then one `cvt`, one
 /// FMA by `d_w d_x` and one by `m_w` times `d_x sum_x` (the eight blocks' `d` and `m` converted
-/// once for every row; `d_x sum_x` the activation's own, `Q8Activation::mins`). The transpose is
-/// shared by the rows, so a row adds about 11 instructions per eight blocks, where summing each
-/// block's lanes took 31. A last group of
+/// once for every row). The transpose is shared by the rows, so a row adds about 13
+/// instructions per eight blocks, where summing each block's lanes took 31. A last group of
 /// fewer than eight blocks takes zeros in the missing lanes (nibbles, `d`, `m` and, in the
 /// activation's padding, values: `acc + 0 * 0`).
 ///
@@ -265,8 +263,7 @@ unsafe fn rows_dot_q4_1<const R: usize, const VNNI: bool>(w: *const u8, nb: usiz
 /// touched).
 ///
 /// # Safety
-/// `n` blocks at `w`; each `x[r]` has blocks `b..b + n`, their products `mins` and the group of
-/// `b`.
+/// `n` blocks at `w`; each `x[r]` has blocks `b..b + n` and the group of `b`.
 #[inline(always)]
 unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x: &[Act; R], b: usize, acc: &mut [__m256; R]) {
     // SAFETY: the caller's contract; registers otherwise.
@@ -314,15 +311,13 @@ unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x
                 let pairs = (1..8).fold(_mm256_maddubs_epi16(nib[0], xv(0)), |s, t| _mm256_add_epi16(s, _mm256_maddubs_epi16(nib[t], xv(t))));
                 _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
             };
-            let (dx, dxs) = if n == 8 {
-                (_mm256_loadu_ps(x.d.add(b)), _mm256_loadu_ps(x.m.add(b)))
+            let (dx, xs) = if n == 8 {
+                (_mm256_loadu_ps(x.d.add(b)), _mm256_loadu_si256(x.s.add(b).cast()))
             } else {
-                (_mm256_maskload_ps(x.d.add(b), lanes), _mm256_maskload_ps(x.m.add(b), lanes))
+                (_mm256_maskload_ps(x.d.add(b), lanes), _mm256_maskload_epi32(x.s.add(b), lanes))
             };
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), acc[r]);
-            // `d_x sum_x` as the activation holds it (`Q8Activation::mins`): the product this
-            // took per row and group, once per token.
-            acc[r] = _mm256_fmadd_ps(mw, dxs, acc[r]);
+            acc[r] = _mm256_fmadd_ps(mw, _mm256_mul_ps(dx, _mm256_cvtepi32_ps(xs)), acc[r]);
         }
     }
 }
