@@ -586,8 +586,9 @@ mod x86 {
 
     /// [`super::weighted_sum`], `hd` a multiple of 8: blocks of up to three rows by 32 values
     /// (four vectors: a cache line of f16 values; four rows by 16) summed in registers over
-    /// every key: 12 independent FMA chains for three rows, 8 for four. Before, one vector of each row at a time, so
-    /// three rows (SmolLM2) were three FMA chains, waiting on the FMA's latency.
+    /// every key: 12 independent FMA chains for three rows, 8 for four. Before, one vector of
+    /// each row at a time, so three rows (SmolLM2) were three FMA chains, waiting on the FMA's
+    /// latency.
     ///
     /// Every output is `fma(p_j, v_j, acc)` over the keys in order from 0, as before.
     #[target_feature(enable = "avx2,fma")]

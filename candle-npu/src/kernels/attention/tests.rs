@@ -277,11 +277,9 @@ fn gamma(d: usize) -> f64 {
 }
 
 /// The shapes of the kernel tests: (head_dim, rows, keys), head dims around the vector
-/// widths (4, 8, 16 values) and the models' (64, 128, 256), rows across the blocks in
-/// registers (4 on NEON, 8 on AVX2), keys across 4-key steps.
-/// (head_dim, rows, keys): odd and even counts of vectors (56 is 32 + 16 + 8 values, the vector
-/// kernels' three strip widths), rows and keys past their blocks (x86 takes three rows and four
-/// keys at a time), and a whole tile of keys.
+/// widths (4, 8, 16 values; 56 is x86's three strip widths, 32 + 16 + 8) and the models' (64,
+/// 128, 256), rows across the blocks in registers (4 on NEON; on x86 3 for the scores, 3 or 4
+/// for the weighted sums), keys across 4-key steps, and a whole tile of keys.
 const SHAPES: [(usize, usize, usize); 10] =
     [(4, 1, 1), (4, 3, 5), (8, 2, 7), (12, 5, 9), (20, 9, 4), (56, 5, 10), (64, 3, 37), (128, 8, 13), (256, 2, 6), (64, 4, 512)];
 
