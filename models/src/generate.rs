@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use candle_core::Tensor;
 use candle_npu::{Error, Result};
-use candle_transformers::generation::Sampling;
+use candle_transformers::generation::{LogitsProcessor, Sampling};
 
-use crate::logits::logits_f32;
+use crate::logits::{argmax, logits_f32};
 use crate::pipeline::Pipeline;
 use crate::speculative::{SpeculationStats, Speculative};
 
@@ -142,6 +142,32 @@ impl Pipeline {
     }
 }
 
+/// A conversation's sampler: candle's `LogitsProcessor` with its seed, over [`penalized`]
+/// logits. One for [`Pipeline::generate`] (its session loop) and the server's engine
+/// (`crate::serve`), so that the two answer token for token alike.
+pub(crate) struct Sampler {
+    greedy: bool,
+    candle: LogitsProcessor,
+}
+
+impl Sampler {
+    pub(crate) fn new(opts: &GenerateOptions) -> Sampler {
+        let sampling = opts.sampling();
+        Sampler { greedy: matches!(sampling, Sampling::ArgMax), candle: LogitsProcessor::from_sampling(opts.seed, sampling) }
+    }
+
+    /// The next token after `tokens` (the prompt and the answer so far) from `logits`. Greedy
+    /// takes [`argmax`], which is candle's argmax read in place (its sampler draws no random
+    /// number there, so nothing else changes).
+    pub(crate) fn next(&mut self, logits: &Tensor, tokens: &[u32], textless: &[u32], opts: &GenerateOptions) -> Result<u32> {
+        let logits = penalized(logits, tokens, textless, opts)?;
+        if self.greedy {
+            return argmax(&logits);
+        }
+        Ok(self.candle.sample(&logits)?)
+    }
+}
+
 /// `logits` with the repeat penalty over the conversation's last tokens, and the ids without
 /// text (`textless`: padding rows of the embedding) at minus infinity, so no sampler picks one.
 pub(crate) fn penalized(logits: &Tensor, tokens: &[u32], textless: &[u32], opts: &GenerateOptions) -> Result<Tensor> {
@@ -168,7 +194,6 @@ const REPEAT_PENALTY: std::ops::RangeInclusive<f32> = 0.01..=100.0;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::logits::argmax;
 
     #[test]
     fn a_repeat_penalty_that_would_send_logits_to_infinity_is_refused() {

@@ -22,9 +22,8 @@ use std::thread::JoinHandle;
 
 use candle_core::Tensor;
 use candle_npu::{Error, Result};
-use candle_transformers::generation::LogitsProcessor;
 
-use crate::generate::{penalized, GenerateOptions, StopReason};
+use crate::generate::{GenerateOptions, Sampler, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
 use crate::sequence::Sequence;
 
@@ -139,7 +138,7 @@ struct Active {
     next: u32,
     prompt_tokens: usize,
     generated: usize,
-    sampler: LogitsProcessor,
+    sampler: Sampler,
     stream: TextStream,
     opts: GenerateOptions,
     events: Box<dyn FnMut(Event) -> bool + Send>,
@@ -204,7 +203,7 @@ fn admit(p: &Pipeline, mut r: Request) -> Option<Active> {
             return None;
         }
     };
-    let sampler = LogitsProcessor::from_sampling(r.opts.seed, r.opts.sampling());
+    let sampler = Sampler::new(&r.opts);
     let prompt_tokens = r.prompt.len();
     let mut a = Active { seq, tokens: r.prompt, next: 0, prompt_tokens, generated: 0, sampler, stream: TextStream::new(), opts: r.opts, events: r.events };
     advance(p, &mut a, &logits).then_some(a)
@@ -240,7 +239,7 @@ fn step(p: &Pipeline, active: &mut Vec<Active>) {
 /// Samples `a`'s next token from `logits` and sends its text, as [`crate::Pipeline::generate`]
 /// does; whether the conversation goes on (its token then pending for the next step).
 fn advance(p: &Pipeline, a: &mut Active, logits: &Tensor) -> bool {
-    let next = match penalized(logits, &a.tokens, &p.textless, &a.opts).and_then(|l| Ok(a.sampler.sample(&l)?)) {
+    let next = match a.sampler.next(logits, &a.tokens, &p.textless, &a.opts) {
         Ok(t) => t,
         Err(e) => {
             (a.events)(Event::Error(e.to_string()));

@@ -25,12 +25,11 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use candle_npu::{Error, Result};
-use candle_transformers::generation::LogitsProcessor;
 use sha2::{Digest, Sha256};
 
 use crate::attention::{KvCache, KvType};
 use crate::chat::Message;
-use crate::generate::{penalized, GenerateOptions, GenerateStats, StopReason};
+use crate::generate::{GenerateOptions, GenerateStats, Sampler, StopReason};
 use crate::pipeline::{Pipeline, TextStream};
 use crate::sequence::Sequence;
 use crate::speculative::{DraftState, Drafter, Proposer, SpeculationStats, Speculative, Verify};
@@ -248,7 +247,7 @@ fn answer(
     let mut logits = p.model.prefill_sequence(seq, new, &Default::default())?;
     let prefill = t.elapsed();
     let mut tokens = ids.to_vec();
-    let mut sampler = LogitsProcessor::from_sampling(opts.seed, opts.sampling());
+    let mut sampler = Sampler::new(opts);
     let mut stream = TextStream::new();
     let (mut text, mut generated) = (String::new(), 0);
     let (mut ttft, mut stop) = (prefill, StopReason::SampleLen);
@@ -260,7 +259,7 @@ fn answer(
     let (mut spec, mut in_pass) = (SpeculationStats::default(), 0);
     let t = Instant::now();
     while generated < opts.sample_len {
-        let next = sampler.sample(&penalized(&logits, &tokens, &p.textless, opts)?)?;
+        let next = sampler.next(&logits, &tokens, &p.textless, opts)?;
         if generated == 0 {
             ttft = prefill + t.elapsed();
         }
