@@ -1,6 +1,6 @@
 //! INT8 GEMM of the host executor on SmolLM2's prefill shapes (chunk of 256 rows), the row
 //! kernels that cost most beside it (softmax over a 1024-key row), and the whole SmolLM2 prefill
-//! on the host executor.
+//! on the host executor; greedy sampling of a decode row.
 //! The side-by-side prefill table is `cargo run --release --example bench_prefill`.
 use candle_npu::kernels::PackedI8;
 use candle_npu_models::PrefillOptions;
@@ -155,5 +155,17 @@ fn attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, gemm, row_kernels, attention, prefill);
+/// Greedy sampling of one decode row: SmolLM2's 49,152 logits, candle's argmax against the one
+/// the engine and `Pipeline::generate` take (`logits::argmax`, the same index).
+fn sampling(c: &mut Criterion) {
+    let v: Vec<f32> = (0..49152u32).map(|i| ((i.wrapping_mul(2654435761) >> 8) % 10007) as f32 / 331.0).collect();
+    let t = candle_core::Tensor::new(v.as_slice(), &candle_core::Device::Cpu).unwrap();
+    let mut g = c.benchmark_group("sampling");
+    g.throughput(Throughput::Bytes((v.len() * 4) as u64));
+    g.bench_function("argmax_candle", |b| b.iter(|| t.argmax(candle_core::D::Minus1).unwrap().to_scalar::<u32>().unwrap()));
+    g.bench_function("argmax_in_place", |b| b.iter(|| candle_npu_models::logits::argmax(&t).unwrap()));
+    g.finish();
+}
+
+criterion_group!(benches, gemm, row_kernels, attention, prefill, sampling);
 criterion_main!(benches);

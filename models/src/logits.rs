@@ -45,8 +45,9 @@ pub fn argmax(logits: &Tensor) -> Result<u32> {
 }
 
 /// The index of `v`'s largest value as candle's scan finds it (see [`argmax`]); `None` when `v`
-/// is empty. The maximum is taken in 16 lanes (`c > m` keeps `m` for a NaN `c`, the select the
-/// compiler makes one vector max), then the first value equal to it is found.
+/// is empty. Two passes in 16 lanes (one pass keeping each lane's index measured 2.7x slower:
+/// it does not vectorize): the largest value (`x > m` keeps `m` for a NaN `x`, a select the
+/// compiler makes one vector max), then the first block of 16 holding it.
 fn first_max(v: &[f32]) -> Option<usize> {
     const LANES: usize = 16;
     let first = *v.first()?;
@@ -65,8 +66,8 @@ fn first_max(v: &[f32]) -> Option<usize> {
     }
     let max = m.iter().fold(first, |a, &b| if b > a { b } else { a });
     // The first equal value (0.0 and -0.0 are equal here, as under candle's `<`).
-    let at = v.chunks(LANES).position(|c| c.iter().fold(false, |any, &x| any | (x == max)))?;
-    Some(at * LANES + v[at * LANES..].iter().position(|&x| x == max)?)
+    let block = v.chunks_exact(LANES).position(|c| c.iter().fold(false, |any, &x| any | (x == max))).unwrap_or(v.len() / LANES);
+    Some(block * LANES + v[block * LANES..].iter().position(|&x| x == max)?)
 }
 
 #[cfg(test)]
