@@ -186,10 +186,12 @@ fn readme_question_on_the_default_hexagon_plan() {
     assert_eq!(htp.margin_device().stats().executions, 0, "no CPU margin");
     assert!(text.contains("Paris"), "hexagon: {text:?}");
     assert_eq!(text, predicted, "the answer the HTP numerics model predicts");
-    chats_through_the_library(&mut x, &mut m);
+    let alone = chats_through_the_library(&mut x, &mut m);
     assert_eq!(htp.stats().graphs_prepared, layers, "the chats ran on the README question's graphs");
     assert_eq!(htp.stats().fallbacks, 0);
-    drop(x);
+    conversations_at_once_through_the_library(x, &alone[..2]);
+    assert_eq!(htp.stats().graphs_prepared, layers, "the engine's prefills ran on the same graphs");
+    assert_eq!(htp.stats().fallbacks, 0);
     std::fs::remove_dir_all(&cache).unwrap();
     std::fs::create_dir_all(&cache).unwrap();
 
@@ -290,7 +292,9 @@ fn forced(p: &mut candle_npu_models::Pipeline, prompt: &[u32], tokens: &[u32]) -
 /// on the default plan: the same 16 greedy answer tokens (decode on the CPU after either
 /// prefill) up to a near tie of the model's own ([`NEAR_TIE`]), and no answer derailed (judged
 /// by the F32 prefill, `chat_eval::measure`).
-fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle_npu_models::Pipeline) {
+/// Returns each chat's prompt and the library's answer.
+fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle_npu_models::Pipeline) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let mut answers = vec![];
     let all = chat_eval::conversations().unwrap();
     let mut f32p = smollm2(&NpuDevice::host(), Precision::F32, DecodeWeights::Checkpoint);
     for id in LIBRARY_CHATS {
@@ -302,6 +306,37 @@ fn chats_through_the_library(x: &mut candle_npu_models::Pipeline, m: &mut candle
         eprintln!("{id}: library kl {:.4}, numerics model kl {:.4}: {text:?}", on_library.kl, on_model.kl);
         follows_the_model(id, &on_library.answer, &on_model.answer, m, &r.prompt);
         assert!(on_library.derail.is_none(), "{id}: derailed ({:?}) through the library: {text:?}", on_library.derail);
+        answers.push((r.prompt, on_library.answer));
+    }
+    answers
+}
+
+/// Conversations prefilled on the library by the server's engine (`serve::Engine`: the model
+/// shared, one sequence each, their decode steps batched) while the others decode: each answer
+/// is the one it gave alone (`alone`: prompts and greedy answers, a stop token last if one came).
+fn conversations_at_once_through_the_library(x: candle_npu_models::Pipeline, alone: &[(Vec<u32>, Vec<u32>)]) {
+    use candle_npu_models::serve::{Engine, Event, Limits, Request};
+    let x = std::sync::Arc::new(x);
+    let engine = Engine::start(x.clone(), Limits { sequences: alone.len(), queue: 0 }).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (i, (prompt, answer)) in alone.iter().enumerate() {
+        let tx = tx.clone();
+        let opts = GenerateOptions { sample_len: answer.len(), ..Default::default() };
+        let events = Box::new(move |e: Event| tx.send((i, e)).is_ok());
+        assert!(engine.submit(Request { prompt: prompt.clone(), opts, events }).is_ok(), "room for {} conversations", alone.len());
+    }
+    drop(tx);
+    let mut texts = vec![String::new(); alone.len()];
+    for (i, e) in rx {
+        match e {
+            Event::Text(t) => texts[i] += &t,
+            Event::Done(_) => {}
+            Event::Error(e) => panic!("conversation {i}: {e}"),
+        }
+    }
+    for (i, ((_, answer), text)) in alone.iter().zip(&texts).enumerate() {
+        let spoken: Vec<u32> = answer.iter().copied().filter(|t| !x.stop_tokens.contains(t)).collect();
+        assert_eq!(text, &x.decode_text(&spoken).unwrap(), "conversation {i} through the engine answered otherwise than alone");
     }
 }
 

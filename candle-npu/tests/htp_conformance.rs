@@ -987,32 +987,17 @@ fn lpbq_weights_on_the_library() {
             TensorData::F32(v) => v,
             other => panic!("F32 output, got {:?}", other.dtype()),
         };
-        let (host, model) = (run(&HostExecutor::new()), run(&HostExecutor::with_numerics(Numerics::Htp)));
+        // The x86 library's prepare of these graphs read past the encoding's arrays (one
+        // 256-output part in about 400 came back thousands of steps off, in about one run of
+        // this test in four, until they were padded: `executor::htp::build`); the executor
+        // still checks each LPBQ graph it prepares against the HTP numerics model.
+        let (lib, host, model) = (run(ex), run(&HostExecutor::new()), run(&HostExecutor::with_numerics(Numerics::Htp)));
         // In steps of each output's grid, beyond the Dequantize's FP16 rounding of the value
         // (2^-11 of it: a few steps where the grid's bound is far above the outputs).
         let off = |a: &[f32], b: &[f32]| {
             a.iter().zip(b).enumerate().fold(0f32, |worst, (i, (p, q))| worst.max(((p - q).abs() - fp16_step(q.abs())).max(0.0) / step[i % n]))
         };
         let max = exact.iter().fold(0f32, |a, v| a.max(v.abs()));
-        // The x86 library's prepare of these graphs is not deterministic (one 256-output part
-        // in about 400 came back thousands of steps off, in about one run of this test in four):
-        // the executor checks each LPBQ graph it prepares against the HTP numerics model and
-        // prepares a grossly wrong one again (`executor::htp::check`). Finer faults pass that
-        // check by design (measured 2026-12-03, once in 44 runs: a part 15.5 steps off the
-        // model, 0.006 of the output's range, where right builds are 0.0004-0.0007 here and
-        // whole layers' up to 0.01; 8-bit activations round by 0.004 of theirs). What this test
-        // claims is the encoding: a prepare within the check's bound but off the model is
-        // counted, and the graph prepared again (at most twice).
-        let mut lib = run(ex);
-        for again in 1..=2 {
-            let gap = lib.iter().zip(&model).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / model.iter().fold(0f32, |m, v| m.max(v.abs()));
-            if off(&lib, &model) <= 1.5 {
-                break;
-            }
-            assert!(gap <= 0.05, "{}: a prepare the executor's check let through is {gap} of the range off the model", g.name);
-            eprintln!("{}: prepare {again} off the model by {} steps ({gap:.4} of the range, within the executor's check): preparing it again", g.name, off(&lib, &model));
-            lib = run(ex);
-        }
         let parts = g.ops.iter().filter(|op| matches!(op, Op::FullyConnected { .. })).count();
         eprintln!(
             "{}: {parts} part(s), step {:e} of largest output {max:e}: library {} steps beyond FP16 from the LPBQ product, host {}, model {}; library from model {}",

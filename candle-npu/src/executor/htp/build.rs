@@ -142,11 +142,21 @@ impl Builder<'_> {
                 let q = match &spec.block_scales {
                     None => Qnn_QuantizeParams_t::axis_scale_offset(0, &mut so),
                     Some(b) => {
-                        let mut block_scales: Box<[u8]> = b.scales.clone().into_boxed_slice();
+                        // The x86 library reads both arrays as if the weight had `max(N, K)`
+                        // channels (caught 2026-12-03 with each array ending at an unmapped page:
+                        // its tensorCreateGraphTensor read scaleOffsets[N..K] and then K x blocks
+                        // block scales, [N, K] = [256, 576]), though its products use the first N.
+                        // What lay beyond our arrays was the heap: now and then it made the
+                        // prepare wrong, crashed it, or grew it to 22 GB (`check`). The arrays
+                        // are padded to `max(N, K)` channels, the real ones repeated.
+                        let (n, blocks) = (spec.shape[0], spec.shape[1] / b.block);
+                        let channels = n.max(spec.shape[1]);
+                        so = (0..channels).map(|c| so[c % n]).collect();
+                        let mut block_scales: Box<[u8]> = (0..channels * blocks).map(|i| b.scales[i % b.scales.len()]).collect();
                         let mut be = Box::new(Qnn_BlockwiseExpansion_t {
                             axis: 0,
                             scaleOffsets: so.as_mut_ptr(),
-                            numBlocksPerAxis: (spec.shape[1] / b.block) as u32,
+                            numBlocksPerAxis: blocks as u32,
                             blockScaleBitwidth: 4,
                             blockScaleStorageType: QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_8,
                             blocksScale: block_scales.as_mut_ptr().cast(),

@@ -1,17 +1,19 @@
 //! A graph the QNN library has just prepared, checked against the HTP numerics model before it
 //! is used or cached.
 //!
-//! Why: the x86 library's prepare of graphs with 4-bit LPBQ weights is not deterministic. About
-//! one 256-output FullyConnected part in 400 to 600 comes back wrong by thousands of output steps
-//! (up to the whole range), while the same graph prepared again is right, and a prepared graph
-//! gives the same values on every execution (measured 2026-11-29, QNN 2.40, SoC 57:
-//! `htp_conformance::lpbq_weights_on_the_library`, `docs/npu_weights.md`). Qwen2.5-Coder's
+//! Why: the x86 library's prepare of graphs with 4-bit LPBQ weights read past the encoding's
+//! per-channel arrays (it takes `max(N, K)` channels; `build.rs` pads them since 2026-12-03),
+//! and what lay beyond was the heap: about one 256-output FullyConnected part in 400 to 600 came
+//! back wrong by thousands of output steps (up to the whole range), while the same graph
+//! prepared again was right, and a prepared graph gave the same values on every execution
+//! (`htp_conformance::lpbq_weights_on_the_library`, `docs/npu_weights.md`). Qwen2.5-Coder's
 //! whole-layer graph holds 52 parts: 2 of its 24 layers came back wrong in one load, and its
 //! answer was garbage with nothing saying why. A wrong part is gross, so one execution on probe
 //! inputs against the numerics model (proven op by op against the library) finds it, and the
 //! executor prepares the graph again. The price, on the x86 emulator: one execution of the graph
 //! on the library and one on the model, about 3 s per SmolLM2 layer graph of 32 rows, 7 s per
-//! Qwen2.5-Coder one (its prepare alone: about 1 s); only on a cache miss.
+//! Qwen2.5-Coder one (its prepare alone: about 1 s); only on a cache miss. Kept with the cause
+//! fixed: a wrong build is silent garbage otherwise, and the library is a closed binary.
 //!
 //! Graphs without LPBQ weights are not checked: INT8 and float graphs were never seen wrong this
 //! way (every conformance test prepares them once).
