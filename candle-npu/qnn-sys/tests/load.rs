@@ -669,8 +669,12 @@ fn run_fc(lib: &'static QnnLibrary, soc: u32, enc: WeightEnc, act: Qnn_DataType_
     let sy = 2.0 * y_range / o_levels as f32;
 
     let mut so: Vec<Qnn_ScaleOffset_t> = cs.iter().map(|&scale| Qnn_ScaleOffset_t { scale, offset: 0 }).collect();
-    let mut scales8: Vec<u8> = block_scales.iter().map(|&v| v as u8).collect();
-    let mut scales16: Vec<u16> = block_scales.iter().map(|&v| v as u16).collect();
+    // The library reads a blockwise encoding's two arrays for max(N, K) channels (K here; its
+    // products use the first N): padded, the real ones repeated (candle-npu's executor/htp/build.rs).
+    let channels = N.max(K);
+    let mut so_padded: Vec<Qnn_ScaleOffset_t> = (0..channels).map(|c| so[c % N]).collect();
+    let mut scales8: Vec<u8> = (0..channels * nb).map(|i| block_scales[i % (N * nb)] as u8).collect();
+    let mut scales16: Vec<u16> = (0..channels * nb).map(|i| block_scales[i % (N * nb)] as u16).collect();
     let (wdt, mut wbytes, mut be) = match enc {
         WeightEnc::Blockwise { packed, scale_bits, .. } => {
             let bytes: Vec<u8> = match packed {
@@ -680,7 +684,7 @@ fn run_fc(lib: &'static QnnLibrary, soc: u32, enc: WeightEnc, act: Qnn_DataType_
             let wide = scale_bits > 8;
             let be = Qnn_BlockwiseExpansion_t {
                 axis: 0,
-                scaleOffsets: so.as_mut_ptr(),
+                scaleOffsets: so_padded.as_mut_ptr(),
                 numBlocksPerAxis: nb as u32,
                 blockScaleBitwidth: scale_bits,
                 blockScaleStorageType: if wide { QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_16 } else { QNN_BLOCKWISE_EXPANSION_BITWIDTH_SCALE_STORAGE_8 },
@@ -776,12 +780,11 @@ fn fc_weight_encodings_on(lib: &'static QnnLibrary, soc: u32) {
         Ok(r) => panic!("{enc:?} {act:#x} -> {out:#x} ran ({} steps off): the library changed", steps_off(&r)),
     };
 
-    // The library's prepare of LPBQ graphs is not deterministic (docs/npu_weights.md; the HTP
-    // executor checks each one and prepares it again): the same W4A16 graph comes out 0.71, 0.84
-    // or 2.3 steps off from prepare to prepare, and about one run of this binary in 30 (2026-12-01,
-    // two busy cores) had W4A8 some 128 steps off, once in CI. What is measured here is what the
-    // library computes, so a case that must be within one step is prepared again from a fresh
-    // runtime, up to three times, each miss printed, as the executor does.
+    // Until 2026-12-03 the library's prepare of LPBQ graphs read past the encoding's arrays (above;
+    // docs/npu_weights.md): the same W4A16 graph came out 0.71, 0.84 or 2.3 steps off from
+    // prepare to prepare, and about one run of this binary in 30 (2026-12-01, two busy cores) had
+    // W4A8 some 128 steps off, once in CI. A case that must be within one step is still prepared
+    // again from a fresh runtime, up to three times, each miss printed, as the executor checks.
     let within_one_step = |enc, act, out| {
         let mut offs = Vec::new();
         while offs.len() < 3 && offs.last().is_none_or(|&off| off > 1.0) {
