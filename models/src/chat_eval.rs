@@ -14,8 +14,8 @@
 //! control tokens and system prompt never occur in prose.
 
 use crate::chat::Message;
-use crate::generate::{penalized, GenerateOptions};
-use crate::logits::{argmax, logits_f32, mean_nll};
+use crate::generate::{GenerateOptions, Sampler};
+use crate::logits::{logits_f32, mean_nll};
 use crate::pipeline::Pipeline;
 use crate::PrefillOptions;
 use candle_npu::{Error, Result};
@@ -159,9 +159,10 @@ pub fn answer(p: &mut Pipeline, prompt: &[u32]) -> Result<(Vec<f32>, Vec<u32>)> 
     let mut logits = p.model.prefill(prompt, &PrefillOptions::default())?;
     let first = logits_f32(&logits)?;
     let greedy = GenerateOptions::default();
+    let mut sampler = Sampler::new(&greedy);
     let mut out = Vec::with_capacity(ANSWER_TOKENS);
     while out.len() < ANSWER_TOKENS {
-        let t = argmax(&penalized(&logits, &[], &p.textless, &greedy)?)?;
+        let t = sampler.next(&logits, &[], &p.textless, &greedy)?;
         out.push(t);
         if p.stop_tokens.contains(&t) || out.len() == ANSWER_TOKENS || p.model.position() + 1 >= p.model.config().context_len {
             break;
