@@ -31,9 +31,10 @@ pub fn logits_f32(logits: &Tensor) -> Result<Vec<f32>> {
 /// Top-1 token of one row of logits: the index candle's `argmax` gives (the first of the
 /// largest values; NaNs never win, except a NaN first value, which candle's scan never replaces).
 ///
-/// Why not candle's own: its scan compares and branches value by value, about 45 us for
-/// SmolLM2's 49,152 logits, which a server's greedy step pays per conversation (0.7% of a
-/// one-row decode step, 1.5% of a four-row one). An f32 row is read here in place, in lanes.
+/// Why not candle's own: its scan compares and branches value by value, 42 us for SmolLM2's
+/// 49,152 logits where this takes 9.2 (`cargo bench --bench prefill -- sampling`, 2026-12-03):
+/// a server's greedy step pays it per conversation (0.7% of a one-row decode step, 1.5% of a
+/// four-row one). An f32 row is read here in place, in lanes.
 pub fn argmax(logits: &Tensor) -> Result<u32> {
     let (storage, layout) = logits.storage_and_layout();
     if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), 1, Some((start, end))) = (&*storage, logits.rank(), layout.contiguous_offsets()) {
