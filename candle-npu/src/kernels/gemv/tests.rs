@@ -587,6 +587,41 @@ fn rows_together_are_each_rows_product_to_the_bit() {
     }
 }
 
+/// Q4_1's short last group (at most four blocks, `x86::short_q4_1`: each block's dot on its own)
+/// gives the bits of the eight-block group it replaces: the same K padded with zero blocks (zero
+/// weights, scales and activations) to a whole group, on both x86 paths, one to five rows at a
+/// time (the kernels' one, two and four), for every tail after zero to two whole groups.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn a_short_last_q4_1_group_is_the_padded_groups_product_to_the_bit() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    let n = 6;
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for path in [GemvPath::Avx2, GemvPath::Avx512].into_iter().filter(|p| p.runs_here()) {
+        for nb in (1..24).filter(|nb| nb % 8 != 0) {
+            let (k, padded) = (QK * nb, QK * nb.next_multiple_of(8));
+            let w = q4_1_weights(&mut rng, n, k);
+            // Each row's blocks, then as many zero blocks as make a whole group.
+            let row_bytes = |bytes: usize| w.chunks_exact(bytes / QK * Q4_1_BLOCK_BYTES);
+            let wp: Vec<u8> = row_bytes(k).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, (padded - k) / QK * Q4_1_BLOCK_BYTES))).collect();
+            let xs: Vec<Vec<f32>> = (0..5).map(|_| activations(&mut rng, k, true)).collect();
+            let short: Vec<Q8Activation> = xs.iter().map(|x| Q8Activation::quantize(x)).collect();
+            let whole: Vec<Q8Activation> = xs.iter().map(|x| Q8Activation::quantize(&[x.as_slice(), &vec![0.0; padded - k]].concat())).collect();
+            for m in 1..=xs.len() {
+                let run = |w: &[u8], k: usize, x: &[Q8Activation]| {
+                    let mut outs = vec![vec![f32::NAN; n]; m];
+                    let x: Vec<&Q8Activation> = x[..m].iter().collect();
+                    gemv_rows_on(path, BlockFormat::Q4_1, w, k, &x, 0..n, &mut outs.iter_mut().map(|o| o.as_mut_slice()).collect::<Vec<_>>());
+                    outs
+                };
+                for (i, (got, want)) in run(&w, k, &short).iter().zip(&run(&wp, padded, &whole)).enumerate() {
+                    assert_eq!(bits(got), bits(want), "{path:?}: {nb} blocks, row {i} of {m}: {got:?} {want:?}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn the_default_path_is_the_fastest_here() {
     #[cfg(target_arch = "aarch64")]

@@ -230,8 +230,9 @@ unsafe fn block_q8_0<const R: usize, const VNNI: bool>(w: *const u8, x: &[Act; R
 /// FMA by `d_w d_x` and one by `m_w` times `d_x sum_x` (the eight blocks' `d` and `m` converted
 /// once for every row). The transpose is shared by the rows, so a row adds about 13
 /// instructions per eight blocks, where summing each block's lanes took 31. A last group of
-/// fewer than eight blocks takes zeros in the missing lanes (nibbles, `d`, `m` and, in the
-/// activation's padding, values: `acc + 0 * 0`).
+/// five to seven blocks takes zeros in the missing lanes (nibbles, `d`, `m` and, in the
+/// activation's padding, values: `acc + 0 * 0`); one of at most four goes by [`short_q4_1`],
+/// with the same bits for less work.
 ///
 /// # Safety
 /// As the callers', for the `nb` blocks at `w`; inlined only into them (their features).
@@ -250,10 +251,62 @@ unsafe fn rows_dot_q4_1<const R: usize, const VNNI: bool>(w: *const u8, nb: usiz
             }
             group_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * b), 8, &x, b, &mut acc);
         }
-        if !nb.is_multiple_of(8) {
-            group_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * (nb - nb % 8)), nb % 8, &x, nb - nb % 8, &mut acc);
+        match nb % 8 {
+            0 => {}
+            n @ 1..=SHORT => short_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * (nb - n)), n, &x, nb - n, &mut acc),
+            n => group_q4_1::<R, VNNI>(w.add(Q4_1_BLOCK_BYTES * (nb - n)), n, &x, nb - n, &mut acc),
         }
         acc.map(|a| hsum(a))
+    }
+}
+
+/// A last group of at most this many Q4_1 blocks goes by [`short_q4_1`]: its two `vphaddd`
+/// levels fill four lanes (SmolLM2's K of 576, 18 blocks, leaves two; Qwen's 896 leaves four).
+const SHORT: usize = 4;
+
+/// [`group_q4_1`] for a last group of `n` <= [`SHORT`] blocks, with its bits: a group costs
+/// eight `vpdpbusd` a row whatever it holds, so here each block's integer dot is taken in value
+/// order instead (one `vpdpbusd`, or `vpmaddubsw` + `vpmaddwd`, into eight lanes, exact) and
+/// the blocks' lanes are summed into lane i (`vphaddd`, exact in i32), where the group leaves
+/// block i's sum; then the group's own float work on the same lanes (zeros past `n`).
+///
+/// # Safety
+/// As [`group_q4_1`]'s, with `n <= SHORT`.
+#[inline(always)]
+unsafe fn short_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x: &[Act; R], b: usize, acc: &mut [__m256; R]) {
+    // SAFETY: the caller's contract; every value read is of blocks `b..b + n`.
+    unsafe {
+        let mask = _mm_set1_epi8(0x0F);
+        // Byte i holds value i (low nibble) and value 16 + i (high).
+        let wv: [__m256i; SHORT] = std::array::from_fn(|j| {
+            if j < n {
+                let qs = _mm_loadu_si128(w.add(Q4_1_BLOCK_BYTES * j + 4).cast());
+                _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(qs), mask), _mm_and_si128(qs, mask))
+            } else {
+                _mm256_setzero_si256()
+            }
+        });
+        let (dw, mw, lanes) = scales_q4_1(w, n);
+        let zero = _mm256_setzero_si256();
+        for (r, x) in x.iter().enumerate() {
+            let dot = |j: usize| {
+                if j >= n {
+                    return zero;
+                }
+                let xq = _mm256_loadu_si256(x.q.add(QK * (b + j)).cast());
+                if VNNI {
+                    _mm256_dpbusd_epi32(zero, wv[j], xq)
+                } else {
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xq), _mm256_set1_epi16(1))
+                }
+            };
+            // [d0 lanes 01, 23, d1 01, 23 | 45, 67, ...], then [d0 0123, d1 0123, d2 0123, d3
+            // 0123 | 4567 ...], then the halves added: block j's sum in lane j.
+            let h01 = _mm256_hadd_epi32(dot(0), dot(1));
+            let h = _mm256_hadd_epi32(h01, if n > 2 { _mm256_hadd_epi32(dot(2), dot(3)) } else { zero });
+            let sums = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h)));
+            tail_q4_1(sums, dw, mw, lanes, n, x, b, &mut acc[r]);
+        }
     }
 }
 
@@ -287,13 +340,7 @@ unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x
         // The blocks' d and m (an i32 each: d in the low half), zero for a missing block, as
         // [d0..d3, m0..m3 | d4..d7, m4..m7] (`vpackusdw` of the halves: exact, both below 2^16),
         // then in block order and converted: d in `dw`, m in `mw`.
-        let dm = |j: usize| if j < n { blk(j).cast::<i32>().read_unaligned() } else { 0 };
-        let dms = _mm256_setr_epi32(dm(0), dm(1), dm(2), dm(3), dm(4), dm(5), dm(6), dm(7));
-        let packed = _mm256_packus_epi32(_mm256_and_si256(dms, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32::<16>(dms));
-        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
-        let dw = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
-        let mw = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(packed));
-        let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        let (dw, mw, lanes) = scales_q4_1(w, n);
         for (r, x) in x.iter().enumerate() {
             let group = x.g.add(32 * b);
             let xv = |t: usize| _mm256_loadu_si256(group.add(32 * t).cast());
@@ -311,14 +358,50 @@ unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x
                 let pairs = (1..8).fold(_mm256_maddubs_epi16(nib[0], xv(0)), |s, t| _mm256_add_epi16(s, _mm256_maddubs_epi16(nib[t], xv(t))));
                 _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
             };
-            let (dx, xs) = if n == 8 {
-                (_mm256_loadu_ps(x.d.add(b)), _mm256_loadu_si256(x.s.add(b).cast()))
-            } else {
-                (_mm256_maskload_ps(x.d.add(b), lanes), _mm256_maskload_epi32(x.s.add(b), lanes))
-            };
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), acc[r]);
-            acc[r] = _mm256_fmadd_ps(mw, _mm256_mul_ps(dx, _mm256_cvtepi32_ps(xs)), acc[r]);
+            tail_q4_1(sums, dw, mw, lanes, n, x, b, &mut acc[r]);
         }
+    }
+}
+
+/// The `n` (at most 8) Q4_1 blocks at `w`'s scales in block order, d in `dw` and m in `mw` (zero
+/// for a missing block), and the mask of the lanes of the blocks there.
+///
+/// # Safety
+/// `n` blocks at `w`.
+#[inline(always)]
+unsafe fn scales_q4_1(w: *const u8, n: usize) -> (__m256, __m256, __m256i) {
+    // SAFETY: the caller's contract; registers otherwise.
+    unsafe {
+        // The blocks' d and m (an i32 each: d in the low half), zero for a missing block, as
+        // [d0..d3, m0..m3 | d4..d7, m4..m7] (`vpackusdw` of the halves: exact, both below 2^16),
+        // then in block order and converted.
+        let dm = |j: usize| if j < n { w.add(Q4_1_BLOCK_BYTES * j).cast::<i32>().read_unaligned() } else { 0 };
+        let dms = _mm256_setr_epi32(dm(0), dm(1), dm(2), dm(3), dm(4), dm(5), dm(6), dm(7));
+        let packed = _mm256_packus_epi32(_mm256_and_si256(dms, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32::<16>(dms));
+        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+        let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        (_mm256_cvtph_ps(_mm256_castsi256_si128(packed)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(packed)), lanes)
+    }
+}
+
+/// A Q4_1 group's float work for one row: block i's integer sum (lane i of `sums`) by `d_w d_x`,
+/// and `m_w` times `d_x sum_x`, onto `acc` (the scales and sums of a short group are masked
+/// loads, `vmaskmovps`: the lanes past `n` read as zero and are never touched).
+///
+/// # Safety
+/// `x` has blocks `b..b + n`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tail_q4_1(sums: __m256i, dw: __m256, mw: __m256, lanes: __m256i, n: usize, x: &Act, b: usize, acc: &mut __m256) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let (dx, xs) = if n == 8 {
+            (_mm256_loadu_ps(x.d.add(b)), _mm256_loadu_si256(x.s.add(b).cast()))
+        } else {
+            (_mm256_maskload_ps(x.d.add(b), lanes), _mm256_maskload_epi32(x.s.add(b), lanes))
+        };
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, dx), *acc);
+        *acc = _mm256_fmadd_ps(mw, _mm256_mul_ps(dx, _mm256_cvtepi32_ps(xs)), *acc);
     }
 }
 
