@@ -887,11 +887,8 @@ impl BlockMatrix {
         // tensors take them as they are: no copy of the columns out of a shared one).
         let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.n]).collect();
         let xq: Vec<Q8Activation> = crate::kernels::rows::with_f32(&xs, |v| v.chunks_exact(k.max(1)).take(m).map(Q8Activation::quantize).collect())?;
-        // Rows a chunk of weights is kept in cache for: beyond that, the next group of rows reads
-        // the weights again (a prompt on the CPU path is many rows; a verifier's are a few).
-        const ROWS_PER_READ: usize = 16;
-        for (g, group) in xq.chunks(ROWS_PER_READ).enumerate() {
-            let mut outs: Vec<&mut [f32]> = ys.iter_mut().zip(ws).map(|(y, w)| &mut y[g * ROWS_PER_READ * w.n..][..group.len() * w.n]).collect();
+        for (g, group) in xq.chunks(Self::ROWS_PER_READ).enumerate() {
+            let mut outs: Vec<&mut [f32]> = ys.iter_mut().zip(ws).map(|(y, w)| &mut y[g * Self::ROWS_PER_READ * w.n..][..group.len() * w.n]).collect();
             Self::product(ws, group, &mut outs);
         }
         let mut shape = x.dims().to_vec();
@@ -904,9 +901,15 @@ impl BlockMatrix {
             .collect()
     }
 
-    /// Quantized rows `xq` times each of `ws`: row `r`'s outputs of matrix `j` at
-    /// `ys[j][r * n_j..]`.
+    /// Rows a chunk of weights is kept in cache for ([`BlockMatrix::forward_all`]): beyond
+    /// that, the next group of rows reads the weights again (a prompt on the CPU path is many
+    /// rows; a verifier's are a few).
+    const ROWS_PER_READ: usize = 16;
+
+    /// Quantized rows `xq` (at most [`Self::ROWS_PER_READ`]) times each of `ws`: row `r`'s
+    /// outputs of matrix `j` at `ys[j][r * n_j..]`.
     fn product(ws: &[&BlockMatrix], xq: &[Q8Activation], ys: &mut [&mut [f32]]) {
+        assert!(xq.len() <= Self::ROWS_PER_READ, "decode product: {} rows at once, at most {}", xq.len(), Self::ROWS_PER_READ);
         // Row offsets of each matrix in the loop's rows (the matrices' one after another).
         let starts: Vec<usize> = ws.iter().scan(0, |at, w| Some(std::mem::replace(at, *at + w.n))).collect();
         let total: usize = ws.iter().map(|w| w.n).sum();
@@ -936,10 +939,12 @@ impl BlockMatrix {
                         // outlives the loop.
                         let out_of = |r: usize| unsafe { std::slice::from_raw_parts_mut(out.get().add(r * w.n + p0 - s), p1 - p0) };
                         // Every input row in one call (`gemv_rows`: each weight block is read
-                        // and unpacked once for several rows), each with the bits it gets alone.
-                        let mut outs: Vec<&mut [f32]> = (0..xq.len()).map(out_of).collect();
+                        // and unpacked once for several rows), each with the bits it gets alone;
+                        // their outputs on the stack (a piece is a few microseconds, and a
+                        // four-stream step has thousands: an allocation each was 1-2% of it).
+                        let mut outs: [&mut [f32]; Self::ROWS_PER_READ] = std::array::from_fn(|r| if r < xq.len() { out_of(r) } else { &mut [] });
                         // The rows' values need no check: `forward_all` quantized them.
-                        batch::rows_on(GemvPath::detect(), w.format, w.data(), k, &xs, p0 - s..p1 - s, &mut outs, false);
+                        batch::rows_on(GemvPath::detect(), w.format, w.data(), k, &xs, p0 - s..p1 - s, &mut outs[..xq.len()], false);
                     }
                 }
             }
