@@ -132,5 +132,22 @@ fn rows_at_once(paths: &[GemvPath], rounds: usize, random: &mut impl FnMut() -> 
         }
         println!("| {format:?} | {} |", cells.join(" | "));
     }
+    // What a product's input rows cost before it: each row quantized (`Q8Activation`, its block
+    // sums and groups), once per product and row, on the caller's thread alone.
+    let mut a = Q8Activation::quantize(&[0.0; 32]);
+    println!();
+    for k in [576, 1536] {
+        let x: Vec<f32> = (0..k).map(|_| random()).collect();
+        let mut best = f64::INFINITY;
+        for _ in 0..rounds {
+            let t = Instant::now();
+            for _ in 0..repeats {
+                a.quantize_into(std::hint::black_box(&x));
+            }
+            best = best.min(t.elapsed().as_secs_f64() * 1e9 / repeats as f64);
+            std::hint::black_box(&a);
+        }
+        println!("Quantizing one input row of K = {k} (`Q8Activation::quantize_into`, best of {rounds} rounds of {repeats}): {best:.0} ns");
+    }
     Ok(())
 }

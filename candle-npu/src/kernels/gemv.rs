@@ -138,10 +138,13 @@ impl Q8Activation {
         let nb = self.q.len() / QK;
         self.groups.clear();
         self.groups.resize(nb.div_ceil(8) * 256, 0);
-        for (b, qb) in self.q.chunks_exact(QK).enumerate() {
-            let at = 256 * (b / 8) + 4 * (b % 8);
-            for (t, four) in qb.chunks_exact(4).enumerate() {
-                self.groups[at + 32 * t..at + 32 * t + 4].copy_from_slice(four);
+        // Per group of eight blocks an 8 x 8 transpose of 4-byte pieces: block i's piece t to
+        // `32 t + 4 i`.
+        for (out, blocks) in self.groups.chunks_exact_mut(256).zip(self.q.chunks(8 * QK)) {
+            for (i, qb) in blocks.chunks_exact(QK).enumerate() {
+                for (t, four) in qb.chunks_exact(4).enumerate() {
+                    out[32 * t + 4 * i..][..4].copy_from_slice(four);
+                }
             }
         }
     }
@@ -153,7 +156,18 @@ impl Q8Activation {
         self.sums.resize(x.len() / QK, 0);
         let blocks = x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).zip(self.scales.iter_mut().zip(&mut self.sums));
         for ((xb, qb), (d, sum)) in blocks {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // The largest |x| lane by lane, then over the lanes: the same value as a fold in
+            // value order (a maximum of the same values, a NaN never taken: `a > m` is false),
+            // but in vectors (`vmaxps`; `f32::max`'s NaN rule kept it scalar, and the fold was a
+            // chain of dependent `max`es: 40% of the quantizer's time).
+            let mut lanes = [0f32; 8];
+            for eight in xb.chunks_exact(8) {
+                for (m, v) in lanes.iter_mut().zip(eight) {
+                    let a = v.abs();
+                    *m = if a > *m { a } else { *m };
+                }
+            }
+            let amax = lanes.iter().fold(0f32, |m, &a| if a > m { a } else { m });
             *d = amax / 127.0;
             let id = if *d != 0.0 { 1.0 / *d } else { 0.0 };
             for (q, &v) in qb.iter_mut().zip(xb) {
