@@ -4,6 +4,7 @@
     python3 tests/openai_client.py BASE_URL            # the checks; prints "ok"
     python3 tests/openai_client.py BASE_URL --bench N  # aggregate decode tokens/s of 1 and N streams
     python3 tests/openai_client.py BASE_URL --bench N --raw  # the same, read by a light client
+    (either with `--rounds R`: R rounds of 1 stream then N, 3 by default)
 
 The checks: /v1/models lists the model; chat (streamed and not) and completions (streamed and
 not) answer, a stream's text is the whole answer's; four concurrent greedy streams each give
@@ -136,6 +137,8 @@ def bench(base, n, raw=False, tokens=128, rounds=3):
 if __name__ == "__main__":
     base = sys.argv[1]
     if len(sys.argv) > 3 and sys.argv[2] == "--bench":
-        bench(base, int(sys.argv[3]), raw="--raw" in sys.argv[4:])
+        rest = sys.argv[4:]
+        rounds = int(rest[rest.index("--rounds") + 1]) if "--rounds" in rest else 3
+        bench(base, int(sys.argv[3]), raw="--raw" in rest, rounds=rounds)
     else:
         checks(base)
