@@ -23,10 +23,10 @@ use clap::Parser;
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Rows (output features).
+    /// Rows (output features); `--rows-only` takes 64.
     #[arg(long, default_value_t = 4864)]
     n: usize,
-    /// Columns (input features).
+    /// Columns (input features); `--rows-only` takes 576 (the K-quants 512).
     #[arg(long, default_value_t = 896)]
     k: usize,
     /// Rounds; the best of them is shown.
