@@ -337,9 +337,6 @@ unsafe fn group_q4_1<const R: usize, const VNNI: bool>(w: *const u8, n: usize, x
             0..4 => _mm256_and_si256(tq[t], mask),
             _ => _mm256_and_si256(_mm256_srli_epi16::<4>(tq[t - 4]), mask),
         });
-        // The blocks' d and m (an i32 each: d in the low half), zero for a missing block, as
-        // [d0..d3, m0..m3 | d4..d7, m4..m7] (`vpackusdw` of the halves: exact, both below 2^16),
-        // then in block order and converted: d in `dw`, m in `mw`.
         let (dw, mw, lanes) = scales_q4_1(w, n);
         for (r, x) in x.iter().enumerate() {
             let group = x.g.add(32 * b);
