@@ -111,16 +111,16 @@ impl Q8Activation {
     /// only makes that a guarantee (a NaN passes it, and `as i8` makes it 0).
     pub fn quantize_into(&mut self, x: &[f32]) {
         assert!(x.len().is_multiple_of(QK), "Q8Activation: {} values is not a whole number of 32-value blocks", x.len());
-        // Compiled for AVX2 too where the CPU has it: the x86-64 baseline has no rounding
-        // instruction, and `round` was a libm call per value (2% of a decode step).
+        // Every buffer is written whole below, so growing is the only fill.
+        let nb = x.len() / QK;
+        self.q.resize(x.len(), 0);
+        self.scales.resize(nb, 0.0);
+        self.sums.resize(nb, 0);
+        self.groups.resize(nb.div_ceil(8) * 256, 0);
         #[cfg(target_arch = "x86_64")]
         if super::cpu::cpu().avx2 {
-            #[target_feature(enable = "avx2")]
-            fn wide(a: &mut Q8Activation, x: &[f32]) {
-                a.quantize_blocks(x)
-            }
-            // SAFETY: the CPU has AVX2.
-            return unsafe { wide(self, x) };
+            // SAFETY: the CPU has AVX2, and the buffers are sized for `x` just above.
+            return unsafe { x86::quantize_avx2(x, self) };
         }
         self.quantize_blocks(x)
     }
@@ -149,11 +149,9 @@ impl Q8Activation {
         }
     }
 
-    #[inline(always)]
+    /// The portable quantizer (`x86::quantize_avx2` is the same values in vectors), into
+    /// buffers sized for `x`.
     fn quantize_blocks(&mut self, x: &[f32]) {
-        self.q.resize(x.len(), 0);
-        self.scales.resize(x.len() / QK, 0.0);
-        self.sums.resize(x.len() / QK, 0);
         let blocks = x.chunks_exact(QK).zip(self.q.chunks_exact_mut(QK)).zip(self.scales.iter_mut().zip(&mut self.sums));
         for ((xb, qb), (d, sum)) in blocks {
             // The largest |x| lane by lane, then over the lanes: the same value as a fold in
@@ -898,13 +896,22 @@ impl BlockMatrix {
         let m = x.elem_count() / k.max(1);
         let xs = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.reshape((m, k))?;
         // Each matrix's outputs in a buffer of its own, written in place by the product (the
-        // tensors take them as they are: no copy of the columns out of a shared one).
-        let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.n]).collect();
-        let xq: Vec<Q8Activation> = crate::kernels::rows::with_f32(&xs, |v| v.chunks_exact(k.max(1)).take(m).map(Q8Activation::quantize).collect())?;
-        for (g, group) in xq.chunks(Self::ROWS_PER_READ).enumerate() {
+        // tensors take them as they are: no copy of the columns out of a shared one), and not
+        // zeroed first: zeroing was 2% of a four-stream decode step, every value written twice.
+        let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| written_by_product(m * w.n)).collect();
+        // The rows quantized into this thread's buffers of the last call (a decode step quantizes
+        // four products' inputs a layer: an allocation per buffer each was 1% of a step).
+        thread_local!(static XQ: std::cell::Cell<Vec<Q8Activation>> = const { std::cell::Cell::new(Vec::new()) });
+        let mut xq = XQ.take();
+        xq.resize_with(m, Default::default);
+        crate::kernels::rows::with_f32(&xs, |v| v.chunks_exact(k.max(1)).zip(xq.iter_mut()).for_each(|(row, q)| q.quantize_into(row)))?;
+        for (g, group) in xq[..m].chunks(Self::ROWS_PER_READ).enumerate() {
             let mut outs: Vec<&mut [f32]> = ys.iter_mut().zip(ws).map(|(y, w)| &mut y[g * Self::ROWS_PER_READ * w.n..][..group.len() * w.n]).collect();
             Self::product(ws, group, &mut outs);
         }
+        // A prompt's many rows are not kept: only a decode step's few.
+        xq.truncate(Self::ROWS_PER_READ);
+        XQ.set(xq);
         let mut shape = x.dims().to_vec();
         ys.into_iter()
             .zip(ws)
@@ -964,6 +971,18 @@ impl BlockMatrix {
             }
         });
     }
+}
+
+/// `n` floats for [`BlockMatrix::product`] to fill, not initialized.
+fn written_by_product(n: usize) -> Vec<f32> {
+    let mut y = Vec::with_capacity(n);
+    // SAFETY: f32 has no invalid bit patterns and no drop, and the caller hands the buffer to
+    // `product` before anything reads it: its loop's chunks cover every weight row of every
+    // matrix exactly once (`for_each_chunk`), and each writes its rows' outputs for every input
+    // row (`rows_on` writes whole slices, zeros where a shape is refused). A panic there unwinds
+    // through the caller, which drops the buffer unread.
+    unsafe { y.set_len(n) };
+    y
 }
 
 /// The output of a parallel loop whose ranges write disjoint parts (see its use).

@@ -518,6 +518,44 @@ fn the_quantizer_is_ggmls() {
     }
 }
 
+/// The quantizer in vectors (x86's AVX2) gives the portable loop's values, scales, sums and
+/// groups bit for bit: on ordinary rows of every scale, on values at exactly half a step (where
+/// rounding half away from zero and half to even differ), on NaN, infinities, signed zeros,
+/// subnormals and f32's extremes, and on every K from one block to past eight (a group's end).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_vector_quantizer_is_the_portable_one() {
+    assert!(crate::kernels::cpu::cpu().avx2, "the x86 machines this project runs on have AVX2; this test needs it");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 0.0, f32::MIN_POSITIVE / 4.0, f32::MAX, f32::MIN, 127.0, -127.0];
+    for k in (1..=20).map(|b| b * QK).chain([576, 1536]) {
+        for case in 0..6 {
+            let mut x = activations(&mut rng, k, true);
+            match case {
+                // Blocks whose largest magnitude is 127 (a step of 1): k + 0.5 and -(k + 0.5).
+                1 => x.chunks_exact_mut(QK).for_each(|b| {
+                    b[0] = 127.0;
+                    b[1..].iter_mut().enumerate().for_each(|(i, v)| *v = (i as f32 % 126.0 + 0.5) * if i % 2 == 0 { 1.0 } else { -1.0 });
+                }),
+                2 | 3 => x.iter_mut().for_each(|v| {
+                    if rng.random_range(0..8) == 0 {
+                        *v = special[rng.random_range(0..special.len())];
+                    }
+                }),
+                4 => x.iter_mut().for_each(|v| *v = f32::from_bits(rng.random())),
+                5 => x.iter_mut().for_each(|v| *v *= 1e-38),
+                _ => {}
+            }
+            let mut portable = Q8Activation { q: vec![0; k], scales: vec![0.0; k / QK], sums: vec![0; k / QK], ..Default::default() };
+            portable.quantize_blocks(&x);
+            let vector = Q8Activation::quantize(&x);
+            let bits = |a: &Q8Activation| a.scales.iter().map(|d| d.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&vector), bits(&portable), "K = {k}, case {case}: scales");
+            assert_eq!((&vector.q, &vector.sums, &vector.groups), (&portable.q, &portable.sums, &portable.groups), "K = {k}, case {case}");
+        }
+    }
+}
+
 #[test]
 fn quantize_into_reuses_its_buffers() {
     // A token's activation into the buffers of the last: the same allocations.

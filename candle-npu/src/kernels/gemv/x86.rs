@@ -420,3 +420,96 @@ pub(super) unsafe fn f16_bits_to_f32(bits: u16) -> f32 {
     // SAFETY: the CPU has F16C (this function's contract).
     unsafe { f16_to_f32(bits) }
 }
+
+/// [`Q8Activation::quantize_into`]'s blocks on AVX2: `x` into `a`'s `q`, `scales`, `sums` and
+/// `groups` in one pass, the same values as the portable loop bit for bit (the same f32
+/// operations lane by lane: the maximum of `|x|` never taking a NaN, `amax / 127`, `1 / d`, and
+/// `rows::round_clamp`'s rounding, half away from zero, NaN to 0), where that loop, compiled,
+/// took 506 ns for a row of 576 on an AMD EPYC, a twentieth of a four-stream decode step
+/// (`bench_gemv`'s last lines). The groups come from an in-register 8 x 8 transpose of each
+/// eight blocks' 4-byte pieces, zeros for blocks past the last.
+///
+/// # Safety
+/// The CPU has AVX2; `x.len()` is a multiple of [`QK`], and `a`'s buffers are sized for it:
+/// `q` of `x.len()`, `scales` and `sums` of `x.len() / QK`, `groups` of `x.len() / QK`
+/// rounded up to eight blocks, 256 bytes each.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn quantize_avx2(x: &[f32], a: &mut Q8Activation) {
+    let nb = x.len() / QK;
+    debug_assert!(a.q.len() == x.len() && a.scales.len() == nb && a.sums.len() == nb && a.groups.len() == nb.div_ceil(8) * 256);
+    // SAFETY: the CPU has AVX2; every read is within `x` (block b < nb), every write within the
+    // buffers sized as the contract says.
+    unsafe {
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+        let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(128.0));
+        let (qlo, qhi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+        let (half, neg_half) = (_mm256_set1_ps(0.5), _mm256_set1_ps(-0.5));
+        // `packs` leaves the dwords of four vectors a, b, c, d as a0 b0 c0 d0 a1 b1 c1 d1.
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for g in 0..nb.div_ceil(8) {
+            let n = (nb - 8 * g).min(8);
+            let block = |i: usize| -> [__m256; 4] {
+                let xs = x.as_ptr().add((8 * g + i) * QK);
+                std::array::from_fn(|j| _mm256_loadu_ps(xs.add(8 * j)))
+            };
+            // The eight blocks' largest magnitudes first, so that their scales are two vector
+            // divisions (each a block's own, correctly rounded: the scalar division's bits), not
+            // two dependent scalar ones per block.
+            let mut amax = [0f32; 8];
+            for (i, amax) in amax.iter_mut().enumerate().take(n) {
+                // `vmaxps(a, m)` is `a > m ? a : m`: the portable loop's step, a NaN never taken.
+                let mut m = _mm256_setzero_ps();
+                for v in block(i) {
+                    m = _mm256_max_ps(_mm256_and_ps(v, abs_mask), m);
+                }
+                // Over the lanes in any order: they hold no NaN and no -0, so the maximum is one
+                // value whichever way it is taken.
+                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                *amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+            }
+            let d = _mm256_div_ps(_mm256_loadu_ps(amax.as_ptr()), _mm256_set1_ps(127.0));
+            // 1 / d, and 0 where d is 0.
+            let id = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(d, _mm256_setzero_ps()), _mm256_div_ps(_mm256_set1_ps(1.0), d));
+            let (mut scales, mut ids) = ([0f32; 8], [0f32; 8]);
+            _mm256_storeu_ps(scales.as_mut_ptr(), d);
+            _mm256_storeu_ps(ids.as_mut_ptr(), id);
+            let mut pieces = [_mm256_setzero_si256(); 8];
+            for (i, p) in pieces.iter_mut().enumerate().take(n) {
+                let b = 8 * g + i;
+                let (v, id) = (block(i), _mm256_set1_ps(ids[i]));
+                let q: [__m256i; 4] = v.map(|v| {
+                    let y = _mm256_mul_ps(v, id);
+                    // NaN to 0, then within [-128, 128] (`round_clamp`'s order).
+                    let y = _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_ORD_Q>(y, y));
+                    let y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
+                    let t = _mm256_cvttps_epi32(y);
+                    let f = _mm256_sub_ps(y, _mm256_cvtepi32_ps(t));
+                    // A true compare is -1: subtracting it adds one.
+                    let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(f, half));
+                    let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(f, neg_half));
+                    let t = _mm256_add_epi32(_mm256_sub_epi32(t, up), down);
+                    _mm256_min_epi32(_mm256_max_epi32(t, qlo), qhi)
+                });
+                let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+                let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+                let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+                let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+                let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+                *p = _mm256_permutevar8x32_epi32(bytes, order);
+                _mm256_storeu_si256(a.q.as_mut_ptr().add(b * QK) as *mut __m256i, *p);
+                *a.scales.get_unchecked_mut(b) = scales[i];
+                *a.sums.get_unchecked_mut(b) = _mm_cvtsi128_si32(s);
+            }
+            // Piece t of block i to `32 t + 4 i`: per half of eight blocks a 4 x 4 transpose in
+            // each 128-bit lane (pieces t and t + 4), then the halves' lanes joined.
+            let [a0, a1, a2, a3] = transpose4(pieces[0], pieces[1], pieces[2], pieces[3]);
+            let [b0, b1, b2, b3] = transpose4(pieces[4], pieces[5], pieces[6], pieces[7]);
+            let out = a.groups.as_mut_ptr().add(256 * g) as *mut __m256i;
+            for (t, (l, h)) in [(a0, b0), (a1, b1), (a2, b2), (a3, b3)].into_iter().enumerate() {
+                _mm256_storeu_si256(out.add(t), _mm256_permute2x128_si256::<0x20>(l, h));
+                _mm256_storeu_si256(out.add(t + 4), _mm256_permute2x128_si256::<0x31>(l, h));
+            }
+        }
+    }
+}
