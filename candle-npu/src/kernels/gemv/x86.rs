@@ -450,7 +450,7 @@ pub(super) unsafe fn quantize_avx2(x: &[f32], a: &mut Q8Activation) {
             let n = (nb - 8 * g).min(8);
             let block = |i: usize| -> [__m256; 4] {
                 let xs = x.as_ptr().add((8 * g + i) * QK);
-                std::array::from_fn(|j| _mm256_loadu_ps(xs.add(8 * j)))
+                [_mm256_loadu_ps(xs), _mm256_loadu_ps(xs.add(8)), _mm256_loadu_ps(xs.add(16)), _mm256_loadu_ps(xs.add(24))]
             };
             // The eight blocks' largest magnitudes first, so that their scales are two vector
             // divisions (each a block's own, correctly rounded: the scalar division's bits), not
@@ -478,7 +478,9 @@ pub(super) unsafe fn quantize_avx2(x: &[f32], a: &mut Q8Activation) {
             for (i, p) in pieces.iter_mut().enumerate().take(n) {
                 let b = 8 * g + i;
                 let (v, id) = (block(i), _mm256_set1_ps(ids[i]));
-                let q: [__m256i; 4] = v.map(|v| {
+                // A loop, not `map`: the closure stayed a call per vector, its constants reloaded.
+                let mut q = [_mm256_setzero_si256(); 4];
+                for (q, v) in q.iter_mut().zip(v) {
                     let y = _mm256_mul_ps(v, id);
                     // NaN to 0, then within [-128, 128] (`round_clamp`'s order).
                     let y = _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_ORD_Q>(y, y));
@@ -489,8 +491,8 @@ pub(super) unsafe fn quantize_avx2(x: &[f32], a: &mut Q8Activation) {
                     let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(f, half));
                     let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(f, neg_half));
                     let t = _mm256_add_epi32(_mm256_sub_epi32(t, up), down);
-                    _mm256_min_epi32(_mm256_max_epi32(t, qlo), qhi)
-                });
+                    *q = _mm256_min_epi32(_mm256_max_epi32(t, qlo), qhi);
+                }
                 let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
                 let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
                 let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
