@@ -788,9 +788,10 @@ impl BlockMatrix {
         let m = x.elem_count() / k.max(1);
         let xs = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.reshape((m, k))?;
         // Each matrix's outputs in a buffer of its own, written in place by the product (the
-        // tensors take them as they are: no copy of the columns out of a shared one), and not
-        // zeroed first: zeroing was 2% of a four-stream decode step, every value written twice.
-        let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| written_by_product(m * w.n)).collect();
+        // tensors take them as they are: no copy of the columns out of a shared one). Zeroed
+        // first (about 2% of a four-stream decode step): the kernels write `&mut [f32]`, and a
+        // reference to floats not yet initialized is not sound Rust (clippy's `uninit_vec`).
+        let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.n]).collect();
         // The rows quantized into this thread's buffers of the last call (a decode step quantizes
         // four products' inputs a layer: an allocation per buffer each was 1% of a step).
         thread_local!(static XQ: std::cell::Cell<Vec<Q8Activation>> = const { std::cell::Cell::new(Vec::new()) });
@@ -863,18 +864,6 @@ impl BlockMatrix {
             }
         });
     }
-}
-
-/// `n` floats for [`BlockMatrix::product`] to fill, not initialized.
-fn written_by_product(n: usize) -> Vec<f32> {
-    let mut y = Vec::with_capacity(n);
-    // SAFETY: f32 has no invalid bit patterns and no drop, and the caller hands the buffer to
-    // `product` before anything reads it: its loop's chunks cover every weight row of every
-    // matrix exactly once (`for_each_chunk`), and each writes its rows' outputs for every input
-    // row (`rows_on` writes whole slices, zeros where a shape is refused). A panic there unwinds
-    // through the caller, which drops the buffer unread.
-    unsafe { y.set_len(n) };
-    y
 }
 
 /// The output of a parallel loop whose ranges write disjoint parts (see its use).
