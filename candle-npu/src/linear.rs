@@ -125,6 +125,8 @@ struct LpbqLayout {
 /// [1536 -> 288 .. 512], [2048 -> 640] wrong; [896 -> 512], [896 -> 896], [768 -> 448], [1120
 /// -> 1024] right). 256 outputs ran right for every input width tried (576 to 4864), and every
 /// real model's parts are proven on the library (`htp_conformance::lpbq_weights_on_the_library`).
+/// Measured again once the encoding's arrays were padded (the library's read past them,
+/// `executor::htp::build`): the same shapes refused and wrong (2026-12-04, `docs/npu_weights.md`).
 const LPBQ_PART_ROWS: usize = 256;
 
 fn lpbq_parts(n: usize) -> Vec<std::ops::Range<usize>> {

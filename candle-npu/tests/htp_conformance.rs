@@ -933,8 +933,8 @@ fn residual_int8_weights_on_the_library() {
 /// [`candle_npu::WeightQuant::Lpbq`] on the library, on every linear shape of the three real
 /// models: a 4-bit LPBQ weight (blocks of 32) as `ShadowLinear` builds it from u16 activations
 /// (the HTP's default plan; from u8 ones the library refuses a U16 output, qnn-sys'
-/// `fc_weight_encodings`): FullyConnected ops of at most 768 outputs (wider ones it refuses on
-/// some shapes), each into U16 over the bound no input on the grid can pass, dequantized and
+/// `fc_weight_encodings`): FullyConnected ops of at most 256 outputs (wider ones it refuses or
+/// gets wrong on some shapes), each into U16 over the bound no input on the grid can pass, dequantized and
 /// concatenated. The library, the exact host and the HTP numerics model (both computing the
 /// INT8 weight LPBQ expands into) agree to the output grid's step, and the output is the LPBQ
 /// weight's product: the 4-bit encoding is the one the HTP ran.
